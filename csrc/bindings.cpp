@@ -1,0 +1,114 @@
+// Python bindings of fastrag._C: host glue only (argument checks, dtype dispatch, output allocation).
+// Kernels live in signals_cpu.cpp. Every check names the offending argument; the Python launchers in
+// fastrag/signals/ validate first with ValueError, these TORCH_CHECKs guard direct callers of fastrag._C.
+#include <torch/extension.h>
+
+#include <optional>
+#include <tuple>
+
+#include "signals_cpu.h"
+
+namespace {
+
+// `name` is the Python argument name, so messages point at what the caller passed.
+#define CHECK_CPU(x, name) TORCH_CHECK((x).device().is_cpu(), name " must be a CPU tensor, got ", (x).device())
+#define CHECK_DIM(x, n, name) TORCH_CHECK((x).dim() == (n), name " must have ", (n), " dims, got shape ", (x).sizes())
+#define CHECK_DTYPE(x, t, name) \
+  TORCH_CHECK((x).scalar_type() == (t), name " must be ", (t), ", got ", (x).scalar_type())
+
+// An output buffer must be written in place, so it must already be contiguous (no silent copy).
+void check_out(const torch::Tensor& out, const char* name, at::IntArrayRef shape, at::ScalarType dtype) {
+  TORCH_CHECK(out.device().is_cpu(), name, " must be a CPU tensor, got ", out.device());
+  TORCH_CHECK(out.sizes() == shape, name, " must have shape ", shape, ", got ", out.sizes());
+  TORCH_CHECK(out.scalar_type() == dtype, name, " must be ", dtype, ", got ", out.scalar_type());
+  TORCH_CHECK(out.is_contiguous(), name, " must be contiguous");
+}
+
+// logits: [B, V] fp32/bf16/fp16; chosen: [B] int64 or None. Returns (entropy [B] f32, logprob [B] f32, argmax [B] i64).
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> token_signals(
+    torch::Tensor logits, std::optional<torch::Tensor> chosen, double temperature,
+    std::optional<torch::Tensor> entropy, std::optional<torch::Tensor> logprob, std::optional<torch::Tensor> argmax) {
+  CHECK_CPU(logits, "logits");
+  CHECK_DIM(logits, 2, "logits");
+  const auto dt = logits.scalar_type();
+  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf,
+              "logits must be float32, bfloat16 or float16, got ", dt);
+  TORCH_CHECK(temperature > 0.0, "temperature must be > 0, got ", temperature);
+  const int64_t B = logits.size(0), V = logits.size(1);
+  TORCH_CHECK(V > 0, "logits must have a non-empty vocabulary dimension");
+  logits = logits.contiguous();
+  torch::Tensor ch;
+  if (chosen.has_value()) {
+    ch = chosen.value();
+    CHECK_CPU(ch, "chosen");
+    CHECK_DIM(ch, 1, "chosen");
+    CHECK_DTYPE(ch, at::kLong, "chosen");
+    TORCH_CHECK(ch.size(0) == B, "chosen must have shape [", B, "], got ", ch.sizes());
+    ch = ch.contiguous();
+    const int64_t* c = ch.data_ptr<int64_t>();
+    for (int64_t b = 0; b < B; ++b)
+      TORCH_CHECK(c[b] >= 0 && c[b] < V, "chosen[", b, "] = ", c[b], " is outside the vocabulary [0, ", V, ")");
+  }
+  auto f32 = logits.options().dtype(at::kFloat);
+  torch::Tensor ent = entropy.has_value() ? entropy.value() : torch::empty({B}, f32);
+  torch::Tensor lp = logprob.has_value() ? logprob.value() : torch::empty({B}, f32);
+  torch::Tensor am = argmax.has_value() ? argmax.value() : torch::empty({B}, f32.dtype(at::kLong));
+  check_out(ent, "entropy", {B}, at::kFloat);
+  check_out(lp, "logprob", {B}, at::kFloat);
+  check_out(am, "argmax", {B}, at::kLong);
+  const int64_t* cp = ch.defined() ? ch.data_ptr<int64_t>() : nullptr;
+  const float t = static_cast<float>(temperature);
+  float* e = ent.data_ptr<float>();
+  float* l = lp.data_ptr<float>();
+  int64_t* a = am.data_ptr<int64_t>();
+  if (dt == at::kFloat) {
+    fastrag::token_signals_cpu(logits.data_ptr<float>(), cp, B, V, t, e, l, a);
+  } else if (dt == at::kBFloat16) {
+    fastrag::token_signals_cpu(logits.data_ptr<c10::BFloat16>(), cp, B, V, t, e, l, a);
+  } else {
+    fastrag::token_signals_cpu(logits.data_ptr<c10::Half>(), cp, B, V, t, e, l, a);
+  }
+  return {ent, lp, am};
+}
+
+// q: [B, H, T, D] f32, k: [B, Hkv, T, D] f32, lengths: [B] int64. Returns [B, T] f32.
+torch::Tensor causal_attn_colmax(torch::Tensor q, torch::Tensor k, torch::Tensor lengths, double scale,
+                                 std::optional<torch::Tensor> out) {
+  CHECK_CPU(q, "q");
+  CHECK_CPU(k, "k");
+  CHECK_CPU(lengths, "lengths");
+  CHECK_DIM(q, 4, "q");
+  CHECK_DIM(k, 4, "k");
+  CHECK_DIM(lengths, 1, "lengths");
+  CHECK_DTYPE(q, at::kFloat, "q");
+  CHECK_DTYPE(k, at::kFloat, "k");
+  CHECK_DTYPE(lengths, at::kLong, "lengths");
+  const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3);
+  const int64_t Hkv = k.size(1);
+  TORCH_CHECK(k.size(0) == B && k.size(2) == T && k.size(3) == D, "k must have shape [", B, ", Hkv, ", T, ", ", D,
+              "], got ", k.sizes());
+  TORCH_CHECK(Hkv > 0 && H % Hkv == 0, "q heads (", H, ") must be a multiple of k heads (", Hkv, ")");
+  TORCH_CHECK(lengths.size(0) == B, "lengths must have shape [", B, "], got ", lengths.sizes());
+  q = q.contiguous();
+  k = k.contiguous();
+  lengths = lengths.contiguous();
+  const int64_t* n = lengths.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(n[b] >= 0 && n[b] <= T, "lengths[", b, "] = ", n[b], " is outside [0, ", T, "]");
+  torch::Tensor o = out.has_value() ? out.value() : torch::empty({B, T}, q.options());
+  check_out(o, "out", {B, T}, at::kFloat);
+  fastrag::causal_attn_colmax_cpu(q.data_ptr<float>(), k.data_ptr<float>(), n, B, H, Hkv, T, D,
+                                  static_cast<float>(scale), o.data_ptr<float>());
+  return o;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "fastrag C++ kernels for retrieval signals (see fastrag/signals/reference.py for definitions)";
+  m.def("token_signals", &token_signals, "entropy, logprob of chosen, argmax of softmax(logits / temperature)",
+        py::arg("logits"), py::arg("chosen") = py::none(), py::arg("temperature") = 1.0,
+        py::arg("entropy") = py::none(), py::arg("logprob") = py::none(), py::arg("argmax") = py::none());
+  m.def("causal_attn_colmax", &causal_attn_colmax, "mean over heads of the column max of causal attention",
+        py::arg("q"), py::arg("k"), py::arg("lengths"), py::arg("scale"), py::arg("out") = py::none());
+}

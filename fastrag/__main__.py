@@ -1,0 +1,5 @@
+import sys
+
+from fastrag.cli import main
+
+sys.exit(main())

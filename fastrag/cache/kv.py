@@ -1,0 +1,104 @@
+"""Paged KV cache: a pool of fixed-size blocks per layer, reference-counted, with per-sequence block tables.
+
+k/v pools: per layer `[num_blocks * block_size, H_kv, D]`; slot `s = block * block_size + offset`.
+A shared prefix (the few-shot demos) owns whole blocks only, so no sequence ever writes into a shared block
+and no copy-on-write is needed; the tail of the prefix that does not fill a block is each sequence's own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+class OutOfBlocks(RuntimeError):
+    """The pool has fewer free blocks than a request needs (the scheduler waits or preempts)."""
+
+
+class KVPool:
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype=torch.float32, device="cpu"):
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError(f"num_blocks={num_blocks} and block_size={block_size} must be positive")
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        n = num_blocks * block_size
+        self.k = [torch.empty(n, num_kv_heads, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.empty(n, num_kv_heads, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.refcount = [0] * num_blocks
+        self._free = list(range(num_blocks - 1, -1, -1))  # stack: low block ids first
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise OutOfBlocks(f"need {n} KV blocks, {len(self._free)} free of {self.num_blocks}")
+        out = [self._free.pop() for _ in range(n)]
+        for b in out:
+            self.refcount[b] = 1
+        return out
+
+    def share(self, blocks: list[int]) -> None:
+        for b in blocks:
+            assert self.refcount[b] > 0, f"sharing free block {b}"
+            self.refcount[b] += 1
+
+    def release(self, blocks: list[int]) -> None:
+        for b in blocks:
+            assert self.refcount[b] > 0, f"double free of block {b}"
+            self.refcount[b] -= 1
+            if self.refcount[b] == 0:
+                self._free.append(b)
+
+
+@dataclass
+class BlockTable:
+    """The blocks one sequence owns, holding its tokens after the shared prefix (positions base, base+1, ...)."""
+
+    pool: KVPool
+    base: int = 0  # absolute position of the first token held here (= shared prefix length)
+    blocks: list[int] = field(default_factory=list)
+    num_tokens: int = 0  # tokens whose KV is written
+
+    def slots(self, start: int, end: int) -> list[int]:
+        """Pool slots of the held tokens [start, end) (indices relative to base)."""
+        bs = self.pool.block_size
+        return [self.blocks[i // bs] * bs + i % bs for i in range(start, end)]
+
+    def reserve(self, n_new: int) -> None:
+        """Make room for n_new more tokens (allocates whole blocks)."""
+        bs = self.pool.block_size
+        need = -(-(self.num_tokens + n_new) // bs) - len(self.blocks)
+        if need > 0:
+            self.blocks += self.pool.allocate(need)
+
+    def truncate(self, n: int) -> None:
+        """Keep the first n held tokens; free the blocks past them."""
+        bs = self.pool.block_size
+        keep = -(-n // bs)
+        if keep < len(self.blocks):
+            self.pool.release(self.blocks[keep:])
+            del self.blocks[keep:]
+        self.num_tokens = min(self.num_tokens, n)
+
+    def free(self) -> None:
+        self.truncate(0)
+
+
+@dataclass
+class SharedPrefix:
+    """A prefix computed once and shared (by reference count) by every sequence that starts with its tokens."""
+
+    token_ids: list[int]  # exactly the block-aligned tokens whose KV is held
+    blocks: list[int]
+    slots: torch.Tensor  # [P] pool slots, P = len(token_ids)
+
+    @property
+    def length(self) -> int:
+        return len(self.token_ids)
+
+    def matches(self, ids: list[int]) -> bool:
+        return len(ids) > self.length and ids[: self.length] == self.token_ids

@@ -1,0 +1,313 @@
+"""Question loaders for the upstream file formats, detected from the file's content (never its name).
+
+| format      | record fields read                                         | answers                          |
+|-------------|------------------------------------------------------------|----------------------------------|
+| `ircot`     | `question_id, question_text, answers_objects[].spans`      | all spans of all answer objects  |
+| `2wiki`     | `_id, question, answer` (2Wiki/HotpotQA original format)   | `[answer]`                       |
+| `2wiki_list`| `test_id, question, answer` (answer: alias list or string) | the aliases                      |
+| `strategyqa`| `qid, question, answer` (bool)                             | `["yes"]` / `["no"]`             |
+| `flashrag`  | `id, question, golden_answers[]`                           | `golden_answers`                 |
+| `webq`      | `qId, qText, answers[]`                                    | `answers`                        |
+| `nq_open`   | `question, answer[]` (no id: qid = `"<dataset>-<index>"`)  | `answer`                         |
+| `iirc`      | passages, each with `questions[{qid, question, answer}]`   | see below                        |
+
+IIRC follows the published DRAGIN loader (src/data.py, `IIRC`), which reads the IIRC release's `dev.json`: answer
+type span -> `answer_spans[].text` (stripped), value/binary -> `[answer_value]`, none (unanswerable) -> the
+question is dropped; the paper's 954 IIRC questions are what is left.
+
+Error policy: a file-level problem (missing, unreadable, not JSON, a malformed jsonl line, a record without a
+required field, an unknown format) raises `DataError` naming the file and the 1-based line (jsonl) or 0-based
+record index (json). Per-question problems do not: an empty question loads as `""` and the engine records an
+error for that question alone. Duplicate ids are made unique (`id`, `id#2`, ...; the original is kept in
+`meta["source_qid"]`) so a run's outputs can be keyed by qid.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+DATASETS = ("2wikimultihopqa", "hotpotqa", "strategyqa", "iirc", "nq", "webq")
+
+# Names used by the published DRAGIN configs and by common file/dir names -> our dataset names.
+_ALIASES = {
+    "2wikimultihop": "2wikimultihopqa",
+    "2wiki": "2wikimultihopqa",
+    "2wmqa": "2wikimultihopqa",
+    "nq_open": "nq",
+    "nq-open": "nq",
+    "nqopen": "nq",
+    "webquestions": "webq",
+}
+
+
+class DataError(ValueError):
+    """A data file (or a dataset name) that cannot be used; the message names the file, line/record and field."""
+
+
+@dataclass(slots=True)
+class Example:
+    qid: str  # unique within one loaded file
+    question: str  # may be "" (the engine reports that question as an error)
+    answers: list[str]  # gold answer aliases; scoring takes the max over them
+    dataset: str  # one of DATASETS
+    meta: dict = field(default_factory=dict)  # every other upstream field, plus "format" (the detected format)
+
+
+def canonical_dataset(name: str) -> str:
+    """Map a dataset name (case-insensitive; DRAGIN config spellings like "StrategyQA", "2wikimultihop") to DATASETS."""
+    key = str(name).strip().lower()
+    key = _ALIASES.get(key, key)
+    if key not in DATASETS:
+        raise DataError(f"unknown dataset {name!r}: valid names are {', '.join(DATASETS)}")
+    return key
+
+
+# A record seen by a format reader: where it came from (for messages) and its JSON object.
+@dataclass(slots=True)
+class _Rec:
+    where: str  # "file.jsonl:12" (1-based line) or "file.json[3]" (0-based record index)
+    obj: dict
+
+
+def _need(rec: _Rec, key: str, types: type | tuple[type, ...] | None = None) -> Any:
+    if key not in rec.obj:
+        raise DataError(f"{rec.where}: record is missing the required field {key!r}")
+    value = rec.obj[key]
+    if types is not None and not isinstance(value, types):
+        raise DataError(f"{rec.where}: field {key!r} has type {type(value).__name__}, expected {_tname(types)}")
+    return value
+
+
+def _tname(types: type | tuple[type, ...]) -> str:
+    return " or ".join(t.__name__ for t in (types if isinstance(types, tuple) else (types,)))
+
+
+def _str_list(rec: _Rec, key: str, value: Any) -> list[str]:
+    """An answer field as a list of strings: a string becomes a one-element list; numbers become strings."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and all(isinstance(v, (str, int, float)) and not isinstance(v, bool) for v in value):
+        return [str(v) for v in value]
+    raise DataError(f"{rec.where}: field {key!r} must be a string or a list of strings, got {value!r:.80}")
+
+
+def _question(rec: _Rec, key: str) -> str:
+    q = _need(rec, key)
+    if q is None:
+        return ""  # a per-question problem: loaded, reported by the engine
+    if not isinstance(q, str):
+        raise DataError(f"{rec.where}: field {key!r} must be a string, got {type(q).__name__}")
+    return q
+
+
+def _meta(rec: _Rec, used: tuple[str, ...], fmt: str) -> dict:
+    meta = {k: v for k, v in rec.obj.items() if k not in used}
+    meta["format"] = fmt
+    return meta
+
+
+# ---- one reader per format: record -> (qid or None, question, answers, meta); None = skip the record ----
+
+_Row = tuple[str | None, str, list[str], dict] | None
+
+
+def _read_ircot(rec: _Rec) -> _Row:
+    objs = _need(rec, "answers_objects", list)
+    answers: list[str] = []
+    for i, o in enumerate(objs):
+        if not isinstance(o, dict) or "spans" not in o:
+            raise DataError(f"{rec.where}: answers_objects[{i}] has no field 'spans'")
+        answers += _str_list(rec, f"answers_objects[{i}].spans", o["spans"])
+    used = ("question_id", "question_text", "answers_objects")
+    return str(_need(rec, "question_id")), _question(rec, "question_text"), answers, _meta(rec, used, "ircot")
+
+
+def _read_2wiki(rec: _Rec) -> _Row:
+    answer = _str_list(rec, "answer", _need(rec, "answer"))
+    used = ("_id", "question", "answer")
+    return str(_need(rec, "_id")), _question(rec, "question"), answer, _meta(rec, used, "2wiki")
+
+
+def _read_2wiki_list(rec: _Rec) -> _Row:
+    answer = _str_list(rec, "answer", _need(rec, "answer"))
+    used = ("test_id", "question", "answer")
+    return str(_need(rec, "test_id")), _question(rec, "question"), answer, _meta(rec, used, "2wiki_list")
+
+
+def _read_strategyqa(rec: _Rec) -> _Row:
+    a = _need(rec, "answer")
+    if isinstance(a, str) and a.strip().lower() in ("yes", "no"):
+        a = a.strip().lower() == "yes"
+    if not isinstance(a, bool):
+        raise DataError(f"{rec.where}: field 'answer' must be a bool (or 'yes'/'no'), got {a!r:.80}")
+    meta = _meta(rec, ("qid", "question", "answer"), "strategyqa")
+    meta["answer_bool"] = a
+    return str(_need(rec, "qid")), _question(rec, "question"), ["yes" if a else "no"], meta
+
+
+def _read_flashrag(rec: _Rec) -> _Row:
+    answers = _str_list(rec, "golden_answers", _need(rec, "golden_answers"))
+    used = ("id", "question", "golden_answers")
+    return str(_need(rec, "id")), _question(rec, "question"), answers, _meta(rec, used, "flashrag")
+
+
+def _read_webq(rec: _Rec) -> _Row:
+    answers = _str_list(rec, "answers", _need(rec, "answers"))
+    return str(_need(rec, "qId")), _question(rec, "qText"), answers, _meta(rec, ("qId", "qText", "answers"), "webq")
+
+
+def _read_nq_open(rec: _Rec) -> _Row:
+    answers = _str_list(rec, "answer", _need(rec, "answer"))
+    qid = rec.obj.get("id", rec.obj.get("qid"))
+    used = ("question", "answer", "id", "qid")
+    return (None if qid is None else str(qid)), _question(rec, "question"), answers, _meta(rec, used, "nq_open")
+
+
+def _read_iirc_question(rec: _Rec, passage_title: Any) -> _Row:
+    ans = _need(rec, "answer", dict)
+    kind = ans.get("type")
+    if kind == "none":
+        return None  # unanswerable: skipped, as the published DRAGIN IIRC loader does
+    if kind in ("value", "binary"):
+        if "answer_value" not in ans:
+            raise DataError(f"{rec.where}: answer of type {kind!r} has no field 'answer_value'")
+        answers = _str_list(rec, "answer.answer_value", ans["answer_value"])
+    elif kind == "span":
+        spans = ans.get("answer_spans")
+        if not isinstance(spans, list) or not all(isinstance(s, dict) and "text" in s for s in spans):
+            raise DataError(f"{rec.where}: span answer needs 'answer_spans' as a list of {{'text': ...}}")
+        answers = [str(s["text"]).strip() for s in spans]
+    else:
+        raise DataError(f"{rec.where}: field 'answer.type' is {kind!r}, expected span, value, binary or none")
+    meta = _meta(rec, ("qid", "question"), "iirc")
+    meta["passage_title"] = passage_title
+    return str(_need(rec, "qid")), _question(rec, "question"), answers, meta
+
+
+_READERS: dict[str, Callable[[_Rec], _Row]] = {
+    "ircot": _read_ircot,
+    "flashrag": _read_flashrag,
+    "webq": _read_webq,
+    "2wiki_list": _read_2wiki_list,
+    "2wiki": _read_2wiki,
+    "strategyqa": _read_strategyqa,
+    "nq_open": _read_nq_open,
+}
+
+
+def _detect(obj: dict) -> str | None:
+    """The format of a file from its first record's keys (most specific first); None when unknown."""
+    keys = obj.keys()
+    for need, name in (
+        (("question_id", "question_text"), "ircot"),
+        (("questions",), "iirc"),
+        (("golden_answers",), "flashrag"),
+        (("qId", "qText"), "webq"),
+        (("test_id",), "2wiki_list"),
+        (("_id",), "2wiki"),
+    ):
+        if all(k in keys for k in need):
+            return name
+    if "qid" in keys and isinstance(obj.get("answer"), (bool, str)):
+        return "strategyqa"
+    if "question" in keys and isinstance(obj.get("answer"), list):
+        return "nq_open"
+    return None
+
+
+def _records(path: Path) -> Iterator[_Rec]:
+    """Yield the JSON objects of a json-list or jsonl file with their location; malformed input raises DataError."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise DataError(f"{path}: no such file") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise DataError(f"{path}: cannot read: {e}") from None
+    head = text.lstrip()[:1]
+    if not head:
+        raise DataError(f"{path}: file is empty")
+    if head == "[" or head == "{":
+        try:
+            whole = json.loads(text)
+        except json.JSONDecodeError as e:
+            if head == "[":
+                raise DataError(f"{path}: not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+            whole = None  # several objects: jsonl
+        if isinstance(whole, list):
+            for i, obj in enumerate(whole):
+                if not isinstance(obj, dict):
+                    raise DataError(f"{path}[{i}]: record is a {type(obj).__name__}, expected a JSON object")
+                yield _Rec(f"{path}[{i}]", obj)
+            return
+        if isinstance(whole, dict):  # a single-object file (a one-line jsonl or a wrapper we do not know)
+            yield _Rec(f"{path}:1", whole)
+            return
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{lineno}: malformed JSON line: {e.msg} (column {e.colno})") from None
+        if not isinstance(obj, dict):
+            raise DataError(f"{path}:{lineno}: line is a {type(obj).__name__}, expected a JSON object")
+        yield _Rec(f"{path}:{lineno}", obj)
+
+
+def _iirc_questions(rec: _Rec) -> Iterator[tuple[_Rec, Any]]:
+    qs = _need(rec, "questions", list)
+    for j, q in enumerate(qs):
+        where = f"{rec.where}.questions[{j}]"
+        if not isinstance(q, dict):
+            raise DataError(f"{where}: question is a {type(q).__name__}, expected a JSON object")
+        yield _Rec(where, q), rec.obj.get("title")
+
+
+def load_examples(dataset: str, path: str | Path, limit: int | None = None) -> list[Example]:
+    """Load up to `limit` questions of `path` (format detected from content) as `Example`s of `dataset`."""
+    name = canonical_dataset(dataset)
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
+        raise DataError(f"limit must be None or an int >= 0, got {limit!r}")
+    path = Path(path)
+    if path.is_dir():
+        raise DataError(f"{path}: is a directory, expected a .json or .jsonl file")
+    out: list[Example] = []
+    seen: set[str] = set()
+    fmt: str | None = None
+    index = 0  # running question index, the qid of formats without ids
+    for rec in _records(path):
+        if limit is not None and len(out) >= limit:
+            break
+        if fmt is None:
+            fmt = _detect(rec.obj)
+            if fmt is None:
+                raise DataError(
+                    f"{rec.where}: unknown data format (fields {sorted(rec.obj)[:12]}); expected one of: IRCoT "
+                    "(question_id, question_text, answers_objects), 2Wiki (_id | test_id, question, answer), "
+                    "StrategyQA (qid, question, answer: bool), NQ-open (question, answer[]), WebQuestions "
+                    "(qId, qText, answers), FlashRAG (id, question, golden_answers), IIRC (passages with questions)"
+                )
+        if fmt == "iirc":
+            rows = [_read_iirc_question(q, title) for q, title in _iirc_questions(rec)]
+        else:
+            rows = [_READERS[fmt](rec)]
+        for row in rows:
+            if row is None or (limit is not None and len(out) >= limit):
+                continue
+            qid, question, answers, meta = row
+            if qid is None:
+                qid = f"{name}-{index}"
+            index += 1
+            if qid in seen:  # duplicate id: keep the question, give it a fresh id
+                meta["source_qid"] = qid
+                k = 2
+                while f"{qid}#{k}" in seen:
+                    k += 1
+                qid = f"{qid}#{k}"
+            seen.add(qid)
+            out.append(Example(qid=qid, question=question, answers=answers, dataset=name, meta=meta))
+    return out

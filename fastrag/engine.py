@@ -1,0 +1,321 @@
+"""The model runner: batched prefill and decode of many sequences over the paged KV cache.
+
+A sequence (`SeqState`) keeps its KV between the generations of one question: a new prompt is tokenised whole
+(exactly what a per-question implementation feeds the model), matched against the shared demo prefix and then
+against the sequence's own cached tokens (longest common prefix), and only the rest is prefilled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from fastrag.cache.kv import BlockTable, KVPool, OutOfBlocks, SharedPrefix
+from fastrag.model.llama import AttnBatch, LlamaModel
+from fastrag.signals import get_backend
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclass(slots=True)
+class Generation:
+    """The output of one generate call."""
+
+    ids: list[int]  # generated tokens, a final EOS dropped
+    entropy: list[float]  # entropy of the (warped) next-token distribution that produced each token of ids
+    logprob: list[float]  # log-probability of each token of ids
+    prompt_tokens: int = 0
+    prefilled: int = 0  # prompt tokens actually computed (the rest came from the prefix / own cache)
+    ended_by_eos: bool = False
+
+
+@dataclass
+class SeqState:
+    table: BlockTable
+    prefix: SharedPrefix | None = None
+    tokens: list[int] = field(default_factory=list)  # all tokens of the sequence (prefix included)
+    # current generation
+    max_new: int = 0
+    out: Generation | None = None
+    pending_prompt: list[int] = field(default_factory=list)  # prompt tokens still to prefill
+
+    @property
+    def base(self) -> int:
+        return self.prefix.length if self.prefix else 0
+
+    @property
+    def computed(self) -> int:
+        """Tokens whose KV is in the cache (absolute count)."""
+        return self.base + self.table.num_tokens
+
+
+class Engine:
+    def __init__(self, model: LlamaModel, tokenizer, *, block_size: int = 16, kv_cache_gb: float = 4.0,
+                 max_batch: int = 64, max_prefill_tokens: int = 4096, sampling: SamplingParams | None = None,
+                 signals: str | None = None):
+        self.model, self.tok = model, tokenizer
+        c = model.c
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        per_block = 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * p.element_size()
+        self.pool = KVPool(c.num_layers, max(8, int(kv_cache_gb * 2**30 // per_block)), block_size,
+                           c.num_kv_heads, c.head_dim, self.dtype, self.device)
+        self.max_batch, self.max_prefill_tokens = max_batch, max_prefill_tokens
+        self.sampling = sampling or SamplingParams()
+        self.gen = torch.Generator(device="cpu").manual_seed(self.sampling.seed)
+        self.signals = get_backend(signals)
+        eos = set(c.eos_token_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
+        self.eos_ids = eos
+        self.max_context = c.max_position_embeddings
+        self.waiting: list[SeqState] = []  # need prefill
+        self.running: list[SeqState] = []  # decoding
+        self.prefix: SharedPrefix | None = None
+        self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "prefix_hit_tokens": 0, "own_hit_tokens": 0,
+                      "decode_steps": 0, "prefill_calls": 0}
+
+    # ------------------------------------------------------------------ sequences
+    def new_sequence(self) -> SeqState:
+        return SeqState(table=BlockTable(self.pool))
+
+    def release(self, s: SeqState) -> None:
+        s.table.free()
+        if s.prefix is not None:
+            self.pool.release(s.prefix.blocks)
+            s.prefix = None
+        s.tokens = []
+
+    def set_prefix(self, text: str) -> SharedPrefix | None:
+        """Compute the KV of a shared prefix once (whole blocks only) and keep it for all sequences."""
+        ids = self.tok.encode(text)
+        n = len(ids) // self.pool.block_size * self.pool.block_size
+        if n == 0:
+            return None
+        s = self.new_sequence()
+        self._prefill([(s, ids[:n])], want_logits=False)
+        blocks = list(s.table.blocks)
+        slots = torch.tensor(s.table.slots(0, n), dtype=torch.long, device=self.device)
+        self.prefix = SharedPrefix(token_ids=ids[:n], blocks=blocks, slots=slots)  # owns the blocks' refcount
+        return self.prefix
+
+    def start(self, s: SeqState, prompt_ids: list[int], max_new_tokens: int) -> None:
+        """Queue a generation of up to max_new_tokens after prompt_ids on sequence s (reusing its cache)."""
+        if not prompt_ids:
+            raise ValueError("empty prompt")
+        if len(prompt_ids) + max_new_tokens > self.max_context:
+            raise ValueError(f"prompt of {len(prompt_ids)} tokens + {max_new_tokens} new exceeds the model "
+                             f"context of {self.max_context} tokens")
+        pre = self.prefix if (self.prefix is not None and self.prefix.matches(prompt_ids)) else None
+        if pre is not s.prefix:  # prefix changes: the own cache is relative to the old base, drop it
+            self.release(s)
+            if pre is not None:
+                self.pool.share(pre.blocks)
+            s.prefix = pre
+        base = s.base
+        if pre is not None:
+            self.stats["prefix_hit_tokens"] += base
+        # longest common prefix with the sequence's own computed tokens; keep >= 1 token to prefill (logits)
+        own_prev = s.tokens[base: s.computed]
+        own_new = prompt_ids[base:]
+        lcp = 0
+        limit = min(len(own_prev), len(own_new) - 1)
+        while lcp < limit and own_prev[lcp] == own_new[lcp]:
+            lcp += 1
+        s.table.truncate(lcp)
+        self.stats["own_hit_tokens"] += lcp
+        s.tokens = list(prompt_ids)
+        s.pending_prompt = prompt_ids[base + lcp:]
+        s.max_new = max_new_tokens
+        s.out = Generation(ids=[], entropy=[], logprob=[], prompt_tokens=len(prompt_ids),
+                           prefilled=len(s.pending_prompt))
+        self.waiting.append(s)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------------ stepping
+    @torch.inference_mode()
+    def step(self) -> list[SeqState]:
+        """Prefill what waits (within the token budget), then one decode step for all running sequences.
+
+        Returns the sequences whose generation finished in this step (their `out` is complete).
+        """
+        finished: list[SeqState] = []
+        if self.waiting:
+            group, budget = [], self.max_prefill_tokens
+            self.waiting.sort(key=lambda s: (s.prefix is None, len(s.pending_prompt)))
+            while self.waiting and len(self.running) + len(group) < self.max_batch:
+                s = self.waiting[0]
+                n = len(s.pending_prompt)
+                if group and s.prefix is not group[0].prefix:
+                    break
+                if group and (len(group) + 1) * max(n, len(group[-1].pending_prompt)) > budget:
+                    break
+                try:
+                    s.table.reserve(n + s.max_new)
+                except OutOfBlocks:
+                    if not group and not self.running:
+                        raise
+                    break
+                group.append(self.waiting.pop(0))
+            if group:
+                logits = self._prefill([(s, s.pending_prompt) for s in group], want_logits=True)
+                for s, row in zip(group, logits):
+                    s.pending_prompt = []
+                    if self._append(s, row.unsqueeze(0))[0]:
+                        finished.append(s)
+                    else:
+                        self.running.append(s)
+        if self.running:
+            batch = self.running[: self.max_batch]
+            logits = self._decode(batch)
+            done = self._append_batch(batch, logits)
+            self.running = [s for s, d in zip(batch, done) if not d] + self.running[self.max_batch:]
+            finished += [s for s, d in zip(batch, done) if d]
+        return finished
+
+    def _sample(self, logits: torch.Tensor):
+        """logits: [B, V] float32 -> (chosen [B], warped logits [B, V]) as used for decoding."""
+        sp = self.sampling
+        if sp.temperature == 0:
+            return logits.argmax(-1), logits
+        warped = logits / sp.temperature
+        if sp.top_p < 1:
+            srt, idx = warped.sort(-1, descending=True)
+            cum = srt.softmax(-1).cumsum(-1)
+            drop = cum - srt.softmax(-1) > sp.top_p  # keep the smallest set whose mass reaches top_p
+            warped = warped.scatter(-1, idx, srt.masked_fill(drop, float("-inf")))
+        probs = warped.softmax(-1)
+        chosen = torch.multinomial(probs.cpu(), 1, generator=self.gen).squeeze(-1).to(logits.device)
+        return chosen, warped
+
+    def _append_batch(self, seqs: list[SeqState], logits: torch.Tensor) -> list[bool]:
+        chosen, warped = self._sample(logits)
+        ent, logp, _ = self.signals.token_signals(warped, chosen)
+        chosen, ent, logp = chosen.tolist(), ent.tolist(), logp.tolist()  # the one host copy per step
+        done = []
+        for s, t, h, lp in zip(seqs, chosen, ent, logp):
+            if t in self.eos_ids:
+                s.out.ended_by_eos = True
+                done.append(True)
+                continue
+            s.out.ids.append(t)
+            s.out.entropy.append(h)
+            s.out.logprob.append(lp)
+            s.tokens.append(t)
+            done.append(len(s.out.ids) >= s.max_new)
+        return done
+
+    def _append(self, s: SeqState, logits: torch.Tensor) -> list[bool]:
+        return self._append_batch([s], logits)
+
+    def _prefill(self, items: list[tuple[SeqState, list[int]]], want_logits: bool):
+        """Compute KV for each sequence's new tokens (padded batch). Returns last-token logits [B, V]."""
+        B = len(items)
+        T = max(len(ids) for _, ids in items)
+        for s, ids in items:
+            s.table.reserve(len(ids))
+        ids_t = torch.zeros(B, T, dtype=torch.long)
+        valid = torch.zeros(B, T, dtype=torch.bool)
+        pos = torch.zeros(B, T, dtype=torch.long)
+        write, ctx = [], []
+        for b, (s, ids) in enumerate(items):
+            n0, n = s.table.num_tokens, len(ids)
+            ids_t[b, :n] = torch.tensor(ids)
+            valid[b, :n] = True
+            pos[b, :n] = torch.arange(s.base + n0, s.base + n0 + n)
+            write += s.table.slots(n0, n0 + n)
+            ctx.append(s.table.slots(0, n0 + n))
+        prefix = items[0][0].prefix
+        assert all(s.prefix is prefix for s, _ in items), "one prefill batch shares one prefix"
+        batch = self._batch(write, valid, pos, prefix, ctx)
+        last = torch.tensor([b * T + len(ids) - 1 for b, (_, ids) in enumerate(items)])
+        logits = self.model(ids_t.to(self.device), batch, self.pool.k, self.pool.v,
+                            logits_index=last.to(self.device) if want_logits else last[:0].to(self.device))
+        for s, ids in items:
+            s.table.num_tokens += len(ids)
+        self.stats["prefill_tokens"] += sum(len(ids) for _, ids in items)
+        self.stats["prefill_calls"] += 1
+        return logits
+
+    def _decode(self, seqs: list[SeqState]) -> torch.Tensor:
+        """One token per sequence: the last sampled token goes in, next-token logits [B, V] come out."""
+        # sequences with different prefixes decode in separate groups (usually there is one group)
+        groups: dict[int, list[int]] = {}
+        for i, s in enumerate(seqs):
+            groups.setdefault(id(s.prefix), []).append(i)
+        out = [None] * len(seqs)
+        for idx in groups.values():
+            g = [seqs[i] for i in idx]
+            logits = self._prefill([(s, [s.tokens[-1]]) for s in g], want_logits=True)
+            self.stats["prefill_tokens"] -= len(g)
+            self.stats["prefill_calls"] -= 1
+            self.stats["decode_tokens"] += len(g)
+            for j, i in enumerate(idx):
+                out[i] = logits[j]
+        self.stats["decode_steps"] += 1
+        return torch.stack(out)
+
+    def _batch(self, write, valid, pos, prefix, ctx) -> AttnBatch:
+        B = len(ctx)
+        S = max(len(c) for c in ctx)
+        ctx_t = torch.zeros(B, S, dtype=torch.long)
+        for b, c in enumerate(ctx):
+            ctx_t[b, : len(c)] = torch.tensor(c, dtype=torch.long)
+        d = self.device
+        return AttnBatch(
+            write_slots=torch.tensor(write, dtype=torch.long, device=d), valid=valid.to(d), positions=pos.to(d),
+            prefix_len=prefix.length if prefix else 0,
+            prefix_slots=prefix.slots if prefix else torch.zeros(0, dtype=torch.long, device=d),
+            ctx_slots=ctx_t.to(d), ctx_lens=torch.tensor([len(c) for c in ctx], device=d),
+        )
+
+    # ------------------------------------------------------------------ cache-free attention passes
+    @torch.inference_mode()
+    def attention_passes(self, seqs: list[list[int]], kind: str):
+        """Batched last-layer attention over token lists alone (positions from 0, no cache).
+
+        kind "colmax": per list, a_t = mean_h max_{j>=t} A[h, j, t]  -> list of [T_b] float lists
+        kind "rows":   per list, the head-mean attention matrix       -> list of [T_b, T_b] tensors
+        """
+        out = [None] * len(seqs)
+        order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+        i = 0
+        while i < len(order):  # group similar lengths so padding stays small
+            j, T = i, 0
+            while j < len(order) and (j - i + 1) * max(T, len(seqs[order[j]])) <= self.max_prefill_tokens:
+                T = max(T, len(seqs[order[j]]))
+                j += 1
+            j = max(j, i + 1)
+            idx = order[i:j]
+            T = max(len(seqs[k]) for k in idx)
+            ids = torch.zeros(len(idx), T, dtype=torch.long)
+            lens = torch.tensor([len(seqs[k]) for k in idx])
+            for b, k in enumerate(idx):
+                ids[b, : len(seqs[k])] = torch.tensor(seqs[k])
+            q, k_ = self.model.last_layer_qk(ids.to(self.device), lens.to(self.device))
+            q, k_ = q.float(), k_.float()
+            if kind == "colmax":
+                r = self.signals.causal_attn_colmax(q, k_, lens.to(self.device), self.model.scale).cpu()
+                for b, k in enumerate(idx):
+                    out[k] = r[b, : len(seqs[k])].tolist()
+            else:
+                r = self.signals.causal_attn_mean_rows(q, k_, lens.to(self.device), self.model.scale).cpu()
+                for b, k in enumerate(idx):
+                    n = len(seqs[k])
+                    out[k] = r[b, :n, :n].double()
+            self.stats["prefill_tokens"] += int(lens.sum())
+            i = j
+        return out

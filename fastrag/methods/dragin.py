@@ -1,0 +1,152 @@
+"""DRAGIN on the engine, `reference` mode (docs/dragin-reference.md).
+
+Each question runs as a generator over engine requests, so its code reads like the per-question rules while the
+scheduler batches every question's generations, attention passes and searches. The decision steps (RIND scoring,
+QFS selection) work on host lists of at most a few hundred numbers; the heavy parts are the batched passes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from fastrag.config import DraginConfig
+from fastrag.data.exemplars import case_text, demo_text
+from fastrag.data.metrics import ANSWER_MAX_TOKENS, answer_prompt, complete_answer, needs_answer_generation
+from fastrag.scheduler import AttnColmax, AttnRows, Generate, Search
+from fastrag.text.realwords import matches_real_word, real_words
+from fastrag.text.sentences import first_sentence, split_sentences
+from fastrag.text.words import assign_words_to_sentences, sentence_word_ranges, word_boundaries
+from fastrag.trace import QuestionResult, Round
+
+
+def join(*parts: str) -> str:
+    return " ".join(p for p in parts if p)
+
+
+class DraginReference:
+    """Policy factory: `policy(example, seq)` returns the generator the scheduler drives."""
+
+    name = "dragin"
+
+    def __init__(self, cfg: DraginConfig, tokenizer):
+        self.cfg, self.tok = cfg, tokenizer
+        self.words = word_boundaries(tokenizer)
+        self.demos = demo_text(cfg.dataset, cfg.fewshot)
+
+    @property
+    def shared_prefix(self) -> str:
+        return self.demos
+
+    def __call__(self, ex, seq):
+        return self.run(ex)
+
+    # ------------------------------------------------------------------ one question
+    def run(self, ex):
+        cfg, tok = self.cfg, self.tok
+        q = ex.question.strip()
+        if not q:
+            raise ValueError("empty question")
+        res = QuestionResult(qid=ex.qid, question=ex.question, gold=list(ex.answers))
+        case = case_text(q, cfg.dataset)
+        text = ""
+        while True:
+            old_len = len(text)
+            g = yield Generate(self.demos + join(case, text), cfg.generate_max_length)
+            res.prefill_tokens += g.prefilled
+            res.decode_tokens += len(g.ids)
+            new_text = tok.decode(g.ids, skip_special_tokens=True)
+            a = (yield AttnColmax(g.ids)) if g.ids else []
+            if g.ids:
+                res.prefill_tokens += len(g.ids)
+            trig = self.rind(g.ids, new_text, a, g.entropy)
+            if trig is None:
+                res.rounds.append(Round())
+                text = join(text, new_text.strip())
+            else:
+                sents, si, words, hits = trig
+                kept = join(*[s.text for s in sents[:si]])
+                all_text = join(q, text, kept) + " " + " ".join(w for w in words if w)
+                rows_ids = tok.encode(all_text)
+                rows = yield AttnRows(rows_ids)
+                res.prefill_tokens += len(rows_ids)
+                query = self.qfs(all_text, rows_ids, rows, words, hits)
+                docs = yield Search(query, cfg.retrieve_topk)
+                res.rounds.append(Round(trigger_sentence=sents[si].text,
+                                        hit_words=[w for w, h in zip(words, hits) if h],
+                                        query=query, doc_ids=[d.id for d in docs]))
+                ctx = "".join(f"[{i}] {d.text}\n" for i, d in enumerate(docs, 1))
+                prompt = (self.demos + "Context:\n" + ctx + "Answer in the same format as before.\n"
+                          + join(case, text, kept))
+                g = yield Generate(prompt, cfg.generate_max_length)
+                res.prefill_tokens += g.prefilled
+                res.decode_tokens += len(g.ids)
+                text = join(text, kept, first_sentence(tok.decode(g.ids, skip_special_tokens=True)))
+            stop_text = text.lower() if cfg.stop_case_insensitive else text
+            if len(tok.encode(text)) > cfg.generate_max_length or len(text) <= old_len \
+                    or "the answer is" in stop_text:
+                break
+        res.text = text
+        if needs_answer_generation(text):  # the evaluator's one extra short generation (fastrag.data.metrics)
+            g = yield Generate(answer_prompt(self.demos, case, text), ANSWER_MAX_TOKENS)
+            res.prefill_tokens += g.prefilled
+            res.decode_tokens += len(g.ids)
+            text = complete_answer(text, tok.decode(g.ids, skip_special_tokens=True))
+        res.prediction = text  # scored by fastrag.data.metrics.score (which extracts the answer)
+        return res
+
+    # ------------------------------------------------------------------ decisions
+    def rind(self, ids, text, a, entropy):
+        """First sentence with a word whose RIND score exceeds the threshold, or None.
+
+        score_w = a_w / sum_{sentence} a * H_w * (#words in the sentence), a_w = sum of its tokens' attention,
+        H_w = mean of its tokens' entropy (DRAGIN section 3.1, with the published code's word merging).
+        """
+        if not ids:
+            return None
+        spans = self.words.spans(ids)
+        words = self.words.texts(ids, spans)
+        aw = [sum(a[l:r]) for l, r in spans]
+        hw = [sum(entropy[l:r]) / (r - l) for l, r in spans]
+        sents = split_sentences(text)
+        ranges = sentence_word_ranges(assign_words_to_sentences(text, words, sents), len(sents))
+        for si, (l, r) in enumerate(ranges):
+            if r <= l:
+                continue
+            tot = sum(aw[l:r])
+            hits = [(aw[i] / tot if tot > 0 else 0.0) * hw[i] * (r - l) > self.cfg.hallucination_threshold
+                    for i in range(l, r)]
+            if any(hits):
+                if self.cfg.check_real_words:
+                    real = real_words(sents[si].text)
+                    hits = [h and matches_real_word(w, real) for h, w in zip(hits, words[l:r])]
+                return sents, si, words[l:r], hits
+        return None
+
+    def qfs(self, all_text: str, ids, rows: torch.Tensor, curr_words, curr_hits) -> str:
+        """Query from the words the hit words attend to most (DRAGIN section 3.2), POS-filtered."""
+        cfg = self.cfg
+        spans = self.words.spans(ids)
+        words = self.words.texts(ids, spans)
+        att = torch.stack([rows[l:r].mean(0) for l, r in spans])  # [W, T] word rows
+        norm = att[:, 1:].sum(-1, keepdim=True) if cfg.qfs_skip_first else att.sum(-1, keepdim=True)
+        att = att / norm
+        n_curr = len(curr_words)
+        first_curr = len(words) - n_curr
+        hit_idx = [first_curr + i for i, h in enumerate(curr_hits) if h and first_curr + i >= 0]
+        real = real_words(all_text)
+        cand = [i for i, w in enumerate(words) if matches_real_word(w, real) and i not in set(hit_idx)]
+        k = cfg.retrieve_keep_top_k
+        if hit_idx:
+            fwd = att[hit_idx].mean(0)  # [T] mean attention of the hit words over token columns
+            score = {i: float(fwd[spans[i][0]: spans[i][1]].sum()) for i in cand}
+            ranked = sorted(cand, key=lambda i: (-score[i] if not math.isnan(score[i]) else math.inf, i))
+            keep = sorted(ranked[:k])
+        else:
+            keep = cand[:k]
+        query = " ".join(words[i] for i in keep)
+        qids = self.tok.encode(query)
+        if len(qids) > cfg.max_query_tokens:
+            query = self.tok.decode(qids[-cfg.max_query_tokens:], skip_special_tokens=True).strip()
+        return query

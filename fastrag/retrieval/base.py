@@ -1,0 +1,34 @@
+"""Retriever interface: batched search returning documents."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Doc:
+    id: str  # corpus id of the passage
+    title: str  # passage title ("" when the corpus has none)
+    text: str  # passage body (what DRAGIN puts in the prompt as "[i] text")
+    score: float = 0.0  # retriever score (higher is better); comparable only within one query
+
+
+class Retriever(ABC):
+    """A retriever answers a batch of queries at once.
+
+    `search(queries, k)` returns one list per query, in query order, of at most k documents sorted by score
+    descending (ties in corpus order). A query may get fewer than k documents (a corpus with fewer than k
+    matching passages) or none (an empty query, or one made only of stopwords).
+    """
+
+    @abstractmethod
+    def search(self, queries: list[str], k: int) -> list[list[Doc]]:
+        """Batched search: `len(result) == len(queries)`, `len(result[i]) <= k`."""
+
+    @staticmethod
+    def check_k(k: int) -> int:
+        """Validate k (a positive int) and return it."""
+        if isinstance(k, bool) or not isinstance(k, int) or k <= 0:
+            raise ValueError(f"k must be a positive integer, got {k!r}")
+        return k

@@ -1,0 +1,119 @@
+"""DraginConfig validation, the paper's defaults, and loading published DRAGIN config files."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fastrag.config import DRAGIN_DEFAULTS, ConfigError, DraginConfig, dragin_config, load_dragin_config
+
+# the contents of oneal2000/DRAGIN config/Llama2-13b-chat/HotpotQA/DRAGIN.json
+PUBLISHED_HOTPOTQA = {
+    "model_name_or_path": "/liuzyai04/thuir/tyc/base_model/llama2-13b-chat",
+    "method": "attn_entropy",
+    "dataset": "hotpotqa",
+    "data_path": "../data/hotpotqa",
+    "generate_max_length": 100,
+    "query_formulation": "real_words",
+    "retrieve_keep_top_k": 35,
+    "output_dir": "../result/hotpotqa/16",
+    "retriever": "BM25",
+    "retrieve_topk": 3,
+    "attention_solver": "max",
+    "hallucination_threshold": 1.4,
+    "fewshot": 8,
+    "sample": 1000,
+    "shuffle": False,
+    "check_real_words": True,
+    "es_index_name": "39773_wiki",
+    "config_path": "../config/hotpotqa/attn_entropy_real_topk.json",
+    "use_counter": True,
+    "try_use_max_weight": False,
+}
+
+
+def test_paper_table9_defaults():
+    # Llama2-13b-chat row of Table 9: (L, theta, top n); exemplar counts from appendix F
+    expect = {"2wikimultihopqa": (64, 0.6, 25, 6), "hotpotqa": (100, 1.2, 35, 8), "iirc": (128, 1.25, 25, 8),
+              "strategyqa": (100, 1.0, 25, 6), "nq": (100, 1.2, 35, 8), "webq": (100, 1.2, 35, 8)}
+    for ds, (length, theta, topn, shots) in expect.items():
+        c = dragin_config(ds)
+        assert (c.generate_max_length, c.hallucination_threshold, c.retrieve_keep_top_k, c.fewshot) == (
+            length, theta, topn, shots)
+        assert (c.retrieve_topk, c.query_formulation, c.check_real_words, c.max_query_tokens) == (3, "real_words", True, 64)
+        assert (c.mode, c.stop_case_insensitive, c.qfs_skip_first) == ("reference", False, True)
+    assert set(DRAGIN_DEFAULTS) == set(expect)
+
+
+def test_overrides_and_aliases():
+    c = dragin_config("2wikimultihop", {"hallucination_threshold": 2, "mode": "streaming"})
+    assert c.dataset == "2wikimultihopqa" and c.hallucination_threshold == 2.0 and c.mode == "streaming"
+    with pytest.raises(ConfigError, match="'bogus'"):
+        dragin_config("hotpotqa", {"bogus": 1})
+
+
+@pytest.mark.parametrize("field,value", [
+    ("generate_max_length", 0), ("generate_max_length", 10.0), ("generate_max_length", True),
+    ("retrieve_keep_top_k", -1), ("retrieve_topk", 0), ("fewshot", -1), ("max_query_tokens", 0),
+    ("hallucination_threshold", "1.2"), ("hallucination_threshold", float("nan")),
+    ("mode", "fast"), ("query_formulation", "current"), ("check_real_words", 1),
+    ("stop_case_insensitive", "no"), ("qfs_skip_first", None), ("dataset", "squad"), ("extra", []),
+])
+def test_validation_names_the_field(field, value):
+    with pytest.raises(ConfigError, match=field):
+        dragin_config("hotpotqa", {field: value})
+
+
+def test_fewshot_zero_is_valid():
+    assert DraginConfig("iirc", 128, 1.25, 25, 0).fewshot == 0
+
+
+def test_load_published_config(tmp_path):
+    p = tmp_path / "DRAGIN.json"
+    p.write_text(json.dumps(PUBLISHED_HOTPOTQA, indent=4))
+    c = load_dragin_config(p)
+    assert (c.dataset, c.generate_max_length, c.hallucination_threshold, c.retrieve_keep_top_k, c.fewshot) == (
+        "hotpotqa", 100, 1.4, 35, 8)  # the file's values, not Table 9's
+    assert c.extra["model_name_or_path"].endswith("llama2-13b-chat") and c.extra["es_index_name"] == "39773_wiki"
+    assert c.extra["method"] == "attn_entropy" and "generate_max_length" not in c.extra
+    assert load_dragin_config(p, dataset="nq").dataset == "nq"
+
+
+def test_load_2wiki_config_and_missing_keys_fall_back(tmp_path):
+    p = tmp_path / "c.json"
+    p.write_text(json.dumps({"method": "attn_entropy", "dataset": "2wikimultihop", "hallucination_threshold": 0.9}))
+    c = load_dragin_config(p)
+    assert (c.dataset, c.hallucination_threshold, c.generate_max_length, c.fewshot) == ("2wikimultihopqa", 0.9, 64, 6)
+    assert c.extra["source_dataset"] == "2wikimultihop"
+
+
+@pytest.mark.parametrize("patch,pattern", [
+    ({"method": "flare"}, r"c\.json: field 'method'"),
+    ({"generate_max_length": "100"}, r"c\.json: generate_max_length"),
+    ({"retrieve_keep_top_k": 0}, r"c\.json: retrieve_keep_top_k"),
+    ({"dataset": "squad"}, r"c\.json: field 'dataset'"),
+    ({"check_real_words": "true"}, r"c\.json: check_real_words"),
+])
+def test_load_errors_name_file_and_field(tmp_path, patch, pattern):
+    p = tmp_path / "c.json"
+    p.write_text(json.dumps({**PUBLISHED_HOTPOTQA, **patch}))
+    with pytest.raises(ConfigError, match=pattern):
+        load_dragin_config(p)
+
+
+def test_load_file_errors(tmp_path):
+    with pytest.raises(ConfigError, match="no such file"):
+        load_dragin_config(tmp_path / "missing.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ConfigError, match=r"bad\.json: not valid JSON"):
+        load_dragin_config(bad)
+    lst = tmp_path / "list.json"
+    lst.write_text("[]")
+    with pytest.raises(ConfigError, match="JSON object"):
+        load_dragin_config(lst)
+    nods = tmp_path / "nods.json"
+    nods.write_text(json.dumps({"method": "attn_entropy"}))
+    with pytest.raises(ConfigError, match="'dataset'"):
+        load_dragin_config(nods)

@@ -1,0 +1,252 @@
+"""Dataset loaders (real shared files + synthetic files of every format) and few-shot exemplars."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from fastrag.data import DATASETS, DataError, case_text, demo_text, load_examples, load_exemplars
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = Path(os.environ.get("FASTRAG_SHARED_DATA", REPO.parent / "shared" / "data"))
+needs_shared = pytest.mark.skipif(not SHARED.is_dir(), reason=f"shared data not found at {SHARED} (FASTRAG_SHARED_DATA)")
+
+# (dataset, file, records, detected format) as documented in the shared data README
+SHARED_FILES = [
+    ("hotpotqa", "hotpotqa/dev_distractor_200.jsonl", 200, "ircot"),
+    ("2wikimultihopqa", "2wikimultihopqa/dev_sample_200.jsonl", 200, "2wiki"),
+    ("2wikimultihopqa", "2wikimultihopqa/dev_first1000.json", 1000, "2wiki_list"),
+    ("strategyqa", "strategyqa/train_first1000.json", 1000, "strategyqa"),
+    ("nq", "nq_open/dev_500.jsonl", 500, "nq_open"),
+    ("webq", "webquestions/test_500.json", 500, "webq"),
+]
+
+
+def _raw_records(path: Path) -> list[dict]:
+    text = path.read_text(encoding="utf-8")
+    if text.lstrip().startswith("["):
+        return json.loads(text)
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+@needs_shared
+@pytest.mark.parametrize("dataset,rel,count,fmt", SHARED_FILES)
+def test_shared_files_load(dataset, rel, count, fmt):
+    path = SHARED / rel
+    ex = load_examples(dataset, path)
+    assert len(ex) == count
+    assert len({e.qid for e in ex}) == count, "qids must be unique"
+    raw = _raw_records(path)
+    assert len(raw) == count
+    for e, r in zip(ex, raw):
+        assert isinstance(e.qid, str) and e.qid
+        assert isinstance(e.question, str) and e.question.strip(), e.qid
+        assert e.answers and all(isinstance(a, str) and a.strip() for a in e.answers), e.qid
+        assert e.dataset == dataset and e.meta["format"] == fmt
+        # the question text comes through unchanged from whichever upstream field holds it
+        assert e.question == r.get("question", r.get("question_text", r.get("qText")))
+    assert len(load_examples(dataset, path, limit=7)) == 7
+
+
+@needs_shared
+def test_shared_field_values():
+    hp = load_examples("hotpotqa", SHARED / "hotpotqa/dev_distractor_200.jsonl", limit=1)[0]
+    assert hp.qid == "5a8c7595554299585d9e36b6" and hp.answers == ["Chief of Protocol"]
+    assert "contexts" in hp.meta  # kept for oracle-retrieval experiments
+    sq_raw = json.loads((SHARED / "strategyqa/train_first1000.json").read_text())
+    sq = load_examples("strategyqa", SHARED / "strategyqa/train_first1000.json")
+    for e, r in zip(sq, sq_raw):
+        assert e.answers == (["yes"] if r["answer"] else ["no"]) and e.qid == r["qid"]
+    w2 = load_examples("2wikimultihopqa", SHARED / "2wikimultihopqa/dev_first1000.json", limit=3)
+    assert w2[0].answers == ["Małgorzata Braunek"]  # list of aliases
+    assert w2[2].answers == ["12 June 1516"]  # a bare string answer becomes a one-element list
+    nq = load_examples("nq", SHARED / "nq_open/dev_500.jsonl", limit=1)[0]
+    assert nq.answers == ["14 December 1972 UTC", "December 1972"]
+
+
+# ---------------------------------------------------------------- synthetic files, one per format
+
+
+def _jsonl(path: Path, records: list) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    return path
+
+
+def _json(path: Path, obj) -> Path:
+    path.write_text(json.dumps(obj, indent=2), encoding="utf-8")
+    return path
+
+
+def test_ircot(tmp_path):
+    p = _jsonl(tmp_path / "a.jsonl", [
+        {"question_id": "h1", "question_text": "Q1?", "answers_objects": [{"spans": ["A", "B"]}, {"spans": ["C"]}],
+         "contexts": []},
+        {"question_id": "h2", "question_text": "Q2?", "answers_objects": [{"spans": ["D"]}]},
+    ])
+    ex = load_examples("hotpotqa", p)
+    assert [(e.qid, e.question, e.answers) for e in ex] == [("h1", "Q1?", ["A", "B", "C"]), ("h2", "Q2?", ["D"])]
+
+
+def test_2wiki_original_json_list_and_jsonl(tmp_path):
+    recs = [{"_id": "x1", "type": "comparison", "question": "Q?", "answer": "yes", "answer_id": "Q1"}]
+    for p in (_json(tmp_path / "a.json", recs), _jsonl(tmp_path / "b.jsonl", recs)):
+        (e,) = load_examples("2wikimultihopqa", p)
+        assert (e.qid, e.question, e.answers, e.meta["answer_id"]) == ("x1", "Q?", ["yes"], "Q1")
+
+
+def test_2wiki_list(tmp_path):
+    p = _json(tmp_path / "a.json", [{"test_id": 0, "question": "Q0", "answer": ["a", "b"]},
+                                    {"test_id": 1, "question": "Q1", "answer": "c"}])
+    ex = load_examples("2wikimultihopqa", p)
+    assert [(e.qid, e.answers) for e in ex] == [("0", ["a", "b"]), ("1", ["c"])]
+
+
+def test_strategyqa(tmp_path):
+    p = _json(tmp_path / "s.json", [{"qid": "s1", "question": "Q?", "answer": True, "facts": ["f"]},
+                                    {"qid": "s2", "question": "Q2?", "answer": False}])
+    ex = load_examples("StrategyQA", p)
+    assert [e.answers for e in ex] == [["yes"], ["no"]]
+    assert ex[0].meta["answer_bool"] is True and ex[0].meta["facts"] == ["f"] and ex[0].dataset == "strategyqa"
+
+
+def test_nq_open_ids_are_generated_and_unique(tmp_path):
+    p = _jsonl(tmp_path / "nq.jsonl", [{"question": "q", "answer": ["a"]}] * 3)
+    ex = load_examples("nq", p)
+    assert [e.qid for e in ex] == ["nq-0", "nq-1", "nq-2"]
+
+
+def test_webq(tmp_path):
+    p = _json(tmp_path / "w.json", [{"qId": "wq1", "qText": "what?", "answers": ["x", "y"]}])
+    (e,) = load_examples("webq", p)
+    assert (e.qid, e.question, e.answers) == ("wq1", "what?", ["x", "y"])
+
+
+def test_flashrag(tmp_path):
+    p = _jsonl(tmp_path / "f.jsonl", [{"id": "test_0", "question": "q?", "golden_answers": ["g1", "g2"],
+                                       "metadata": {"k": 1}}])
+    (e,) = load_examples("nq", p)
+    assert (e.qid, e.answers, e.meta["metadata"], e.meta["format"]) == ("test_0", ["g1", "g2"], {"k": 1}, "flashrag")
+
+
+def test_iirc(tmp_path):
+    passages = [
+        {"title": "P1", "links": [], "questions": [
+            {"qid": "i1", "question": "span q", "context": [],
+             "answer": {"type": "span", "answer_spans": [{"text": " Paris ", "passage": "p", "start": 0, "end": 5},
+                                                         {"text": "France", "passage": "p", "start": 1, "end": 2}]}},
+            {"qid": "i2", "question": "value q", "answer": {"type": "value", "answer_value": "53", "answer_unit": "years"}},
+            {"qid": "i3", "question": "none q", "answer": {"type": "none"}},
+        ]},
+        {"title": "P2", "questions": [{"qid": "i4", "question": "binary q", "answer": {"type": "binary", "answer_value": "yes"}}]},
+    ]
+    p = _json(tmp_path / "dev.json", passages)
+    ex = load_examples("iirc", p)
+    # the unanswerable ("none") question is dropped, as the published DRAGIN IIRC loader does
+    assert [(e.qid, e.answers) for e in ex] == [("i1", ["Paris", "France"]), ("i2", ["53"]), ("i4", ["yes"])]
+    assert ex[0].meta["passage_title"] == "P1" and ex[2].meta["passage_title"] == "P2"
+    assert [e.qid for e in load_examples("iirc", p, limit=2)] == ["i1", "i2"]
+    bad = _json(tmp_path / "bad.json", [{"title": "P", "questions": [{"qid": "z", "question": "q", "answer": {"type": "odd"}}]}])
+    with pytest.raises(DataError, match=r"bad\.json\[0\]\.questions\[0\].*answer\.type"):
+        load_examples("iirc", bad)
+
+
+def test_empty_question_loads_and_duplicate_ids_are_made_unique(tmp_path):
+    p = _jsonl(tmp_path / "d.jsonl", [
+        {"_id": "a", "question": "", "answer": "x"},
+        {"_id": "a", "question": "Q", "answer": "y"},
+        {"_id": "a", "question": "Q", "answer": "z"},
+    ])
+    ex = load_examples("2wikimultihopqa", p)
+    assert ex[0].question == ""
+    assert [e.qid for e in ex] == ["a", "a#2", "a#3"] and ex[1].meta["source_qid"] == "a"
+
+
+# ---------------------------------------------------------------- errors
+
+
+def test_malformed_jsonl_line_names_file_and_line(tmp_path):
+    p = tmp_path / "broken.jsonl"
+    p.write_text('{"question": "q", "answer": ["a"]}\n\n{"question": "q2", "answer": [\n', encoding="utf-8")
+    with pytest.raises(DataError, match=r"broken\.jsonl:3\b"):
+        load_examples("nq", p)
+
+
+def test_missing_field_names_field_and_location(tmp_path):
+    p = _jsonl(tmp_path / "m.jsonl", [{"_id": "a", "question": "q", "answer": "x"}, {"_id": "b", "question": "q"}])
+    with pytest.raises(DataError, match=r"m\.jsonl:2.*'answer'"):
+        load_examples("2wikimultihopqa", p)
+    p = _json(tmp_path / "m.json", [{"qId": "1", "qText": "q", "answers": ["a"]}, {"qId": "2", "answers": ["a"]}])
+    with pytest.raises(DataError, match=r"m\.json\[1\].*'qText'"):
+        load_examples("webq", p)
+
+
+def test_file_level_errors(tmp_path):
+    with pytest.raises(DataError, match="no such file"):
+        load_examples("nq", tmp_path / "nope.jsonl")
+    bad = tmp_path / "bad.json"
+    bad.write_text('[{"qid": 1,', encoding="utf-8")
+    with pytest.raises(DataError, match=r"bad\.json: not valid JSON"):
+        load_examples("nq", bad)
+    unk = _jsonl(tmp_path / "unk.jsonl", [{"foo": 1, "bar": 2}])
+    with pytest.raises(DataError, match="unknown data format"):
+        load_examples("nq", unk)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n", encoding="utf-8")
+    with pytest.raises(DataError, match="empty"):
+        load_examples("nq", empty)
+    with pytest.raises(DataError, match="directory"):
+        load_examples("nq", tmp_path)
+    wrong_type = _json(tmp_path / "t.json", [{"qid": "a", "question": "q", "answer": True}, {"qid": "b", "question": "q", "answer": 3}])
+    with pytest.raises(DataError, match=r"t\.json\[1\].*'answer'"):
+        load_examples("strategyqa", wrong_type)
+
+
+def test_unknown_dataset_lists_valid_names(tmp_path):
+    p = _jsonl(tmp_path / "nq.jsonl", [{"question": "q", "answer": ["a"]}])
+    with pytest.raises(DataError) as err:
+        load_examples("squad", p)
+    for name in DATASETS:
+        assert name in str(err.value)
+
+
+# ---------------------------------------------------------------- exemplars
+
+
+@pytest.mark.parametrize("dataset,count", [("2wikimultihopqa", 6), ("hotpotqa", 8), ("strategyqa", 6), ("iirc", 8)])
+def test_exemplars(dataset, count):
+    ex = load_exemplars(dataset)
+    assert len(ex) == count
+    for q, a in ex:
+        assert q.strip() == q and q.endswith("?")
+        assert re.search(r"\. So the answer is [^\n]+\.$", a), a
+        assert "$" not in a and "  " not in a and " ," not in a  # PDF artefacts removed
+
+
+def test_exemplar_text_matches_paper():
+    q, a = load_exemplars("2wikimultihopqa")[0]
+    assert q == "When did the director of film Hypocrite (Film) die?"
+    assert a == "The film Hypocrite was directed by Miguel Morayta. Miguel Morayta died on 19 June 2013. So the answer is 19 June 2013."
+    assert load_exemplars("strategyqa")[5][1].startswith("The density of a pear is about 0.6g/cm^3, which is less than water.")
+    assert "1864 - 1811 = 53 years" in load_exemplars("iirc")[1][1]
+
+
+def test_nq_webq_reuse_hotpotqa():
+    assert load_exemplars("nq") == load_exemplars("webq") == load_exemplars("hotpotqa")
+
+
+def test_demo_and_case_text():
+    (q0, a0), (q1, a1) = load_exemplars("iirc")[:2]
+    assert demo_text("iirc", 2) == "Question: " + q0 + "\nAnswer: " + a0 + "\n" + "Question: " + q1 + "\nAnswer: " + a1 + "\n"
+    assert demo_text("iirc", 0) == ""
+    with pytest.raises(ValueError, match="only 6"):
+        demo_text("strategyqa", 8)
+    assert case_text("Who?") == "Question: Who?\nAnswer:"
+    assert case_text("Who?", "2wikimultihopqa") == case_text("Who?", "iirc") == "Question: Who?\nAnswer:"
+    assert case_text("Who?", "strategyqa") == (
+        "Following the examples above, answer the question by reasoning step-by-step.\n\nQuestion: Who?\nAnswer:")
+    assert case_text("Who?", "hotpotqa") == (
+        "Answer the following question by reasoning step-by-step, following the example above.\nQuestion: Who?\nAnswer:")

@@ -1,0 +1,269 @@
+"""fastrag.retrieval: corpus formats, BM25 best_fields scoring vs a brute-force reference, persistence."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from fastrag.retrieval import BM25Retriever, CorpusError, Doc, Retriever, iter_corpus, make_retriever
+
+DOCS = [
+    ("a1", "Paris", "Paris is the capital and largest city of France."),
+    ("a2", "France", "France is a country in Western Europe; its capital is Paris."),
+    ("a3", "Eiffel Tower", "The Eiffel Tower is a wrought-iron tower in Paris, France, built in 1889."),
+    ("a4", "Berlin", "Berlin is the capital of Germany and its largest city."),
+    ("a5", "Capital city", "A capital city is the seat of government of a country."),
+    ("a6", "Gustave Eiffel", "Gustave Eiffel was a French engineer whose company built the tower."),
+    ("a7", "Tower of London", "The Tower of London is a historic castle in London."),
+    ("a8", "Paris Paris", "A song title that repeats the city name."),
+    ("a9", "Germany", "Germany borders France; Berlin is its capital city, capital of capitals."),
+    ("a10", "Towers", "Towers and more towers: a tower, towering over towns."),
+    ("a11", "Untitled", "Nothing relevant here at all."),
+]
+QUERIES = [
+    "capital of France",
+    "Paris",
+    "Eiffel tower built",
+    "Berlin capital city Germany",
+    "tower tower london",
+    "French engineer company",
+    "the capital",
+]
+
+
+def _write_jsonl(path: Path, docs) -> Path:
+    path.write_text("".join(json.dumps({"id": i, "title": t, "text": x}) + "\n" for i, t, x in docs))
+    return path
+
+
+def _analyze(texts):
+    import bm25s
+    import Stemmer
+
+    return bm25s.tokenize(texts, stopwords="en", stemmer=Stemmer.Stemmer("english"), return_ids=False,
+                          show_progress=False)
+
+
+def _bm25_field(docs_tokens, query_tokens, k1=1.2, b=0.75):
+    """Brute-force Lucene BM25 of one field: sum over query terms (with multiplicity) of idf * tf-norm."""
+    n = len(docs_tokens)
+    avgdl = sum(map(len, docs_tokens)) / n
+    out = []
+    for d in docs_tokens:
+        s = 0.0
+        for t in query_tokens:
+            df = sum(t in e for e in docs_tokens)
+            tf = d.count(t)
+            if tf == 0:
+                continue
+            idf = math.log(1 + (n - df + 0.5) / (df + 0.5))
+            s += idf * tf / (tf + k1 * (1 - b + b * len(d) / avgdl))
+        out.append(s)
+    return out
+
+
+def _brute_search(docs, query, k, tie_breaker=0.5):
+    q = _analyze([query])[0]
+    title = _bm25_field(_analyze([t for _, t, _ in docs]), q)
+    text = _bm25_field(_analyze([x for _, _, x in docs]), q)
+    comb = [max(a, c) + tie_breaker * min(a, c) for a, c in zip(title, text)]
+    order = sorted((i for i in range(len(docs)) if comb[i] > 0), key=lambda i: (-comb[i], i))[:k]
+    return [(docs[i][0], comb[i]) for i in order], dict(zip((d[0] for d in docs), comb))
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    return _write_jsonl(tmp_path / "c.jsonl", DOCS)
+
+
+@pytest.mark.parametrize("tie_breaker", [0.5, 0.0, 1.0])
+@pytest.mark.parametrize("k", [1, 3, 20])
+def test_bm25_matches_brute_force(tmp_path, corpus, tie_breaker, k):
+    r = BM25Retriever(corpus, index_dir=tmp_path / "idx", tie_breaker=tie_breaker, show_progress=False)
+    got = r.search(QUERIES, k)
+    assert len(got) == len(QUERIES)
+    for q, docs in zip(QUERIES, got):
+        want, all_scores = _brute_search(DOCS, q, k, tie_breaker)
+        msg = f"query {q!r}: got {[(d.id, d.score) for d in docs]}, want {want}"
+        assert len(docs) == len(want), msg
+        assert [d.score for d in docs] == pytest.approx([s for _, s in want], rel=1e-5), msg
+        for d in docs:  # each returned doc's own reference score (robust to float near-ties)
+            assert d.score == pytest.approx(all_scores[d.id], rel=1e-5), msg
+        assert all(a.score >= b.score for a, b in zip(docs, docs[1:])), msg
+        by_id = {i: (t, x) for i, t, x in DOCS}
+        assert all((d.title, d.text) == by_id[d.id] for d in docs)
+
+
+def test_title_and_text_are_separate_fields(tmp_path, corpus):
+    """'Paris Paris' (a8) matches only in its title; 'Paris' (a1) in both: max + 0.5 * other decides."""
+    r = BM25Retriever(corpus, index_dir=tmp_path / "idx", show_progress=False)
+    _, ref = _brute_search(DOCS, "Paris", 20)
+    got = {d.id: d.score for d in r.search(["Paris"], 20)[0]}
+    assert got["a8"] == pytest.approx(ref["a8"], rel=1e-5)
+    assert got["a1"] == pytest.approx(ref["a1"], rel=1e-5)
+    assert "a11" not in got and "a7" not in got
+
+
+def test_ties_in_corpus_order_and_fewer_than_k(tmp_path):
+    docs = [("z", "Same", "identical words here"), ("y", "Other", "unrelated"), ("x", "Same", "identical words here")]
+    r = BM25Retriever(_write_jsonl(tmp_path / "t.jsonl", docs), show_progress=False)
+    got = r.search(["identical same"], 5)[0]
+    assert [d.id for d in got] == ["z", "x"]
+    assert got[0].score == got[1].score > 0
+
+
+def test_blank_and_stopword_queries(tmp_path, corpus):
+    r = BM25Retriever(corpus, index_dir=tmp_path / "idx", show_progress=False)
+    got = r.search(["", "   ", "the of and is", "zzzunknownword", "Berlin"], 3)
+    assert got[:4] == [[], [], [], []]
+    assert got[4] and got[4][0].id == "a4"
+    assert r.search([], 3) == []
+
+
+def test_bad_search_arguments(tmp_path, corpus):
+    r = make_retriever("bm25", corpus_path=corpus, index_dir=tmp_path / "idx", show_progress=False)
+    assert isinstance(r, Retriever)
+    for k in (0, -1, 2.0, "3", True):
+        with pytest.raises(ValueError, match="k must be a positive integer"):
+            r.search(["Paris"], k)
+    with pytest.raises(TypeError, match="list of strings"):
+        r.search("Paris", 3)
+    with pytest.raises(ValueError, match="unknown retriever kind"):
+        make_retriever("nope")
+    with pytest.raises(ValueError, match="tie_breaker"):
+        BM25Retriever(corpus, tie_breaker=2.0)
+
+
+# ---- persistence --------------------------------------------------------------------------------------
+
+
+def test_index_persisted_next_to_corpus_and_reloaded(corpus):
+    r1 = BM25Retriever(corpus, show_progress=False)
+    assert r1.built and r1.index_dir == corpus.with_name("c.jsonl.bm25s")
+    manifest = r1.index_dir / "manifest.json"
+    m1 = manifest.stat().st_mtime_ns
+    r2 = BM25Retriever(corpus, show_progress=False)
+    assert not r2.built and manifest.stat().st_mtime_ns == m1
+    assert r2.search(QUERIES, 5) == r1.search(QUERIES, 5)
+    # a different k1 is a different index
+    assert BM25Retriever(corpus, k1=0.9, show_progress=False).built
+
+
+def test_corpus_change_reindexes(corpus):
+    r1 = BM25Retriever(corpus, show_progress=False)
+    assert not any(d.id == "new" for d in r1.search(["zeppelin"], 3)[0])
+    _write_jsonl(corpus, DOCS + [("new", "Zeppelin", "A zeppelin is an airship.")])
+    r2 = BM25Retriever(corpus, show_progress=False)
+    assert r2.built and r2.n_docs == len(DOCS) + 1
+    assert r2.search(["zeppelin"], 3)[0][0].id == "new"
+
+
+def test_read_only_corpus_folder_falls_back_to_cache(tmp_path, monkeypatch):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    corpus = _write_jsonl(ro / "c.jsonl", DOCS)
+    monkeypatch.setenv("FASTRAG_CACHE", str(tmp_path / "cache"))
+    os.chmod(ro, 0o555)
+    try:
+        r = BM25Retriever(corpus, show_progress=False)
+        assert r.built and (tmp_path / "cache" / "indexes") in r.index_dir.parents
+        assert not (ro / "c.jsonl.bm25s").exists()
+        assert not BM25Retriever(corpus, show_progress=False).built
+    finally:
+        os.chmod(ro, 0o755)
+
+
+# ---- corpus formats -----------------------------------------------------------------------------------
+
+
+def test_contents_format(tmp_path):
+    p = tmp_path / "f.jsonl"
+    p.write_text(json.dumps({"id": "1", "contents": "Title One\nBody of one."}) + "\n\n"
+                 + json.dumps({"id": 2, "contents": '"Quoted Title"\nBody two\nsecond line'}) + "\n")
+    assert list(iter_corpus(p)) == [("1", "Title One", "Body of one."),
+                                    ("2", "Quoted Title", "Body two\nsecond line")]
+    r = BM25Retriever(p, show_progress=False)
+    assert r.search(["quoted"], 1)[0][0] == Doc("2", "Quoted Title", "Body two\nsecond line",
+                                                r.search(["quoted"], 1)[0][0].score)
+
+
+def test_dpr_tsv_format(tmp_path):
+    p = tmp_path / "psgs.tsv"
+    p.write_text('id\ttext\ttitle\n1\t"Aaron ( or ; ""Ahärôn"") is a prophet"\tAaron\n2\tMoses led them.\tMoses\n')
+    assert list(iter_corpus(p)) == [("1", "Aaron", 'Aaron ( or ; "Ahärôn") is a prophet'), ("2", "Moses", "Moses led them.")]
+    r = BM25Retriever(p, show_progress=False)
+    assert [d.id for d in r.search(["prophet", "moses"], 2)[0]] == ["1"]
+
+
+@pytest.mark.parametrize(
+    "name, content, match",
+    [
+        ("bad.jsonl", '{"id": "1", "title": "t", "text": "x"}\n{"id": 2, "title": \n', r"bad\.jsonl:2: malformed JSON"),
+        ("nf.jsonl", '{"id": "1", "title": "t"}\n', r"nf\.jsonl:1: missing field 'text'"),
+        ("ni.jsonl", '\n{"title": "t", "text": "x"}\n', r"ni\.jsonl:2: missing field 'id'"),
+        ("ty.jsonl", '{"id": "1", "title": 3, "text": "x"}\n', r"ty\.jsonl:1: field 'title' must be a string"),
+        ("arr.jsonl", '[1, 2]\n', r"arr\.jsonl:1: expected a JSON object"),
+        ("h.tsv", "id\ttext\n1\tx\n", r"h\.tsv:1: tsv header lacks column 'title'"),
+        ("w.tsv", "id\ttext\ttitle\n1\tx\tT\n2\ty\n", r"w\.tsv:3: expected 3 tab-separated fields, got 2"),
+        ("c.csv", "id,text\n", r"unsupported corpus format"),
+    ],
+)
+def test_bad_corpus_files(tmp_path, name, content, match):
+    p = tmp_path / name
+    p.write_text(content)
+    with pytest.raises(CorpusError, match=match):
+        list(iter_corpus(p))
+
+
+def test_missing_empty_and_binary_corpus(tmp_path):
+    with pytest.raises(CorpusError, match="corpus file not found"):
+        iter_corpus(tmp_path / "nope.jsonl")
+    with pytest.raises(CorpusError, match="corpus file not found"):
+        BM25Retriever(tmp_path / "nope.jsonl")
+    (tmp_path / "e.jsonl").write_text("\n")
+    with pytest.raises(CorpusError, match="no passages"):
+        BM25Retriever(tmp_path / "e.jsonl", show_progress=False)
+    (tmp_path / "b.jsonl").write_bytes(b'{"id": "1", "text": "ok"}\n\xff\xfe\n')
+    with pytest.raises(CorpusError, match="not valid UTF-8"):
+        list(iter_corpus(tmp_path / "b.jsonl"))
+
+
+# ---- the real corpus ----------------------------------------------------------------------------------
+
+DATA = Path("/work/shared/data")
+
+
+@pytest.mark.skipif(not (DATA / "corpus" / "wiki_passages.jsonl").exists(), reason="shared data absent")
+def test_real_corpus_gold_in_top10(tmp_path_factory):
+    corpus = DATA / "corpus" / "wiki_passages.jsonl"
+    r = BM25Retriever(corpus, index_dir=tmp_path_factory.mktemp("wiki_idx"), show_progress=False)
+    assert r.n_docs == sum(1 for _ in iter_corpus(corpus))
+    gold: dict[str, set[str]] = {}
+    for line in (DATA / "corpus" / "qrels_dev.tsv").read_text().splitlines()[1:]:
+        ds, qid, pid = line.split("\t")
+        if ds == "hotpotqa":
+            gold.setdefault(qid, set()).add(pid)
+    questions = []
+    with open(DATA / "hotpotqa" / "dev_distractor_200.jsonl") as f:
+        for line in f:
+            rec = json.loads(line)
+            if rec["question_id"] in gold:
+                questions.append((rec["question_text"], gold[rec["question_id"]]))
+            if len(questions) == 64:
+                break
+    first_q, first_gold = questions[0]
+    top = r.search([first_q], 10)[0]
+    assert first_gold & {d.id for d in top}, f"{first_q!r}: gold {first_gold} not in {[d.id for d in top]}"
+
+    t0 = time.perf_counter()
+    res = r.search([q for q, _ in questions], 10)
+    dt = time.perf_counter() - t0
+    hits = sum(bool(g & {d.id for d in docs}) for (_, g), docs in zip(questions, res))
+    print(f"\nBM25 {r.n_docs} passages: 64 queries in {dt * 1e3:.1f} ms ({dt / 64 * 1e3:.2f} ms/query); "
+          f"any-gold@10 = {hits}/64")
+    assert res[0] == top
