@@ -112,12 +112,12 @@ class DraginOracle:
     # ------------------------------------------------------------------ prompts
 
     def plain_prompt(self, question: str, text: str) -> str:
-        return self.demos + join(case_text(question), text)
+        return self.demos + join(case_text(question, self.config.dataset), text)
 
     def retrieval_prompt(self, question: str, text: str, kept: str, docs) -> str:
         context = "".join(f"[{i}] {doc.text}\n" for i, doc in enumerate(docs, 1))
         return (self.demos + "Context:\n" + context + "Answer in the same format as before.\n"
-                + join(case_text(question), text, kept))
+                + join(case_text(question, self.config.dataset), text, kept))
 
     # ------------------------------------------------------------------ RIND and QFS
 
@@ -176,7 +176,8 @@ class DraginOracle:
         """
         if not needs_answer_generation(text):
             return text
-        gen = self.generate(answer_prompt(self.demos, case_text(question), text), ANSWER_MAX_TOKENS)
+        case = case_text(question, self.config.dataset)
+        gen = self.generate(answer_prompt(self.demos, case, text), ANSWER_MAX_TOKENS)
         return complete_answer(text, gen.text)
 
     def run(self, qid: str, question: str, gold: list[str]) -> QuestionResult:

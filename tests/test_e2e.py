@@ -1,0 +1,156 @@
+"""End to end through the CLI: real SmolLM2, real bm25s over the bundled Wikipedia corpus, real HotpotQA questions.
+
+Kept short for CI (a small generate length); the full-size runs are the benchmarks and `fastrag parity`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fastrag.eval import BUNDLED
+
+DATA = BUNDLED / "hotpotqa_dev20.jsonl"
+CORPUS = BUNDLED / "wiki_passages.jsonl"
+
+
+def cli(*args, check=True, timeout=900, env=None):
+    p = subprocess.run([sys.executable, "-m", "fastrag", *map(str, args)], capture_output=True, text=True,
+                       timeout=timeout, env=env)
+    if check and p.returncode != 0:
+        raise AssertionError(f"fastrag {' '.join(map(str, args))} exited {p.returncode}:\n{p.stderr[-3000:]}")
+    return p
+
+
+@pytest.fixture(scope="module")
+def small_config(tmp_path_factory):
+    path = tmp_path_factory.mktemp("cfg") / "DRAGIN.json"
+    # a published-style config (keys as in the DRAGIN repository) with a short generation for CI
+    path.write_text(json.dumps({
+        "model_name_or_path": "smollm2", "method": "attn_entropy", "dataset": "hotpotqa",
+        "generate_max_length": 24, "query_formulation": "real_words", "retrieve_keep_top_k": 35,
+        "output_dir": "../result/x", "retriever": "BM25", "retrieve_topk": 3, "hallucination_threshold": 1.2,
+        "fewshot": 8, "sample": 1000, "shuffle": False, "check_real_words": True, "es_index_name": "34051_wiki",
+        "use_counter": True,
+    }))
+    return path
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory, small_config):
+    out = tmp_path_factory.mktemp("run")
+    env = dict(os.environ, FASTRAG_CACHE=str(tmp_path_factory.mktemp("cache")))
+    p = cli("run", "--method", "dragin", "--dataset", "hotpotqa", "--data", DATA, "--corpus", CORPUS,
+            "--config", small_config, "--limit", 3, "--batch-size", 3, "--output", out, "--no-progress", env=env)
+    return out, p, env
+
+
+def test_run_writes_results_and_metrics(run_dir):
+    out, p, _ = run_dir
+    recs = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
+    gold = [json.loads(x) for x in DATA.read_text().splitlines()[:3]]
+    assert [r["qid"] for r in recs] == [g["question_id"] for g in gold] or \
+        sorted(r["qid"] for r in recs) == sorted(g["question_id"] for g in gold)
+    corpus_ids = {json.loads(x)["id"] for x in CORPUS.read_text().splitlines()}
+    for r in recs:
+        assert r["error"] is None, r["error"]
+        assert r["prediction"]  # the text itself may be empty: SmolLM2 sometimes answers EOS at once
+        assert set(r["metrics"]) >= {"em", "f1", "answer"}
+        assert r["decode_tokens"] > 0 and r["prefill_tokens"] > 0
+        for rd in r["rounds"]:
+            if rd["query"] is not None:
+                assert rd["trigger_sentence"] and rd["doc_ids"]
+                assert set(rd["doc_ids"]) <= corpus_ids
+    m = json.loads((out / "metrics.json").read_text())
+    for k in ("method", "dataset", "n", "em", "f1", "accuracy", "questions_per_s", "tokens_per_s",
+              "retrievals_per_question", "wall_s"):
+        assert k in m, k
+    assert m["n"] == 3 and m["method"] == "dragin" and m["dataset"] == "hotpotqa"
+    assert 0.0 <= m["em"] <= m["f1"] + 1e-9 <= 1.0 + 1e-9
+    assert m["questions_per_s"] > 0
+    assert "f1" in p.stdout  # the summary table
+
+
+def test_rerun_resumes_without_recomputing(run_dir, small_config):
+    out, _, env = run_dir
+    before = (out / "results.jsonl").read_bytes()
+    cli("run", "--method", "dragin", "--dataset", "hotpotqa", "--data", DATA, "--corpus", CORPUS,
+        "--config", small_config, "--limit", 3, "--output", out, "--no-progress", env=env)
+    assert (out / "results.jsonl").read_bytes() == before
+    assert json.loads((out / "metrics.json").read_text())["computed_this_run"] == 0
+
+
+def test_killed_run_resumes_to_the_complete_set(tmp_path, small_config, run_dir):
+    _, _, env = run_dir
+    out = tmp_path / "killed"
+    args = [sys.executable, "-m", "fastrag", "run", "--method", "dragin", "--dataset", "hotpotqa", "--data", DATA,
+            "--corpus", CORPUS, "--config", small_config, "--limit", 4, "--batch-size", 1, "--output", out,
+            "--no-progress"]
+    proc = subprocess.Popen(list(map(str, args)), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    res = out / "results.jsonl"
+    deadline = time.time() + 600
+    while time.time() < deadline and proc.poll() is None:
+        if res.exists() and res.read_text().count("\n") >= 1:
+            break
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    first = res.read_text().splitlines()
+    assert 1 <= len(first) < 4, "the run was expected to be killed part-way"
+    cli("run", *map(str, args[4:]), env=env)
+    final = res.read_text().splitlines()
+    assert final[: len(first)] == first  # nothing already written was recomputed or rewritten
+    qids = [json.loads(x)["qid"] for x in final]
+    assert len(qids) == 4 and len(set(qids)) == 4
+
+
+@pytest.mark.parametrize("bad, msg", [
+    (["--data", "/nonexistent/q.jsonl"], "no such file"),
+    (["--corpus", "/nonexistent/c.jsonl"], "no such file"),
+    (["--method", "nosuch"], "unknown method"),
+])
+def test_bad_arguments_give_clear_errors(tmp_path, bad, msg):
+    args = {"--method": "dragin", "--dataset": "hotpotqa", "--data": str(DATA), "--corpus": str(CORPUS),
+            "--output": str(tmp_path / "o")}
+    args.update(dict(zip(bad[::2], bad[1::2])))
+    p = cli("run", *[x for kv in args.items() for x in kv], check=False)
+    assert p.returncode == 2 and msg in p.stderr, p.stderr
+
+
+def test_malformed_data_line_is_named(tmp_path):
+    bad = tmp_path / "q.jsonl"
+    lines = DATA.read_text().splitlines()[:2]
+    bad.write_text(lines[0] + "\n{not json\n" + lines[1] + "\n")
+    p = cli("run", "--method", "dragin", "--dataset", "hotpotqa", "--data", bad, "--corpus", CORPUS,
+            "--output", tmp_path / "o", check=False)
+    assert p.returncode == 2 and f"{bad}:2" in p.stderr or "line 2" in p.stderr, p.stderr
+
+
+def test_unknown_dataset_is_rejected(tmp_path):
+    p = cli("run", "--method", "dragin", "--dataset", "squad", "--output", tmp_path / "o", check=False)
+    assert p.returncode == 2 and "squad" in p.stderr
+
+
+def test_per_question_problems_are_recorded_and_the_run_goes_on(tmp_path, small_config, run_dir):
+    """An empty question and a question too long for the model context: recorded as errors, others answered."""
+    _, _, env = run_dir
+    lines = [json.loads(x) for x in DATA.read_text().splitlines()[:2]]
+    empty = dict(lines[0], question_id="empty", question_text="   ")
+    huge = dict(lines[0], question_id="huge", question_text="word " * 9000)
+    data = tmp_path / "q.jsonl"
+    data.write_text("\n".join(json.dumps(x) for x in (empty, huge, lines[1])) + "\n")
+    out = tmp_path / "o"
+    cli("run", "--method", "dragin", "--dataset", "hotpotqa", "--data", data, "--corpus", CORPUS,
+        "--config", small_config, "--output", out, "--no-progress", env=env)
+    recs = {r["qid"]: r for r in map(json.loads, (out / "results.jsonl").read_text().splitlines())}
+    assert "empty question" in recs["empty"]["error"]
+    assert "exceeds the model context" in recs["huge"]["error"]
+    assert recs[lines[1]["question_id"]]["error"] is None
+    assert json.loads((out / "metrics.json").read_text())["errors"] == 2
