@@ -82,6 +82,7 @@ class Engine:
         self.waiting: list[SeqState] = []  # need prefill
         self.running: list[SeqState] = []  # decoding
         self.prefix: SharedPrefix | None = None
+        self._prefix_start = -1
         self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "prefix_hit_tokens": 0, "own_hit_tokens": 0,
                       "decode_steps": 0, "prefill_calls": 0}
 
@@ -107,6 +108,7 @@ class Engine:
         blocks = list(s.table.blocks)
         slots = torch.tensor(s.table.slots(0, n), dtype=torch.long, device=self.device)
         self.prefix = SharedPrefix(token_ids=ids[:n], blocks=blocks, slots=slots)  # owns the blocks' refcount
+        self._prefix_start = self.prefix.start
         return self.prefix
 
     def start(self, s: SeqState, prompt_ids: list[int], max_new_tokens: int) -> None:
@@ -280,6 +282,7 @@ class Engine:
             prefix_len=prefix.length if prefix else 0,
             prefix_slots=prefix.slots if prefix else torch.zeros(0, dtype=torch.long, device=d),
             ctx_slots=ctx_t.to(d), ctx_lens=torch.tensor([len(c) for c in ctx], device=d),
+            prefix_start=self._prefix_start if prefix else -1,
         )
 
     # ------------------------------------------------------------------ cache-free attention passes

@@ -176,7 +176,9 @@ def run(opts: RunOptions, engine=None, retriever=None) -> dict:
             bar.update(1)
 
         try:
-            Scheduler(engine, retriever, policy, max_inflight=opts.batch_size).run(todo, on_result)
+            # twice the decode batch in flight: questions waiting on attention passes or retrieval do not
+            # leave holes in the decode batch
+            Scheduler(engine, retriever, policy, max_inflight=2 * opts.batch_size).run(todo, on_result)
         finally:
             bar.close()
             writer.close()

@@ -1,6 +1,7 @@
 """Paged KV cache: a pool of fixed-size blocks per layer, reference-counted, with per-sequence block tables.
 
-k/v pools: per layer `[num_blocks * block_size, H_kv, D]`; slot `s = block * block_size + offset`.
+k/v pools: per layer `[H_kv, num_blocks * block_size, D]` (per kv head, so a gathered context is contiguous);
+slot `s = block * block_size + offset`.
 A shared prefix (the few-shot demos) owns whole blocks only, so no sequence ever writes into a shared block
 and no copy-on-write is needed; the tail of the prefix that does not fill a block is each sequence's own.
 """
@@ -24,8 +25,8 @@ class KVPool:
         self.block_size = block_size
         self.num_blocks = num_blocks
         n = num_blocks * block_size
-        self.k = [torch.empty(n, num_kv_heads, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.empty(n, num_kv_heads, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k = [torch.empty(num_kv_heads, n, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.empty(num_kv_heads, n, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
         self.refcount = [0] * num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))  # stack: low block ids first
 
@@ -95,6 +96,14 @@ class SharedPrefix:
     token_ids: list[int]  # exactly the block-aligned tokens whose KV is held
     blocks: list[int]
     slots: torch.Tensor  # [P] pool slots, P = len(token_ids)
+
+    @property
+    def start(self) -> int:
+        """First slot if the prefix occupies consecutive slots (read as a view, no gather), else -1."""
+        s = self.slots
+        if len(s) and int(s[-1]) - int(s[0]) == len(s) - 1 and bool((s.diff() == 1).all()):
+            return int(s[0])
+        return -1
 
     @property
     def length(self) -> int:

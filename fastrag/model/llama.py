@@ -62,6 +62,7 @@ class AttnBatch:
     positions:   [B, T]     absolute position of each new token (0 for padding)
     prefix_len:  int        length P of the shared prefix every sequence starts with (0: none)
     prefix_slots:[P]        pool slots of that prefix
+    prefix_start:int        first slot when those slots are consecutive (then the prefix is read as a view), else -1
     ctx_slots:   [B, S]     pool slots of each sequence's context after the prefix (new tokens included), padded
     ctx_lens:    [B]        number of real entries of ctx_slots
     """
@@ -73,6 +74,7 @@ class AttnBatch:
     prefix_slots: torch.Tensor
     ctx_slots: torch.Tensor
     ctx_lens: torch.Tensor
+    prefix_start: int = -1
 
 
 class RMSNorm(nn.Module):
@@ -135,14 +137,6 @@ def apply_rope(x, cos, sin):
     d = x.shape[-1] // 2
     rot = torch.cat((-x[..., d:], x[..., :d]), dim=-1)
     return x * cos.unsqueeze(1) + rot * sin.unsqueeze(1)
-
-
-def _part_scores(q, k, scale, mask=None):
-    """q: [B, Hkv, G*T, D], k: [B|1, Hkv, S, D] -> scores [B, Hkv, G*T, S] (masked with -inf)."""
-    s = torch.matmul(q, k.transpose(-1, -2)) * scale
-    if mask is not None:
-        s = s.masked_fill(~mask, float("-inf"))
-    return s
 
 
 class LlamaModel(nn.Module):
@@ -233,7 +227,7 @@ class LlamaModel(nn.Module):
     def forward(self, ids, batch: AttnBatch, k_pool, v_pool, logits_index=None):
         """One step over the paged cache.
 
-        ids: [B, T] new tokens; k_pool/v_pool: per-layer lists of [num_slots, Hkv, D].
+        ids: [B, T] new tokens; k_pool/v_pool: per-layer lists of [Hkv, num_slots, D].
         logits_index: [M] flat indices into B*T whose logits are wanted (default: all valid).
         Returns logits [M, V] (float32).
         """
@@ -280,38 +274,44 @@ class LlamaModel(nn.Module):
         return m.unsqueeze(1)
 
     def _write_kv(self, k, v, b: AttnBatch, kp, vp):
+        """k, v: [B, Hkv, T, D] -> pool slots (pool layout [Hkv, num_slots, D])."""
         Hkv, D = k.shape[1], k.shape[3]
         flat = b.valid.reshape(-1)
-        kp.index_copy_(0, b.write_slots, k.transpose(1, 2).reshape(-1, Hkv, D)[flat])
-        vp.index_copy_(0, b.write_slots, v.transpose(1, 2).reshape(-1, Hkv, D)[flat])
+        kp.index_copy_(1, b.write_slots, k.transpose(0, 1).reshape(Hkv, -1, D)[:, flat])
+        vp.index_copy_(1, b.write_slots, v.transpose(0, 1).reshape(Hkv, -1, D)[:, flat])
 
     def _attend(self, q, b: AttnBatch, kp, vp, mask_ctx):
         """Cascade attention: the shared prefix once for the batch + each sequence's context, merged by LSE.
 
-        q: [B, H, T, D] -> [B, H, T, D]
+        q: [B, H, T, D] -> [B, H, T, D]. Work is laid out per kv head, `[Hkv, B, G*T, .]`, so the gathered
+        context keys `[Hkv, B, S, D]` come out of the pool contiguous and the prefix keys `[Hkv, P, D]` are one
+        contiguous read for the whole batch.
         """
         B, H, T, D = q.shape
         Hkv = self.c.num_kv_heads
         G = H // Hkv
-        qg = q.reshape(B, Hkv, G * T, D)  # heads of one kv group share its keys
-        ks = kp[b.ctx_slots].permute(0, 2, 1, 3)  # [B, Hkv, S, D]
-        vs = vp[b.ctx_slots].permute(0, 2, 1, 3)
-        m = mask_ctx.expand(B, G, T, -1).reshape(B, 1, G * T, -1)
-        s_ctx = _part_scores(qg, ks, self.scale, m)
+        S = b.ctx_slots.shape[1]
+        qh = q.reshape(B, Hkv, G * T, D).transpose(0, 1)  # [Hkv, B, G*T, D]; heads of a group share keys
+        ks = kp.index_select(1, b.ctx_slots.reshape(-1)).view(Hkv, B, S, D)
+        vs = vp.index_select(1, b.ctx_slots.reshape(-1)).view(Hkv, B, S, D)
+        m = mask_ctx.expand(B, G, T, S).reshape(1, B, G * T, S)
+        s_ctx = torch.matmul(qh, ks.transpose(-1, -2)).mul_(self.scale).masked_fill_(~m, float("-inf"))
         if b.prefix_len:
-            # the prefix is read once for the whole batch: all B*G*T query rows of a kv head in one matmul
-            kpre = kp[b.prefix_slots].permute(1, 2, 0)  # [Hkv, D, P]
-            vpre = vp[b.prefix_slots].transpose(0, 1)  # [Hkv, P, D]
-            qf = qg.transpose(0, 1).reshape(Hkv, B * G * T, D)
-            s_pre = (torch.matmul(qf, kpre) * self.scale).view(Hkv, B, G * T, -1).transpose(0, 1)
+            if b.prefix_start >= 0:  # [Hkv, P, D], read once for all sequences
+                kpre = kp[:, b.prefix_start: b.prefix_start + b.prefix_len]
+                vpre = vp[:, b.prefix_start: b.prefix_start + b.prefix_len]
+            else:
+                kpre, vpre = kp.index_select(1, b.prefix_slots), vp.index_select(1, b.prefix_slots)
+            s_pre = torch.matmul(qh.reshape(Hkv, B * G * T, D), kpre.transpose(-1, -2)).mul_(self.scale)
+            s_pre = s_pre.view(Hkv, B, G * T, -1)
             mx = torch.maximum(s_pre.amax(-1, keepdim=True), s_ctx.amax(-1, keepdim=True))
             e_pre, e_ctx = torch.exp(s_pre - mx), torch.exp(s_ctx - mx)
-            num_pre = torch.matmul(e_pre.transpose(0, 1).reshape(Hkv, B * G * T, -1), vpre)
-            num = num_pre.view(Hkv, B, G * T, D).transpose(0, 1) + torch.matmul(e_ctx, vs)
+            num = torch.matmul(e_pre.view(Hkv, B * G * T, -1), vpre).view(Hkv, B, G * T, D)
+            num = num + torch.matmul(e_ctx, vs)
             den = e_pre.sum(-1, keepdim=True) + e_ctx.sum(-1, keepdim=True)
         else:
             mx = s_ctx.amax(-1, keepdim=True).clamp_min(-1e30)  # padding rows are fully masked
             e_ctx = torch.exp(s_ctx - mx)
             num = torch.matmul(e_ctx, vs)
             den = e_ctx.sum(-1, keepdim=True).clamp_min(1e-30)
-        return (num / den).reshape(B, H, T, D)
+        return (num / den).transpose(0, 1).reshape(B, H, T, D)
