@@ -1,0 +1,129 @@
+"""The scheduler on CPU with a fake model runner and a fake retriever: batching, errors, in-flight bound."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from fastrag.engine import Generation
+from fastrag.retrieval.base import Doc
+from fastrag.scheduler import AttnColmax, Generate, Scheduler, Search
+from fastrag.trace import QuestionResult, Round
+
+
+@dataclass
+class Ex:
+    qid: str
+    question: str
+    answers: list = field(default_factory=lambda: ["x"])
+
+
+class FakeTok:
+    def encode(self, s):
+        if "TOO LONG" in s:
+            return [0] * 10_000
+        return [ord(c) % 50 for c in s]
+
+
+@dataclass
+class FakeSeq:
+    n: int
+    out: Generation | None = None
+
+
+class FakeEngine:
+    """Finishes every started generation after `steps` decode steps; counts batch sizes."""
+
+    def __init__(self, steps=3):
+        self.tok = FakeTok()
+        self.waiting, self.running = [], []
+        self.steps, self.seq_count, self.released = steps, 0, 0
+        self.decode_batches, self.attn_batches = [], []
+        self._age = {}
+
+    def new_sequence(self):
+        self.seq_count += 1
+        return FakeSeq(self.seq_count)
+
+    def release(self, s):
+        self.released += 1
+
+    def start(self, s, ids, n):
+        if len(ids) > 4096:
+            raise ValueError("prompt exceeds the model context")
+        s.out = Generation(ids=list(range(n)), entropy=[0.0] * n, logprob=[0.0] * n, prompt_tokens=len(ids))
+        self.running.append(s)
+        self._age[id(s)] = 0
+
+    @property
+    def has_work(self):
+        return bool(self.running)
+
+    def step(self):
+        self.decode_batches.append(len(self.running))
+        done = []
+        for s in self.running:
+            self._age[id(s)] += 1
+            if self._age[id(s)] >= self.steps:
+                done.append(s)
+        self.running = [s for s in self.running if s not in done]
+        return done
+
+    def attention_passes(self, seqs, kind):
+        self.attn_batches.append(len(seqs))
+        return [[1.0] * len(x) for x in seqs]
+
+
+class FakeRetriever:
+    def __init__(self):
+        self.batches = []
+
+    def search(self, queries, k):
+        self.batches.append(len(queries))
+        return [[Doc(id=f"{q}-{i}", title="", text="t") for i in range(k)] for q in queries]
+
+
+def policy(ex, seq):
+    """generate -> attention pass -> search -> generate; 'bad' questions raise, 'long' ones overflow the context."""
+    if ex.question == "bad":
+        raise ValueError("empty question")
+    g = yield Generate(("TOO LONG " if ex.question == "long" else "") + ex.question, 4)
+    a = yield AttnColmax(g.ids)
+    assert len(a) == 4
+    docs = yield Search(ex.question, 2)
+    g2 = yield Generate("again " + ex.question, 2)
+    return QuestionResult(qid=ex.qid, question=ex.question, gold=ex.answers, text=str(len(g2.ids)),
+                          rounds=[Round(trigger_sentence="s", query=ex.question, doc_ids=[d.id for d in docs])])
+
+
+def test_all_questions_finish_with_batched_passes_and_searches():
+    eng, ret = FakeEngine(), FakeRetriever()
+    out = []
+    exs = [Ex(str(i), f"q{i}") for i in range(10)]
+    Scheduler(eng, ret, policy, max_inflight=10).run(exs, out.append)
+    assert sorted(r.qid for r in out) == sorted(e.qid for e in exs)
+    assert all(r.error is None and r.text == "2" for r in out)
+    assert [d for r in out for d in r.rounds[0].doc_ids] and all(len(r.rounds[0].doc_ids) == 2 for r in out)
+    assert max(eng.decode_batches) == 10  # all ten generations shared the decode batch
+    assert max(ret.batches) > 1 and sum(ret.batches) == 10  # queries went to the retriever together
+    assert max(eng.attn_batches) > 1
+    assert eng.released == 10  # every sequence's KV was given back
+
+
+def test_in_flight_bound_is_respected():
+    eng, ret = FakeEngine(), FakeRetriever()
+    out = []
+    Scheduler(eng, ret, policy, max_inflight=3).run([Ex(str(i), f"q{i}") for i in range(7)], out.append)
+    assert len(out) == 7 and max(eng.decode_batches) <= 3
+
+
+def test_per_question_errors_are_recorded_and_others_finish():
+    eng, ret = FakeEngine(), FakeRetriever()
+    out = []
+    exs = [Ex("a", "q1"), Ex("b", "bad"), Ex("c", "long"), Ex("d", "q2")]
+    Scheduler(eng, ret, policy, max_inflight=4).run(exs, out.append)
+    by = {r.qid: r for r in out}
+    assert set(by) == {"a", "b", "c", "d"}
+    assert "empty question" in by["b"].error
+    assert "exceeds the model context" in by["c"].error
+    assert by["a"].error is None and by["d"].error is None
+    assert eng.released == 4
