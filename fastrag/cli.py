@@ -21,7 +21,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--limit", type=int, help="first N questions")
     p.add_argument("--batch-size", type=int, default=32, help="questions in flight (decode batch)")
     p.add_argument("--signals", help="signal backend (torch | cpp); default env FASTRAG_SIGNALS_BACKEND or torch")
-    p.add_argument("--kv-cache-gb", type=float, default=4.0, help="KV cache pool size")
+    p.add_argument("--kv-cache-gb", type=float, default=8.0, help="KV cache pool size")
     p.add_argument("--threads", type=int, help="torch CPU threads")
     p.add_argument("--output", required=True, help="output directory (results.jsonl, metrics.json)")
     p.add_argument("--no-progress", action="store_true")

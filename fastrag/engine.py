@@ -41,7 +41,7 @@ class Generation:
     ended_by_eos: bool = False
 
 
-@dataclass
+@dataclass(eq=False)  # identity semantics: the scheduler looks sequences up in lists
 class SeqState:
     table: BlockTable
     prefix: SharedPrefix | None = None
@@ -83,14 +83,18 @@ class Engine:
         self.running: list[SeqState] = []  # decoding
         self.prefix: SharedPrefix | None = None
         self._prefix_start = -1
+        self.live: dict[int, SeqState] = {}  # sequences that may hold blocks
         self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "prefix_hit_tokens": 0, "own_hit_tokens": 0,
                       "decode_steps": 0, "prefill_calls": 0}
 
     # ------------------------------------------------------------------ sequences
     def new_sequence(self) -> SeqState:
-        return SeqState(table=BlockTable(self.pool))
+        s = SeqState(table=BlockTable(self.pool))
+        self.live[id(s)] = s
+        return s
 
     def release(self, s: SeqState) -> None:
+        self.live.pop(id(s), None)
         s.table.free()
         if s.prefix is not None:
             self.pool.release(s.prefix.blocks)
@@ -104,6 +108,7 @@ class Engine:
         if n == 0:
             return None
         s = self.new_sequence()
+        self.live.pop(id(s))  # its blocks pass to the SharedPrefix below
         self._prefill([(s, ids[:n])], want_logits=False)
         blocks = list(s.table.blocks)
         slots = torch.tensor(s.table.slots(0, n), dtype=torch.long, device=self.device)
@@ -168,9 +173,13 @@ class Engine:
                 try:
                     s.table.reserve(n + s.max_new)
                 except OutOfBlocks:
-                    if not group and not self.running:
-                        raise
-                    break
+                    if group or self.running:
+                        break  # wait for running sequences to finish and free blocks
+                    if not self._evict_idle(keep=s):
+                        raise OutOfBlocks(f"the KV pool ({self.pool.num_blocks} blocks of {self.pool.block_size}) "
+                                          f"cannot hold one sequence of {s.computed + n + s.max_new} tokens; "
+                                          "raise --kv-cache-gb") from None
+                    continue
                 group.append(self.waiting.pop(0))
             if group:
                 logits = self._prefill([(s, s.pending_prompt) for s in group], want_logits=True)
@@ -187,6 +196,21 @@ class Engine:
             self.running = [s for s, d in zip(batch, done) if not d] + self.running[self.max_batch:]
             finished += [s for s, d in zip(batch, done) if d]
         return finished
+
+    def _evict_idle(self, keep: SeqState) -> bool:
+        """Free the own caches of sequences that are not decoding (waiting for a prefill, or between two
+        generations of their question); they prefill their whole prompt again when they next run."""
+        running = {id(s) for s in self.running}
+        freed = False
+        for s in self.live.values():
+            if s is keep or id(s) in running or not s.table.blocks:
+                continue
+            s.table.free()
+            if s in self.waiting:
+                s.pending_prompt = s.tokens[s.base:]
+                s.out.prefilled = len(s.pending_prompt)
+            freed = True
+        return freed
 
     def _sample(self, logits: torch.Tensor):
         """logits: [B, V] float32 -> (chosen [B], warped logits [B, V]) as used for decoding."""

@@ -36,7 +36,7 @@ class RunOptions:
     limit: int | None = None
     batch_size: int = 32
     signals: str | None = None
-    kv_cache_gb: float = 4.0
+    kv_cache_gb: float = 8.0
     threads: int | None = None
     progress: bool = True
 
@@ -96,7 +96,7 @@ class ResultWriter:
         self.f.close()
 
 
-def build_engine(model: str, batch_size: int, signals: str | None = None, kv_cache_gb: float = 4.0,
+def build_engine(model: str, batch_size: int, signals: str | None = None, kv_cache_gb: float = 8.0,
                  device: str | None = None, dtype: torch.dtype | None = None):
     from fastrag.engine import Engine
     from fastrag.model.llama import LlamaModel

@@ -46,7 +46,7 @@ def small_config(tmp_path_factory):
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory, small_config):
     out = tmp_path_factory.mktemp("run")
-    env = dict(os.environ, FASTRAG_CACHE=str(tmp_path_factory.mktemp("cache")))
+    env = dict(os.environ)
     p = cli("run", "--method", "dragin", "--dataset", "hotpotqa", "--data", DATA, "--corpus", CORPUS,
             "--config", small_config, "--limit", 3, "--batch-size", 3, "--output", out, "--no-progress", env=env)
     return out, p, env

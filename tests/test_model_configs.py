@@ -117,3 +117,42 @@ def test_sampling_is_seeded_and_top_p_limits_the_support():
     assert all(abs(h) < 1e-6 for h in tiny_p.entropy)  # entropy of the warped distribution (one token left)
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0.0)
+
+
+def test_small_kv_pool_waits_and_evicts_instead_of_failing():
+    """More sequences than the pool holds at once: they wait for blocks (and give up their own cache when nothing
+    runs); every generation completes and equals the same generation run alone with a roomy pool."""
+    from transformers import LlamaConfig
+
+    from fastrag.engine import Engine
+
+    class Tok:
+        eos_token_id = None
+
+    cfg = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, eos_token_id=None)
+    m = LlamaModel.from_hf_config(cfg, seed=0)
+    prompts = [[1 + i, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12][: 6 + i] for i in range(4)]
+    per_block = 2 * 2 * 16 * 2 * 8 * 4  # layers * block * kv heads * head dim * fp32, k and v
+
+    def run(n_blocks, batch):
+        eng = Engine(m, Tok(), kv_cache_gb=n_blocks * per_block / 2**30, max_batch=batch)
+        seqs = [eng.new_sequence() for _ in prompts]
+        for s, p in zip(seqs, prompts):
+            eng.start(s, p, 30)  # up to 39 tokens: 3 blocks of 16 each
+        done, most = [], 0
+        while eng.has_work:
+            done += eng.step()
+            most = max(most, len(eng.running))
+        assert len(done) == len(prompts)
+        return [s.out.ids for s in seqs], eng.pool.num_blocks, most
+
+    roomy, _, most_roomy = run(64, 8)
+    tight, n, most_tight = run(8, 8)  # the pool minimum: 8 blocks; 4 sequences need 12
+    assert n == 8 and most_roomy == 4 and most_tight == 2  # at most two fit at once: the others waited
+    assert tight == roomy
+    with pytest.raises(Exception, match="cannot hold one sequence"):
+        eng = Engine(m, Tok(), kv_cache_gb=8 * per_block / 2**30)
+        s = eng.new_sequence()
+        eng.start(s, list(range(1, 40)) * 3, 20)
+        eng.step()

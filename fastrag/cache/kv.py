@@ -55,7 +55,7 @@ class KVPool:
                 self._free.append(b)
 
 
-@dataclass
+@dataclass(eq=False)
 class BlockTable:
     """The blocks one sequence owns, holding its tokens after the shared prefix (positions base, base+1, ...)."""
 

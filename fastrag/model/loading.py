@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -69,7 +70,12 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
         del model.config.quantization_config
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
-    tmp.rename(out)  # atomic: a half-written conversion is never picked up
+    try:
+        tmp.rename(out)  # atomic: a half-written conversion is never picked up
+    except OSError:
+        if not (out / "config.json").exists():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)  # another process converted it first
 
 
 def load_tokenizer(name_or_path: str | os.PathLike):
