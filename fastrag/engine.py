@@ -94,7 +94,11 @@ class Engine:
         return s
 
     def release(self, s: SeqState) -> None:
+        """The sequence is done for good: give back its blocks and its share of the prefix."""
         self.live.pop(id(s), None)
+        self._drop_cache(s)
+
+    def _drop_cache(self, s: SeqState) -> None:
         s.table.free()
         if s.prefix is not None:
             self.pool.release(s.prefix.blocks)
@@ -125,7 +129,7 @@ class Engine:
                              f"context of {self.max_context} tokens")
         pre = self.prefix if (self.prefix is not None and self.prefix.matches(prompt_ids)) else None
         if pre is not s.prefix:  # prefix changes: the own cache is relative to the old base, drop it
-            self.release(s)
+            self._drop_cache(s)
             if pre is not None:
                 self.pool.share(pre.blocks)
             s.prefix = pre

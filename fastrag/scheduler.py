@@ -23,6 +23,7 @@ from fastrag.trace import QuestionResult
 class Generate:
     prompt: str
     max_new_tokens: int
+    branch: int = 0  # which of the question's KV sequences to reuse: prompts of one family share a branch
 
 
 @dataclass(slots=True)
@@ -46,14 +47,14 @@ class Search:
 
 
 Request = Generate | AttnColmax | AttnRows | Search
-Policy = Callable[[object, SeqState], Generator[Request, object, QuestionResult]]
+Policy = Callable[[object], Generator[Request, object, QuestionResult]]
 
 
-@dataclass
+@dataclass(eq=False)
 class _Live:
     example: object
     gen: Generator
-    seq: SeqState
+    seqs: dict[int, SeqState]  # branch -> KV sequence
     t0: float
     request: Request | None = None
 
@@ -74,12 +75,13 @@ class Scheduler:
 
         def finish(lv: _Live, result: QuestionResult | None, err: str | None = None):
             live.pop(id(lv), None)
-            by_seq.pop(id(lv.seq), None)
-            if lv.seq in self.engine.waiting:
-                self.engine.waiting.remove(lv.seq)
-            if lv.seq in self.engine.running:
-                self.engine.running.remove(lv.seq)
-            self.engine.release(lv.seq)
+            for seq in lv.seqs.values():
+                by_seq.pop(id(seq), None)
+                if seq in self.engine.waiting:
+                    self.engine.waiting.remove(seq)
+                if seq in self.engine.running:
+                    self.engine.running.remove(seq)
+                self.engine.release(seq)
             if result is None:
                 ex = lv.example
                 result = QuestionResult(qid=ex.qid, question=ex.question, gold=list(ex.answers), error=err)
@@ -101,7 +103,10 @@ class Scheduler:
             if isinstance(req, Generate):
                 try:
                     ids = self.engine.tok.encode(req.prompt)
-                    self.engine.start(lv.seq, ids, req.max_new_tokens)
+                    if req.branch not in lv.seqs:
+                        lv.seqs[req.branch] = self.engine.new_sequence()
+                        by_seq[id(lv.seqs[req.branch])] = lv
+                    self.engine.start(lv.seqs[req.branch], ids, req.max_new_tokens)
                 except ValueError as e:
                     lv.gen.close()
                     finish(lv, None, f"ValueError: {e}")
@@ -110,10 +115,8 @@ class Scheduler:
             while todo or live:
                 while todo and len(live) < self.max_inflight:
                     ex = todo.pop()
-                    seq = self.engine.new_sequence()
-                    lv = _Live(ex, self.policy(ex, seq), seq, time.perf_counter())
+                    lv = _Live(ex, self.policy(ex), {}, time.perf_counter())
                     live[id(lv)] = lv
-                    by_seq[id(seq)] = lv
                     advance(lv, None)
                 progressed = False
                 # attention passes: one batched forward per kind

@@ -129,14 +129,19 @@ def test_small_kv_pool_waits_and_evicts_instead_of_failing():
     class Tok:
         eos_token_id = None
 
+        def encode(self, s):
+            return [int(x) for x in s.split()]
+
     cfg = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, eos_token_id=None)
     m = LlamaModel.from_hf_config(cfg, seed=0)
-    prompts = [[1 + i, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12][: 6 + i] for i in range(4)]
+    shared = list(range(20, 36))  # one block of shared prefix
+    prompts = [shared + [1 + i, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12][: 6 + i] for i in range(4)]
     per_block = 2 * 2 * 16 * 2 * 8 * 4  # layers * block * kv heads * head dim * fp32, k and v
 
     def run(n_blocks, batch):
         eng = Engine(m, Tok(), kv_cache_gb=n_blocks * per_block / 2**30, max_batch=batch)
+        assert eng.set_prefix(" ".join(map(str, shared))).length == 16
         seqs = [eng.new_sequence() for _ in prompts]
         for s, p in zip(seqs, prompts):
             eng.start(s, p, 30)  # up to 39 tokens: 3 blocks of 16 each
@@ -148,7 +153,7 @@ def test_small_kv_pool_waits_and_evicts_instead_of_failing():
         return [s.out.ids for s in seqs], eng.pool.num_blocks, most
 
     roomy, _, most_roomy = run(64, 8)
-    tight, n, most_tight = run(8, 8)  # the pool minimum: 8 blocks; 4 sequences need 12
+    tight, n, most_tight = run(8, 8)  # the pool minimum: 8 blocks, 1 for the prefix; 4 sequences need 12
     assert n == 8 and most_roomy == 4 and most_tight == 2  # at most two fit at once: the others waited
     assert tight == roomy
     with pytest.raises(Exception, match="cannot hold one sequence"):

@@ -82,7 +82,7 @@ class FakeRetriever:
         return [[Doc(id=f"{q}-{i}", title="", text="t") for i in range(k)] for q in queries]
 
 
-def policy(ex, seq):
+def policy(ex):
     """generate -> attention pass -> search -> generate; 'bad' questions raise, 'long' ones overflow the context."""
     if ex.question == "bad":
         raise ValueError("empty question")
@@ -90,7 +90,7 @@ def policy(ex, seq):
     a = yield AttnColmax(g.ids)
     assert len(a) == 4
     docs = yield Search(ex.question, 2)
-    g2 = yield Generate("again " + ex.question, 2)
+    g2 = yield Generate("again " + ex.question, 2, branch=1)
     return QuestionResult(qid=ex.qid, question=ex.question, gold=ex.answers, text=str(len(g2.ids)),
                           rounds=[Round(trigger_sentence="s", query=ex.question, doc_ids=[d.id for d in docs])])
 
@@ -106,7 +106,7 @@ def test_all_questions_finish_with_batched_passes_and_searches():
     assert max(eng.decode_batches) == 10  # all ten generations shared the decode batch
     assert max(ret.batches) > 1 and sum(ret.batches) == 10  # queries went to the retriever together
     assert max(eng.attn_batches) > 1
-    assert eng.released == 10  # every sequence's KV was given back
+    assert eng.released == 20  # every sequence's KV (two branches per question) was given back
 
 
 def test_in_flight_bound_is_respected():
@@ -126,4 +126,4 @@ def test_per_question_errors_are_recorded_and_others_finish():
     assert "empty question" in by["b"].error
     assert "exceeds the model context" in by["c"].error
     assert by["a"].error is None and by["d"].error is None
-    assert eng.released == 4
+    assert eng.released == 2 * 2 + 1  # a, d: two branches; c: one (its first prompt failed); b: none

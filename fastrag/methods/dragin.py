@@ -21,6 +21,11 @@ from fastrag.text.words import assign_words_to_sentences, sentence_word_ranges, 
 from fastrag.trace import QuestionResult, Round
 
 
+# KV branches of one question: plain-round prompts (demos + case + text) extend each other, so their branch keeps
+# reusing its own cache; retrieval prompts (demos + docs + case + text) live on the other branch.
+PLAIN, RAG = 0, 1
+
+
 def join(*parts: str) -> str:
     return " ".join(p for p in parts if p)
 
@@ -39,7 +44,7 @@ class DraginReference:
     def shared_prefix(self) -> str:
         return self.demos
 
-    def __call__(self, ex, seq):
+    def __call__(self, ex):
         return self.run(ex)
 
     # ------------------------------------------------------------------ one question
@@ -79,7 +84,7 @@ class DraginReference:
                 ctx = "".join(f"[{i}] {d.text}\n" for i, d in enumerate(docs, 1))
                 prompt = (self.demos + "Context:\n" + ctx + "Answer in the same format as before.\n"
                           + join(case, text, kept))
-                g = yield Generate(prompt, cfg.generate_max_length)
+                g = yield Generate(prompt, cfg.generate_max_length, branch=RAG)
                 res.prefill_tokens += g.prefilled
                 res.decode_tokens += len(g.ids)
                 text = join(text, kept, first_sentence(tok.decode(g.ids, skip_special_tokens=True)))
