@@ -267,7 +267,7 @@ class Engine:
             valid[b, :n] = True
             pos[b, :n] = torch.arange(s.base + n0, s.base + n0 + n)
             write += s.table.slots(n0, n0 + n)
-            ctx.append(s.table.slots(0, n0 + n))
+            ctx.append((s.table.blocks, n0 + n))
         prefix = items[0][0].prefix
         assert all(s.prefix is prefix for s, _ in items), "one prefill batch shares one prefix"
         batch = self._batch(write, valid, pos, prefix, ctx)
@@ -298,18 +298,21 @@ class Engine:
         self.stats["decode_steps"] += 1
         return torch.stack(out)
 
-    def _batch(self, write, valid, pos, prefix, ctx) -> AttnBatch:
+    def _batch(self, write, valid, pos, prefix, ctx: list[tuple[list[int], int]]) -> AttnBatch:
+        """ctx: per sequence (its blocks, number of context entries after the prefix)."""
+        bs = self.pool.block_size
         B = len(ctx)
-        S = max(len(c) for c in ctx)
-        ctx_t = torch.zeros(B, S, dtype=torch.long)
-        for b, c in enumerate(ctx):
-            ctx_t[b, : len(c)] = torch.tensor(c, dtype=torch.long)
+        NB = max(-(-n // bs) for _, n in ctx)
+        ctx_t = torch.zeros(B, NB, dtype=torch.long)
+        for b, (blocks, n) in enumerate(ctx):
+            nb = -(-n // bs)
+            ctx_t[b, :nb] = torch.tensor(blocks[:nb], dtype=torch.long)
         d = self.device
         return AttnBatch(
             write_slots=torch.tensor(write, dtype=torch.long, device=d), valid=valid.to(d), positions=pos.to(d),
             prefix_len=prefix.length if prefix else 0,
             prefix_slots=prefix.slots if prefix else torch.zeros(0, dtype=torch.long, device=d),
-            ctx_slots=ctx_t.to(d), ctx_lens=torch.tensor([len(c) for c in ctx], device=d),
+            ctx_blocks=ctx_t.to(d), ctx_lens=torch.tensor([n for _, n in ctx], device=d), block_size=bs,
             prefix_start=self._prefix_start if prefix else -1,
         )
 

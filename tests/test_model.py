@@ -78,7 +78,7 @@ def _all_logits(eng, items, idx):
         valid[b, : len(ids)] = True
         pos[b, : len(ids)] = torch.arange(len(ids))
         write += s.table.slots(0, len(ids))
-        ctx.append(s.table.slots(0, len(ids)))
+        ctx.append((s.table.blocks, len(ids)))
     batch = eng._batch(write, valid, pos, None, ctx)
     return eng.model(ids_t, batch, eng.pool.k, eng.pool.v, logits_index=idx)
 

@@ -49,13 +49,13 @@ def _forward_all(model: LlamaModel, prompts: list[list[int]]) -> torch.Tensor:
         valid[b, : len(p)] = True
         pos[b, : len(p)] = torch.arange(len(p))
         write += t.slots(0, len(p))
-        ctx.append(t.slots(0, len(p)))
-    S = max(map(len, ctx))
-    cs = torch.zeros(B, S, dtype=torch.long)
+        ctx.append(t.blocks)
+    NB = max(map(len, ctx))
+    cb = torch.zeros(B, NB, dtype=torch.long)
     for b, c_ in enumerate(ctx):
-        cs[b, : len(c_)] = torch.tensor(c_)
-    batch = AttnBatch(torch.tensor(write), valid, pos, 0, torch.zeros(0, dtype=torch.long), cs,
-                      torch.tensor([len(c_) for c_ in ctx]))
+        cb[b, : len(c_)] = torch.tensor(c_)
+    batch = AttnBatch(torch.tensor(write), valid, pos, 0, torch.zeros(0, dtype=torch.long), cb,
+                      torch.tensor([len(p) for p in prompts]), block_size=pool.block_size)
     with torch.no_grad():
         return model(ids, batch, pool.k, pool.v)
 

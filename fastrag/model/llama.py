@@ -63,8 +63,9 @@ class AttnBatch:
     prefix_len:  int        length P of the shared prefix every sequence starts with (0: none)
     prefix_slots:[P]        pool slots of that prefix
     prefix_start:int        first slot when those slots are consecutive (then the prefix is read as a view), else -1
-    ctx_slots:   [B, S]     pool slots of each sequence's context after the prefix (new tokens included), padded
-    ctx_lens:    [B]        number of real entries of ctx_slots
+    ctx_blocks:  [B, NB]    pool blocks of each sequence's context after the prefix (new tokens included), padded;
+                            context entry i lives in slot ctx_blocks[b, i // block_size] * block_size + i % block_size
+    ctx_lens:    [B]        number of real context entries
     """
 
     write_slots: torch.Tensor
@@ -72,8 +73,9 @@ class AttnBatch:
     positions: torch.Tensor
     prefix_len: int
     prefix_slots: torch.Tensor
-    ctx_slots: torch.Tensor
+    ctx_blocks: torch.Tensor
     ctx_lens: torch.Tensor
+    block_size: int
     prefix_start: int = -1
 
 
@@ -268,8 +270,8 @@ class LlamaModel(nn.Module):
 
     def _ctx_mask(self, b: AttnBatch):
         """[B, 1, T, S] causal + padding mask of new tokens over the per-sequence context part."""
-        B, S = b.ctx_slots.shape
-        kpos = torch.arange(S, device=b.ctx_slots.device) + b.prefix_len  # absolute position of context entry
+        B, S = b.ctx_blocks.shape[0], b.ctx_blocks.shape[1] * b.block_size
+        kpos = torch.arange(S, device=b.ctx_blocks.device) + b.prefix_len  # absolute position of context entry
         m = (kpos.view(1, 1, S) <= b.positions.unsqueeze(-1)) & (kpos.view(1, 1, S) < (b.ctx_lens + b.prefix_len).view(B, 1, 1))
         return m.unsqueeze(1)
 
@@ -290,10 +292,13 @@ class LlamaModel(nn.Module):
         B, H, T, D = q.shape
         Hkv = self.c.num_kv_heads
         G = H // Hkv
-        S = b.ctx_slots.shape[1]
+        bs = b.block_size
+        S = b.ctx_blocks.shape[1] * bs
         qh = q.reshape(B, Hkv, G * T, D).transpose(0, 1)  # [Hkv, B, G*T, D]; heads of a group share keys
-        ks = kp.index_select(1, b.ctx_slots.reshape(-1)).view(Hkv, B, S, D)
-        vs = vp.index_select(1, b.ctx_slots.reshape(-1)).view(Hkv, B, S, D)
+        # gather whole blocks (block_size * D contiguous values each), not single slots
+        blk = b.ctx_blocks.reshape(-1)
+        ks = kp.view(Hkv, -1, bs, D).index_select(1, blk).view(Hkv, B, S, D)
+        vs = vp.view(Hkv, -1, bs, D).index_select(1, blk).view(Hkv, B, S, D)
         m = mask_ctx.expand(B, G, T, S).reshape(1, B, G * T, S)
         s_ctx = torch.matmul(qh, ks.transpose(-1, -2)).mul_(self.scale).masked_fill_(~m, float("-inf"))
         if b.prefix_len:
