@@ -15,7 +15,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Generator, Iterable
 
-from fastrag.engine import Engine, Generation, SeqState
+from fastrag.engine import Engine, SeqState
 from fastrag.trace import QuestionResult
 
 
@@ -164,7 +164,3 @@ class Scheduler:
         self.search_batches.append(len(reqs))
         return out
 
-
-def generation_of(value) -> Generation:
-    assert isinstance(value, Generation), f"expected a Generation, got {type(value).__name__}"
-    return value
