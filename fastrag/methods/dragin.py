@@ -50,8 +50,8 @@ class DraginReference:
     # ------------------------------------------------------------------ one question
     def run(self, ex):
         cfg, tok = self.cfg, self.tok
-        q = ex.question.strip()
-        if not q:
+        q = ex.question  # used as given (trailing spaces included), as the published code and the oracle do
+        if not q.strip():
             raise ValueError("empty question")
         res = QuestionResult(qid=ex.qid, question=ex.question, gold=list(ex.answers))
         case = case_text(q, cfg.dataset)
