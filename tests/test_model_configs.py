@@ -34,9 +34,12 @@ def _tiny_hf(kind: str, tmp_path):
     return model
 
 
-def _forward_all(model: LlamaModel, prompts: list[list[int]]) -> torch.Tensor:
+def _forward_all(model: LlamaModel, prompts: list[list[int]], garbage: float | None = None) -> torch.Tensor:
     c = model.c
     pool = KVPool(c.num_layers, 64, 8, c.num_kv_heads, c.head_dim)
+    if garbage is not None:  # stale values in slots no sequence owns (a freed block) must not leak into attention
+        for t in pool.k + pool.v:
+            t.uniform_(-garbage, garbage)
     B, T = len(prompts), max(map(len, prompts))
     ids = torch.zeros(B, T, dtype=torch.long)
     valid = torch.zeros(B, T, dtype=torch.bool)
@@ -87,6 +90,21 @@ def test_random_init_from_config_has_real_shapes():
     assert m.lm_head.weight.shape == (320, 64)
     logits = _forward_all(m, [[1, 2, 3], [4, 5]])
     assert logits.shape == (5, 320) and torch.isfinite(logits).all()
+
+
+def test_stale_pool_contents_do_not_reach_the_output():
+    """Padding positions of a partly filled block and the padded block-table entries point at slots holding stale
+    keys/values; attention must give them exactly zero weight."""
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=60, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2)
+    m = LlamaModel.from_hf_config(cfg, seed=3)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [7]]
+    clean = _forward_all(m, prompts)
+    dirty = _forward_all(m, prompts, garbage=1e4)
+    assert torch.isfinite(clean).all()
+    torch.testing.assert_close(dirty, clean, rtol=1e-5, atol=1e-5)
 
 
 def test_sampling_is_seeded_and_top_p_limits_the_support():

@@ -25,8 +25,8 @@ class KVPool:
         self.block_size = block_size
         self.num_blocks = num_blocks
         n = num_blocks * block_size
-        self.k = [torch.empty(num_kv_heads, n, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.empty(num_kv_heads, n, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k = [torch.zeros(num_kv_heads, n, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(num_kv_heads, n, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
         self.refcount = [0] * num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))  # stack: low block ids first
 
