@@ -10,7 +10,7 @@ from fastrag.data.datasets import DATASETS
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--method", required=True, help="dynamic-RAG method (dragin)")
+    p.add_argument("--method", required=True, help="dynamic-RAG method (see `fastrag methods`)")
     p.add_argument("--dataset", required=True, choices=DATASETS)
     p.add_argument("--data", help="dataset file (formats: see fastrag.data.datasets); "
                    "default for hotpotqa: the 20 bundled dev questions")
@@ -33,7 +33,14 @@ def main(argv: list[str] | None = None) -> int:
     _common(sub.add_parser("run", help="run a method over a dataset; results.jsonl + metrics.json"))
     pp = sub.add_parser("parity", help="engine vs per-question oracle on the same questions; parity.json")
     _common(pp)
+    sub.add_parser("methods", help="list the available methods")
     args = ap.parse_args(argv)
+    if args.cmd == "methods":
+        from fastrag.methods.registry import available, get_method
+
+        for name in available():
+            print(f"{name:18s} {get_method(name).description}")
+        return 0
 
     from fastrag.eval import BUNDLED, RunOptions
 

@@ -15,12 +15,10 @@ from pathlib import Path
 
 import torch
 
-from fastrag.config import DraginConfig, dragin_config, load_dragin_config
 from fastrag.data.datasets import Example, load_examples
 from fastrag.data.metrics import aggregate, score
 from fastrag.trace import QuestionResult
 
-METHODS = ("dragin",)
 BUNDLED = Path(__file__).resolve().parent / "data" / "bundled"
 
 
@@ -41,8 +39,9 @@ class RunOptions:
     progress: bool = True
 
     def __post_init__(self):
-        if self.method not in METHODS:
-            raise ValueError(f"unknown method {self.method!r}; available: {', '.join(METHODS)}")
+        from fastrag.methods.registry import get_method
+
+        get_method(self.method)  # raises with the list of available methods
         if self.batch_size <= 0:
             raise ValueError(f"--batch-size must be positive, got {self.batch_size}")
         if self.limit is not None and self.limit <= 0:
@@ -55,10 +54,10 @@ class RunOptions:
                 raise PermissionError(f"--{name} {p}: not readable")
 
 
-def method_config(opts: RunOptions) -> DraginConfig:
-    if opts.config:
-        return load_dragin_config(opts.config, dataset=opts.dataset)
-    return dragin_config(opts.dataset)
+def method_config(opts: RunOptions):
+    from fastrag.methods.registry import get_method
+
+    return get_method(opts.method).make_config(opts.dataset, opts.config)
 
 
 def read_results(path: Path) -> list[QuestionResult]:
@@ -109,12 +108,10 @@ def build_engine(model: str, batch_size: int, signals: str | None = None, kv_cac
     return Engine(m, tok, max_batch=batch_size, kv_cache_gb=kv_cache_gb, signals=signals)
 
 
-def make_policy(method: str, cfg: DraginConfig, tokenizer):
-    if method == "dragin":
-        from fastrag.methods.dragin import DraginReference
+def make_policy(method: str, cfg, tokenizer):
+    from fastrag.methods.registry import get_method
 
-        return DraginReference(cfg, tokenizer)
-    raise ValueError(f"unknown method {method!r}")
+    return get_method(method).make_policy(cfg, tokenizer)
 
 
 def score_result(ex: Example, r: QuestionResult) -> None:

@@ -30,10 +30,13 @@ def run_oracle(opts: RunOptions, out: Path) -> tuple[list[QuestionResult], float
     """Per-question oracle over the same questions; returns (results, wall seconds, questions computed)."""
     from tqdm import tqdm
 
+    from fastrag.methods.registry import get_method
     from fastrag.model.loading import load_hf_model, load_tokenizer
-    from fastrag.oracle import DraginOracle
     from fastrag.retrieval.bm25 import BM25Retriever
 
+    spec = get_method(opts.method)
+    if spec.make_oracle is None:
+        raise ValueError(f"method {opts.method!r} has no per-question oracle; parity is not available for it")
     out.mkdir(parents=True, exist_ok=True)
     examples = load_examples(opts.dataset, opts.data, limit=opts.limit)
     path = out / "results.jsonl"
@@ -43,7 +46,7 @@ def run_oracle(opts: RunOptions, out: Path) -> tuple[list[QuestionResult], float
     wall = 0.0
     if todo:
         tok = load_tokenizer(opts.model)
-        oracle = DraginOracle(load_hf_model(opts.model), tok, BM25Retriever(opts.corpus), method_config(opts))
+        oracle = spec.make_oracle(load_hf_model(opts.model), tok, BM25Retriever(opts.corpus), method_config(opts))
         w = ResultWriter(path)
         t0 = time.perf_counter()  # after loading, like the engine's clock
         try:

@@ -155,3 +155,22 @@ class DraginReference:
         if len(qids) > cfg.max_query_tokens:
             query = self.tok.decode(qids[-cfg.max_query_tokens:], skip_special_tokens=True).strip()
         return query
+
+
+def _dragin_config(dataset: str, path: str | None):
+    from fastrag.config import dragin_config, load_dragin_config
+
+    return load_dragin_config(path, dataset=dataset) if path else dragin_config(dataset)
+
+
+def _dragin_oracle(hf_model, tokenizer, retriever, cfg):
+    from fastrag.oracle.dragin import DraginOracle
+
+    return DraginOracle(hf_model, tokenizer, retriever, cfg)
+
+
+from fastrag.methods.registry import MethodSpec, register  # noqa: E402
+
+register(MethodSpec(
+    name="dragin", description="DRAGIN, reference mode: RIND over each full generation, QFS query (paper rules)",
+    make_config=_dragin_config, make_policy=DraginReference, make_oracle=_dragin_oracle))

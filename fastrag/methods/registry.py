@@ -1,0 +1,52 @@
+"""Method registry: every method reachable as `fastrag run --method NAME` is one `MethodSpec`.
+
+A method module registers itself when imported (`fastrag.methods` imports them all); the evaluator, the CLI and
+`fastrag parity` only look names up here, so adding a method never touches them.
+
+    make_config(dataset, config_path_or_None) -> the method's config object
+    make_policy(cfg, tokenizer)               -> a policy for the scheduler (callable per example, with a
+                                                 `shared_prefix` string computed once per run)
+    make_oracle(hf_model, tokenizer, retriever, cfg) -> an object with `.run(qid, question, gold)` returning a
+                                                 QuestionResult, the per-question reference (None: no oracle)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    name: str
+    description: str
+    make_config: Callable[[str, str | None], Any]
+    make_policy: Callable[[Any, Any], Any]
+    make_oracle: Callable[[Any, Any, Any, Any], Any] | None = None
+
+
+_REGISTRY: dict[str, MethodSpec] = {}
+
+
+def register(spec: MethodSpec) -> MethodSpec:
+    if spec.name in _REGISTRY and _REGISTRY[spec.name] is not spec:
+        raise ValueError(f"method {spec.name!r} is registered twice")
+    _REGISTRY[spec.name] = spec
+    return spec
+
+
+def available() -> list[str]:
+    _load_all()
+    return sorted(_REGISTRY)
+
+
+def get_method(name: str) -> MethodSpec:
+    _load_all()
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown method {name!r}; available: {', '.join(sorted(_REGISTRY))}") from None
+
+
+def _load_all() -> None:
+    import fastrag.methods  # noqa: F401  (its imports register every method)
