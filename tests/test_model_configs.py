@@ -107,6 +107,25 @@ def test_stale_pool_contents_do_not_reach_the_output():
     torch.testing.assert_close(dirty, clean, rtol=1e-5, atol=1e-5)
 
 
+def test_never_written_pool_memory_may_hold_nan(monkeypatch):
+    """The pool is allocated uninitialised (no memory is committed for unused blocks); whatever that memory holds,
+    NaN included, must not reach the output: blocks are zeroed when first handed out."""
+    from transformers import LlamaConfig
+
+    import fastrag.cache.kv as kv
+
+    cfg = LlamaConfig(vocab_size=60, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2)
+    m = LlamaModel.from_hf_config(cfg, seed=4)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [7]]
+    clean = _forward_all(m, prompts)
+    real_empty = torch.empty
+    monkeypatch.setattr(kv.torch, "empty", lambda *a, **k: real_empty(*a, **k).fill_(float("nan")))
+    poisoned = _forward_all(m, prompts)
+    monkeypatch.undo()
+    torch.testing.assert_close(poisoned, clean, rtol=1e-5, atol=1e-5)
+
+
 def test_sampling_is_seeded_and_top_p_limits_the_support():
     from transformers import LlamaConfig
 

@@ -25,8 +25,13 @@ class KVPool:
         self.block_size = block_size
         self.num_blocks = num_blocks
         n = num_blocks * block_size
-        self.k = [torch.zeros(num_kv_heads, n, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(num_kv_heads, n, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
+        # uninitialised: a large pool costs no memory until its blocks are used; each block is zeroed when it is
+        # first handed out (attention reads the unwritten tail of a sequence's last block with weight 0, and
+        # 0 * NaN from never-written memory would poison the output); later it only holds finite stale values
+        self.k = [torch.empty(num_kv_heads, n, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.empty(num_kv_heads, n, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
+        self._zeroed = [False] * num_blocks
+        self._zero_fresh([0])  # block 0 also pads short rows of a batch's block table
         self.refcount = [0] * num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))  # stack: low block ids first
 
@@ -40,7 +45,17 @@ class KVPool:
         out = [self._free.pop() for _ in range(n)]
         for b in out:
             self.refcount[b] = 1
+        self._zero_fresh(out)
         return out
+
+    def _zero_fresh(self, blocks: list[int]) -> None:
+        fresh = [b for b in blocks if not self._zeroed[b]]
+        if fresh:
+            idx = torch.tensor(fresh, dtype=torch.long, device=self.k[0].device)
+            for t in self.k + self.v:
+                t.view(t.shape[0], self.num_blocks, self.block_size, t.shape[-1]).index_fill_(1, idx, 0)
+            for b in fresh:
+                self._zeroed[b] = True
 
     def share(self, blocks: list[int]) -> None:
         for b in blocks:
