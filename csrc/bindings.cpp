@@ -1,11 +1,13 @@
 // Python bindings of fastrag._C: host glue only (argument checks, dtype dispatch, output allocation).
-// Kernels live in signals_cpu.cpp. Every check names the offending argument; the Python launchers in
+// Kernels live in signals_cpu.cpp / decode_cpu.cpp (CPU) and *.cu (CUDA, device code free of torch headers);
+// the glue of the issue-3 entry points is in glue_cpu.cpp / glue_cuda.cpp. Every check names the offending argument; the Python launchers in
 // fastrag/signals/ validate first with ValueError, these TORCH_CHECKs guard direct callers of fastrag._C.
 #include <torch/extension.h>
 
 #include <optional>
 #include <tuple>
 
+#include "glue.h"
 #include "signals_cpu.h"
 
 namespace {
@@ -111,4 +113,32 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("entropy") = py::none(), py::arg("logprob") = py::none(), py::arg("argmax") = py::none());
   m.def("causal_attn_colmax", &causal_attn_colmax, "mean over heads of the column max of causal attention",
         py::arg("q"), py::arg("k"), py::arg("lengths"), py::arg("scale"), py::arg("out") = py::none());
+  namespace g = fastrag::glue;
+  m.def("decode_signals", &g::decode_signals,
+        "fused decode-step signals (chosen, entropy, logprob, prob, nonstop flag) of logits [B, V], CPU",
+        py::arg("logits"), py::arg("temperature"), py::arg("rng_keys"), py::arg("chosen"), py::arg("nonstop"),
+        py::arg("out_chosen"), py::arg("out_entropy"), py::arg("out_logprob"), py::arg("out_prob"),
+        py::arg("out_flag"));
+  m.def("attn_decode_update", &g::attn_decode_update,
+        "running per-head max attention over the generated span (+ QFS row) for one decode step, CPU",
+        py::arg("q"), py::arg("k_cache"), py::arg("block_tables"), py::arg("ctx_lens"), py::arg("span_start"),
+        py::arg("lse"), py::arg("block_size"), py::arg("scale"), py::arg("amax"), py::arg("row") = py::none());
+  m.def("causal_attn_rows", &g::causal_attn_rows, "head-mean causal attention of selected query rows, CPU",
+        py::arg("q"), py::arg("k"), py::arg("lengths"), py::arg("rows"), py::arg("scale"),
+        py::arg("out") = py::none());
+#ifdef FASTRAG_WITH_CUDA
+  m.attr("with_cuda") = true;
+  m.def("decode_signals_cuda", &g::decode_signals_cuda, "fused decode-step signals, CUDA", py::arg("logits"),
+        py::arg("temperature"), py::arg("rng_keys"), py::arg("chosen"), py::arg("nonstop"), py::arg("out_chosen"),
+        py::arg("out_entropy"), py::arg("out_logprob"), py::arg("out_prob"), py::arg("out_flag"),
+        py::arg("num_splits") = 0);
+  m.def("attn_decode_update_cuda", &g::attn_decode_update_cuda, "decode attention statistics, CUDA", py::arg("q"),
+        py::arg("k_cache"), py::arg("block_tables"), py::arg("ctx_lens"), py::arg("span_start"), py::arg("lse"),
+        py::arg("block_size"), py::arg("scale"), py::arg("amax"), py::arg("row") = py::none());
+  m.def("causal_attn_stats_cuda", &g::causal_attn_stats_cuda, "prefill attention statistics (colmax, rows), CUDA",
+        py::arg("q"), py::arg("k"), py::arg("lengths"), py::arg("scale"), py::arg("colmax") = py::none(),
+        py::arg("rows") = py::none(), py::arg("rows_out") = py::none());
+#else
+  m.attr("with_cuda") = false;
+#endif
 }

@@ -217,24 +217,31 @@ class Engine:
         return freed
 
     def _sample(self, logits: torch.Tensor):
-        """logits: [B, V] float32 -> (chosen [B], warped logits [B, V]) as used for decoding."""
+        """logits: [B, V] float32 -> (logits the fused kernel decodes from, its temperature).
+
+        Greedy (temperature 0) and plain temperature sampling happen inside the fused decode-signals kernel (argmax,
+        or a Gumbel-max draw keyed by the seeded generator). Top-p needs a sort over the vocabulary, which no
+        one-pass kernel does: it is applied here, leaving -inf outside the nucleus, and the kernel then draws from
+        the warped logits at temperature 1 (so entropy is that of the warped distribution, as decoded).
+        """
         sp = self.sampling
-        if sp.temperature == 0:
-            return logits.argmax(-1), logits
+        if sp.temperature == 0 or sp.top_p >= 1:
+            return logits, sp.temperature
         warped = logits / sp.temperature
-        if sp.top_p < 1:
-            srt, idx = warped.sort(-1, descending=True)
-            cum = srt.softmax(-1).cumsum(-1)
-            drop = cum - srt.softmax(-1) > sp.top_p  # keep the smallest set whose mass reaches top_p
-            warped = warped.scatter(-1, idx, srt.masked_fill(drop, float("-inf")))
-        probs = warped.softmax(-1)
-        chosen = torch.multinomial(probs.cpu(), 1, generator=self.gen).squeeze(-1).to(logits.device)
-        return chosen, warped
+        srt, idx = warped.sort(-1, descending=True)
+        p = srt.softmax(-1)
+        drop = p.cumsum(-1) - p > sp.top_p  # keep the smallest set whose mass reaches top_p
+        return warped.scatter(-1, idx, srt.masked_fill(drop, float("-inf"))), 1.0
 
     def _append_batch(self, seqs: list[SeqState], logits: torch.Tensor) -> list[bool]:
-        chosen, warped = self._sample(logits)
-        ent, logp, _ = self.signals.token_signals(warped, chosen)
-        chosen, ent, logp = chosen.tolist(), ent.tolist(), logp.tolist()  # the one host copy per step
+        x, temperature = self._sample(logits)
+        keys = None
+        if temperature > 0:  # per-row keys of the in-kernel sampler, drawn from the seeded host generator
+            keys = torch.randint(0, 2**32, (len(seqs),), generator=self.gen, dtype=torch.int64).to(x.device)
+        sig = self.signals.decode_signals(x, temperature=temperature, rng_keys=keys)
+        # the one host copy per step: [3, B] (token ids < 2^53 are exact in float64)
+        host = torch.stack([sig.chosen.double(), sig.entropy.double(), sig.logprob.double()]).cpu()
+        chosen, ent, logp = host[0].long().tolist(), host[1].tolist(), host[2].tolist()
         done = []
         for s, t, h, lp in zip(seqs, chosen, ent, logp):
             if t in self.eos_ids:

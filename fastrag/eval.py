@@ -132,6 +132,9 @@ def summarize(opts_method: str, dataset: str, results: list[QuestionResult], wal
         "prefill_tokens_per_question": sum(r.prefill_tokens for r in ok) / len(ok) if ok else None,
         "decode_tokens_per_question": sum(r.decode_tokens for r in ok) / len(ok) if ok else None,
         "wall_s": wall_s, "computed_this_run": computed,
+        # per-question counters of the policies (QuestionResult.counters), averaged over answered questions
+        **{f"{k}_per_question": sum(r.counters.get(k, 0) for r in ok) / len(ok) if ok else None
+           for k in ("reused_prompt_tokens", "generate_calls", "retrieval_wait_s", "short_retrievals")},
     }
 
 
@@ -156,6 +159,7 @@ def run(opts: RunOptions, engine=None, retriever=None) -> dict:
 
     t0 = time.perf_counter()
     new: list[QuestionResult] = []
+    sched = None
     if todo:
         engine = engine or build_engine(opts.model, opts.batch_size, opts.signals, opts.kv_cache_gb)
         retriever = retriever or BM25Retriever(opts.corpus)
@@ -175,7 +179,8 @@ def run(opts: RunOptions, engine=None, retriever=None) -> dict:
         try:
             # twice the decode batch in flight: questions waiting on attention passes or retrieval do not
             # leave holes in the decode batch
-            Scheduler(engine, retriever, policy, max_inflight=2 * opts.batch_size).run(todo, on_result)
+            sched = Scheduler(engine, retriever, policy, max_inflight=2 * opts.batch_size)
+            sched.run(todo, on_result)
         finally:
             bar.close()
             writer.close()
@@ -186,5 +191,10 @@ def run(opts: RunOptions, engine=None, retriever=None) -> dict:
     metrics = summarize(opts.method, opts.dataset, done + new, wall, len(new), tokens)
     if engine is not None:
         metrics["engine"] = dict(engine.stats)
+    if sched is not None:  # retrieval batches of this run: how many queries went to the retriever together
+        b = sched.search_batches
+        metrics["retrieval"] = {"batches": len(b), "queries": sum(b), "max_batch_size": max(b, default=0),
+                                "mean_batch_size": sum(b) / len(b) if b else None, "seconds": sched.search_seconds,
+                                "seconds_per_batch": sched.search_seconds / len(b) if b else None}
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
     return metrics

@@ -1,8 +1,9 @@
 """Parity: the engine and the per-question oracle on the same questions, decision by decision.
 
-Decisions compared per question: the trigger sentences (one per round, None for a round without retrieval),
-the queries, and the final answer (the extracted answer that is scored). `agreement` is the fraction of
-questions where all three agree. Both sides' results are kept (`engine/`, `oracle/` under the output directory,
+Decisions compared per question (DRAGIN, `decisions`): the trigger sentences (one per round, None for a round
+without retrieval), the queries, and the final answer (the extracted answer that is scored). A method may name its
+own (`MethodSpec.decisions`; BeamSearchQA: the final answer and the chosen path). `agreement` is the fraction of
+questions where all of them agree. Both sides' results are kept (`engine/`, `oracle/` under the output directory,
 each resumable like `fastrag run`), so a rerun only computes what is missing.
 """
 
@@ -69,12 +70,21 @@ def run_oracle(opts: RunOptions, out: Path) -> tuple[list[QuestionResult], float
     return done, wall, len(todo)
 
 
-def compare(engine: list[QuestionResult], oracle: list[QuestionResult]) -> dict:
+def method_decisions(method: str):
+    """The decisions function of a method (MethodSpec.decisions), DRAGIN's `decisions` when it has none."""
+    from fastrag.methods.registry import get_method
+
+    return get_method(method).decisions or decisions
+
+
+def compare(engine: list[QuestionResult], oracle: list[QuestionResult], decide=decisions) -> dict:
+    """Agreement of `decide(result)` (a dict of decision kind -> value) between both sides, per question."""
     o_by = {r.qid: r for r in oracle}
-    rows, agree, per = [], 0, {"trigger": 0, "query": 0, "answer": 0}
+    rows, agree = [], 0
     common = [r for r in engine if r.qid in o_by]
+    per = {k: 0 for k in decide(QuestionResult(qid="", question="", gold=[]))}  # the decision kinds
     for e in common:
-        de, do = decisions(e), decisions(o_by[e.qid])
+        de, do = decide(e), decide(o_by[e.qid])
         same = {k: de[k] == do[k] for k in per}
         for k, v in same.items():
             per[k] += v
@@ -94,7 +104,7 @@ def parity(opts: RunOptions) -> dict:
     m_engine = run(replace(opts, output=str(out / "engine")))
     engine_results = read_results(out / "engine" / "results.jsonl")
     oracle_results, wall, computed = run_oracle(opts, out / "oracle")
-    report = compare(engine_results, oracle_results)
+    report = compare(engine_results, oracle_results, method_decisions(opts.method))
     report.update({
         "method": opts.method, "dataset": opts.dataset,
         "engine_questions_per_s": m_engine.get("questions_per_s"),

@@ -16,6 +16,18 @@ class Round:
 
 
 @dataclass(slots=True)
+class BeamNode:
+    """One tuple <q, Q, E, a, s> of a BeamSearchQA beam (paper Algorithm 1); q is the record's question."""
+
+    queries: list[str] = field(default_factory=list)  # Q: the queries retrieved for, in path order
+    evidence: list[str] = field(default_factory=list)  # E: the summarised evidence of each query
+    doc_ids: list[list[str]] = field(default_factory=list)  # the passages each query retrieved, best first
+    answer: str = ""  # a = Answer(q, Q, E)
+    score: float = 0.0  # s = Score(q, Q, E, a), in [0, 1]
+    depth: int = 0  # 0: the initial beam
+
+
+@dataclass(slots=True)
 class QuestionResult:
     """Everything one question produced; one line of results.jsonl."""
 
@@ -30,6 +42,12 @@ class QuestionResult:
     wall_s: float = 0.0  # time from first schedule to finish (engine) or per-question time (oracle)
     error: str | None = None  # a per-question problem (the run records it and goes on)
     metrics: dict = field(default_factory=dict)  # em / f1 / accuracy, filled by evaluation
+    # per-question engine counters kept by the policies (fastrag/methods/common.py): generate_calls,
+    # reused_prompt_tokens (shared prefix + own cache hits), searches, retrieval_wait_s, short_retrievals
+    counters: dict = field(default_factory=dict)
+    llm_calls: int = 0  # generate calls (0 in records of methods that do not count them)
+    chosen: BeamNode | None = None  # BeamSearchQA: the tuple whose answer is the prediction
+    beams: list[list[BeamNode]] = field(default_factory=list)  # BeamSearchQA: the kept beam after each depth
 
     @property
     def retrievals(self) -> int:
@@ -45,4 +63,7 @@ class QuestionResult:
         d = dict(d)
         d.pop("retrievals", None)
         d["rounds"] = [Round(**r) for r in d.get("rounds", [])]
+        if d.get("chosen") is not None:
+            d["chosen"] = BeamNode(**d["chosen"])
+        d["beams"] = [[BeamNode(**n) for n in beam] for beam in d.get("beams", [])]
         return cls(**d)

@@ -331,7 +331,12 @@ def test_attention_rejects(backend, name, bad):
 
 def test_get_backend_selection(monkeypatch):
     monkeypatch.delenv(signals.ENV_VAR, raising=False)
-    assert get_backend().name == "torch"
+    default = get_backend()
+    assert default.name.startswith("auto(") and "other=torch" in default.name
+    if not torch.cuda.is_available():
+        assert default.name == "auto(cuda=none,other=torch)"
+    monkeypatch.setenv(signals.ENV_VAR, "torch")
+    assert get_backend().name == "torch"  # the environment overrides the automatic choice
     monkeypatch.setenv(signals.ENV_VAR, "no-such-backend")
     with pytest.raises(ValueError, match="no-such-backend"):
         get_backend()

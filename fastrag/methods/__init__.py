@@ -1,3 +1,8 @@
 """Dynamic-RAG methods as scheduler policies. Importing this package registers every method (registry.py)."""
 
 from fastrag.methods import dragin as _dragin  # noqa: F401
+from fastrag.methods import baselines as _baselines  # noqa: F401,E402
+from fastrag.methods import dragin_streaming as _dragin_streaming  # noqa: F401,E402
+from fastrag.methods import flare as _flare  # noqa: F401,E402
+from fastrag.methods import token_rag as _token_rag  # noqa: F401,E402
+from fastrag.methods import beamsearchqa as _beamsearchqa  # noqa: F401

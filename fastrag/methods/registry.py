@@ -8,6 +8,8 @@ A method module registers itself when imported (`fastrag.methods` imports them a
                                                  `shared_prefix` string computed once per run)
     make_oracle(hf_model, tokenizer, retriever, cfg) -> an object with `.run(qid, question, gold)` returning a
                                                  QuestionResult, the per-question reference (None: no oracle)
+    decisions(QuestionResult) -> dict           what `fastrag parity` compares, one entry per decision kind
+                                                 (None: fastrag.parity.decisions, DRAGIN's trigger/query/answer)
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ class MethodSpec:
     make_config: Callable[[str, str | None], Any]
     make_policy: Callable[[Any, Any], Any]
     make_oracle: Callable[[Any, Any, Any, Any], Any] | None = None
+    decisions: Callable[[Any], dict] | None = None
 
 
 _REGISTRY: dict[str, MethodSpec] = {}

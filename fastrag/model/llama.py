@@ -18,6 +18,21 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def _native_decode_attention():
+    """The C++ paged decode attention (csrc/paged_attn_cpu.cpp) when the extension is built, else None.
+    FASTRAG_DECODE_ATTENTION=torch forces the pure-torch cascade path."""
+    import os
+
+    if os.environ.get("FASTRAG_DECODE_ATTENTION", "native") == "torch":
+        return None
+    try:
+        import fastrag._C  # noqa: F401  (registers torch.ops.fastrag.*)
+
+        return torch.ops.fastrag.paged_decode_attention
+    except (ImportError, AttributeError, RuntimeError):
+        return None
+
+
 @dataclass(slots=True)
 class ModelConfig:
     vocab_size: int
@@ -154,6 +169,7 @@ class LlamaModel(nn.Module):
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
         self.attention_scaling = attention_scaling
         self.scale = 1.0 / math.sqrt(c.head_dim)
+        self.native_decode = _native_decode_attention()
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -313,6 +329,11 @@ class LlamaModel(nn.Module):
         contiguous read for the whole batch.
         """
         B, H, T, D = q.shape
+        if T == 1 and q.device.type == "cpu" and q.dtype == torch.float32 and self.native_decode is not None:
+            # one new token per sequence: every context entry is visible; read K/V in place from the pool
+            o = self.native_decode(q.reshape(B, H, D), kp, vp, b.prefix_slots, b.ctx_blocks, b.ctx_lens,
+                                   b.block_size, self.scale)
+            return o.view(B, H, 1, D)
         Hkv = self.c.num_kv_heads
         G = H // Hkv
         bs = b.block_size

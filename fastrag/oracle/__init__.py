@@ -4,10 +4,14 @@ Exports are resolved lazily so that `fastrag.oracle.decisions` (the pure rules) 
 datasets or the retrievers.
 """
 
-__all__ = ["DraginOracle", "run_oracle"]
+__all__ = ["DraginOracle", "FlareOracle", "run_oracle"]
 
 
 def __getattr__(name: str):
+    if name == "FlareOracle":
+        from fastrag.oracle.flare import FlareOracle
+
+        return FlareOracle
     if name in __all__:
         from fastrag.oracle import dragin
 

@@ -1,11 +1,13 @@
 """Retrieval signals (DESIGN.md "Signals"): token entropy/logprob/argmax, last-layer attention column max,
 QFS attention rows, and the non-stopword vocabulary table.
 
-A backend is chosen once, at construction: `get_backend("torch" | "cpp")`, default from the environment
-variable FASTRAG_SIGNALS_BACKEND, else "torch". Every backend's methods validate their arguments in the same
-place (fastrag.signals.checks, ValueError naming the argument) and then call the backend's kernels.
-New backends (triton, cuda) register a factory with `register_backend`; a factory raises ImportError or
-RuntimeError when its backend cannot run here, which get_backend reports as BackendUnavailableError.
+A backend is chosen once, at construction: `get_backend("auto" | "cuda" | "triton" | "cpp" | "torch")`, default
+from the environment variable FASTRAG_SIGNALS_BACKEND, else "auto": per device type, the first that runs there of
+cuda > triton > torch (CUDA tensors), torch elsewhere (the C++ CPU path `cpp` is opt-in on the CPU: it agrees with
+torch to float32 rounding, and the CPU parity figures were measured with torch). Every backend's methods validate
+their arguments in the same place (fastrag.signals.checks, ValueError naming the argument) and then call the
+backend's kernels. A factory raises ImportError or RuntimeError when its backend cannot run here, which
+get_backend reports as BackendUnavailableError.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from fastrag.signals import checks
 from fastrag.signals.vocab import build_nonstop_table
 
 ENV_VAR = "FASTRAG_SIGNALS_BACKEND"
-DEFAULT_BACKEND = "torch"
+DEFAULT_BACKEND = "auto"
 
 
 class TokenSignals(NamedTuple):
@@ -30,9 +32,25 @@ class TokenSignals(NamedTuple):
     argmax: torch.Tensor  # [B] i64, lowest index of the largest logit
 
 
+class DecodeSignals(NamedTuple):
+    """The per-token signals of one decode step (reference.decode_signals_ref); every field is [B] on the device."""
+
+    chosen: torch.Tensor  # i64, the decoded token: greedy argmax, Gumbel-max sample, or the caller's `chosen`
+    entropy: torch.Tensor  # f32, -sum p ln p of p = softmax(logits / T) (T = 1 when greedy): DRAGIN's H_i
+    logprob: torch.Tensor  # f32, ln p_chosen
+    prob: torch.Tensor  # f32, p_chosen = exp(logprob): FLARE's token probability
+    nonstop: torch.Tensor | None  # bool, nonstop[chosen] (DRAGIN's s_i); None when no table was given
+
+
 # Kernel signatures a backend provides (arguments already validated; `out` may be None).
 TokenSignalsFn = Callable[[torch.Tensor, "torch.Tensor | None", float, "TokenSignals | None"], tuple]
 AttnFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float, "torch.Tensor | None"], torch.Tensor]
+# (logits, temperature, rng_keys, chosen, nonstop, out: DecodeSignals) -> None, writes every field of out
+DecodeFn = Callable[..., None]
+# (q, k_cache, block_tables, ctx_lens, span_start, lse, block_size, scale, amax, row_out) -> None, in place
+AttnDecodeFn = Callable[..., None]
+# (q, k, lengths, scale, rows, out) -> None, writes out [B, R, T]
+AttnRowsFn = Callable[..., None]
 
 
 class BackendUnavailableError(RuntimeError):
@@ -48,6 +66,9 @@ class SignalBackend:
     token_signals_fn: TokenSignalsFn
     causal_attn_colmax_fn: AttnFn
     causal_attn_mean_rows_fn: AttnFn
+    decode_signals_fn: DecodeFn
+    attn_decode_update_fn: AttnDecodeFn
+    causal_attn_rows_fn: AttnRowsFn
 
     def token_signals(self, logits: torch.Tensor, chosen: torch.Tensor | None = None, temperature: float = 1.0,
                       *, out: TokenSignals | tuple | None = None) -> TokenSignals:
@@ -82,6 +103,69 @@ class SignalBackend:
         return self.causal_attn_mean_rows_fn(q, k, lengths, float(scale), out)
 
 
+    def decode_signals(self, logits: torch.Tensor, *, temperature: float = 0.0,
+                       rng_keys: torch.Tensor | None = None, chosen: torch.Tensor | None = None,
+                       nonstop: torch.Tensor | None = None, out: DecodeSignals | tuple | None = None
+                       ) -> DecodeSignals:
+        """All token signals of a decode step from logits [B, V] in one pass (reference.decode_signals_ref).
+
+        temperature 0: greedy argmax, entropy of softmax(logits); > 0: Gumbel-max draw from softmax(logits / T)
+        keyed by rng_keys [B] int64 (same keys, same logits -> same token on every backend). chosen [B] int64
+        skips the choice. nonstop [V] bool: the non-stopword table (build_nonstop_table). out: optional buffers
+        (chosen [B] i64, entropy, logprob, prob [B] f32, nonstop [B] bool or None), written in place.
+        """
+        checks.check_decode_signals(logits, temperature, rng_keys, chosen, nonstop, self.devices)
+        B, dev = logits.shape[0], logits.device
+        if out is None:
+            f32 = dict(dtype=torch.float32, device=dev)
+            out = DecodeSignals(torch.empty(B, dtype=torch.int64, device=dev), torch.empty(B, **f32),
+                                torch.empty(B, **f32), torch.empty(B, **f32),
+                                None if nonstop is None else torch.empty(B, dtype=torch.bool, device=dev))
+        else:
+            out = DecodeSignals(*out)
+            for buf, name, dtype in zip(out[:4], ("out.chosen", "out.entropy", "out.logprob", "out.prob"),
+                                        (torch.int64, torch.float32, torch.float32, torch.float32)):
+                checks.check_out(buf, name, (B,), dtype, dev)
+            if nonstop is not None:
+                checks.check_out(out.nonstop, "out.nonstop", (B,), torch.bool, dev)
+            elif out.nonstop is not None:
+                raise ValueError("out.nonstop was given but no nonstop table: pass nonstop= or out.nonstop=None")
+        self.decode_signals_fn(logits, float(temperature), rng_keys, chosen, nonstop, out)
+        return out
+
+    def attn_decode_update(self, q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor,
+                           ctx_lens: torch.Tensor, span_start: torch.Tensor, lse: torch.Tensor, block_size: int,
+                           scale: float, amax: torch.Tensor, *, want_row: bool = False,
+                           row_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Fold one decode step's last-layer attention into the running per-head max (reference.attn_decode_update_ref).
+
+        q [B, H, D] new queries; k_cache [Hkv, num_slots, D] the last layer's paged keys; block_tables [B, NB]
+        (int32/int64) pool blocks of each sequence in order; ctx_lens [B] i64 keys attended (the new one
+        included); span_start [B] i64 position of the first generated key; lse [B, H] f32 row log-sum-exp of the
+        main attention (natural log); amax [B, H, S] f32 updated in place. With want_row (or row_out [B, NB*bs]
+        f32) also the QFS row: mean over heads of this query's attention over all its keys.
+        """
+        if want_row and row_out is None:
+            row_out = torch.empty(q.shape[0], block_tables.shape[1] * block_size, dtype=torch.float32,
+                                  device=q.device)
+        checks.check_attn_decode(q, k_cache, block_tables, ctx_lens, span_start, lse, block_size, scale, amax,
+                                 row_out, self.devices)
+        self.attn_decode_update_fn(q, k_cache, block_tables, ctx_lens, span_start, lse, int(block_size),
+                                   float(scale), amax, row_out)
+        return amax, row_out
+
+    def causal_attn_rows(self, q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, scale: float,
+                         rows: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        """R [B, Rn, T] f32: head-mean causal attention of the query rows `rows` [B, Rn] i64 (QFS rows of a
+        prefill pass; a row outside [0, lengths[b]) is all zeros); q [B,H,T,D], k [B,Hkv,T,D]."""
+        checks.check_attention(q, k, lengths, scale, self.devices)
+        checks.check_rows(rows, q, out, self.devices)
+        if out is None:
+            out = torch.empty(q.shape[0], rows.shape[1], q.shape[2], dtype=torch.float32, device=q.device)
+        self.causal_attn_rows_fn(q, k, lengths, float(scale), rows, out)
+        return out
+
+
 def _copy_out(result, out):
     """Adapter for kernels that allocate their result: copy into the caller's `out` buffer(s) if given."""
     if out is None:
@@ -100,7 +184,18 @@ def _make_torch() -> SignalBackend:
         token_signals_fn=lambda x, c, t, out: _copy_out(tb.token_signals(x, c, t), out),
         causal_attn_colmax_fn=lambda q, k, n, s, out: _copy_out(tb.causal_attn_colmax(q, k, n, s), out),
         causal_attn_mean_rows_fn=lambda q, k, n, s, out: _copy_out(tb.causal_attn_mean_rows(q, k, n, s), out),
+        decode_signals_fn=_torch_decode,
+        attn_decode_update_fn=tb.attn_decode_update,
+        causal_attn_rows_fn=lambda q, k, n, s, r, out: out.copy_(tb.causal_attn_rows(q, k, n, s, r)),
     )
+
+
+def _torch_decode(logits, temperature, rng_keys, chosen, nonstop, out):
+    from fastrag.signals import torch_backend as tb
+
+    for o, r in zip(out, tb.decode_signals(logits, temperature, rng_keys, chosen, nonstop)):
+        if o is not None:
+            o.copy_(r)
 
 
 def _make_cpp() -> SignalBackend:
@@ -112,11 +207,82 @@ def _make_cpp() -> SignalBackend:
         devices=frozenset({"cpu"}),
         token_signals_fn=cb.token_signals,
         causal_attn_colmax_fn=cb.causal_attn_colmax,
-        causal_attn_mean_rows_fn=lambda q, k, n, s, out: _copy_out(cb.causal_attn_mean_rows(q, k, n, s), out),
+        causal_attn_mean_rows_fn=cb.causal_attn_mean_rows,
+        decode_signals_fn=cb.decode_signals,
+        attn_decode_update_fn=cb.attn_decode_update,
+        causal_attn_rows_fn=cb.causal_attn_rows,
     )
 
 
-_FACTORIES: dict[str, Callable[[], SignalBackend]] = {"torch": _make_torch, "cpp": _make_cpp}
+def _make_triton() -> SignalBackend:
+    from fastrag.signals import triton_backend as trb
+
+    return SignalBackend(
+        name="triton",
+        devices=trb.devices(),  # raises RuntimeError when neither a GPU nor TRITON_INTERPRET=1 is there
+        token_signals_fn=trb.token_signals,
+        causal_attn_colmax_fn=trb.causal_attn_colmax,
+        causal_attn_mean_rows_fn=trb.causal_attn_mean_rows,
+        decode_signals_fn=trb.decode_signals,
+        attn_decode_update_fn=trb.attn_decode_update,
+        causal_attn_rows_fn=trb.causal_attn_rows,
+    )
+
+
+def _make_cuda() -> SignalBackend:
+    from fastrag.signals import cuda_backend as cu
+
+    cu.load_cuda_extension()  # raises ImportError/RuntimeError without a CUDA build of fastrag._C or a GPU
+    return SignalBackend(
+        name="cuda",
+        devices=frozenset({"cuda"}),
+        token_signals_fn=cu.token_signals,
+        causal_attn_colmax_fn=cu.causal_attn_colmax,
+        causal_attn_mean_rows_fn=cu.causal_attn_mean_rows,
+        decode_signals_fn=cu.decode_signals,
+        attn_decode_update_fn=cu.attn_decode_update,
+        causal_attn_rows_fn=cu.causal_attn_rows,
+    )
+
+
+# Preference order of the "auto" backend for CUDA tensors (issue 3: cuda > triton > torch).
+AUTO_ORDER_CUDA = ("cuda", "triton", "torch")
+
+
+def _make_auto() -> SignalBackend:
+    """Resolve once, per device type, which backend runs tensors there; the methods dispatch on the inputs'
+    device type (a dict lookup), so a CPU engine on a GPU machine still gets a CPU backend."""
+    table: dict[str, SignalBackend] = {}
+    torch_be = _make_torch()
+    if torch.cuda.is_available():
+        for name in AUTO_ORDER_CUDA:
+            try:
+                be = _FACTORIES[name]()
+            except (ImportError, RuntimeError):
+                continue
+            if "cuda" in be.devices:
+                table["cuda"] = be
+                break
+
+    def pick(x: torch.Tensor) -> SignalBackend:
+        return table.get(x.device.type, torch_be)
+
+    chosen = ",".join(f"{d}={b.name}" for d, b in sorted(table.items())) or "cuda=none"
+    return SignalBackend(
+        name=f"auto({chosen},other=torch)",
+        devices=torch_be.devices,
+        token_signals_fn=lambda x, *a: pick(x).token_signals_fn(x, *a),
+        causal_attn_colmax_fn=lambda q, *a: pick(q).causal_attn_colmax_fn(q, *a),
+        causal_attn_mean_rows_fn=lambda q, *a: pick(q).causal_attn_mean_rows_fn(q, *a),
+        decode_signals_fn=lambda x, *a: pick(x).decode_signals_fn(x, *a),
+        attn_decode_update_fn=lambda q, *a: pick(q).attn_decode_update_fn(q, *a),
+        causal_attn_rows_fn=lambda q, *a: pick(q).causal_attn_rows_fn(q, *a),
+    )
+
+
+_FACTORIES: dict[str, Callable[[], SignalBackend]] = {
+    "auto": _make_auto, "cuda": _make_cuda, "triton": _make_triton, "cpp": _make_cpp, "torch": _make_torch,
+}
 
 
 def register_backend(name: str, factory: Callable[[], SignalBackend]) -> None:
@@ -129,7 +295,7 @@ def registered_backends() -> list[str]:
 
 
 def get_backend(name: str | None = None) -> SignalBackend:
-    """The named backend; None: $FASTRAG_SIGNALS_BACKEND, else "torch". Unknown name -> ValueError;
+    """The named backend; None: $FASTRAG_SIGNALS_BACKEND, else "auto". Unknown name -> ValueError;
     known but not runnable here -> BackendUnavailableError."""
     source = "argument name"
     if name is None:
@@ -145,6 +311,6 @@ def get_backend(name: str | None = None) -> SignalBackend:
 
 
 __all__ = [
-    "BackendUnavailableError", "SignalBackend", "TokenSignals", "build_nonstop_table", "get_backend",
+    "BackendUnavailableError", "DecodeSignals", "SignalBackend", "TokenSignals", "build_nonstop_table", "get_backend",
     "register_backend", "registered_backends",
 ]

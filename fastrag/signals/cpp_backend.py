@@ -1,14 +1,13 @@
 """C++ CPU backend: thin launchers over the `fastrag._C` extension (csrc/signals_cpu.cpp).
 
-`causal_attn_mean_rows` has no C++ kernel (it runs once per retrieval, not per decode step) and uses the torch
-implementation. q/k are upcast to float32 here because the C++ attention kernel is float32 only.
+The prefill attention kernels (colmax, rows) are float32: q/k are upcast here. The decode kernels
+(decode_signals, attn_decode_update) read fp32/bf16/fp16 directly.
 """
 
 from __future__ import annotations
 
 import torch
 
-from fastrag.signals import torch_backend
 
 
 def load_extension():
@@ -37,4 +36,25 @@ def causal_attn_colmax(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, 
     return load_extension().causal_attn_colmax(q.float(), k.float(), lengths, float(scale), out)
 
 
-causal_attn_mean_rows = torch_backend.causal_attn_mean_rows
+def decode_signals(logits, temperature, rng_keys, chosen, nonstop, out) -> None:
+    """Fused decode-step signals (reference.decode_signals_ref) into `out` (DecodeSignals of [B] buffers)."""
+    load_extension().decode_signals(logits, float(temperature), rng_keys, chosen, nonstop, *out)
+
+
+def attn_decode_update(q, k_cache, block_tables, ctx_lens, span_start, lse, block_size, scale, amax,
+                       row_out) -> None:
+    """Running attention max over the generated span (+ QFS row), in place; the kernel reads q/k in their dtype."""
+    load_extension().attn_decode_update(q, k_cache, block_tables, ctx_lens, span_start, lse, int(block_size),
+                                        float(scale), amax, row_out)
+
+
+def causal_attn_rows(q, k, lengths, scale, rows, out) -> None:
+    """Head-mean causal attention of the selected rows into out [B, R, T] (float32 kernel: q/k upcast)."""
+    load_extension().causal_attn_rows(q.float(), k.float(), lengths, rows, float(scale), out)
+
+
+def causal_attn_mean_rows(q, k, lengths, scale, out=None):
+    """All rows: M [B, T, T] f32 (the C++ rows kernel with rows = 0..T-1)."""
+    B, T = q.shape[0], q.shape[2]
+    rows = torch.arange(T).expand(B, T)
+    return load_extension().causal_attn_rows(q.float(), k.float(), lengths, rows, float(scale), out)

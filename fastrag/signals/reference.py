@@ -103,3 +103,152 @@ def nonstop_table_ref(tokenizer, stopwords: set[str] | None = None) -> torch.Ten
         text = tokenizer.convert_tokens_to_string([piece]).replace("Ġ", "").replace("▁", "").strip().lower()
         out[i] = is_word_text(text) and text not in stopwords
     return out
+
+
+# ---------------------------------------------------------------- fused decode-step signals (issue 3)
+#
+# Sampling in one pass over the logits uses the Gumbel-max trick: argmax_v (y_v + g_v) with g_v = -ln(-ln u_v)
+# is a draw from softmax(y). u_v comes from a counter-based hash of (row key, v), so every backend (torch, C++,
+# Triton, CUDA) draws the same token from the same logits and keys, with no RNG state on the device.
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2^32 for int64 x in [0, 2^32), without int64 overflow (c split in 16-bit halves)."""
+    lo = x * (c & 0xFFFF)
+    hi = ((x * (c >> 16)) & 0xFFFF) << 16
+    return (lo + hi) & _MASK32
+
+
+def mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer finaliser (xor-shift / multiply, "lowbias32"); int64 tensor in [0, 2^32) -> same."""
+    x = x & _MASK32
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def sampling_uniform_ref(rng_keys: torch.Tensor, V: int) -> torch.Tensor:
+    """u [B, V] f64 in (0, 1): u[b, v] = ((mix32(key_b ^ mix32(v)) >> 8) + 0.5) / 2^24 (exact in float32)."""
+    v = mix32(torch.arange(V, dtype=torch.int64))
+    h = mix32((rng_keys.to(torch.int64).cpu()[:, None] & _MASK32) ^ v[None, :])
+    return ((h >> 8).to(torch.float64) + 0.5) * 2.0**-24
+
+
+def decode_signals_ref(logits: torch.Tensor, temperature: float = 0.0, rng_keys: torch.Tensor | None = None,
+                       chosen: torch.Tensor | None = None, nonstop: torch.Tensor | None = None) -> dict:
+    """The decode-step token signals, float64. logits [B, V]; returns a dict of [B] tensors:
+
+    y = logits (temperature 0: greedy) or logits / temperature; p = softmax(y).
+    chosen  i64: `chosen` if given; else argmax_v y_v (greedy, lowest index) or, temperature > 0, the Gumbel-max
+                 draw argmax_v (y_v - ln(-ln u_v)) with u = sampling_uniform_ref(rng_keys, V) (lowest index on ties).
+    entropy f64: -sum_v p_v ln p_v (masked -inf entries contribute 0);  logprob f64: ln p_chosen;
+    prob    f64: exp(logprob) (FLARE's token probability);  nonstop bool: nonstop[chosen] (None without a table).
+    score   f64: the value whose argmax picked `chosen` (y, or y + Gumbel noise), for tie-aware comparisons.
+    """
+    x = logits.detach().cpu().to(torch.float64)
+    B, V = x.shape
+    y = x if temperature == 0 else x / temperature
+    logp = y - torch.logsumexp(y, dim=-1, keepdim=True)
+    p = logp.exp()
+    entropy = -torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(-1)
+    if temperature > 0 and chosen is None:
+        if rng_keys is None:
+            raise ValueError("sampling (temperature > 0) needs rng_keys")
+        score = y - torch.log(-torch.log(sampling_uniform_ref(rng_keys, V)))
+    else:
+        score = y
+    mx = score.max(dim=-1, keepdim=True).values
+    idx = torch.arange(V).expand(B, V)
+    pick = torch.where(score == mx, idx, V).min(dim=-1).values
+    if chosen is not None:
+        pick = chosen.detach().cpu().to(torch.int64)
+    logprob = logp.gather(1, pick[:, None])[:, 0]
+    flag = None if nonstop is None else nonstop.detach().cpu().bool()[pick]
+    return {"chosen": pick, "entropy": entropy, "logprob": logprob, "prob": logprob.exp(), "nonstop": flag,
+            "score": score}
+
+
+# ---------------------------------------------------------------- attention statistics (issue 3)
+
+
+def paged_keys_ref(k_cache: torch.Tensor, block_table: torch.Tensor, n: int, block_size: int) -> torch.Tensor:
+    """[Hkv, n, D] f64: the first n keys of one sequence from the paged pool k_cache [Hkv, num_slots, D]."""
+    pos = torch.arange(n)
+    slots = block_table.detach().cpu().to(torch.int64)[pos // block_size] * block_size + pos % block_size
+    return k_cache.detach().cpu().to(torch.float64)[:, slots]
+
+
+def decode_lse_ref(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor, ctx_lens: torch.Tensor,
+                   block_size: int, scale: float) -> torch.Tensor:
+    """lse [B, H] f64: ln sum_i exp(q[b, h] . k_i * scale) over the ctx_lens[b] keys of sequence b (the row
+    log-sum-exp a flash-decoding kernel returns, natural log)."""
+    B, H, _ = q.shape
+    G = H // k_cache.shape[0]
+    out = torch.full((B, H), float("-inf"), dtype=torch.float64)
+    for b in range(B):
+        n = int(ctx_lens[b])
+        if n == 0:
+            continue
+        k = paged_keys_ref(k_cache, block_tables[b], n, block_size)  # [Hkv, n, D]
+        for h in range(H):
+            s = (k[h // G] @ q[b, h].detach().cpu().to(torch.float64)) * scale
+            out[b, h] = torch.logsumexp(s, dim=0)
+    return out
+
+
+def attn_decode_update_ref(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor,
+                           ctx_lens: torch.Tensor, span_start: torch.Tensor, lse: torch.Tensor, block_size: int,
+                           scale: float, amax: torch.Tensor, want_row: bool = False):
+    """One decode step of the running attention max (DESIGN.md "Signals", a_i) and the optional QFS row.
+
+    q [B, H, D] is the new query of each sequence (last layer), k_cache [Hkv, num_slots, D] the paged keys
+    (sequence b's key at position i in slot block_tables[b, i // bs] * bs + i % bs), ctx_lens [B] the keys
+    the query attends (the new token's own key included), lse [B, H] the row log-sum-exp of that attention.
+    p[b, h, i] = exp(q[b, h] . k_i * scale - lse[b, h]).
+
+    Returns (amax' [B, H, S] f64, row [B, L] f64 or None) where for the generated span at positions
+    span_start[b] + s:  amax'[b, h, s] = max(amax[b, h, s], p[b, h, span_start[b] + s]) when that position is
+    < ctx_lens[b], else amax[b, h, s] unchanged;  row[b, i] = mean_h p[b, h, i] for i < ctx_lens[b], 0 for
+    i >= ctx_lens[b] (L = block_tables.shape[1] * bs).
+    """
+    B, H, _ = q.shape
+    S = amax.shape[2]
+    G = H // k_cache.shape[0]
+    L = block_tables.shape[1] * block_size
+    out = amax.detach().cpu().to(torch.float64).clone()
+    row = torch.zeros(B, L, dtype=torch.float64) if want_row else None
+    for b in range(B):
+        n = int(ctx_lens[b])
+        if n == 0:
+            continue
+        k = paged_keys_ref(k_cache, block_tables[b], n, block_size)
+        p = torch.empty(H, n, dtype=torch.float64)
+        for h in range(H):
+            s = (k[h // G] @ q[b, h].detach().cpu().to(torch.float64)) * scale
+            p[h] = torch.exp(s - float(lse[b, h]))
+        s0 = int(span_start[b])
+        m = max(0, min(S, n - s0))
+        if m:
+            out[b, :, :m] = torch.maximum(out[b, :, :m], p[:, s0:s0 + m])
+        if want_row:
+            row[b, :n] = p.mean(dim=0)
+    return out, row
+
+
+def causal_attn_rows_ref(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, scale: float,
+                         rows: torch.Tensor) -> torch.Tensor:
+    """R [B, Rn, T] f64: R[b, r] = M[b, rows[b, r]] of causal_attn_mean_rows_ref (head-mean attention of the
+    selected query rows); a row index outside [0, lengths[b]) gives a zero row."""
+    M = causal_attn_mean_rows_ref(q, k, lengths, scale)
+    B, T = M.shape[0], M.shape[1]
+    r = rows.detach().cpu().to(torch.int64)
+    out = torch.zeros(B, r.shape[1], T, dtype=torch.float64)
+    for b in range(B):
+        for j, row in enumerate(r[b].tolist()):
+            if 0 <= row < int(lengths[b]):
+                out[b, j] = M[b, row]
+    return out

@@ -58,3 +58,91 @@ def causal_attn_colmax(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, 
 def causal_attn_mean_rows(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, scale: float) -> torch.Tensor:
     """M [B, T, T] f32: M[b, j, i] = mean_h A[b, h, j, i] (zeros outside i <= j < n): QFS attention rows."""
     return causal_attn_probs(q, k, lengths, scale).mean(dim=1)
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    from fastrag.signals.reference import mix32
+
+    return mix32(x)
+
+
+def sampling_gumbel(rng_keys: torch.Tensor, V: int) -> torch.Tensor:
+    """g [B, V] f32 = -ln(-ln u), u from the counter hash of (key, v) (same bits as reference.sampling_uniform_ref)."""
+    v = _mix32(torch.arange(V, dtype=torch.int64, device=rng_keys.device))
+    h = _mix32((rng_keys[:, None] & 0xFFFFFFFF) ^ v[None, :])
+    u = ((h >> 8).to(torch.float32) + 0.5) * 2.0**-24
+    return -torch.log(-torch.log(u))
+
+
+def decode_signals(logits: torch.Tensor, temperature: float, rng_keys: torch.Tensor | None,
+                   chosen: torch.Tensor | None, nonstop: torch.Tensor | None):
+    """(chosen [B] i64, entropy [B] f32, logprob [B] f32, prob [B] f32, flag [B] bool | None); see
+    reference.decode_signals_ref. Greedy at temperature 0, Gumbel-max sampling from softmax(logits / T) above."""
+    y = logits.float()
+    if temperature > 0:
+        y = y / temperature
+    logp = y - torch.logsumexp(y, dim=-1, keepdim=True)
+    p = logp.exp()
+    entropy = -torch.where(p > 0, p * logp, 0.0).sum(-1)
+    if chosen is None:
+        score = y + sampling_gumbel(rng_keys, y.shape[1]) if temperature > 0 else y
+        chosen = score.argmax(dim=-1)  # first maximal index
+    logprob = logp.gather(1, chosen[:, None])[:, 0]
+    flag = None if nonstop is None else nonstop[chosen]
+    return chosen, entropy, logprob, logprob.exp(), flag
+
+
+def _paged_scores(q, k_cache, block_tables, pos, block_size: int, scale: float):
+    """s [B, H, P] f32 = q . k * scale for key positions pos [B, P] (clamped into the table; callers mask)."""
+    B, H, D = q.shape
+    Hkv = k_cache.shape[0]
+    NB = block_tables.shape[1]
+    nb_pool = k_cache.shape[1] // block_size
+    pos = pos.clamp(0, NB * block_size - 1)
+    blk = block_tables.long().gather(1, pos // block_size).clamp(0, nb_pool - 1)
+    slots = blk * block_size + pos % block_size  # [B, P]
+    P = pos.shape[1]
+    keys = k_cache[:, slots.reshape(-1)].reshape(Hkv, B, P, D).float()  # [Hkv, B, P, D]
+    qg = q.float().reshape(B, Hkv, H // Hkv, D).permute(1, 0, 2, 3)  # [Hkv, B, G, D]
+    s = torch.matmul(qg, keys.transpose(-1, -2)) * scale  # [Hkv, B, G, P]
+    return s.permute(1, 0, 2, 3).reshape(B, H, P)
+
+
+def attn_decode_update(q, k_cache, block_tables, ctx_lens, span_start, lse, block_size: int, scale: float,
+                       amax, row_out):
+    """In place: amax [B, H, S] = max(amax, p over the generated span); row_out [B, L] = mean_h p (0 past ctx_lens).
+    p = exp(q . k * scale - lse); see reference.attn_decode_update_ref. Only the span's keys are gathered unless
+    the QFS row is wanted."""
+    B = q.shape[0]
+    S = amax.shape[2]
+    L = block_tables.shape[1] * block_size
+    nb_pool = k_cache.shape[1] // block_size
+    if S:
+        pos = span_start[:, None] + torch.arange(S, device=q.device)[None, :]  # [B, S]
+        blk_ok = block_tables.long().gather(1, pos.clamp(0, L - 1) // block_size)
+        ok = (pos < ctx_lens[:, None]) & (pos < L) & (blk_ok >= 0) & (blk_ok < nb_pool)
+        p = torch.exp(_paged_scores(q, k_cache, block_tables, pos, block_size, scale) - lse[:, :, None])
+        amax.copy_(torch.where(ok[:, None, :], torch.maximum(amax, p), amax))
+    if row_out is not None:
+        pos = torch.arange(L, device=q.device).expand(B, L)
+        blk_ok = block_tables.long().gather(1, pos // block_size)
+        ok = (pos < ctx_lens[:, None]) & (blk_ok >= 0) & (blk_ok < nb_pool)
+        p = torch.exp(_paged_scores(q, k_cache, block_tables, pos, block_size, scale) - lse[:, :, None])
+        row_out.copy_(torch.where(ok[:, None, :], p, 0.0).mean(dim=1))
+    return amax, row_out
+
+
+def causal_attn_rows(q, k, lengths, scale: float, rows):
+    """R [B, Rn, T] f32: head-mean causal attention of the selected query rows (zeros for rows outside [0, n))."""
+    B, H, T, D = q.shape
+    Hkv = k.shape[1]
+    r = rows.clamp(0, max(T - 1, 0))
+    qs = q.float().gather(2, r[:, None, :, None].expand(B, H, r.shape[1], D))  # [B, H, Rn, D]
+    qg = qs.reshape(B, Hkv, H // Hkv, -1, D)
+    s = torch.matmul(qg, k.float()[:, :, None].transpose(-1, -2)).reshape(B, H, -1, T) * scale
+    i = torch.arange(T, device=q.device)
+    ok_row = (rows >= 0) & (rows < lengths[:, None])  # [B, Rn]
+    mask = (i[None, None, :] <= rows[:, :, None]) & (i[None, None, :] < lengths[:, None, None]) & ok_row[..., None]
+    s = s.masked_fill(~mask[:, None], float("-inf"))
+    A = torch.softmax(s, dim=-1)
+    return torch.where(ok_row[:, None, :, None], A, 0.0).mean(dim=1)

@@ -1,0 +1,178 @@
+"""BeamSearchQA vs wo-RAG vs SR-RAG on NQ-open, WebQuestions and HotpotQA, and the engine vs the per-question
+oracle in the same run.
+
+For each dataset: the engine runs BeamSearchQA (paper defaults K=2, D=2, N=2, S=0.8, B=2, or --config) and each
+baseline over the first --limit questions; the BeamSearchQA oracle (plain transformers, one `generate` call at a
+time) runs over the first --oracle-limit of them, so the questions/s of both come from the same machine and run,
+and its decisions are compared with the engine's on those questions. Writes benchmarks/results/beamsearchqa.md
+(+ .json) with EM, F1, LLM calls/question, retrievals/question, questions/s.
+
+    python benchmarks/bench_beamsearchqa.py --limit 200 --oracle-limit 20 --batch-size 32
+
+Each run directory under --output is resumable (`fastrag run` semantics): a killed benchmark recomputes only
+missing questions; pass --fresh to re-measure the engine rates from scratch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import platform
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from fastrag.eval import RunOptions, read_results, run
+from fastrag.methods.registry import available, get_method
+from fastrag.parity import _rate, compare, method_decisions, run_oracle
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = ROOT.parent / "shared" / "data"
+DATA = {
+    "nq": SHARED / "nq_open" / "dev_500.jsonl",
+    "webq": SHARED / "webquestions" / "test_500.json",
+    "hotpotqa": SHARED / "hotpotqa" / "dev_distractor_200.jsonl",
+}
+CORPUS = SHARED / "corpus" / "wiki_passages.jsonl"
+METHOD = "beamsearchqa"
+
+
+def per_q(results, attr: str) -> float | None:
+    ok = [r for r in results if r.error is None]
+    return sum(getattr(r, attr) for r in ok) / len(ok) if ok else None
+
+
+def row_for(method: str, ds: str, out: Path, who: str = "engine") -> dict:
+    res = read_results(out / "results.jsonl")
+    ok = [r for r in res if r.error is None]
+    m = json.loads((out / "metrics.json").read_text()) if (out / "metrics.json").exists() else {}
+    calls = per_q(res, "llm_calls")
+    return {
+        "dataset": ds, "method": method, "side": who, "n": len(res), "errors": len(res) - len(ok),
+        "em": sum(r.metrics.get("em", 0.0) for r in ok) / len(ok) if ok else None,
+        "f1": sum(r.metrics.get("f1", 0.0) for r in ok) / len(ok) if ok else None,
+        # methods that do not count their generate calls leave llm_calls at 0 in their records
+        "llm_calls_per_q": calls if calls else None,
+        "retrievals_per_q": per_q(res, "retrievals"),
+        "prefill_tok_per_q": per_q(res, "prefill_tokens"), "decode_tok_per_q": per_q(res, "decode_tokens"),
+        "questions_per_s": m.get("questions_per_s") if who == "engine" else _rate(res),
+    }
+
+
+def fmt(v) -> str:
+    if v is None:
+        return "—"
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def table(rows: list[dict], cols: list[str]) -> str:
+    s = "| " + " | ".join(cols) + " |\n|" + "---|" * len(cols) + "\n"
+    for r in rows:
+        s += "| " + " | ".join(fmt(r.get(c)) for c in cols) + " |\n"
+    return s
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--datasets", nargs="+", default=list(DATA), choices=list(DATA))
+    ap.add_argument("--limit", type=int, default=200, help="questions per dataset (engine runs)")
+    ap.add_argument("--oracle-limit", type=int, default=20,
+                    help="questions per dataset for the per-question oracle (the first of the --limit ones)")
+    ap.add_argument("--baselines", nargs="*", default=["wo-rag", "sr-rag"],
+                    help="registered baseline methods to run beside BeamSearchQA (`fastrag methods`)")
+    ap.add_argument("--config", help="BeamSearchQA config JSON (K, D, N, S, B, max tokens); default: the paper's")
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--output", default=str(ROOT / "runs" / "bench_beamsearchqa"))
+    ap.add_argument("--results", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--fresh", action="store_true", help="delete earlier engine results under --output first")
+    ap.add_argument("--report-only", action="store_true", help="compute nothing: tables from --output")
+    args = ap.parse_args()
+    for b in args.baselines:
+        if b not in available():
+            sys.exit(f"baseline method {b!r} is not registered (available: {', '.join(available())}); "
+                     "pass --baselines with registered names, or none")
+    if args.oracle_limit > args.limit:
+        sys.exit("--oracle-limit must not exceed --limit")
+
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else \
+        f"CPU {platform.processor() or platform.machine()} x{torch.get_num_threads()} threads"
+    t_start = time.perf_counter()
+    rows, speed, parity_rows = [], [], []
+    for ds in args.datasets:
+        base = Path(args.output) / ds
+        for method in [METHOD, *args.baselines]:
+            out = base / method
+            if args.fresh and not args.report_only:
+                shutil.rmtree(out, ignore_errors=True)
+            # a run whose results already cover the questions is kept as it is: rerunning would overwrite its
+            # metrics.json (and the rate measured there) with a run that computed nothing
+            done = len(read_results(out / "results.jsonl")) >= args.limit and (out / "metrics.json").exists()
+            if not args.report_only and not done:
+                run(RunOptions(method=method, dataset=ds, data=str(DATA[ds]), corpus=str(CORPUS), output=str(out),
+                               config=args.config if method == METHOD else None, limit=args.limit,
+                               batch_size=args.batch_size))
+            rows.append(row_for(method, ds, out))
+        if args.oracle_limit > 0:
+            orc_dir = base / "oracle"
+            opts = RunOptions(method=METHOD, dataset=ds, data=str(DATA[ds]), corpus=str(CORPUS), output=str(orc_dir),
+                              config=args.config, limit=args.oracle_limit, batch_size=args.batch_size)
+            if args.report_only:
+                orc = read_results(orc_dir / "results.jsonl")
+            else:
+                orc, _, _ = run_oracle(opts, orc_dir)
+            o_row = row_for(METHOD, ds, orc_dir, who="oracle")
+            e_row = next(r for r in rows if r["dataset"] == ds and r["method"] == METHOD)
+            e_rate, o_rate = e_row["questions_per_s"], o_row["questions_per_s"]
+            speed.append({"dataset": ds, "engine_n": e_row["n"], "oracle_n": o_row["n"], "engine_q_per_s": e_rate,
+                          "oracle_q_per_s": o_rate, "speedup": e_rate / o_rate if e_rate and o_rate else None,
+                          "engine_prefill_tok_per_q": e_row["prefill_tok_per_q"],
+                          "oracle_prefill_tok_per_q": o_row["prefill_tok_per_q"],
+                          "engine_llm_calls_per_q": e_row["llm_calls_per_q"],
+                          "oracle_llm_calls_per_q": o_row["llm_calls_per_q"]})
+            eng = read_results(base / METHOD / "results.jsonl")
+            rep = compare(eng, orc, method_decisions(METHOD))
+            parity_rows.append({"dataset": ds, "n": rep["n"], "agreement": rep["agreement"],
+                                "answer_agreement": rep.get("answer_agreement"),
+                                "path_agreement": rep.get("path_agreement")})
+
+    cmd = "python " + " ".join([str(Path(sys.argv[0]).relative_to(ROOT)) if Path(sys.argv[0]).is_absolute()
+                                else sys.argv[0], *sys.argv[1:]])
+    cfg = get_method(METHOD).make_config("nq", args.config)
+    res = Path(args.results)
+    res.mkdir(parents=True, exist_ok=True)
+    md = (
+        "# BeamSearchQA vs wo-RAG vs SR-RAG, engine vs per-question oracle\n\n"
+        f"- date: {dt.date.today().isoformat()}\n- device: {device}\n- torch {torch.__version__}\n"
+        "- model: SmolLM2-135M-Instruct (embedded GGUF, fp32, greedy); retriever: BM25 (bm25s) over the 13.5k-passage "
+        "corpus in ../shared/data/corpus (HotpotQA/2Wiki paragraphs; NQ-open and WebQuestions have no supporting "
+        "corpus here, so their accuracy is a pipeline check, not a claim)\n"
+        f"- BeamSearchQA: K={cfg.max_questions}, D={cfg.max_depth}, N={cfg.num_docs}, S={cfg.score_threshold}, "
+        f"B={cfg.beam_size}; max new tokens answer/ask/summary/score = {cfg.answer_max_tokens}/{cfg.ask_max_tokens}/"
+        f"{cfg.summary_max_tokens}/{cfg.score_max_tokens}\n"
+        f"- engine batch {args.batch_size}; oracle on the first {args.oracle_limit} questions of each dataset\n"
+        f"- wall time of this benchmark: {time.perf_counter() - t_start:.0f} s\n"
+        f"- command: `{cmd}`\n\n"
+        "## Accuracy and cost (engine)\n\n"
+        + table(rows, ["dataset", "method", "n", "errors", "em", "f1", "llm_calls_per_q", "retrievals_per_q",
+                       "prefill_tok_per_q", "decode_tok_per_q", "questions_per_s"])
+        + "\nllm_calls_per_q shows — for methods whose records do not count their generate calls.\n"
+    )
+    if speed:
+        md += ("\n## BeamSearchQA: engine vs per-question oracle (same run)\n\n"
+               + table(speed, list(speed[0]))
+               + "\n## Decisions: engine vs oracle on the oracle's questions (final answer and chosen path)\n\n"
+               + table(parity_rows, list(parity_rows[0])))
+    (res / "beamsearchqa.md").write_text(md)
+    (res / "beamsearchqa.json").write_text(json.dumps({"rows": rows, "speed": speed, "parity": parity_rows,
+                                                       "device": device, "command": cmd}, indent=2))
+    print(md)
+
+
+if __name__ == "__main__":
+    main()

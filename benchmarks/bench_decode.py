@@ -1,0 +1,132 @@
+"""Decode step of a Llama-2-7B-shaped model (random bf16 weights) with and without the fused signals.
+
+Per batch size (1, 16, 64) at a 1k-token context: the median time of one engine decode step (batched forward over
+the paged KV cache) followed by (a) plain greedy argmax and one host copy of the tokens, or (b) the fused
+decode-signals kernel (token, entropy, logprob, FLARE probability) and one host copy of those. Overhead =
+(b - a) / a; target <= 3% at batch 64 (DESIGN.md "Performance model"). Roofline step time = (weight bytes +
+KV bytes read) / measured copy bandwidth.
+
+    python benchmarks/bench_decode.py                  # GPU: Llama-2-7B shape, bf16
+    python benchmarks/bench_decode.py --cpu-small      # CPU: SmolLM2-135M shape, fp32, context 256
+
+Writes benchmarks/results/decode_<device>.md. Weights are random (speed does not depend on their values) and
+never saved.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from bench_kernels import device_name, measure_bandwidth, timeit  # noqa: E402
+
+from fastrag.engine import Engine  # noqa: E402
+from fastrag.model.llama import LlamaModel  # noqa: E402
+
+LLAMA2_7B = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                 num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096)
+SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                    num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192)
+
+
+class _Tok:
+    eos_token_id = None
+
+
+def build(shape: dict, dtype, dev, batch: int, ctx: int, signals: str | None):
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(**shape, eos_token_id=None, tie_word_embeddings=False)
+    model = LlamaModel.from_hf_config(cfg, dtype=dtype, device=str(dev), seed=0)
+    kv_bytes = 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * (
+        shape["hidden_size"] // shape["num_attention_heads"]) * dtype.itemsize * (ctx + 64) * batch
+    eng = Engine(model, _Tok(), max_batch=batch, kv_cache_gb=kv_bytes / 2**30 * 1.2 + 0.05,
+                 max_prefill_tokens=max(4096, ctx), signals=signals)
+    g = torch.Generator().manual_seed(0)
+    seqs = []
+    for _ in range(batch):
+        s = eng.new_sequence()
+        # the timed steps roll their token back, so a few new tokens of room are enough
+        eng.start(s, torch.randint(5, shape["vocab_size"], (ctx,), generator=g).tolist(), 32)
+        seqs.append(s)
+    while eng.waiting:  # prefill everything, then time decode steps only
+        eng.step()
+    return model, eng, eng.running[:batch]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cpu-small", action="store_true", help="CPU: SmolLM2-135M shape, fp32, context 256")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--ctx", type=int, default=None)
+    ap.add_argument("--reps", type=int, default=None)
+    args = ap.parse_args()
+    dev = torch.device("cuda" if torch.cuda.is_available() and not args.cpu_small else "cpu")
+    if dev.type == "cuda":
+        shape, dtype, ctx, reps, label = LLAMA2_7B, torch.bfloat16, args.ctx or 1024, args.reps or 30, "Llama-2-7B"
+    else:
+        shape, dtype, ctx, reps, label = SMOLLM2_135M, torch.float32, args.ctx or 256, args.reps or 5, "SmolLM2-135M"
+    bw = measure_bandwidth(dev)
+    rows = []
+    for B in args.batches:
+        model, eng, seqs = build(shape, dtype, dev, B, ctx, None)
+        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        hd = shape["hidden_size"] // shape["num_attention_heads"]
+        kv_read = 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * hd * dtype.itemsize * ctx * B
+
+        def plain():
+            logits = eng._decode(seqs)
+            logits.argmax(-1).cpu()  # the tokens are needed on the host either way
+            for s in seqs:  # keep the context length fixed: roll the step back
+                s.table.num_tokens -= 1
+
+        def fused():
+            logits = eng._decode(seqs)
+            sig = eng.signals.decode_signals(logits)
+            torch.stack([sig.chosen.double(), sig.entropy.double(), sig.logprob.double()]).cpu()
+            for s in seqs:
+                s.table.num_tokens -= 1
+
+        with torch.inference_mode():
+            t_plain = timeit(plain, dev, reps, warmup=2)
+            t_fused = timeit(fused, dev, reps, warmup=2)
+            t_plain2 = timeit(plain, dev, reps, warmup=1)  # timing spread: the same version twice
+        roof = (weight_bytes + kv_read) / bw
+        rows.append(dict(B=B, plain_ms=t_plain * 1e3, plain_again_ms=t_plain2 * 1e3, signals_ms=t_fused * 1e3,
+                         overhead=(t_fused - t_plain) / t_plain, roofline_ms=roof * 1e3, x_roofline=t_plain / roof,
+                         backend=eng.signals.name))
+        print(rows[-1], flush=True)
+        del model, eng, seqs
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    tag = "gpu" if dev.type == "cuda" else "cpu"
+    out = ROOT / "benchmarks" / "results" / f"decode_{tag}.md"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    lines = [f"# Decode step with and without fused signals ({tag})", "",
+             f"- device: {device_name(dev)}; date {dt.date.today().isoformat()}; torch {torch.__version__}",
+             f"- model: {label} shape, random {str(dtype).split('.')[-1]} weights; context {ctx} tokens per sequence",
+             f"- measured copy bandwidth {bw / 1e9:.1f} GB/s; roofline = (weights + KV read) / bandwidth",
+             f"- command: `python benchmarks/bench_decode.py {' '.join(sys.argv[1:])}`",
+             "- plain = forward + argmax + host copy of the tokens; signals = forward + fused decode_signals + one "
+             "host copy of (token, entropy, logprob); plain_again = plain timed a second time (the noise floor)",
+             *([] if dev.type == "cuda" else
+               ["- CPU run with a small model shape (the 7B shape needs a GPU): GPU not measured"]),
+             "", "| B | plain ms | plain again ms | signals ms | overhead | roofline ms | plain / roofline | backend |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['B']} | {r['plain_ms']:.2f} | {r['plain_again_ms']:.2f} | {r['signals_ms']:.2f} | "
+                     f"{r['overhead']:+.1%} | {r['roofline_ms']:.2f} | {r['x_roofline']:.2f} | {r['backend']} |")
+    out.write_text("\n".join(lines) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

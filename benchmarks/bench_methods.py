@@ -1,0 +1,130 @@
+"""Every method on the engine: EM / F1 (accuracy for StrategyQA), retrievals, tokens prefilled and decoded per
+question and questions/s, on HotpotQA, 2WikiMultihopQA and StrategyQA from ../shared/data, SmolLM2 on CPU.
+
+One command reproduces `benchmarks/results/methods.md` (+ methods.json):
+
+    python benchmarks/bench_methods.py --limit 200
+
+Each (method, dataset) run is a resumable `fastrag run` directory under --output (results.jsonl + metrics.json), so
+an interrupted benchmark continues where it stopped; `--report-only` rebuilds the table from what is on disk.
+The table also reports streaming DRAGIN against reference DRAGIN on the same questions: decoded tokens per
+question (ratio) and EM/F1 with a paired bootstrap 95% interval of the difference (noise level).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import platform
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from fastrag.eval import RunOptions, build_engine, read_results, run
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = ROOT.parent / "shared" / "data"
+DATA = {
+    "hotpotqa": SHARED / "hotpotqa" / "dev_distractor_200.jsonl",
+    "2wikimultihopqa": SHARED / "2wikimultihopqa" / "dev_sample_200.jsonl",
+    "strategyqa": SHARED / "strategyqa" / "train_first1000.json",
+}
+CORPUS = SHARED / "corpus" / "wiki_passages.jsonl"
+METHODS = ["wo-rag", "sr-rag", "fl-rag", "fs-rag", "token-rag", "flare", "flare-explicit", "flare-instruct",
+           "dragin", "dragin-streaming"]
+
+
+def paired_diff(a: list[float], b: list[float], n_boot: int = 2000, seed: int = 0) -> tuple[float, float, float]:
+    """mean(b - a) and its bootstrap 95% interval over questions."""
+    d = [y - x for x, y in zip(a, b)]
+    if not d:
+        return float("nan"), float("nan"), float("nan")
+    rng = random.Random(seed)
+    means = sorted(sum(rng.choice(d) for _ in d) / len(d) for _ in range(n_boot))
+    return sum(d) / len(d), means[int(0.025 * n_boot)], means[int(0.975 * n_boot)]
+
+
+def fmt(v, nd=3):
+    return "—" if v is None else (f"{v:.{nd}f}" if isinstance(v, float) else str(v))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--methods", nargs="+", default=METHODS)
+    ap.add_argument("--datasets", nargs="+", default=list(DATA))
+    ap.add_argument("--limit", type=int, default=200)
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--kv-cache-gb", type=float, default=2.0, help="KV pool (the engine allocates it up front)")
+    ap.add_argument("--output", default=str(ROOT / "runs" / "bench_methods"))
+    ap.add_argument("--results", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--report-only", action="store_true", help="compute nothing; tabulate what --output holds")
+    args = ap.parse_args()
+
+    from fastrag.retrieval.bm25 import BM25Retriever
+
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else \
+        f"CPU {platform.processor() or platform.machine()} x{torch.get_num_threads()} threads"
+    eng = ret = None
+    rows, metrics = [], {}
+    for ds in args.datasets:
+        for m in args.methods:
+            out = Path(args.output) / ds / m
+            if not args.report_only:
+                if eng is None:
+                    eng = build_engine(args.model, args.batch_size, kv_cache_gb=args.kv_cache_gb)
+                    ret = BM25Retriever(str(CORPUS))
+                if eng.prefix is not None:  # each method has its own shared prefix; give the last one back
+                    eng.pool.release(eng.prefix.blocks)
+                    eng.prefix = None
+                t = time.perf_counter()
+                opts = RunOptions(method=m, dataset=ds, data=str(DATA[ds]), corpus=str(CORPUS), output=str(out),
+                                  model=args.model, limit=args.limit, batch_size=args.batch_size, progress=True)
+                run(opts, engine=eng, retriever=ret)
+                print(f"{ds} {m}: {time.perf_counter() - t:.0f}s", flush=True)
+            if not (out / "metrics.json").exists():
+                continue
+            mt = json.loads((out / "metrics.json").read_text())
+            metrics[(ds, m)] = mt
+            rows.append((ds, m, mt))
+
+    lines = [f"# Methods on the engine ({args.model}, {device}, {dt.date.today()})", "",
+             f"Command: `python benchmarks/bench_methods.py --limit {args.limit} --batch-size {args.batch_size}`; "
+             f"retriever bm25s over {CORPUS.name}; greedy decoding; per-dataset paper defaults (docs/methods.md). "
+             "q/s is the rate of the questions computed in the run that produced each metrics.json.", "",
+             "| dataset | method | n | EM | F1 / acc | retrievals/q | prefilled/q | decoded/q | q/s | errors |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for ds, m, mt in rows:
+        score = mt["accuracy"] if ds == "strategyqa" else mt["f1"]
+        lines.append(f"| {ds} | {m} | {mt['n']} | {fmt(mt['em'])} | {fmt(score)} | "
+                     f"{fmt(mt['retrievals_per_question'], 2)} | {fmt(mt['prefill_tokens_per_question'], 0)} | "
+                     f"{fmt(mt['decode_tokens_per_question'], 0)} | {fmt(mt['questions_per_s'], 3)} | {mt['errors']} |")
+    lines += ["", "## Streaming DRAGIN vs reference DRAGIN (same questions)", "",
+              "| dataset | decoded/q reference | decoded/q streaming | ratio | EM diff [95% CI] | F1 diff [95% CI] |",
+              "|---|---|---|---|---|---|"]
+    for ds in args.datasets:
+        a_dir, b_dir = Path(args.output) / ds / "dragin", Path(args.output) / ds / "dragin-streaming"
+        a = {r.qid: r for r in read_results(a_dir / "results.jsonl") if r.error is None}
+        b = {r.qid: r for r in read_results(b_dir / "results.jsonl") if r.error is None}
+        common = [q for q in a if q in b]
+        if not common:
+            continue
+        da = sum(a[q].decode_tokens for q in common) / len(common)
+        db = sum(b[q].decode_tokens for q in common) / len(common)
+        key = "accuracy" if ds == "strategyqa" else "f1"
+        em = paired_diff([a[q].metrics["em"] for q in common], [b[q].metrics["em"] for q in common])
+        f1 = paired_diff([a[q].metrics[key] for q in common], [b[q].metrics[key] for q in common])
+        lines.append(f"| {ds} | {da:.1f} | {db:.1f} | {db / da:.3f} | {em[0]:+.3f} [{em[1]:+.3f}, {em[2]:+.3f}] | "
+                     f"{f1[0]:+.3f} [{f1[1]:+.3f}, {f1[2]:+.3f}] |")
+    res = Path(args.results)
+    res.mkdir(parents=True, exist_ok=True)
+    (res / "methods.md").write_text("\n".join(lines) + "\n")
+    (res / "methods.json").write_text(json.dumps({f"{d}/{m}": v for (d, m), v in metrics.items()}, indent=2))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

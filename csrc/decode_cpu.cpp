@@ -1,0 +1,182 @@
+// C++ CPU kernels of the fused decode-step signals and the attention statistics added for issue 3
+// (definitions: fastrag/signals/reference.py). Raw pointers only; checks live in glue_cpu.cpp.
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "sampling.h"
+#include "signals_cpu.h"
+
+namespace fastrag {
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr int64_t kChunk = 512;
+
+// One row: online softmax state relative to the running max m (s = sum e^{y-m}, u = sum (y-m) e^{y-m}), folded
+// per chunk in double; best score and its lowest index. Then H = ln s - u/s, ln p_c = y_c - m - ln s.
+template <typename T>
+void decode_row(const T* x, int64_t V, float inv_t, bool sample, uint32_t key, int64_t chosen, const uint8_t* nonstop,
+                int64_t* out_c, float* ent, float* lp, float* prob, uint8_t* flag) {
+  float buf[kChunk];
+  double m = -std::numeric_limits<double>::infinity(), s = 0.0, u = 0.0;
+  float best = kNegInf;
+  int64_t best_i = -1;
+  for (int64_t c0 = 0; c0 < V; c0 += kChunk) {
+    const int64_t n = std::min(kChunk, V - c0);
+    float cmax = kNegInf;
+    for (int64_t i = 0; i < n; ++i) {
+      const float y = static_cast<float>(x[c0 + i]) * inv_t;
+      buf[i] = y;
+      cmax = std::max(cmax, y);
+      const float score =
+          sample ? y - std::log(-std::log(sampling_uniform(key, static_cast<uint32_t>(c0 + i)))) : y;
+      if (score > best || best_i < 0) {  // strict: ties keep the lowest index; NaN never wins
+        best = score;
+        best_i = c0 + i;
+      }
+    }
+    if (cmax == kNegInf) continue;
+    if (cmax > m) {
+      if (s > 0.0) {
+        const double r = std::exp(m - cmax);
+        u = r * (u + (m - cmax) * s);
+        s *= r;
+      }
+      m = cmax;
+    }
+    const float mf = static_cast<float>(m);
+    float cs = 0.f, cu = 0.f;
+    for (int64_t i = 0; i < n; ++i) {
+      if (buf[i] == kNegInf) continue;  // 0 * ln 0 = 0
+      const float d = buf[i] - mf;
+      const float e = std::exp(d);
+      cs += e;
+      cu += d * e;
+    }
+    s += cs;
+    u += cu;
+  }
+  const int64_t c = chosen >= 0 ? chosen : best_i;
+  const double log_s = std::log(s);
+  const double l = static_cast<double>(static_cast<float>(x[c]) * inv_t) - m - log_s;
+  *out_c = c;
+  *ent = static_cast<float>(log_s - u / s);
+  *lp = static_cast<float>(l);
+  *prob = static_cast<float>(std::exp(l));
+  if (flag) *flag = nonstop[c];
+}
+
+template <typename T>
+inline float dot_f(const T* a, const T* b, int64_t D) {
+  float acc = 0.f;
+  for (int64_t d = 0; d < D; ++d) acc += static_cast<float>(a[d]) * static_cast<float>(b[d]);
+  return acc;
+}
+
+}  // namespace
+
+template <typename T>
+void decode_signals_cpu(const T* logits, int64_t B, int64_t V, float temperature, bool sample, const int64_t* keys,
+                        const int64_t* chosen, const uint8_t* nonstop, int64_t* out_chosen, float* entropy,
+                        float* logprob, float* prob, uint8_t* flag) {
+  const float inv_t = temperature > 0.f ? 1.0f / temperature : 1.0f;
+#pragma omp parallel for schedule(static)
+  for (int64_t b = 0; b < B; ++b) {
+    const uint32_t key = sample ? static_cast<uint32_t>(keys[b]) : 0u;
+    decode_row(logits + b * V, V, inv_t, sample, key, chosen ? chosen[b] : -1, nonstop, out_chosen + b,
+               entropy + b, logprob + b, prob + b, flag ? flag + b : nullptr);
+  }
+}
+
+template <typename T>
+void attn_decode_update_cpu(const T* q, const T* k_cache, int64_t sk_h, int64_t sk_s, const int64_t* block_tables,
+                            const int64_t* ctx_lens, const int64_t* span_start, const float* lse, int64_t B,
+                            int64_t H, int64_t Hkv, int64_t D, int64_t NB, int64_t nb_pool, int64_t bs, int64_t S,
+                            float scale, float* amax, float* row) {
+  const int64_t G = H / Hkv;
+  const int64_t L = NB * bs;
+  // slot of key position i of sequence b, or -1 past the context / outside the pool
+  auto slot_of = [&](int64_t b, int64_t i) -> int64_t {
+    if (i < 0 || i >= ctx_lens[b] || i >= L) return -1;
+    const int64_t blk = block_tables[b * NB + i / bs];
+    if (blk < 0 || blk >= nb_pool) return -1;
+    return blk * bs + i % bs;
+  };
+#pragma omp parallel for collapse(2) schedule(static)
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t h = 0; h < H; ++h) {
+      const T* qh = q + (b * H + h) * D;
+      const T* kh = k_cache + (h / G) * sk_h;
+      const float l = lse[b * H + h];
+      float* am = amax + (b * H + h) * S;
+      for (int64_t s = 0; s < S; ++s) {
+        const int64_t slot = slot_of(b, span_start[b] + s);
+        if (slot < 0) continue;
+        am[s] = std::max(am[s], std::exp(dot_f(qh, kh + slot * sk_s, D) * scale - l));
+      }
+    }
+  }
+  if (!row) return;
+#pragma omp parallel for schedule(static)
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t i = 0; i < L; ++i) {
+      const int64_t slot = slot_of(b, i);
+      float acc = 0.f;
+      if (slot >= 0) {
+        for (int64_t h = 0; h < H; ++h)
+          acc += std::exp(dot_f(q + (b * H + h) * D, k_cache + (h / G) * sk_h + slot * sk_s, D) * scale -
+                          lse[b * H + h]);
+      }
+      row[b * L + i] = acc / static_cast<float>(H);
+    }
+  }
+}
+
+void causal_attn_rows_cpu(const float* q, const float* k, const int64_t* lengths, const int64_t* rows, int64_t B,
+                          int64_t H, int64_t Hkv, int64_t T, int64_t D, int64_t R, float scale, float* out) {
+  const int64_t G = H / Hkv;
+#pragma omp parallel
+  {
+    std::vector<float> p(static_cast<size_t>(T));
+#pragma omp for collapse(2) schedule(dynamic)
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t r = 0; r < R; ++r) {
+        float* o = out + (b * R + r) * T;
+        std::fill(o, o + T, 0.f);
+        const int64_t j = rows[b * R + r];
+        if (j < 0 || j >= lengths[b]) continue;
+        for (int64_t h = 0; h < H; ++h) {
+          const float* qj = q + ((b * H + h) * T + j) * D;
+          const float* kb = k + ((b * Hkv + h / G) * T) * D;
+          float mx = kNegInf;
+          for (int64_t i = 0; i <= j; ++i) {
+            p[i] = dot_f(qj, kb + i * D, D) * scale;
+            mx = std::max(mx, p[i]);
+          }
+          float sum = 0.f;
+          for (int64_t i = 0; i <= j; ++i) {
+            p[i] = std::exp(p[i] - mx);
+            sum += p[i];
+          }
+          const float w = 1.f / (sum * static_cast<float>(H));
+          for (int64_t i = 0; i <= j; ++i) o[i] += p[i] * w;
+        }
+      }
+    }
+  }
+}
+
+#define FASTRAG_INSTANTIATE(T)                                                                                     \
+  template void decode_signals_cpu<T>(const T*, int64_t, int64_t, float, bool, const int64_t*, const int64_t*,    \
+                                      const uint8_t*, int64_t*, float*, float*, float*, uint8_t*);                 \
+  template void attn_decode_update_cpu<T>(const T*, const T*, int64_t, int64_t, const int64_t*, const int64_t*,   \
+                                          const int64_t*, const float*, int64_t, int64_t, int64_t, int64_t,       \
+                                          int64_t, int64_t, int64_t, int64_t, float, float*, float*);
+FASTRAG_INSTANTIATE(float)
+FASTRAG_INSTANTIATE(c10::BFloat16)
+FASTRAG_INSTANTIATE(c10::Half)
+#undef FASTRAG_INSTANTIATE
+
+}  // namespace fastrag

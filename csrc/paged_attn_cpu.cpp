@@ -1,0 +1,156 @@
+// Decode attention over the paged KV cache on the CPU: one new query per sequence attends to the run-wide shared
+// prefix and to its own blocks, read in place from the pool (no gathered copy of the context).
+//
+// Registered as the torch operator `fastrag::paged_decode_attention` (TORCH_LIBRARY), so it needs no entry in
+// bindings.cpp; Python reaches it as torch.ops.fastrag.paged_decode_attention after `import fastrag._C`.
+//
+//   q:            [B, H, D] float32 (the new token's query, rotary already applied)
+//   k_pool/v_pool:[Hkv, num_slots, D] float32, last dim contiguous
+//   prefix_slots: [P] int64, pool slots of the shared prefix (P may be 0)
+//   ctx_blocks:   [B, NB] int64, each sequence's blocks after the prefix (padded rows are never read)
+//   ctx_lens:     [B] int64, context entries of each sequence (the new token included)
+//   returns       [B, H, D] float32: softmax(q . k * scale) @ v over the prefix followed by the context
+//
+// Work item = (kv head, sequence): the G = H / Hkv query heads of a group share each key/value row, so every row
+// is read once per sequence; items of one kv head are adjacent, so that head's prefix stays in cache across the
+// batch. Scores are kept per item (at most G x (P + ctx) floats), then exp-normalised exactly like the two-level
+// softmax of the torch path.
+#include <torch/library.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(__clang__)
+#define FASTRAG_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define FASTRAG_CLONES
+#endif
+
+FASTRAG_CLONES float dot(const float* a, const float* b, int64_t n) {
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+FASTRAG_CLONES void axpy(float* y, float w, const float* x, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) y[i] += w * x[i];
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                                  const at::Tensor& prefix_slots, const at::Tensor& ctx_blocks,
+                                  const at::Tensor& ctx_lens, int64_t block_size, double scale) {
+  TORCH_CHECK(q.device().is_cpu() && k_pool.device().is_cpu() && v_pool.device().is_cpu(),
+              "paged_decode_attention: q, k_pool and v_pool must be CPU tensors");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k_pool.scalar_type() == at::kFloat &&
+                  v_pool.scalar_type() == at::kFloat,
+              "paged_decode_attention: q, k_pool and v_pool must be float32");
+  TORCH_CHECK(q.dim() == 3, "paged_decode_attention: q must be [B, H, D], got ", q.dim(), " dims");
+  TORCH_CHECK(k_pool.dim() == 3 && v_pool.sizes() == k_pool.sizes(),
+              "paged_decode_attention: k_pool and v_pool must both be [Hkv, num_slots, D]");
+  TORCH_CHECK(k_pool.stride(2) == 1 && v_pool.stride(2) == 1 && k_pool.strides() == v_pool.strides(),
+              "paged_decode_attention: k_pool/v_pool last dim must be contiguous and their strides equal");
+  TORCH_CHECK(prefix_slots.scalar_type() == at::kLong && ctx_blocks.scalar_type() == at::kLong &&
+                  ctx_lens.scalar_type() == at::kLong,
+              "paged_decode_attention: prefix_slots, ctx_blocks and ctx_lens must be int64");
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t Hkv = k_pool.size(0), num_slots = k_pool.size(1);
+  TORCH_CHECK(k_pool.size(2) == D, "paged_decode_attention: head dim of k_pool (", k_pool.size(2),
+              ") != head dim of q (", D, ")");
+  TORCH_CHECK(Hkv > 0 && H % Hkv == 0, "paged_decode_attention: H=", H, " is not a multiple of Hkv=", Hkv);
+  TORCH_CHECK(ctx_blocks.dim() == 2 && ctx_blocks.size(0) == B, "paged_decode_attention: ctx_blocks must be [B, NB]");
+  TORCH_CHECK(ctx_lens.dim() == 1 && ctx_lens.size(0) == B, "paged_decode_attention: ctx_lens must be [B]");
+  TORCH_CHECK(block_size > 0, "paged_decode_attention: block_size must be positive");
+  const int64_t NB = ctx_blocks.size(1);
+  const int64_t P = prefix_slots.numel();
+
+  at::Tensor qc = q.contiguous(), pre = prefix_slots.contiguous(), blk = ctx_blocks.contiguous(),
+             lens = ctx_lens.contiguous();
+  const int64_t* pre_p = pre.data_ptr<int64_t>();
+  const int64_t* blk_p = blk.data_ptr<int64_t>();
+  const int64_t* len_p = lens.data_ptr<int64_t>();
+  for (int64_t i = 0; i < P; ++i)
+    TORCH_CHECK(pre_p[i] >= 0 && pre_p[i] < num_slots, "paged_decode_attention: prefix slot ", pre_p[i],
+                " outside the pool (", num_slots, " slots)");
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t n = len_p[b];
+    TORCH_CHECK(n >= 0 && n <= NB * block_size, "paged_decode_attention: ctx_lens[", b, "]=", n,
+                " exceeds its block table (", NB, " blocks of ", block_size, ")");
+    TORCH_CHECK(n + P > 0, "paged_decode_attention: sequence ", b, " has no key to attend to");
+    for (int64_t i = 0; i < (n + block_size - 1) / block_size; ++i) {
+      const int64_t blkid = blk_p[b * NB + i];
+      TORCH_CHECK(blkid >= 0 && (blkid + 1) * block_size <= num_slots, "paged_decode_attention: ctx_blocks[", b,
+                  ", ", i, "]=", blkid, " outside the pool");
+    }
+  }
+
+  at::Tensor out = at::empty({B, H, D}, q.options());
+  const float* qp = qc.data_ptr<float>();
+  const float* kp = k_pool.data_ptr<float>();
+  const float* vp = v_pool.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t sh = k_pool.stride(0), ss = k_pool.stride(1);
+  const int64_t G = H / Hkv;
+  const float sc = static_cast<float>(scale);
+
+  at::parallel_for(0, Hkv * B, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> s, den;
+    std::vector<int64_t> rows;  // element offset of each key/value row inside one kv head's slab
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t g = item / B, b = item % B;
+      const int64_t n = len_p[b], L = P + n;
+      rows.resize(L);
+      for (int64_t j = 0; j < P; ++j) rows[j] = pre_p[j] * ss;
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t slot = blk_p[b * NB + i / block_size] * block_size + i % block_size;
+        rows[P + i] = slot * ss;
+      }
+      s.assign(G * L, 0.f);
+      const float* kh = kp + g * sh;
+      const float* vh = vp + g * sh;
+      const float* qg = qp + (b * H + g * G) * D;
+      for (int64_t j = 0; j < L; ++j) {
+        const float* krow = kh + rows[j];
+        for (int64_t h = 0; h < G; ++h) s[h * L + j] = dot(qg + h * D, krow, D) * sc;
+      }
+      den.assign(G, 0.f);
+      for (int64_t h = 0; h < G; ++h) {
+        float* sh_ = s.data() + h * L;
+        float mx = -std::numeric_limits<float>::infinity();
+        for (int64_t j = 0; j < L; ++j) mx = std::max(mx, sh_[j]);
+        for (int64_t j = 0; j < L; ++j) {
+          sh_[j] = std::exp(sh_[j] - mx);
+          den[h] += sh_[j];
+        }
+      }
+      float* og = op + (b * H + g * G) * D;
+      std::fill(og, og + G * D, 0.f);
+      for (int64_t j = 0; j < L; ++j) {
+        const float* vrow = vh + rows[j];
+        for (int64_t h = 0; h < G; ++h) axpy(og + h * D, s[h * L + j], vrow, D);
+      }
+      for (int64_t h = 0; h < G; ++h) {
+        const float inv = 1.f / den[h];
+        for (int64_t d = 0; d < D; ++d) og[h * D + d] *= inv;
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(fastrag, m) {
+  m.def("paged_decode_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor prefix_slots, Tensor ctx_blocks, "
+        "Tensor ctx_lens, int block_size, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(fastrag, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }

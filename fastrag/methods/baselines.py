@@ -1,0 +1,112 @@
+"""The DRAGIN paper's fixed-rule baselines (section 4.3, Table 1) on the engine: wo-RAG, SR-RAG, FL-RAG, FS-RAG.
+
+Rules follow the published DRAGIN code (docs/methods.md): SR-RAG retrieves once with the question; FL-RAG
+retrieves before every chunk of n tokens (first with the question, then with the last chunk); FS-RAG retrieves
+before every sentence (first with the question, then with the last sentence) and keeps the first sentence of each
+L-token generation. All of them stop by the DRAGIN stop rule and finish with the evaluator's answer generation.
+"""
+
+from __future__ import annotations
+
+from fastrag.config import BaselineConfig, method_config
+from fastrag.data.exemplars import case_text, demo_text
+from fastrag.methods.common import finish_answer, generate, join, rag_prompt, search, stop, truncate_query
+from fastrag.methods.registry import MethodSpec, register
+from fastrag.text.sentences import split_sentences
+from fastrag.trace import QuestionResult, Round
+
+
+class _Baseline:
+    name = ""
+
+    def __init__(self, cfg: BaselineConfig, tokenizer):
+        self.cfg, self.tok = cfg, tokenizer
+        self.demos = demo_text(cfg.dataset, cfg.fewshot)
+
+    @property
+    def shared_prefix(self) -> str:
+        return self.demos
+
+    def __call__(self, ex):
+        q = ex.question
+        if not q.strip():
+            raise ValueError("empty question")
+        res = QuestionResult(qid=ex.qid, question=ex.question, gold=list(ex.answers))
+        case = case_text(q, self.cfg.dataset)
+        text = yield from self.answer(res, q, case)
+        return (yield from finish_answer(res, self.tok, self.demos, case, text))
+
+    def retrieve(self, res, query: str, trigger: str | None = None):
+        query = truncate_query(self.tok, query, self.cfg.max_query_tokens)
+        docs = yield from search(res, query, self.cfg.retrieve_topk)
+        res.rounds.append(Round(trigger_sentence=trigger, query=query, doc_ids=[str(d.id) for d in docs]))
+        return docs
+
+    def decode(self, g) -> str:
+        return self.tok.decode(g.ids, skip_special_tokens=True)
+
+
+class WoRag(_Baseline):
+    """No retrieval: one L-token generation from demos + case."""
+
+    def answer(self, res, q, case):
+        g = yield from generate(res, self.demos + case, self.cfg.generate_max_length)
+        res.rounds.append(Round())
+        return self.decode(g).strip()
+
+
+class SrRag(_Baseline):
+    """Single retrieval with the question, then one L-token generation with the documents."""
+
+    def answer(self, res, q, case):
+        docs = yield from self.retrieve(res, q)
+        g = yield from generate(res, rag_prompt(self.demos, docs, case), self.cfg.generate_max_length)
+        return self.decode(g).strip()
+
+
+class FlRag(_Baseline):
+    """Retrieve, generate n tokens, repeat with the chunk just generated as the next query."""
+
+    def answer(self, res, q, case):
+        cfg, text, query = self.cfg, "", q
+        while True:
+            old_len = len(text)
+            docs = yield from self.retrieve(res, query)
+            g = yield from generate(res, rag_prompt(self.demos, docs, case, text, typo=cfg.flrag_typo),
+                                    cfg.fix_length)
+            chunk = self.decode(g).strip()
+            text = join(text, chunk)
+            query = chunk
+            if stop(text, old_len, len(self.tok.encode(text)), cfg.generate_max_length, cfg.stop_case_insensitive):
+                return text
+
+
+class FsRag(_Baseline):
+    """Retrieve, generate L tokens and keep the first sentence, repeat with that sentence as the next query."""
+
+    def answer(self, res, q, case):
+        cfg, text, query = self.cfg, "", q
+        while True:
+            old_len = len(text)
+            docs = yield from self.retrieve(res, query)
+            g = yield from generate(res, rag_prompt(self.demos, docs, case, text, typo=cfg.flrag_typo),
+                                    cfg.generate_max_length)
+            sents = split_sentences(self.decode(g))
+            if not sents:
+                return text
+            text = join(text, sents[0].text)
+            query = sents[0].text
+            if stop(text, old_len, len(self.tok.encode(text)), cfg.generate_max_length, cfg.stop_case_insensitive):
+                return text
+
+
+def _spec(name: str, cls, description: str) -> MethodSpec:
+    return register(MethodSpec(name=name, description=description,
+                               make_config=lambda dataset, path: method_config(name, dataset, path),
+                               make_policy=cls))
+
+
+_spec("wo-rag", WoRag, "no retrieval: one generation from the few-shot prompt")
+_spec("sr-rag", SrRag, "single retrieval with the question before generating")
+_spec("fl-rag", FlRag, "retrieve every n tokens (fix_length), the last chunk as the query")
+_spec("fs-rag", FsRag, "retrieve every sentence, the last sentence as the query")

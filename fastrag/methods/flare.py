@@ -1,0 +1,236 @@
+"""FLARE on the engine (FLARE paper section 3): `flare` / `flare-explicit` (FLARE-direct) and `flare-instruct`.
+
+FLARE-direct, per step (docs/methods.md has the exact rules):
+1. look-ahead: generate `look_ahead_tokens` from demos + [documents] + case + text, keep its first sentence s^;
+2. if every token of s^ has p > theta, accept s^ (the documents in the prompt stay);
+3. else retrieve with a query built from s^ — implicit: s^ without its tokens of p <= beta; explicit: one question
+   per low-probability span, asked by the same model, results interleaved and de-duplicated — the new documents
+   replace the old ones, and the sentence is regenerated from the new prompt (its first sentence is accepted).
+Step 1 of the question retrieves with the question itself (FLARE section 2.3, `retrieve_first`).
+
+FLARE-instruct: the prompt teaches the "[Search(query)]" call; when the model writes one, the generation is cut
+after it, the query is retrieved, and generation resumes from a prompt with the new documents.
+"""
+
+from __future__ import annotations
+
+import re
+
+from fastrag.config import FlareConfig, method_config
+from fastrag.data.exemplars import case_text, demo_text
+from fastrag.methods.common import (finish_answer, generate, join, probs, rag_prompt, search, stop, token_char_ends,
+                                    truncate_query)
+from fastrag.methods.registry import MethodSpec, register
+from fastrag.methods.token_rag import masked_text, token_spans
+from fastrag.text.sentences import split_sentences
+from fastrag.trace import QuestionResult, Round
+
+MAIN, QGEN = 0, 2  # KV branches: the answer prompts; the explicit-query question prompts
+
+
+def explicit_question_prompt(case: str, text: str, sentence: str, span: str) -> str:
+    """Prompt asking the model for a question whose answer is `span` (FLARE section 3.2, explicit queries)."""
+    return join(case, text, sentence) + f'\n\nAsk a question to which the answer is "{span}".\nQuestion:'
+
+
+def first_line(s: str) -> str:
+    s = s.strip()
+    return s.split("\n", 1)[0].strip() if s else ""
+
+
+def low_spans(ids, p: list[float], beta: float) -> list[tuple[int, int]]:
+    """Maximal runs [l, r) of tokens with p <= beta."""
+    out, l = [], None
+    for i, x in enumerate(p):
+        if x <= beta and l is None:
+            l = i
+        elif x > beta and l is not None:
+            out.append((l, i))
+            l = None
+    if l is not None:
+        out.append((l, len(p)))
+    return out
+
+
+def interleave(lists, k: int) -> list:
+    """Round-robin over ranked lists (rank 1 of each, then rank 2, ...), first occurrence of each id, top k."""
+    out, seen = [], set()
+    for rank in range(max((len(x) for x in lists), default=0)):
+        for docs in lists:
+            if rank < len(docs) and docs[rank].id not in seen:
+                seen.add(docs[rank].id)
+                out.append(docs[rank])
+    return out[:k]
+
+
+class FlareDirect:
+    name = "flare"
+
+    def __init__(self, cfg: FlareConfig, tokenizer):
+        self.cfg, self.tok = cfg, tokenizer
+        self.demos = demo_text(cfg.dataset, cfg.fewshot)
+
+    @property
+    def shared_prefix(self) -> str:
+        return self.demos
+
+    def look_ahead(self, g):
+        """(first sentence text, its token count) of a look-ahead generation; ("", 0) when it has none."""
+        new = self.tok.decode(g.ids, skip_special_tokens=True)
+        sents = split_sentences(new)
+        if not sents:
+            return "", 0
+        _, r = token_spans(token_char_ends(self.tok, g.ids), sents)[0]
+        return sents[0].text, r
+
+    def __call__(self, ex):
+        cfg, tok = self.cfg, self.tok
+        q = ex.question
+        if not q.strip():
+            raise ValueError("empty question")
+        res = QuestionResult(qid=ex.qid, question=ex.question, gold=list(ex.answers))
+        case = case_text(q, cfg.dataset)
+        text, docs = "", []
+        if cfg.retrieve_first:
+            query = truncate_query(tok, q, cfg.max_query_tokens)
+            docs = yield from search(res, query, cfg.retrieve_topk)
+            res.rounds.append(Round(query=query, doc_ids=[str(d.id) for d in docs]))
+        while True:
+            old_len = len(text)
+            g = yield from generate(res, rag_prompt(self.demos, docs, case, text), cfg.look_ahead_tokens, MAIN)
+            sent, r = self.look_ahead(g)
+            if not sent:
+                break
+            p = probs(g.logprob[:r])
+            if any(x <= cfg.theta for x in p):
+                query, docs = yield from self.retrieve(res, q, case, text, sent, g.ids[:r], p)
+                res.rounds.append(Round(trigger_sentence=sent, query=query, doc_ids=[str(d.id) for d in docs]))
+                g = yield from generate(res, rag_prompt(self.demos, docs, case, text), cfg.look_ahead_tokens, MAIN)
+                sent, _ = self.look_ahead(g)
+            else:
+                res.rounds.append(Round())
+            text = join(text, sent)
+            if stop(text, old_len, len(tok.encode(text)), cfg.generate_max_length, cfg.stop_case_insensitive):
+                break
+        return (yield from finish_answer(res, tok, self.demos, case, text))
+
+    def implicit_query(self, q: str, ids, p: list[float]) -> str:
+        """s^ without the tokens of p <= beta; the question when nothing is left."""
+        query = masked_text(self.tok, ids, [x > self.cfg.beta for x in p])
+        return truncate_query(self.tok, query or q, self.cfg.max_query_tokens)
+
+    def retrieve(self, res, q, case, text, sent, ids, p):
+        cfg, tok = self.cfg, self.tok
+        if cfg.query_formulation == "implicit":
+            query = self.implicit_query(q, ids, p)
+            return query, (yield from search(res, query, cfg.retrieve_topk))
+        questions = []
+        for l, r in low_spans(ids, p, cfg.beta):
+            span = tok.decode(ids[l:r], skip_special_tokens=True).strip()
+            if not span:
+                continue
+            g = yield from generate(res, explicit_question_prompt(case, text, sent, span), cfg.question_max_tokens,
+                                    QGEN)
+            qn = first_line(tok.decode(g.ids, skip_special_tokens=True))
+            if qn:
+                questions.append(truncate_query(tok, qn, cfg.max_query_tokens))
+        if not questions:  # no low-probability span (theta > p > beta) or no question came out: implicit query
+            query = self.implicit_query(q, ids, p)
+            return query, (yield from search(res, query, cfg.retrieve_topk))
+        ranked = []
+        for qn in questions:
+            ranked.append((yield from search(res, qn, cfg.retrieve_topk)))
+        return " || ".join(questions), interleave(ranked, cfg.retrieve_topk)
+
+
+# ---------------------------------------------------------------------------------------------- instruct
+
+# Our own wording of the FLARE paper's "Prompt 3.1" structure: skill 1 (search calls), skill 2 (the dataset's
+# step-by-step exemplars), then an instruction combining them for the test case.
+SEARCH_SKILL = (
+    "Skill 1. Use the Search API to look up information by writing \"[Search(term)]\", where \"term\" is what you "
+    "want to look up. For example:\n"
+    "Question: Which river flows through the capital of Hungary?\n"
+    "Answer (with Search): [Search(capital of Hungary)] The capital of Hungary is Budapest. "
+    "[Search(river through Budapest)] The Danube flows through Budapest.\n"
+    "Question: What year was the author of The Old Man and the Sea born?\n"
+    "Answer (with Search): [Search(author of The Old Man and the Sea)] The Old Man and the Sea was written by "
+    "Ernest Hemingway. [Search(Ernest Hemingway birth year)] Ernest Hemingway was born in 1899.\n\n"
+    "Skill 2. Answer questions by thinking step-by-step. First, write out the reasoning steps, then draw the "
+    "conclusion. For example:\n"
+)
+COMBINE = ("\nNow, combine the two skills: write out the reasoning steps, using the Search API \"[Search(term)]\" "
+           "whenever a step needs information, then draw the conclusion.\n\n")
+SEARCH_CALL = re.compile(r"\[Search\((.*?)\)\]", re.S)
+OPEN_CALL = "[Search("
+
+
+def strip_search_calls(text: str) -> str:
+    """The answer text without its "[Search(...)]" calls (what is scored)."""
+    return " ".join(SEARCH_CALL.sub(" ", text).split())
+
+
+class FlareInstruct:
+    name = "flare-instruct"
+
+    def __init__(self, cfg: FlareConfig, tokenizer):
+        self.cfg, self.tok = cfg, tokenizer
+        self.demos = demo_text(cfg.dataset, cfg.fewshot)
+        self.head = SEARCH_SKILL + self.demos + COMBINE
+
+    @property
+    def shared_prefix(self) -> str:
+        return self.head
+
+    def __call__(self, ex):
+        cfg, tok = self.cfg, self.tok
+        q = ex.question
+        if not q.strip():
+            raise ValueError("empty question")
+        res = QuestionResult(qid=ex.qid, question=ex.question, gold=list(ex.answers))
+        case = case_text(q, cfg.dataset)
+        text, docs, served = "", [], 0
+        while True:
+            old_len = len(text)
+            g = yield from generate(res, rag_prompt(self.head, docs, case, text), cfg.look_ahead_tokens, MAIN)
+            new = tok.decode(g.ids, skip_special_tokens=True)
+            m = SEARCH_CALL.search(new)
+            if m is not None and served < cfg.max_searches:
+                # generation pauses at the call: keep the text through it, retrieve, resume with the documents
+                text = join(text, new[: m.end()].strip())
+                query = truncate_query(tok, m.group(1).strip() or q, cfg.max_query_tokens)
+                docs = yield from search(res, query, cfg.retrieve_topk)
+                served += 1
+                res.rounds.append(Round(trigger_sentence=m.group(0), query=query, doc_ids=[str(d.id) for d in docs]))
+            else:
+                cut = new.find(OPEN_CALL)
+                if m is None and cut >= 0:  # an unfinished call at the end of the look-ahead: resume before it
+                    new = new[:cut]
+                text = join(text, new.strip())
+                res.rounds.append(Round())
+            scored = strip_search_calls(text)
+            if stop(text, old_len, len(tok.encode(scored)), cfg.generate_max_length, cfg.stop_case_insensitive):
+                break
+        # the answer is read from the text without the search calls, on the plain few-shot prompt
+        return (yield from finish_answer(res, tok, self.demos, case, strip_search_calls(text), branch=1))
+
+
+def _config(method: str):
+    return lambda dataset, path: method_config(method, dataset, path)
+
+
+def _flare_oracle(hf_model, tokenizer, retriever, cfg):
+    from fastrag.oracle.flare import FlareOracle
+
+    return FlareOracle(hf_model, tokenizer, retriever, cfg)
+
+
+register(MethodSpec(name="flare", description="FLARE-direct: look-ahead sentence, retrieve if a token has "
+                    "p <= theta, implicit query (tokens p <= beta masked)", make_config=_config("flare"),
+                    make_policy=FlareDirect, make_oracle=_flare_oracle))
+register(MethodSpec(name="flare-explicit", description="FLARE-direct with explicit queries: model-generated "
+                    "questions about the low-probability spans", make_config=_config("flare-explicit"),
+                    make_policy=FlareDirect, make_oracle=_flare_oracle))
+register(MethodSpec(name="flare-instruct", description="FLARE-instruct: the model writes [Search(query)], "
+                    "generation pauses, retrieves and resumes", make_config=_config("flare-instruct"),
+                    make_policy=FlareInstruct))

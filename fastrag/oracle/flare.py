@@ -1,0 +1,159 @@
+"""Per-question FLARE-direct oracle (docs/methods.md, "flare"): plain transformers, one question at a time.
+
+The parity reference for `fastrag parity --method flare` (and flare-explicit) and the speed baseline: every
+generation re-prefills its whole prompt through `model.generate` (greedy, no stop strings, ends at EOS), batch 1.
+It shares the prompt builders with the engine policy (the prompts are the contract) and the text utilities; the
+decision rules — which tokens form the look-ahead sentence, the confidence test, the masked query, the spans of the
+explicit queries — are written again here, plainly, so that the engine is checked against an independent reading.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from fastrag.data.exemplars import case_text, demo_text
+from fastrag.data.metrics import ANSWER_MAX_TOKENS, answer_prompt, complete_answer, needs_answer_generation
+from fastrag.methods.common import STOP_PHRASE, join, rag_prompt
+from fastrag.methods.flare import explicit_question_prompt
+from fastrag.text.sentences import split_sentences
+from fastrag.trace import QuestionResult, Round
+
+
+class FlareOracle:
+    """`run(qid, question, gold) -> QuestionResult`; config: fastrag.config.FlareConfig."""
+
+    def __init__(self, model, tokenizer, retriever, config):
+        self.model, self.tokenizer, self.retriever, self.config = model, tokenizer, retriever, config
+        self.demos = demo_text(config.dataset, config.fewshot)
+        eos = set()
+        for src in (tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):
+            if isinstance(src, int):
+                eos.add(src)
+            elif src is not None:
+                eos.update(int(i) for i in src)
+        if not eos:
+            raise ValueError("the tokenizer and the model's generation config name no EOS token")
+        self.eos_ids = eos
+        self._pad = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else min(eos)
+        self._prefill = self._decode = 0
+
+    @torch.no_grad()
+    def generate(self, prompt: str, n: int) -> tuple[list[int], list[float]]:
+        """Greedy continuation of `prompt`: (token ids, their probabilities), a final EOS dropped."""
+        ids = self.tokenizer.encode(prompt)
+        x = torch.tensor([ids], device=self.model.device)
+        out = self.model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
+                                  output_scores=True, return_dict_in_generate=True, pad_token_id=self._pad)
+        new = out.sequences[0, len(ids):].tolist()
+        p = []
+        for t, s in zip(new, out.scores):
+            p.append(float(torch.log_softmax(s[0].float(), -1)[t].exp()))
+        self._prefill += len(ids)
+        self._decode += len(new)
+        if new and new[-1] in self.eos_ids:
+            new, p = new[:-1], p[:-1]
+        return new, p
+
+    def text(self, ids) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def first_sentence_tokens(self, ids) -> tuple[str, int]:
+        """The first sentence of decode(ids) and how many tokens it takes: tokens are added one by one while the
+        text decoded with them ends at or before the start of the second sentence."""
+        full = self.text(ids)
+        sents = split_sentences(full)
+        if not sents:
+            return "", 0
+        limit = sents[1].start if len(sents) > 1 else math.inf
+        n = 0
+        while n < len(ids) and len(self.text(ids[: n + 1])) <= limit:
+            n += 1
+        return sents[0].text, n
+
+    def retrieve(self, query: str) -> list:
+        ids = self.tokenizer.encode(query)
+        if len(ids) > self.config.max_query_tokens:
+            query = self.tokenizer.decode(ids[-self.config.max_query_tokens:], skip_special_tokens=True).strip()
+        return query, self.retriever.search([query], k=self.config.retrieve_topk)[0]
+
+    def implicit(self, question: str, ids, p) -> str:
+        kept = [t for t, x in zip(ids, p) if x > self.config.beta]
+        q = " ".join(self.text(kept).split())
+        return q or question
+
+    def explicit(self, question, case, text, sent, ids, p):
+        cfg = self.config
+        spans, cur = [], []
+        for t, x in zip(ids, p):
+            if x <= cfg.beta:
+                cur.append(t)
+            elif cur:
+                spans.append(cur)
+                cur = []
+        if cur:
+            spans.append(cur)
+        questions = []
+        for span in spans:
+            s = self.text(span).strip()
+            if not s:
+                continue
+            gen, _ = self.generate(explicit_question_prompt(case, text, sent, s), cfg.question_max_tokens)
+            line = self.text(gen).strip().split("\n", 1)[0].strip() if self.text(gen).strip() else ""
+            if line:
+                questions.append(line)
+        if not questions:
+            return self.retrieve(self.implicit(question, ids, p))
+        lists, used = [], []
+        for qn in questions:
+            qq, docs = self.retrieve(qn)
+            used.append(qq)
+            lists.append(docs)
+        merged, seen = [], set()
+        for rank in range(cfg.retrieve_topk):
+            for docs in lists:
+                if rank < len(docs) and docs[rank].id not in seen:
+                    seen.add(docs[rank].id)
+                    merged.append(docs[rank])
+        return " || ".join(used), merged[: cfg.retrieve_topk]
+
+    def run(self, qid: str, question: str, gold) -> QuestionResult:
+        cfg = self.config
+        t0 = time.perf_counter()
+        self._prefill = self._decode = 0
+        if not question.strip():
+            raise ValueError("empty question")
+        case = case_text(question, cfg.dataset)
+        text, docs, rounds = "", [], []
+        if cfg.retrieve_first:
+            query, docs = self.retrieve(question)
+            rounds.append(Round(query=query, doc_ids=[str(d.id) for d in docs]))
+        while True:
+            old_len = len(text)
+            ids, p = self.generate(rag_prompt(self.demos, docs, case, text), cfg.look_ahead_tokens)
+            sent, n = self.first_sentence_tokens(ids)
+            if not sent:
+                break
+            if min(p[:n]) <= cfg.theta:
+                if cfg.query_formulation == "implicit":
+                    query, docs = self.retrieve(self.implicit(question, ids[:n], p[:n]))
+                else:
+                    query, docs = self.explicit(question, case, text, sent, ids[:n], p[:n])
+                rounds.append(Round(trigger_sentence=sent, query=query, doc_ids=[str(d.id) for d in docs]))
+                ids, _ = self.generate(rag_prompt(self.demos, docs, case, text), cfg.look_ahead_tokens)
+                sent, _ = self.first_sentence_tokens(ids)
+            else:
+                rounds.append(Round())
+            text = join(text, sent)
+            has = STOP_PHRASE in (text.lower() if cfg.stop_case_insensitive else text)
+            if len(self.tokenizer.encode(text)) > cfg.generate_max_length or len(text) <= old_len or has:
+                break
+        prediction = text
+        if needs_answer_generation(text):
+            gen, _ = self.generate(answer_prompt(self.demos, case, text), ANSWER_MAX_TOKENS)
+            prediction = complete_answer(text, self.text(gen))
+        return QuestionResult(qid=qid, question=question, gold=list(gold), text=text, prediction=prediction,
+                              rounds=rounds, prefill_tokens=self._prefill, decode_tokens=self._decode,
+                              wall_s=time.perf_counter() - t0)

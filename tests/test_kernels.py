@@ -1,0 +1,387 @@
+"""Fused signal kernels (Triton, C++ CPU, CUDA) against fastrag/signals/reference.py on fresh random inputs.
+
+Without a GPU the Triton kernels run under TRITON_INTERPRET=1 on CPU tensors (set below, before the kernels are
+imported) and the CUDA cases skip; with one, Triton and CUDA run on the GPU. Every output is poisoned before the
+kernel runs (NaN floats, impossible indices, the negated expected flag), so an unwritten element fails.
+Tolerances: inputs are rounded to the tested dtype before the float64 reference sees them, so they cover only the
+kernels' float32 arithmetic: token signals 2e-5 (a logsumexp over up to 49k entries), attention 2e-6 abs / 1e-5
+rel (fp32 products) and 1e-4 rel where Triton's tl.dot multiplies bf16/fp16 tiles on a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any fastrag.kernels import
+
+from fastrag.signals import BackendUnavailableError, get_backend  # noqa: E402
+from fastrag.signals.reference import (  # noqa: E402
+    attn_decode_update_ref,
+    causal_attn_colmax_ref,
+    causal_attn_mean_rows_ref,
+    causal_attn_rows_ref,
+    decode_lse_ref,
+    decode_signals_ref,
+)
+
+CUDA = torch.cuda.is_available()
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+TOKEN_TOL = dict(atol=2e-5, rtol=2e-5)
+NEG_INF = float("-inf")
+
+
+def _case(name: str, device: str):
+    try:
+        be = get_backend(name)
+    except BackendUnavailableError as e:
+        return pytest.param(name, device, marks=pytest.mark.skip(reason=str(e)), id=f"{name}-{device}")
+    if device not in be.devices:
+        return pytest.param(name, device, marks=pytest.mark.skip(reason=f"{name} runs on {sorted(be.devices)}"),
+                            id=f"{name}-{device}")
+    return pytest.param(name, device, id=f"{name}-{device}")
+
+
+# (backend, device of the inputs): Triton on the GPU or under the interpreter, C++ on the CPU, CUDA on the GPU,
+# and the torch backend (the engine's CPU default and the baseline of the decision-parity test).
+KERNEL_BACKENDS = [_case("triton", "cuda" if CUDA else "cpu"), _case("cpp", "cpu"), _case("cuda", "cuda"),
+                   _case("torch", "cpu")]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _gen():
+    seed = random.randrange(2**31)
+    return torch.Generator().manual_seed(seed), seed
+
+
+def _close(actual, expected, what, seed, **tol):
+    actual = actual.detach().cpu().double()
+    expected = expected.detach().cpu().double()
+    assert not torch.isnan(actual).any(), f"{what}: NaN (unwritten?) at {torch.isnan(actual).nonzero()[:5].tolist()} (seed={seed})"
+    if not torch.allclose(actual, expected, **tol):
+        err = (actual - expected).abs()
+        idx = tuple(int(i) for i in torch.unravel_index(err.argmax(), err.shape))
+        pytest.fail(f"{what}: max |diff| {err.max().item():.3e} at {idx}: got {actual[idx].item()!r}, expected "
+                    f"{expected[idx].item()!r} (seed={seed}, tol={tol})")
+
+
+def _poisoned(B: int, device, expected_flag=None):
+    f = dict(dtype=torch.float32, device=device)
+    flag = None if expected_flag is None else (~expected_flag).to(device)
+    return (torch.full((B,), -7, dtype=torch.int64, device=device), torch.full((B,), float("nan"), **f),
+            torch.full((B,), float("nan"), **f), torch.full((B,), float("nan"), **f), flag)
+
+
+def _check_decode(res, ref, logits_dtype, what, seed, sampled: bool):
+    got = res.chosen.cpu()
+    if sampled:
+        # Gumbel scores are float32 in the kernels, float64 in the reference: a different pick is acceptable only
+        # between two (near-)tied scores.
+        diff = (got != ref["chosen"]).nonzero()[:, 0].tolist()
+        for b in diff:
+            s = ref["score"][b]
+            gap = abs(float(s[got[b]]) - float(s[ref["chosen"][b]]))
+            assert gap <= 1e-4 * max(1.0, abs(float(s[ref["chosen"][b]]))), \
+                f"{what}: sampled {int(got[b])}, reference {int(ref['chosen'][b])}, score gap {gap} (seed={seed})"
+        keep = torch.tensor([b not in diff for b in range(len(got))])
+    else:
+        assert torch.equal(got, ref["chosen"]), f"{what}: chosen {got.tolist()} != {ref['chosen'].tolist()} (seed={seed})"
+        keep = torch.ones(len(got), dtype=torch.bool)
+    _close(res.entropy, ref["entropy"], f"{what} entropy", seed, **TOKEN_TOL)
+    _close(res.logprob[keep], ref["logprob"][keep], f"{what} logprob", seed, **TOKEN_TOL)
+    _close(res.prob[keep], ref["prob"][keep], f"{what} prob", seed, **TOKEN_TOL)
+    if ref["nonstop"] is not None:
+        assert torch.equal(res.nonstop.cpu()[keep], ref["nonstop"][keep]), f"{what} nonstop flag (seed={seed})"
+
+
+# odd B and V; V = 49157 crosses several 4096-wide chunks of the Triton/CUDA kernels and 512-wide C++ chunks
+DECODE_SHAPES = [(1, 7), (3, 4231), (9, 41), (2, 49157)]
+MODES = ["greedy", "sample", "chosen"]
+
+
+@pytest.mark.parametrize("backend,device", KERNEL_BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("B,V", DECODE_SHAPES)
+@pytest.mark.parametrize("mode", MODES)
+def test_decode_signals_vs_reference(backend, device, dtype, B, V, mode):
+    g, seed = _gen()
+    be = get_backend(backend)
+    logits = (torch.randn(B, V, generator=g) * 4).to(dtype)
+    nonstop = torch.rand(V, generator=g) < 0.5
+    keys = torch.randint(0, 2**32, (B,), generator=g)
+    chosen = torch.randint(0, V, (B,), generator=g) if mode == "chosen" else None
+    temperature = {"greedy": 0.0, "sample": 0.7, "chosen": 1.3}[mode]
+    ref = decode_signals_ref(logits, temperature, keys, chosen, nonstop)
+    out = _poisoned(B, device, ref["nonstop"])
+    res = be.decode_signals(logits.to(device), temperature=temperature, rng_keys=keys.to(device),
+                            chosen=None if chosen is None else chosen.to(device), nonstop=nonstop.to(device),
+                            out=out)
+    assert res.entropy.data_ptr() == out[1].data_ptr(), "out= buffers were not written in place"
+    _check_decode(res, ref, dtype, f"{backend} {mode}", seed, sampled=mode == "sample")
+    # without a table the flag is not produced
+    res2 = be.decode_signals(logits.to(device), temperature=temperature, rng_keys=keys.to(device),
+                             chosen=None if chosen is None else chosen.to(device))
+    assert res2.nonstop is None
+    assert torch.equal(res2.chosen.cpu(), res.chosen.cpu())
+
+
+@pytest.mark.parametrize("backend,device", KERNEL_BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_decode_signals_masked_rows(backend, device, dtype):
+    """Rows with -inf logits (top-p/top-k masks): half masked, a single finite logit, a masked prefix longer than
+    a chunk, a masked tail, and a tie at the max (lowest index wins)."""
+    g, seed = _gen()
+    V = 9001
+    logits = (torch.randn(5, V, generator=g) * 3).to(dtype)
+    logits[0, ::2] = NEG_INF
+    logits[1, :] = NEG_INF
+    logits[1, 4321] = 2.5
+    logits[2, :8500] = NEG_INF
+    logits[3, 17] = logits[3, 8999] = 50.0
+    logits[4, 100:] = NEG_INF
+    nonstop = torch.rand(V, generator=g) < 0.5
+    keys = torch.randint(0, 2**32, (5,), generator=g)
+    for temperature in (0.0, 0.9):
+        ref = decode_signals_ref(logits, temperature, keys, None, nonstop)
+        res = get_backend(backend).decode_signals(logits.to(device), temperature=temperature,
+                                                  rng_keys=keys.to(device), nonstop=nonstop.to(device),
+                                                  out=_poisoned(5, device, ref["nonstop"]))
+        _check_decode(res, ref, dtype, f"{backend} masked T={temperature}", seed, sampled=temperature > 0)
+        assert int(res.chosen[1]) == 4321 and abs(float(res.entropy[1])) < 1e-6
+        chosen_logits = logits.float().gather(1, res.chosen.cpu()[:, None])[:, 0]
+        assert torch.isfinite(chosen_logits).all(), "a masked (-inf) token was chosen"
+    assert int(res.chosen[3]) in (17, 8999)
+    greedy = get_backend(backend).decode_signals(logits.to(device))
+    assert int(greedy.chosen[3]) == 17
+
+
+@pytest.mark.parametrize("backend,device", KERNEL_BACKENDS)
+def test_decode_signals_non_contiguous(backend, device):
+    g, seed = _gen()
+    base = torch.randn(4231, 6, generator=g) * 3
+    keys = torch.randint(0, 2**32, (12,), generator=g)
+    for logits, k in ((base.T, keys[::2]), (base.T[:, ::3], keys[1::2])):
+        assert not logits.is_contiguous() and not k.is_contiguous()
+        for temperature in (0.0, 0.8):
+            ref = decode_signals_ref(logits.contiguous(), temperature, k.contiguous())
+            res = get_backend(backend).decode_signals(logits.to(device), temperature=temperature, rng_keys=k.to(device))
+            _check_decode(res, ref, torch.float32, f"{backend} strided", seed, sampled=temperature > 0)
+
+
+def test_triton_split_rows_merge():
+    """The split-V path (several slices per row merged by the second kernel) on the CPU interpreter too."""
+    be = get_backend("triton") if "triton" in _available() else pytest.skip("triton unavailable")
+    from fastrag.kernels import token_signals as ts
+
+    g, seed = _gen()
+    dev = next(iter(be.devices))
+    logits = torch.randn(3, 3001, generator=g) * 5
+    logits[1, :2500] = NEG_INF  # whole slices masked
+    keys = torch.randint(0, 2**32, (3,), generator=g)
+    for temperature in (0.0, 1.1):
+        ref = decode_signals_ref(logits, temperature, keys)
+        out = _poisoned(3, dev)
+        ts.token_signals(logits.to(dev), temperature, keys.to(dev), None, None, out, num_splits=5, block_v=256)
+        from fastrag.signals import DecodeSignals
+
+        _check_decode(DecodeSignals(*out), ref, torch.float32, "triton split", seed, sampled=temperature > 0)
+
+
+def _available():
+    out = []
+    for name in ("triton", "cpp", "cuda"):
+        try:
+            get_backend(name)
+            out.append(name)
+        except BackendUnavailableError:
+            pass
+    return out
+
+
+# ---------------------------------------------------------------- decode attention statistics
+
+
+def _paged_problem(g, B, H, Hkv, D, bs, NB, S, dtype, strided: bool):
+    """Random paged keys with shuffled block tables, random lengths and spans, lse of the true attention."""
+    nb_pool = B * NB + 3
+    if strided:  # [slots, Hkv, D] storage viewed as [Hkv, slots, D]: non-contiguous k_cache
+        k_cache = torch.randn(nb_pool * bs, Hkv, D, generator=g).to(dtype).transpose(0, 1)
+        q = torch.randn(B, H, 2 * D, generator=g).to(dtype)[..., :D]
+    else:
+        k_cache = torch.randn(Hkv, nb_pool * bs, D, generator=g).to(dtype)
+        q = torch.randn(B, H, D, generator=g).to(dtype)
+    block_tables = torch.randperm(nb_pool, generator=g)[: B * NB].reshape(B, NB)
+    L = NB * bs
+    ctx_lens = torch.randint(1, L + 1, (B,), generator=g)
+    ctx_lens[0] = L
+    span_start = torch.stack([torch.randint(0, int(n) + 1, (1,), generator=g)[0] for n in ctx_lens])
+    scale = D**-0.5
+    lse = decode_lse_ref(q, k_cache, block_tables, ctx_lens, bs, scale).float()
+    amax = torch.rand(B, H, S, generator=g) * 0.3
+    return q, k_cache, block_tables, ctx_lens, span_start, lse, scale, amax
+
+
+# (B, H, Hkv, D, block_size, NB, S): odd sizes, GQA groups 1 and 3, a span that outlives the context
+DECODE_ATTN_SHAPES = [(1, 4, 4, 16, 16, 3, 37), (3, 9, 3, 40, 5, 7, 33), (5, 6, 2, 64, 8, 4, 1)]
+
+
+@pytest.mark.parametrize("backend,device", KERNEL_BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("B,H,Hkv,D,bs,NB,S", DECODE_ATTN_SHAPES)
+def test_attn_decode_update_vs_reference(backend, device, dtype, B, H, Hkv, D, bs, NB, S):
+    g, seed = _gen()
+    q, k_cache, bt, n, s0, lse, scale, amax = _paged_problem(g, B, H, Hkv, D, bs, NB, S, dtype, strided=S == 33)
+    ref_amax, ref_row = attn_decode_update_ref(q, k_cache, bt, n, s0, lse, bs, scale, amax, want_row=True)
+    d = device
+    amax_d = amax.to(d)
+    row = torch.full((B, NB * bs), float("nan"), device=d)
+    got_amax, got_row = get_backend(backend).attn_decode_update(
+        q.to(d), k_cache.to(d), bt.to(d), n.to(d), s0.to(d), lse.to(d), bs, scale, amax_d, row_out=row)
+    assert got_amax.data_ptr() == amax_d.data_ptr() and got_row.data_ptr() == row.data_ptr()
+    _close(got_amax, ref_amax, f"{backend} amax", seed, atol=2e-6, rtol=1e-5)
+    _close(got_row, ref_row, f"{backend} qfs row", seed, atol=2e-6, rtol=1e-5)
+    # a valid row of the QFS matrix is a distribution (lse is the true one)
+    assert abs(float(got_row[0].sum()) - 1.0) < 1e-4
+    # without a row: amax only, and int32 block tables are accepted
+    amax2 = amax.to(d)
+    _, none_row = get_backend(backend).attn_decode_update(q.to(d), k_cache.to(d), bt.int().to(d), n.to(d), s0.to(d),
+                                                          lse.to(d), bs, scale, amax2)
+    assert none_row is None
+    _close(amax2, ref_amax, f"{backend} amax (int32 tables)", seed, atol=2e-6, rtol=1e-5)
+
+
+# ---------------------------------------------------------------- prefill (causal block) statistics
+
+# (B, H, Hkv, D, T): odd T and D, GQA
+PREFILL_SHAPES = [(1, 4, 4, 16, 1), (3, 6, 2, 40, 37), (2, 9, 3, 24, 19)]
+
+
+@pytest.mark.parametrize("backend,device", KERNEL_BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("B,H,Hkv,D,T", PREFILL_SHAPES)
+def test_causal_attn_stats_vs_reference(backend, device, dtype, B, H, Hkv, D, T):
+    g, seed = _gen()
+    be = get_backend(backend)
+    # the model's layout [B, T, H, D] viewed as [B, H, T, D]: non-contiguous q and k
+    q = torch.randn(B, T, H, D, generator=g).to(dtype).transpose(1, 2)
+    k = torch.randn(B, T, Hkv, D, generator=g).to(dtype).transpose(1, 2)
+    lengths = torch.randint(0, T + 1, (B,), generator=g)
+    lengths[0] = T
+    scale = D**-0.5
+    gpu_dot = device == "cuda" and backend == "triton" and dtype != torch.float32
+    tol = dict(atol=2e-6, rtol=1e-4 if gpu_dot else 1e-5)
+    d = device
+    cm = torch.full((B, T), float("nan"), device=d)
+    be.causal_attn_colmax(q.to(d), k.to(d), lengths.to(d), scale, out=cm)
+    _close(cm, causal_attn_colmax_ref(q, k, lengths, scale), f"{backend} colmax", seed, **tol)
+    mr = torch.full((B, T, T), float("nan"), device=d)
+    be.causal_attn_mean_rows(q.to(d), k.to(d), lengths.to(d), scale, out=mr)
+    _close(mr, causal_attn_mean_rows_ref(q, k, lengths, scale), f"{backend} mean_rows", seed, **tol)
+    rows = torch.randint(-1, T + 2, (B, 5), generator=g)  # includes rows outside [0, n): zero rows
+    rows[0, 0] = T - 1
+    ro = torch.full((B, 5, T), float("nan"), device=d)
+    be.causal_attn_rows(q.to(d), k.to(d), lengths.to(d), scale, rows.to(d), out=ro)
+    _close(ro, causal_attn_rows_ref(q, k, lengths, scale, rows), f"{backend} rows", seed, **tol)
+
+
+# ---------------------------------------------------------------- bad input: clear errors from the launchers
+
+
+def _decode_args():
+    return dict(logits=torch.zeros(2, 11), temperature=0.0, rng_keys=None, chosen=None, nonstop=None)
+
+
+DECODE_BAD = [
+    ("logits", dict(logits=torch.zeros(2, 11, dtype=torch.int32))),
+    ("logits", dict(logits=torch.zeros(11))),
+    ("logits", dict(logits=torch.zeros(2, 11, device="meta"))),
+    ("temperature", dict(temperature=-0.5)),
+    ("rng_keys", dict(temperature=0.5)),
+    ("rng_keys", dict(temperature=0.5, rng_keys=torch.zeros(3, dtype=torch.int64))),
+    ("rng_keys", dict(temperature=0.5, rng_keys=torch.zeros(2, dtype=torch.int32))),
+    ("chosen", dict(chosen=torch.tensor([0, 11]))),
+    ("nonstop", dict(nonstop=torch.zeros(10, dtype=torch.bool))),
+    ("nonstop", dict(nonstop=torch.zeros(11, dtype=torch.uint8))),
+]
+
+
+@pytest.mark.parametrize("backend,device", KERNEL_BACKENDS)
+@pytest.mark.parametrize("name,bad", DECODE_BAD, ids=[f"{n}-{i}" for i, (n, _) in enumerate(DECODE_BAD)])
+def test_decode_signals_rejects(backend, device, name, bad):
+    kw = _decode_args() | bad
+    kw = {k: (v.to(device) if isinstance(v, torch.Tensor) and v.device.type != "meta" else v) for k, v in kw.items()}
+    logits = kw.pop("logits")
+    with pytest.raises(ValueError, match=name):
+        get_backend(backend).decode_signals(logits, **kw)
+
+
+def _attn_args():
+    B, H, Hkv, D, bs, NB = 2, 4, 2, 8, 4, 3
+    return dict(q=torch.zeros(B, H, D), k_cache=torch.zeros(Hkv, 10 * bs, D), block_tables=torch.zeros(B, NB,
+                dtype=torch.int64), ctx_lens=torch.tensor([12, 5]), span_start=torch.tensor([2, 0]),
+                lse=torch.zeros(B, H), block_size=bs, scale=0.3, amax=torch.zeros(B, H, 7))
+
+
+ATTN_BAD = [
+    ("q", dict(q=torch.zeros(2, 4, 8, dtype=torch.int32))),
+    ("k_cache", dict(k_cache=torch.zeros(2, 40, 8, dtype=torch.float16))),
+    ("head dim", dict(k_cache=torch.zeros(2, 40, 6))),
+    ("multiple of k_cache heads", dict(k_cache=torch.zeros(3, 40, 8))),
+    ("block_size", dict(block_size=7)),
+    ("lse", dict(lse=torch.zeros(2, 3))),
+    ("longer than the cache", dict(amax=torch.zeros(2, 4, 13))),
+    ("ctx_lens", dict(ctx_lens=torch.tensor([13, 5]))),
+    ("span_start", dict(span_start=torch.tensor([-1, 0]))),
+    ("block_tables", dict(block_tables=torch.full((2, 3), 10, dtype=torch.int64))),
+    ("amax", dict(amax=torch.zeros(2, 7, 4).transpose(1, 2))),
+    ("row_out", dict(row_out=torch.zeros(2, 11))),
+]
+
+
+@pytest.mark.parametrize("backend,device", KERNEL_BACKENDS)
+@pytest.mark.parametrize("name,bad", ATTN_BAD, ids=[f"{n.split()[0]}-{i}" for i, (n, _) in enumerate(ATTN_BAD)])
+def test_attn_decode_rejects(backend, device, name, bad):
+    if device != "cpu" and name in ("ctx_lens", "span_start", "block_tables"):
+        pytest.skip("value checks read tensor contents: CPU only (GPU kernels mask out-of-range positions)")
+    kw = _attn_args() | bad
+    kw = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
+    with pytest.raises(ValueError, match=name):
+        get_backend(backend).attn_decode_update(**kw)
+
+
+def test_cpp_glue_rejects_span_longer_than_cache():
+    """The C++ entry point checks too (direct callers of fastrag._C get a RuntimeError, not a crash)."""
+    _C = pytest.importorskip("fastrag._C")
+    kw = _attn_args()
+    with pytest.raises(RuntimeError, match="longer than the cache"):
+        _C.attn_decode_update(kw["q"], kw["k_cache"], kw["block_tables"], kw["ctx_lens"], kw["span_start"],
+                              kw["lse"], kw["block_size"], kw["scale"], torch.zeros(2, 4, 13))
+    with pytest.raises(RuntimeError, match="ctx_lens\\[0\\] = 13"):
+        _C.attn_decode_update(kw["q"], kw["k_cache"], kw["block_tables"], torch.tensor([13, 5]), kw["span_start"],
+                              kw["lse"], kw["block_size"], kw["scale"], kw["amax"])
+    o = [torch.zeros(2, dtype=torch.int64), torch.zeros(2), torch.zeros(2), torch.zeros(2)]
+    with pytest.raises(RuntimeError, match="rng_keys"):
+        _C.decode_signals(torch.zeros(2, 11), 0.5, None, None, None, *o, None)
+    with pytest.raises(RuntimeError, match="out_flag"):
+        _C.decode_signals(torch.zeros(2, 11), 0.0, None, None, torch.zeros(11, dtype=torch.bool), *o, None)
+
+
+def test_auto_backend_prefers_kernels_on_cuda_and_torch_elsewhere():
+    be = get_backend("auto")
+    assert "other=torch" in be.name
+    if CUDA:
+        assert "cuda=cuda" in be.name or "cuda=triton" in be.name, be.name
+    # dispatch follows the input's device: a CPU call works on any machine
+    res = be.decode_signals(torch.randn(2, 50))
+    assert res.chosen.device.type == "cpu"

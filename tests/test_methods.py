@@ -1,0 +1,442 @@
+"""Method policies driven by the real Scheduler over a scripted engine (CPU, no model).
+
+The scripted engine answers each prompt from a "world": after the last "Answer:" of the prompt it finds how much
+of the scripted answer the prompt already holds and generates the rest, token by token, with the probabilities
+and entropies the script gives each piece. Expected triggers, queries and prompts are derived by hand from the
+script in each test, never from the code under test.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from fastrag.config import ConfigError, method_config
+from fastrag.engine import Generation
+from fastrag.retrieval.base import Doc
+from fastrag.scheduler import Scheduler
+
+
+@dataclass
+class Ex:
+    qid: str
+    question: str
+    answers: list = field(default_factory=lambda: ["Lyon"])
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from fastrag.model.loading import load_tokenizer
+
+    return load_tokenizer("smollm2")
+
+
+@dataclass
+class Seq:
+    tokens: list = field(default_factory=list)
+    out: Generation | None = None
+
+
+class ScriptEngine:
+    """Generations from `world(prompt) -> [(text piece, p, H), ...]` (None ends with EOS); LCP accounting as the
+    real engine does it (a restarted sequence prefills only what differs from its own cached tokens, >= 1)."""
+
+    def __init__(self, tok, world, steps=1):
+        self.tok, self.world = tok, world
+        self.waiting, self.running, self.prompts, self._q = [], [], [], []
+        self.attn_calls = []
+
+    def new_sequence(self):
+        return Seq()
+
+    def release(self, s):
+        pass
+
+    def start(self, s, ids, n):
+        prompt = self.tok.decode(ids)
+        self.prompts.append((prompt, n))
+        gen, p, h = [], [], []
+        eos = False
+        for piece in self.world(prompt):
+            if piece is None:
+                eos = True
+                break
+            t, prob, ent = piece
+            pid = self.tok.encode(t)
+            gen += pid
+            p += [prob] * len(pid)
+            h += [ent] * len(pid)
+        eos = eos and len(gen) <= n
+        gen, p, h = gen[:n], p[:n], h[:n]
+        lcp = 0
+        while lcp < min(len(s.tokens), len(ids) - 1) and s.tokens[lcp] == ids[lcp]:
+            lcp += 1
+        s.tokens = list(ids) + gen
+        s.out = Generation(ids=gen, entropy=h, logprob=[math.log(x) for x in p], prompt_tokens=len(ids),
+                           prefilled=len(ids) - lcp, ended_by_eos=eos)
+        self._q.append(s)
+
+    @property
+    def has_work(self):
+        return bool(self._q)
+
+    def step(self):
+        done, self._q = self._q, []
+        return done
+
+    def attention_passes(self, seqs, kind):
+        self.attn_calls.append((kind, [len(x) for x in seqs]))
+        if kind == "colmax":
+            return [[1.0] * len(x) for x in seqs]
+        return [torch.full((len(x), len(x)), 1.0 / len(x), dtype=torch.float64) for x in seqs]
+
+
+class Retriever:
+    def __init__(self, n=None):
+        self.queries, self.n = [], n
+
+    def search(self, queries, k):
+        self.queries += queries
+        n = k if self.n is None else self.n
+        return [[Doc(id=f"{q[:12]}#{i}", title="", text=f"doc {i} about {q}") for i in range(n)] for q in queries]
+
+
+def continuation(prompt, pieces):
+    """The script after what the prompt already holds past its last 'Answer:' (a piece may be cut part-way)."""
+    tail = prompt[prompt.rindex("Answer:") + len("Answer:"):]
+    pos = 0
+    for i, piece in enumerate(pieces):
+        if piece is None:
+            break
+        t = piece[0]
+        if len(tail) < pos + len(t):
+            assert t.startswith(tail[pos:]), f"the prompt holds text the script never produced: {tail!r}"
+            rest = t[len(tail) - pos:]
+            return ([(rest, *piece[1:])] if rest else []) + pieces[i + 1:]
+        assert tail[pos:pos + len(t)] == t, f"the prompt holds text the script never produced: {tail!r}"
+        pos += len(t)
+    assert pos == len(tail), f"the prompt holds text the script never produced: {tail!r}"
+    return [None]
+
+
+def run(method, tok, world, ret=None, **over):
+    cfg = method_config(method, "2wikimultihopqa", overrides={"fewshot": 0, **over})
+    from fastrag.methods.registry import get_method
+
+    policy = get_method(method).make_policy(cfg, tok)
+    eng, ret = ScriptEngine(tok, world), ret or Retriever()
+    out = []
+    Scheduler(eng, ret, policy, max_inflight=4).run([Ex("1", "Where is Paris?")], out.append)
+    assert len(out) == 1
+    return out[0], eng, ret
+
+
+HIGH, LOW = 0.95, 0.3
+ANSWER = [(" Paris", HIGH, 0.1), (" is in France.", HIGH, 0.1), (" So the answer is France.", HIGH, 0.1), None]
+
+
+# ---------------------------------------------------------------------------------------------- baselines
+
+
+def test_wo_rag_one_generation_no_retrieval(tok):
+    r, eng, ret = run("wo-rag", tok, lambda p: continuation(p, ANSWER))
+    assert r.error is None and ret.queries == []
+    assert len(eng.prompts) == 1 and r.text == "Paris is in France. So the answer is France."
+    assert r.prediction == r.text  # "the answer is" present: no extra answer generation
+
+
+def test_sr_rag_retrieves_once_with_the_question(tok):
+    r, eng, ret = run("sr-rag", tok, lambda p: continuation(p, ANSWER))
+    assert ret.queries == ["Where is Paris?"]
+    assert eng.prompts[0][0].startswith("Context:\n[1] doc 0 about Where is Paris?\n")
+    assert "Answer in the same format as before.\nQuestion: Where is Paris?\nAnswer:" in eng.prompts[0][0]
+
+
+def test_fl_rag_retrieves_every_n_tokens_with_the_last_chunk(tok):
+    pieces = [(" Alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu.", HIGH, 0.1),
+              (" So the answer is Lyon.", HIGH, 0.1), None]
+    n = 5
+    r, eng, ret = run("fl-rag", tok, lambda p: continuation(p, pieces), fix_length=n)
+    full = tok.encode("".join(p[0] for p in pieces[:-1]))
+    chunks = [tok.decode(full[i:i + n]).strip() for i in range(0, len(full), n)]
+    assert ret.queries == ["Where is Paris?"] + chunks[:-1]
+    assert all(m == n for _, m in eng.prompts)  # every generation is one chunk of n tokens
+    assert r.text == " ".join(chunks)
+    assert r.retrievals == len(chunks)
+
+
+def test_fs_rag_retrieves_every_sentence_with_the_last_sentence(tok):
+    r, eng, ret = run("fs-rag", tok, lambda p: continuation(p, ANSWER))
+    assert ret.queries == ["Where is Paris?", "Paris is in France."]
+    assert r.text == "Paris is in France. So the answer is France."
+    assert all(n == 64 for _, n in eng.prompts)  # L = 64 for 2Wiki, one sentence kept per generation
+
+
+def test_fl_rag_typo_switch(tok):
+    r, eng, _ = run("fl-rag", tok, lambda p: continuation(p, ANSWER), flrag_typo=True)
+    assert "Answer in t he same format as before.\n" in eng.prompts[0][0]
+
+
+# ---------------------------------------------------------------------------------------------- token-rag
+
+
+def test_token_rag_triggers_on_the_uncertain_sentence(tok):
+    # sentence 1: 1 - p = 0.05 on every token (mean 0.05 <= 0.08); sentence 2: its " 9 million" tokens have
+    # 1 - p = 0.7, which lifts the mean well above 0.08
+    answer = [(" Paris is in France.", HIGH, 0.1), (" It", HIGH, 0.1), (" has", HIGH, 0.1),
+              (" 9 million", LOW, 2.0), (" people.", HIGH, 0.1), None]
+    after = [(" It has 2 million people. So the answer is France.", HIGH, 0.1), None]
+
+    def world(p):
+        return continuation(p, answer) if "Context:" not in p else \
+            after
+
+    r, eng, ret = run("token-rag", tok, world)
+    # the query is the trigger sentence without its tokens of 1 - p > threshold (" 9 million")
+    assert ret.queries == ["It has people."]
+    assert r.rounds[0].trigger_sentence == "It has 9 million people."
+    rag = [p for p, _ in eng.prompts if "Context:" in p]
+    assert len(rag) == 1 and rag[0].endswith("Answer: Paris is in France.")  # kept text before the trigger
+    assert r.text == "Paris is in France. It has 2 million people. So the answer is France."
+
+
+# ---------------------------------------------------------------------------------------------- FLARE
+
+
+def test_flare_confident_sentences_never_retrieve_and_never_reprefill(tok):
+    r, eng, ret = run("flare", tok, lambda p: continuation(p, ANSWER), retrieve_first=False, theta=0.8)
+    assert ret.queries == [] and r.retrievals == 0
+    assert r.text == "Paris is in France. So the answer is France."
+    # every look-ahead after the first continues the previous prompt: the engine re-feeds one token only
+    assert len(eng.prompts) >= 2
+    assert r.counters["generate_calls"] == len(eng.prompts)
+    first_prompt = len(tok.encode(eng.prompts[0][0]))
+    assert r.prefill_tokens == first_prompt + (len(eng.prompts) - 1)
+
+
+def test_flare_trigger_implicit_query_and_docs_persist(tok):
+    answer = [(" Paris", LOW, 2.0), (" is in France.", HIGH, 0.1), (" So the answer is France.", HIGH, 0.1), None]
+    rag = [(" Lyon", HIGH, 0.1), (" is in France.", HIGH, 0.1), (" So the answer is Lyon.", HIGH, 0.1), None]
+
+    def world(p):
+        return continuation(p, rag if "about is in France." in p else answer)
+
+    r, eng, ret = run("flare", tok, world, theta=0.8, beta=0.4)
+    # step 1 retrieves with the question; its docs are in the first look-ahead's prompt; " Paris" (p = 0.3 <= 0.8)
+    # triggers; the implicit query drops it (0.3 <= beta)
+    assert ret.queries[:2] == ["Where is Paris?", "is in France."]
+    assert r.rounds[1].trigger_sentence == "Paris is in France."
+    prompts = [p for p, _ in eng.prompts]
+    assert "doc 0 about Where is Paris?" in prompts[0]
+    # the rebuilt prompt replaces the documents; later look-aheads keep them (no new query)
+    assert "doc 0 about is in France." in prompts[-1] and "about Where is Paris?" not in prompts[-1]
+    assert r.text == "Lyon is in France. So the answer is Lyon."
+
+
+@pytest.mark.parametrize("field_, value", [("theta", 1.5), ("beta", -0.1), ("look_ahead_tokens", 0),
+                                           ("query_formulation", "magic"), ("retrieve_topk", 0)])
+def test_flare_bad_values_name_the_field(field_, value):
+    with pytest.raises(ConfigError, match=field_):
+        method_config("flare", "hotpotqa", overrides={field_: value})
+
+
+def test_flare_explicit_questions_interleaved_and_deduplicated(tok):
+    answer = [(" Paris", LOW, 2.0), (" is in", HIGH, 0.1), (" France", LOW, 2.0), (".", HIGH, 0.1), None]
+    rag = [(" So the answer is Lyon.", HIGH, 0.1), None]
+
+    def world(p):
+        if p.endswith("Question:"):  # question generation for a span
+            span = p.rsplit('answer is "', 1)[1].split('"')[0]
+            return [(f" What is {span}?\nMore", HIGH, 0.1), None]
+        return continuation(p, rag if "Context:" in p else answer)
+
+    class Overlap(Retriever):
+        def search(self, queries, k):
+            self.queries += queries
+            return [[Doc(id=f"d{j}", title="", text=f"t{j}") for j in ([1, 2, 3] if "Paris" in q else [2, 4, 5])]
+                    for q in queries]
+
+    ret = Overlap()
+    r, eng, _ = run("flare-explicit", tok, world, ret=ret, retrieve_first=False)
+    assert ret.queries == ["What is Paris?", "What is France?"]
+    assert r.rounds[0].query == "What is Paris? || What is France?"
+    # round robin over ranks: d1 (q1), d2 (q2), d2 dropped (seen), d4 (q2) -> top 3
+    assert r.rounds[0].doc_ids == ["d1", "d2", "d4"]
+
+
+def test_flare_instruct_pauses_at_search_call(tok):
+    answer = [(" The capital is [Search(capital of France)]", HIGH, 0.1), (" Paris.", HIGH, 0.1), None]
+    after = [(" Paris. So the answer is Paris.", HIGH, 0.1), None]
+
+    def world(p):
+        if "Context:" in p:
+            return after
+        return continuation(p, answer)
+
+    r, eng, ret = run("flare-instruct", tok, world)
+    assert ret.queries == ["capital of France"]
+    resumed = [p for p, _ in eng.prompts if "Context:" in p]
+    assert resumed and resumed[0].endswith("Answer: The capital is [Search(capital of France)]")
+    assert r.prediction == "The capital is Paris. So the answer is Paris."
+
+
+@pytest.mark.parametrize("n_docs", [0, 1])
+def test_short_or_empty_retrieval_is_defined(tok, n_docs):
+    answer = [(" Paris", LOW, 2.0), (" is in France.", HIGH, 0.1), (" So the answer is France.", HIGH, 0.1), None]
+    for method in ("flare", "sr-rag", "fs-rag", "token-rag"):
+        r, eng, ret = run(method, tok, lambda p: continuation(p, answer), ret=Retriever(n=n_docs))
+        assert r.error is None, (method, r.error)
+        assert r.counters["short_retrievals"] >= 1
+        ctx = [p for p, _ in eng.prompts if "Context:" in p]
+        if n_docs == 0:
+            assert ctx == []  # no documents: the prompt carries no context block
+        else:
+            assert ctx and all("[1] doc 0" in p and "[2]" not in p for p in ctx)
+
+
+# ---------------------------------------------------------------------------------------------- DRAGIN streaming
+
+
+def test_dragin_streaming_cuts_at_the_trigger_sentence(tok):
+    # uniform attention: a word's score is its entropy share; " Marseille" (H = 5) in sentence 2 hits (theta 0.6)
+    answer = [(" Paris is in France.", HIGH, 0.05), (" Its mayor lives in", HIGH, 0.05), (" Marseille", LOW, 5.0),
+              (" today.", HIGH, 0.05), (" More words that reference mode would decode anyway.", HIGH, 0.05), None]
+    rag = [(" Paris is in France.", HIGH, 0.05), (" Its mayor lives in Paris.", HIGH, 0.05),
+           (" Next sentence never kept.", HIGH, 0.05), None]
+    final = [(" So the answer is France.", HIGH, 0.05), None]
+
+    def world(p):
+        if "Context:" in p:
+            return continuation(p, rag)
+        tail = p[p.rindex("Answer:") + 7:]
+        if tail.startswith(" Paris is in France. Its mayor lives in Paris."):
+            return continuation(p, [(" Paris is in France. Its mayor lives in Paris.", HIGH, 0.05)] + final)
+        return continuation(p, answer)
+
+    from fastrag.config import DraginStreamingConfig
+    from fastrag.methods.dragin_streaming import DraginStreaming
+
+    cfg = DraginStreamingConfig(dataset="2wikimultihopqa", generate_max_length=64, hallucination_threshold=0.6,
+                                retrieve_keep_top_k=5, fewshot=0, mode="streaming", stream_chunk_tokens=4)
+    eng, ret = ScriptEngine(tok, world), Retriever()
+    out = []
+    Scheduler(eng, ret, DraginStreaming(cfg, tok), max_inflight=2).run([Ex("1", "Where is Paris?")], out.append)
+    r = out[0]
+    assert r.error is None, r.error
+    assert [x.trigger_sentence for x in r.rounds if x.query] == ["Its mayor lives in Marseille today."]
+    assert r.text == "Paris is in France. Its mayor lives in Paris. So the answer is France."
+    assert all(n <= 4 for _, n in eng.prompts)  # decoded in chunks of stream_chunk_tokens
+    # nothing of the plain round after the trigger sentence's end was decoded beyond one chunk
+    full = len(tok.encode("".join(x[0] for x in answer[:-1])))
+    upto = len(tok.encode("".join(x[0] for x in answer[:4])))
+    assert r.decode_tokens < full + len(tok.encode(rag[1][0])) + len(tok.encode(final[0][0])) + 8
+    assert upto < full
+
+
+# ---------------------------------------------------------------------------------------------- configs
+
+
+def test_published_flare_config_is_token_rag(tmp_path):
+    import json
+
+    # oneal2000/DRAGIN config/Llama2-13b-chat/2WikiMultihopQA/FLARE.json (the paper's "FLARE" baseline)
+    path = tmp_path / "FLARE.json"
+    path.write_text(json.dumps({
+        "model_name_or_path": "/x/llama2-13b-chat", "method": "token", "dataset": "2wikimultihop",
+        "data_path": "../data/2wikimultihopqa", "generate_max_length": 64, "query_formulation": "direct",
+        "output_dir": "../result/x", "retriever": "BM25", "retrieve_topk": 3, "hallucination_threshold": 0.08,
+        "sentence_solver": "avg", "fewshot": 6, "sample": 1000, "shuffle": False, "es_index_name": "34216_wiki",
+        "config_path": "../config/2wikimultihop/token.json", "use_counter": True}))
+    cfg = method_config("token-rag", "2wikimultihopqa", path)
+    assert (cfg.hallucination_threshold, cfg.sentence_solver, cfg.generate_max_length) == (0.08, "avg", 64)
+    assert cfg.extra["model_name_or_path"] == "/x/llama2-13b-chat"
+    with pytest.raises(ConfigError, match="token-rag"):
+        method_config("flare", "2wikimultihopqa", path)
+
+
+@pytest.mark.parametrize("method, over, msg", [
+    ("fl-rag", {"fix_length": "32"}, "fix_length must be an int"),
+    ("fl-rag", {"fix_length": 0}, "fix_length must be an int >= 1"),
+    ("token-rag", {"hallucination_threshold": 1.2}, "hallucination_threshold must be a number in"),
+    ("token-rag", {"sentence_solver": "median"}, "sentence_solver must be one of"),
+    ("wo-rag", {"fewshot": 99}, None),
+    ("sr-rag", {"generate_max_length": None}, "generate_max_length"),
+    ("flare-instruct", {"max_searches": -1}, "max_searches"),
+])
+def test_bad_config_values_name_the_field(method, over, msg):
+    if msg is None:  # more exemplars than the dataset has: caught when the policy builds its prompt
+        from fastrag.methods.registry import get_method
+
+        cfg = method_config(method, "hotpotqa", overrides=over)
+        with pytest.raises(ValueError, match="fewshot=99"):
+            get_method(method).make_policy(cfg, None)
+        return
+    with pytest.raises(ConfigError, match=msg):
+        method_config(method, "hotpotqa", overrides=over)
+
+
+def test_config_file_errors(tmp_path):
+    with pytest.raises(ConfigError, match="no such file"):
+        method_config("flare", "hotpotqa", tmp_path / "missing.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{theta: 1")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        method_config("flare", "hotpotqa", bad)
+    with pytest.raises(ConfigError, match="dataset"):
+        method_config("flare", "squad")
+
+
+def test_paper_defaults_per_dataset():
+    # FLARE paper: theta 0.8 (2Wiki) / 0.4 (StrategyQA), beta 0.4; published FL-RAG n: 16 (2Wiki) / 32
+    assert (method_config("flare", "2wikimultihopqa").theta, method_config("flare", "strategyqa").theta) == (0.8, 0.4)
+    assert method_config("flare", "hotpotqa").beta == 0.4
+    assert method_config("flare-explicit", "hotpotqa").query_formulation == "explicit"
+    assert method_config("fl-rag", "2wikimultihopqa").fix_length == 16
+    assert method_config("fl-rag", "hotpotqa").fix_length == 32
+    assert method_config("token-rag", "strategyqa").hallucination_threshold == 0.06
+    assert method_config("wo-rag", "hotpotqa").generate_max_length == 100
+
+
+def test_every_method_is_registered():
+    from fastrag.methods.registry import available
+
+    assert {"wo-rag", "sr-rag", "fl-rag", "fs-rag", "token-rag", "flare", "flare-explicit", "flare-instruct",
+            "dragin-streaming", "dragin"} <= set(available())
+
+
+def test_retrieval_wait_overlaps_the_other_questions_decoding(tok):
+    """A slow search for one question: the other keeps decoding meanwhile; the waiting one resumes (rebuild) and
+    finishes; its wait is counted."""
+    import time
+
+    slow = [(" Paris", LOW, 2.0), (" is in France.", HIGH, 0.1), (" So the answer is France.", HIGH, 0.1), None]
+    fast = [(f" Step {i} is done.", HIGH, 0.1) for i in range(8)] + [(" So the answer is Lyon.", HIGH, 0.1), None]
+
+    def world(p):
+        return continuation(p, fast if "Question: Fast?" in p else slow)
+
+    cfg = method_config("flare", "2wikimultihopqa", overrides={"fewshot": 0, "retrieve_first": False,
+                                                                 "generate_max_length": 200})
+    from fastrag.methods.flare import FlareDirect
+
+    eng = ScriptEngine(tok, world)
+
+    class Slow(Retriever):
+        def search(self, queries, k):
+            self.during = [len(eng.prompts)]
+            time.sleep(0.5)
+            self.during.append(len(eng.prompts))
+            return super().search(queries, k)
+
+    ret, out = Slow(), []
+    Scheduler(eng, ret, FlareDirect(cfg, tok), max_inflight=2).run([Ex("s", "Slow?"), Ex("f", "Fast?")],
+                                                                     out.append)
+    by = {r.qid: r for r in out}
+    assert by["s"].error is None and by["f"].error is None
+    assert ret.during[1] > ret.during[0]  # generations were served while the search ran
+    assert by["s"].counters["retrieval_wait_s"] >= 0.5 and by["s"].retrievals == 1
+    assert by["f"].retrievals == 0 and by["f"].text.endswith("So the answer is Lyon.")
+    assert by["s"].text == "Paris is in France. So the answer is France."

@@ -1,0 +1,58 @@
+"""A new method end to end through the CLI on the real SmolLM2 (short): `fastrag run --method flare`; and the
+CLI's errors for an unknown method and a bad method option."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from fastrag.eval import BUNDLED
+
+DATA = BUNDLED / "hotpotqa_dev20.jsonl"
+CORPUS = BUNDLED / "wiki_passages.jsonl"
+
+
+def cli(*args):
+    return subprocess.run([sys.executable, "-m", "fastrag", *map(str, args)], capture_output=True, text=True,
+                          timeout=900)
+
+
+def test_flare_runs_end_to_end_with_counters(tmp_path):
+    cfg = tmp_path / "flare.json"
+    cfg.write_text(json.dumps({"generate_max_length": 16, "look_ahead_tokens": 12, "theta": 0.9}))
+    out = tmp_path / "o"
+    p = cli("run", "--method", "flare", "--dataset", "hotpotqa", "--data", DATA, "--corpus", CORPUS,
+            "--config", cfg, "--limit", 2, "--batch-size", 2, "--kv-cache-gb", 0.25, "--output", out, "--no-progress")
+    assert p.returncode == 0, p.stderr[-3000:]
+    recs = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
+    corpus_ids = {json.loads(x)["id"] for x in CORPUS.read_text().splitlines()}
+    assert len(recs) == 2
+    for r in recs:
+        assert r["error"] is None, r["error"]
+        assert r["retrievals"] >= 1  # step 1 retrieves with the question
+        assert r["rounds"][0]["query"] == r["question"] and set(r["rounds"][0]["doc_ids"]) <= corpus_ids
+        c = r["counters"]
+        assert c["searches"] >= 1 and c["generate_calls"] >= 2 and c["reused_prompt_tokens"] > 0
+    m = json.loads((out / "metrics.json").read_text())
+    assert m["method"] == "flare" and m["errors"] == 0
+    assert m["retrieval"]["queries"] == sum(r["counters"]["searches"] for r in recs)
+    assert m["retrieval"]["max_batch_size"] >= 1 and m["retrieval"]["seconds"] >= 0
+    assert m["engine"]["prefix_hit_tokens"] > 0 and m["reused_prompt_tokens_per_question"] > 0
+
+
+def test_unknown_method_and_bad_option_are_clear_errors(tmp_path):
+    p = cli("run", "--method", "flair", "--dataset", "hotpotqa", "--output", tmp_path / "o")
+    assert p.returncode == 2 and "unknown method 'flair'" in p.stderr and "flare" in p.stderr
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"theta": 2.0}))
+    p = cli("run", "--method", "flare", "--dataset", "hotpotqa", "--config", bad, "--output", tmp_path / "o")
+    assert p.returncode == 2 and "theta must be a number in [0, 1]" in p.stderr, p.stderr[-2000:]
+    typo = tmp_path / "typo.json"
+    typo.write_text(json.dumps({"look_ahead": 8}))
+    p = cli("run", "--method", "flare", "--dataset", "hotpotqa", "--config", typo, "--output", tmp_path / "o")
+    assert p.returncode == 2 and "unknown config field 'look_ahead'" in p.stderr, p.stderr[-2000:]
+    pub = tmp_path / "FLARE.json"  # a published DRAGIN "FLARE" config is TokenRAG: it names the right method
+    pub.write_text(json.dumps({"method": "token", "dataset": "hotpotqa", "hallucination_threshold": 0.1}))
+    p = cli("run", "--method", "flare", "--dataset", "hotpotqa", "--config", pub, "--output", tmp_path / "o")
+    assert p.returncode == 2 and "token-rag" in p.stderr, p.stderr[-2000:]
