@@ -33,16 +33,52 @@ namespace {
 #define FASTRAG_CLONES
 #endif
 
-FASTRAG_CLONES float dot(const float* a, const float* b, int64_t n) {
+// dot/axpy are inlined into attend_item, which is the one function compiled per ISA (dispatch once per item,
+// not once per key row).
+inline __attribute__((always_inline)) float dot(const float* a, const float* b, int64_t n) {
   float s = 0.f;
 #pragma omp simd reduction(+ : s)
   for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
   return s;
 }
 
-FASTRAG_CLONES void axpy(float* y, float w, const float* x, int64_t n) {
+inline __attribute__((always_inline)) void axpy(float* y, float w, const float* x, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) y[i] += w * x[i];
+}
+
+FASTRAG_CLONES void attend_item(const float* qg, const float* kh, const float* vh, float* og, const int64_t* pre_p,
+                                int64_t P, const int64_t* blocks, int64_t n, int64_t block_size, int64_t ss,
+                                int64_t G, int64_t D, float sc, std::vector<float>& s, std::vector<float>& den,
+                                std::vector<int64_t>& rows) {
+  const int64_t L = P + n;
+  rows.resize(L);
+  for (int64_t j = 0; j < P; ++j) rows[j] = pre_p[j] * ss;
+  for (int64_t i = 0; i < n; ++i) rows[P + i] = (blocks[i / block_size] * block_size + i % block_size) * ss;
+  s.assign(G * L, 0.f);
+  for (int64_t j = 0; j < L; ++j) {
+    const float* krow = kh + rows[j];
+    for (int64_t h = 0; h < G; ++h) s[h * L + j] = dot(qg + h * D, krow, D) * sc;
+  }
+  den.assign(G, 0.f);
+  for (int64_t h = 0; h < G; ++h) {
+    float* sh_ = s.data() + h * L;
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int64_t j = 0; j < L; ++j) mx = std::max(mx, sh_[j]);
+    for (int64_t j = 0; j < L; ++j) {
+      sh_[j] = std::exp(sh_[j] - mx);
+      den[h] += sh_[j];
+    }
+  }
+  std::fill(og, og + G * D, 0.f);
+  for (int64_t j = 0; j < L; ++j) {
+    const float* vrow = vh + rows[j];
+    for (int64_t h = 0; h < G; ++h) axpy(og + h * D, s[h * L + j], vrow, D);
+  }
+  for (int64_t h = 0; h < G; ++h) {
+    const float inv = 1.f / den[h];
+    for (int64_t d = 0; d < D; ++d) og[h * D + d] *= inv;
+  }
 }
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
@@ -106,41 +142,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pool,
     std::vector<int64_t> rows;  // element offset of each key/value row inside one kv head's slab
     for (int64_t item = begin; item < end; ++item) {
       const int64_t g = item / B, b = item % B;
-      const int64_t n = len_p[b], L = P + n;
-      rows.resize(L);
-      for (int64_t j = 0; j < P; ++j) rows[j] = pre_p[j] * ss;
-      for (int64_t i = 0; i < n; ++i) {
-        const int64_t slot = blk_p[b * NB + i / block_size] * block_size + i % block_size;
-        rows[P + i] = slot * ss;
-      }
-      s.assign(G * L, 0.f);
-      const float* kh = kp + g * sh;
-      const float* vh = vp + g * sh;
-      const float* qg = qp + (b * H + g * G) * D;
-      for (int64_t j = 0; j < L; ++j) {
-        const float* krow = kh + rows[j];
-        for (int64_t h = 0; h < G; ++h) s[h * L + j] = dot(qg + h * D, krow, D) * sc;
-      }
-      den.assign(G, 0.f);
-      for (int64_t h = 0; h < G; ++h) {
-        float* sh_ = s.data() + h * L;
-        float mx = -std::numeric_limits<float>::infinity();
-        for (int64_t j = 0; j < L; ++j) mx = std::max(mx, sh_[j]);
-        for (int64_t j = 0; j < L; ++j) {
-          sh_[j] = std::exp(sh_[j] - mx);
-          den[h] += sh_[j];
-        }
-      }
-      float* og = op + (b * H + g * G) * D;
-      std::fill(og, og + G * D, 0.f);
-      for (int64_t j = 0; j < L; ++j) {
-        const float* vrow = vh + rows[j];
-        for (int64_t h = 0; h < G; ++h) axpy(og + h * D, s[h * L + j], vrow, D);
-      }
-      for (int64_t h = 0; h < G; ++h) {
-        const float inv = 1.f / den[h];
-        for (int64_t d = 0; d < D; ++d) og[h * D + d] *= inv;
-      }
+      attend_item(qp + (b * H + g * G) * D, kp + g * sh, vp + g * sh, op + (b * H + g * G) * D, pre_p, P,
+                  blk_p + b * NB, len_p[b], block_size, ss, G, D, sc, s, den, rows);
     }
   });
   return out;

@@ -17,7 +17,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--corpus", help="passage corpus: jsonl {id,title,text} / {id,contents} or DPR tsv; "
                    "default: the bundled 13.5k-passage Wikipedia corpus")
     p.add_argument("--model", default="smollm2", help="'smollm2' (embedded), an HF directory or a .gguf file")
-    p.add_argument("--config", help="a DRAGIN config JSON (published format); default: the paper's per-dataset values")
+    p.add_argument("--config", help="the method's config JSON (DRAGIN: the published format; see docs/methods.md, "
+                   "docs/beamsearchqa.md); default: the papers' per-dataset values")
     p.add_argument("--limit", type=int, help="first N questions")
     p.add_argument("--batch-size", type=int, default=32, help="questions in flight (decode batch)")
     p.add_argument("--signals", help="signal backend (torch | cpp); default env FASTRAG_SIGNALS_BACKEND or torch")
