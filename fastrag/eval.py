@@ -133,8 +133,10 @@ def summarize(opts_method: str, dataset: str, results: list[QuestionResult], wal
         "decode_tokens_per_question": sum(r.decode_tokens for r in ok) / len(ok) if ok else None,
         "wall_s": wall_s, "computed_this_run": computed,
         # per-question counters of the policies (QuestionResult.counters), averaged over answered questions
-        **{f"{k}_per_question": sum(r.counters.get(k, 0) for r in ok) / len(ok) if ok else None
-           for k in ("reused_prompt_tokens", "generate_calls", "retrieval_wait_s", "short_retrievals")},
+        # (only counters some record carries: a method that keeps none must not report zeros)
+        **{f"{k}_per_question": sum(r.counters.get(k, 0) for r in ok) / len(ok)
+           for k in ("reused_prompt_tokens", "generate_calls", "retrieval_wait_s", "short_retrievals")
+           if any(k in r.counters for r in ok)},
     }
 
 
