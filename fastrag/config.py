@@ -112,6 +112,22 @@ def dragin_config(dataset: str, overrides: dict[str, Any] | None = None) -> Drag
     return DraginConfig(**values)
 
 
+def read_json_object(path: str | Path, error: type[Exception] = ConfigError) -> dict[str, Any]:
+    """A config file's top-level JSON object; `error` (naming the file, and line/column for bad JSON) otherwise."""
+    path = Path(path)
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise error(f"{path}: no such file") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise error(f"{path}: cannot read: {e}") from None
+    except json.JSONDecodeError as e:
+        raise error(f"{path}: not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+    if not isinstance(raw, dict):
+        raise error(f"{path}: expected a JSON object, got {type(raw).__name__}")
+    return raw
+
+
 def load_dragin_config(path: str | Path, dataset: str | None = None) -> DraginConfig:
     """Read a published DRAGIN config JSON (e.g. config/Llama2-13b-chat/HotpotQA/DRAGIN.json).
 
@@ -120,16 +136,7 @@ def load_dragin_config(path: str | Path, dataset: str | None = None) -> DraginCo
     goes to `extra`. `dataset` overrides the file's "dataset". `method`, when present, must select DRAGIN.
     """
     path = Path(path)
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: no such file") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{path}: cannot read: {e}") from None
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path}: not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: expected a JSON object, got {type(raw).__name__}")
+    raw = read_json_object(path)
     method = raw.get("method")
     if method is not None and method not in DRAGIN_METHODS:
         raise ConfigError(
@@ -326,16 +333,7 @@ def method_config(method: str, dataset: str, path: str | Path | None = None,
     if path is not None:
         path = Path(path)
         where = f"{path}: "
-        try:
-            raw = json.loads(path.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise ConfigError(f"{path}: no such file") from None
-        except (OSError, UnicodeDecodeError) as e:
-            raise ConfigError(f"{path}: cannot read: {e}") from None
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}: not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{path}: expected a JSON object, got {type(raw).__name__}")
+        raw = read_json_object(path)
         pm = raw.get("method")
         if pm is not None:
             ok = PUBLISHED_METHODS.get(method, ()) + (method,)

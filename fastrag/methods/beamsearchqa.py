@@ -19,12 +19,10 @@ the per-question oracle (`fastrag.oracle.beamsearchqa`), which runs Algorithm 1 
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
 from dataclasses import dataclass, field, fields
-from pathlib import Path
 from typing import Any
 
 from fastrag.data.datasets import DataError, canonical_dataset
@@ -82,16 +80,9 @@ def beamsearchqa_config(dataset: str, path: str | os.PathLike | None = None,
     where = ""
     if path is not None:
         where = f"{path}: "
-        try:
-            raw = json.loads(Path(path).read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise BeamConfigError(f"{path}: no such file") from None
-        except (OSError, UnicodeDecodeError) as e:
-            raise BeamConfigError(f"{path}: cannot read: {e}") from None
-        except json.JSONDecodeError as e:
-            raise BeamConfigError(f"{path}: not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
-        if not isinstance(raw, dict):
-            raise BeamConfigError(f"{path}: expected a JSON object, got {type(raw).__name__}")
+        from fastrag.config import read_json_object
+
+        raw = read_json_object(path, BeamConfigError)
         raw.pop("method", None)
         values.update(raw)
     values.update(overrides or {})
