@@ -77,9 +77,7 @@ def main() -> None:
                 if eng is None:
                     eng = build_engine(args.model, args.batch_size, kv_cache_gb=args.kv_cache_gb)
                     ret = BM25Retriever(str(CORPUS))
-                if eng.prefix is not None:  # each method has its own shared prefix; give the last one back
-                    eng.pool.release(eng.prefix.blocks)
-                    eng.prefix = None
+                eng.clear_prefixes()  # each method has its own shared prefix; give the last one back
                 t = time.perf_counter()
                 opts = RunOptions(method=m, dataset=ds, data=str(DATA[ds]), corpus=str(CORPUS), output=str(out),
                                   model=args.model, limit=args.limit, batch_size=args.batch_size, progress=True)

@@ -11,10 +11,14 @@
 //   ctx_lens:     [B] int64, context entries of each sequence (the new token included)
 //   returns       [B, H, D] float32: softmax(q . k * scale) @ v over the prefix followed by the context
 //
+// `paged_decode_attention_lse` takes the same arguments and also returns lse [B, H] = log sum exp of the scores,
+// so a caller can merge this part with attention over other keys (the engine computes the shared prefixes of a
+// decode batch as one GEMM per prefix and merges them with each sequence's own context here). A sequence with no
+// key at all (P = 0, ctx_lens[b] = 0) gets out = 0 and lse = -inf, the neutral element of that merge.
+//
 // Work item = (kv head, sequence): the G = H / Hkv query heads of a group share each key/value row, so every row
 // is read once per sequence; items of one kv head are adjacent, so that head's prefix stays in cache across the
-// batch. Scores are kept per item (at most G x (P + ctx) floats), then exp-normalised exactly like the two-level
-// softmax of the torch path.
+// batch. Scores are kept per item (at most G x (P + ctx) floats), then exp-normalised in one vectorised pass.
 #include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -22,7 +26,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <limits>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -33,7 +39,7 @@ namespace {
 #define FASTRAG_CLONES
 #endif
 
-// dot/axpy are inlined into attend_item, which is the one function compiled per ISA (dispatch once per item,
+// dot/axpy/exp are inlined into attend_item, which is the one function compiled per ISA (dispatch once per item,
 // not once per key row).
 inline __attribute__((always_inline)) float dot(const float* a, const float* b, int64_t n) {
   float s = 0.f;
@@ -47,33 +53,68 @@ inline __attribute__((always_inline)) void axpy(float* y, float w, const float* 
   for (int64_t i = 0; i < n; ++i) y[i] += w * x[i];
 }
 
+// exp(x) for x <= 0 in plain arithmetic, so that a simd loop over it vectorises (a libm call per element does
+// not): x = n ln2 + r with |r| <= ln2 / 2, exp(r) by the Cephes single-precision minimax polynomial (about 1 ulp),
+// 2^n built in the exponent bits. Inputs below -87 (weights under 1e-38 next to the row maximum's 1) give 2^-126
+// scaled, never a denormal or an overflow.
+inline __attribute__((always_inline)) float exp_nonpos(float x) {
+  x = x < -87.f ? -87.f : x;
+  const float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
+  float r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const int32_t e = (static_cast<int32_t>(n) + 127) << 23;
+  return p * __builtin_bit_cast(float, e);
+}
+
+// One (kv head, sequence) item: scores of the G query heads against every key row (each row loaded once for the
+// G heads), a max per head, exp-normalise in one vectorised pass, then the weighted sum of value rows.
 FASTRAG_CLONES void attend_item(const float* qg, const float* kh, const float* vh, float* og, const int64_t* pre_p,
                                 int64_t P, const int64_t* blocks, int64_t n, int64_t block_size, int64_t ss,
                                 int64_t G, int64_t D, float sc, std::vector<float>& s, std::vector<float>& den,
-                                std::vector<int64_t>& rows) {
+                                std::vector<int64_t>& rows, float* lse) {
   const int64_t L = P + n;
+  if (L == 0) {
+    std::fill(og, og + G * D, 0.f);
+    if (lse)
+      for (int64_t h = 0; h < G; ++h) lse[h] = -std::numeric_limits<float>::infinity();
+    return;
+  }
   rows.resize(L);
   for (int64_t j = 0; j < P; ++j) rows[j] = pre_p[j] * ss;
   for (int64_t i = 0; i < n; ++i) rows[P + i] = (blocks[i / block_size] * block_size + i % block_size) * ss;
-  s.assign(G * L, 0.f);
+  s.resize(G * L);
+  float* sp = s.data();
   for (int64_t j = 0; j < L; ++j) {
     const float* krow = kh + rows[j];
-    for (int64_t h = 0; h < G; ++h) s[h * L + j] = dot(qg + h * D, krow, D) * sc;
+    for (int64_t h = 0; h < G; ++h) sp[h * L + j] = dot(qg + h * D, krow, D);
   }
   den.assign(G, 0.f);
   for (int64_t h = 0; h < G; ++h) {
-    float* sh_ = s.data() + h * L;
+    float* sh_ = sp + h * L;
     float mx = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : mx)
     for (int64_t j = 0; j < L; ++j) mx = std::max(mx, sh_[j]);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
     for (int64_t j = 0; j < L; ++j) {
-      sh_[j] = std::exp(sh_[j] - mx);
-      den[h] += sh_[j];
+      const float e = exp_nonpos((sh_[j] - mx) * sc);
+      sh_[j] = e;
+      sum += e;
     }
+    den[h] = sum;
+    if (lse) lse[h] = mx * sc + std::log(sum);
   }
   std::fill(og, og + G * D, 0.f);
   for (int64_t j = 0; j < L; ++j) {
     const float* vrow = vh + rows[j];
-    for (int64_t h = 0; h < G; ++h) axpy(og + h * D, s[h * L + j], vrow, D);
+    for (int64_t h = 0; h < G; ++h) axpy(og + h * D, sp[h * L + j], vrow, D);
   }
   for (int64_t h = 0; h < G; ++h) {
     const float inv = 1.f / den[h];
@@ -81,9 +122,9 @@ FASTRAG_CLONES void attend_item(const float* qg, const float* kh, const float* v
   }
 }
 
-at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
-                                  const at::Tensor& prefix_slots, const at::Tensor& ctx_blocks,
-                                  const at::Tensor& ctx_lens, int64_t block_size, double scale) {
+void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                           const at::Tensor& prefix_slots, const at::Tensor& ctx_blocks, const at::Tensor& ctx_lens,
+                           int64_t block_size, double scale, at::Tensor& out, at::Tensor* lse_out) {
   TORCH_CHECK(q.device().is_cpu() && k_pool.device().is_cpu() && v_pool.device().is_cpu(),
               "paged_decode_attention: q, k_pool and v_pool must be CPU tensors");
   TORCH_CHECK(q.scalar_type() == at::kFloat && k_pool.scalar_type() == at::kFloat &&
@@ -105,6 +146,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pool,
   TORCH_CHECK(ctx_blocks.dim() == 2 && ctx_blocks.size(0) == B, "paged_decode_attention: ctx_blocks must be [B, NB]");
   TORCH_CHECK(ctx_lens.dim() == 1 && ctx_lens.size(0) == B, "paged_decode_attention: ctx_lens must be [B]");
   TORCH_CHECK(block_size > 0, "paged_decode_attention: block_size must be positive");
+  TORCH_CHECK(scale > 0, "paged_decode_attention: scale must be positive, got ", scale);
   const int64_t NB = ctx_blocks.size(1);
   const int64_t P = prefix_slots.numel();
 
@@ -120,7 +162,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pool,
     const int64_t n = len_p[b];
     TORCH_CHECK(n >= 0 && n <= NB * block_size, "paged_decode_attention: ctx_lens[", b, "]=", n,
                 " exceeds its block table (", NB, " blocks of ", block_size, ")");
-    TORCH_CHECK(n + P > 0, "paged_decode_attention: sequence ", b, " has no key to attend to");
+    TORCH_CHECK(lse_out != nullptr || n + P > 0, "paged_decode_attention: sequence ", b,
+                " has no key to attend to");
     for (int64_t i = 0; i < (n + block_size - 1) / block_size; ++i) {
       const int64_t blkid = blk_p[b * NB + i];
       TORCH_CHECK(blkid >= 0 && (blkid + 1) * block_size <= num_slots, "paged_decode_attention: ctx_blocks[", b,
@@ -128,7 +171,12 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pool,
     }
   }
 
-  at::Tensor out = at::empty({B, H, D}, q.options());
+  out = at::empty({B, H, D}, q.options());
+  float* lp = nullptr;
+  if (lse_out) {
+    *lse_out = at::empty({B, H}, q.options());
+    lp = lse_out->data_ptr<float>();
+  }
   const float* qp = qc.data_ptr<float>();
   const float* kp = k_pool.data_ptr<float>();
   const float* vp = v_pool.data_ptr<float>();
@@ -143,10 +191,29 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pool,
     for (int64_t item = begin; item < end; ++item) {
       const int64_t g = item / B, b = item % B;
       attend_item(qp + (b * H + g * G) * D, kp + g * sh, vp + g * sh, op + (b * H + g * G) * D, pre_p, P,
-                  blk_p + b * NB, len_p[b], block_size, ss, G, D, sc, s, den, rows);
+                  blk_p + b * NB, len_p[b], block_size, ss, G, D, sc, s, den, rows,
+                  lp ? lp + b * H + g * G : nullptr);
     }
   });
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                                  const at::Tensor& prefix_slots, const at::Tensor& ctx_blocks,
+                                  const at::Tensor& ctx_lens, int64_t block_size, double scale) {
+  at::Tensor out;
+  decode_attention_impl(q, k_pool, v_pool, prefix_slots, ctx_blocks, ctx_lens, block_size, scale, out, nullptr);
   return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> paged_decode_attention_lse(const at::Tensor& q, const at::Tensor& k_pool,
+                                                              const at::Tensor& v_pool,
+                                                              const at::Tensor& prefix_slots,
+                                                              const at::Tensor& ctx_blocks,
+                                                              const at::Tensor& ctx_lens, int64_t block_size,
+                                                              double scale) {
+  at::Tensor out, lse;
+  decode_attention_impl(q, k_pool, v_pool, prefix_slots, ctx_blocks, ctx_lens, block_size, scale, out, &lse);
+  return {out, lse};
 }
 
 }  // namespace
@@ -154,6 +221,11 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pool,
 TORCH_LIBRARY(fastrag, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor prefix_slots, Tensor ctx_blocks, "
         "Tensor ctx_lens, int block_size, float scale) -> Tensor");
+  m.def("paged_decode_attention_lse(Tensor q, Tensor k_pool, Tensor v_pool, Tensor prefix_slots, "
+        "Tensor ctx_blocks, Tensor ctx_lens, int block_size, float scale) -> (Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(fastrag, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }
+TORCH_LIBRARY_IMPL(fastrag, CPU, m) {
+  m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("paged_decode_attention_lse", &paged_decode_attention_lse);
+}

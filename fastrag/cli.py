@@ -1,4 +1,5 @@
-"""`fastrag` command line: `run` (batch evaluation) and `parity` (engine vs per-question oracle)."""
+"""`fastrag` command line: `run` (batch evaluation), `parity` (engine vs per-question oracle), `index` (build the
+retrieval indexes of a corpus), `serve` (HTTP API), `methods`."""
 
 from __future__ import annotations
 
@@ -16,6 +17,9 @@ def _common(p: argparse.ArgumentParser) -> None:
                    "default for hotpotqa: the 20 bundled dev questions")
     p.add_argument("--corpus", help="passage corpus: jsonl {id,title,text} / {id,contents} or DPR tsv; "
                    "default: the bundled 13.5k-passage Wikipedia corpus")
+    p.add_argument("--retriever", default="bm25", choices=["bm25", "dense", "elasticsearch"],
+                   help="bm25 (bm25s, title/text best_fields), dense (faiss + all-MiniLM-L6-v2; fastrag[dense]) "
+                   "or elasticsearch ($FASTRAG_ES_URL, index $FASTRAG_ES_INDEX)")
     p.add_argument("--model", default="smollm2", help="'smollm2' (embedded), an HF directory or a .gguf file")
     p.add_argument("--config", help="the method's config JSON (DRAGIN: the published format; see docs/methods.md, "
                    "docs/beamsearchqa.md); default: the papers' per-dataset values")
@@ -31,11 +35,40 @@ def _common(p: argparse.ArgumentParser) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="fastrag", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    _common(sub.add_parser("run", help="run a method over a dataset; results.jsonl + metrics.json"))
+    rp = sub.add_parser("run", help="run a method over a dataset; results.jsonl + metrics.json")
+    _common(rp)
+    rp.add_argument("--ray", action="store_true", help="shard the questions over Ray workers (fastrag[ray])")
+    rp.add_argument("--num-workers", type=int, default=2, help="--ray: workers (one engine each)")
     pp = sub.add_parser("parity", help="engine vs per-question oracle on the same questions; parity.json")
     _common(pp)
     sub.add_parser("methods", help="list the available methods")
+    ip = sub.add_parser("index", help="build and save the retrieval indexes of a corpus (reused by later runs)")
+    ip.add_argument("--corpus", required=True, help="jsonl {id,title,text} / {id,contents} or DPR tsv")
+    ip.add_argument("--kind", nargs="+", default=["bm25"], choices=["bm25", "dense", "elasticsearch"],
+                    help="indexes to build (elasticsearch: into $FASTRAG_ES_URL, index $FASTRAG_ES_INDEX)")
+    ip.add_argument("--encoder", default="all-minilm-l6-v2", help="dense: sentence-transformers folder or the "
+                    "embedded all-minilm-l6-v2")
+    ip.add_argument("--no-progress", action="store_true")
+    sp = sub.add_parser("serve", help="HTTP server: OpenAI-style /v1/completions with streaming retrieval events")
+    sp.add_argument("--model", default="smollm2")
+    sp.add_argument("--corpus", help="passage corpus (default: the bundled 13.5k-passage Wikipedia corpus)")
+    sp.add_argument("--retriever", default="bm25", choices=["bm25", "dense", "elasticsearch"])
+    sp.add_argument("--host", default="127.0.0.1")
+    sp.add_argument("--port", type=int, default=8000)
+    sp.add_argument("--batch-size", type=int, default=32, help="decode batch (2x this many questions in flight)")
+    sp.add_argument("--max-queue", type=int, default=256, help="questions waiting beyond those in flight; then 429")
+    sp.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds")
+    sp.add_argument("--kv-cache-gb", type=float, default=8.0)
     args = ap.parse_args(argv)
+    if args.cmd == "index":
+        return _index(args)
+    if args.cmd == "serve":
+        from fastrag.serving.server import serve
+
+        serve(model=args.model, corpus=args.corpus, retriever=args.retriever, host=args.host, port=args.port,
+              batch_size=args.batch_size, max_queue=args.max_queue, timeout_s=args.timeout,
+              kv_cache_gb=args.kv_cache_gb)
+        return 0
     if args.cmd == "methods":
         from fastrag.methods.registry import available, get_method
 
@@ -54,8 +87,13 @@ def main(argv: list[str] | None = None) -> int:
         opts = RunOptions(method=args.method, dataset=args.dataset, data=args.data, corpus=args.corpus,
                           output=args.output, model=args.model, config=args.config, limit=args.limit,
                           batch_size=args.batch_size, signals=args.signals, kv_cache_gb=args.kv_cache_gb,
-                          threads=args.threads, progress=not args.no_progress)
-        if args.cmd == "run":
+                          threads=args.threads, progress=not args.no_progress, retriever=args.retriever)
+        if args.cmd == "run" and args.ray:
+            from fastrag.distributed import run_ray
+
+            metrics = run_ray(opts, num_workers=args.num_workers)
+            _print_table("fastrag run --ray", metrics)
+        elif args.cmd == "run":
             from fastrag.eval import run
 
             metrics = run(opts)
@@ -66,6 +104,24 @@ def main(argv: list[str] | None = None) -> int:
             report = parity(opts)
             _print_table("fastrag parity", {k: v for k, v in report.items() if k != "disagreements"})
     except (FileNotFoundError, PermissionError, ValueError) as e:
+        print(f"fastrag: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _index(args) -> int:
+    import time
+
+    from fastrag.retrieval import CorpusError, make_retriever
+
+    try:
+        for kind in args.kind:
+            t = time.perf_counter()
+            kw = {"encoder": args.encoder} if kind == "dense" else {}
+            r = make_retriever(kind, corpus_path=args.corpus, show_progress=not args.no_progress, **kw)
+            what = "built" if r.built else "already up to date"
+            print(f"{kind}: {r.n_docs} passages, index {what} in {time.perf_counter() - t:.1f}s -> {r.index_dir}")
+    except (FileNotFoundError, PermissionError, ValueError, CorpusError, ImportError, OSError) as e:
         print(f"fastrag: error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fastrag.cache.kv import BlockTable, KVPool, OutOfBlocks, SharedPrefix
-from fastrag.model.llama import AttnBatch, LlamaModel
+from fastrag.model.llama import AttnBatch, LlamaModel, PrefixGroup
 from fastrag.signals import get_backend
 
 
@@ -50,6 +50,7 @@ class SeqState:
     max_new: int = 0
     out: Generation | None = None
     pending_prompt: list[int] = field(default_factory=list)  # prompt tokens still to prefill
+    on_token: object = None  # optional callable(token_id) run as each token of the current generation is kept
 
     @property
     def base(self) -> int:
@@ -64,7 +65,7 @@ class SeqState:
 class Engine:
     def __init__(self, model: LlamaModel, tokenizer, *, block_size: int = 16, kv_cache_gb: float = 4.0,
                  max_batch: int = 64, max_prefill_tokens: int = 4096, sampling: SamplingParams | None = None,
-                 signals: str | None = None):
+                 signals: str | None = None, mix_prefill: bool = False):
         self.model, self.tok = model, tokenizer
         c = model.c
         p = next(model.parameters())
@@ -73,6 +74,10 @@ class Engine:
         self.pool = KVPool(c.num_layers, max(8, int(kv_cache_gb * 2**30 // per_block)), block_size,
                            c.num_kv_heads, c.head_dim, self.dtype, self.device)
         self.max_batch, self.max_prefill_tokens = max_batch, max_prefill_tokens
+        # prefill batches of sequences with different shared prefixes (packed forward, each attends to its own).
+        # Off by default: in the 100-question two-dataset DRAGIN run it measured 789 s against 729 s with batches
+        # split by prefix (one run each; benchmarks/results/e2e_cpu.md)
+        self.mix_prefill = mix_prefill
         self.sampling = sampling or SamplingParams()
         self.gen = torch.Generator(device="cpu").manual_seed(self.sampling.seed)
         self.signals = get_backend(signals)
@@ -81,8 +86,8 @@ class Engine:
         self.max_context = c.max_position_embeddings
         self.waiting: list[SeqState] = []  # need prefill
         self.running: list[SeqState] = []  # decoding
-        self.prefix: SharedPrefix | None = None
-        self._prefix_start = -1
+        self.prefixes: list[SharedPrefix] = []  # shared prefixes (one per method/dataset prompt family)
+        self._starts: dict[int, int] = {}  # id(prefix) -> first slot when its slots are consecutive, else -1
         self.live: dict[int, SeqState] = {}  # sequences that may hold blocks
         self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "prefix_hit_tokens": 0, "own_hit_tokens": 0,
                       "decode_steps": 0, "prefill_calls": 0}
@@ -105,20 +110,41 @@ class Engine:
             s.prefix = None
         s.tokens = []
 
+    @property
+    def prefix(self) -> SharedPrefix | None:
+        """The most recently set shared prefix."""
+        return self.prefixes[-1] if self.prefixes else None
+
     def set_prefix(self, text: str) -> SharedPrefix | None:
-        """Compute the KV of a shared prefix once (whole blocks only) and keep it for all sequences."""
+        """Compute the KV of a shared prefix once (whole blocks only) and keep it for all sequences.
+
+        Several prefixes may be kept at once (e.g. the demos of two datasets run together): a prompt starts from the
+        longest one it begins with, and sequences of different prefixes share decode steps where the model allows
+        it (`LlamaModel.mixes_prefixes`). Setting a prefix already held returns it.
+        """
         ids = self.tok.encode(text)
         n = len(ids) // self.pool.block_size * self.pool.block_size
         if n == 0:
             return None
+        for p in self.prefixes:
+            if p.token_ids == ids[:n]:
+                return p
         s = self.new_sequence()
         self.live.pop(id(s))  # its blocks pass to the SharedPrefix below
         self._prefill([(s, ids[:n])], want_logits=False)
         blocks = list(s.table.blocks)
         slots = torch.tensor(s.table.slots(0, n), dtype=torch.long, device=self.device)
-        self.prefix = SharedPrefix(token_ids=ids[:n], blocks=blocks, slots=slots)  # owns the blocks' refcount
-        self._prefix_start = self.prefix.start
-        return self.prefix
+        pre = SharedPrefix(token_ids=ids[:n], blocks=blocks, slots=slots)  # owns the blocks' refcount
+        self.prefixes.append(pre)
+        self._starts[id(pre)] = pre.start
+        return pre
+
+    def clear_prefixes(self) -> None:
+        """Give back the engine's hold on every shared prefix (sequences still using one keep it alive)."""
+        for p in self.prefixes:
+            self.pool.release(p.blocks)
+        self.prefixes.clear()
+        self._starts.clear()
 
     def start(self, s: SeqState, prompt_ids: list[int], max_new_tokens: int) -> None:
         """Queue a generation of up to max_new_tokens after prompt_ids on sequence s (reusing its cache)."""
@@ -127,7 +153,7 @@ class Engine:
         if len(prompt_ids) + max_new_tokens > self.max_context:
             raise ValueError(f"prompt of {len(prompt_ids)} tokens + {max_new_tokens} new exceeds the model "
                              f"context of {self.max_context} tokens")
-        pre = self.prefix if (self.prefix is not None and self.prefix.matches(prompt_ids)) else None
+        pre = max((p for p in self.prefixes if p.matches(prompt_ids)), key=lambda p: p.length, default=None)
         if pre is not s.prefix:  # prefix changes: the own cache is relative to the old base, drop it
             self._drop_cache(s)
             if pre is not None:
@@ -170,9 +196,10 @@ class Engine:
             while self.waiting and len(self.running) + len(group) < self.max_batch:
                 s = self.waiting[0]
                 n = len(s.pending_prompt)
-                if group and s.prefix is not group[0].prefix:
+                if group and s.prefix is not group[0].prefix and not self.mix_prefill:
                     break
-                if group and (len(group) + 1) * max(n, len(group[-1].pending_prompt)) > budget:
+                # the token budget counts real tokens: a batch of very different lengths runs packed (no padding)
+                if group and sum(len(x.pending_prompt) for x in group) + n > budget:
                     break
                 try:
                     s.table.reserve(n + s.max_new)
@@ -252,6 +279,8 @@ class Engine:
             s.out.entropy.append(h)
             s.out.logprob.append(lp)
             s.tokens.append(t)
+            if s.on_token is not None:
+                s.on_token(t)
             done.append(len(s.out.ids) >= s.max_new)
         return done
 
@@ -259,7 +288,8 @@ class Engine:
         return self._append_batch([s], logits)
 
     def _prefill(self, items: list[tuple[SeqState, list[int]]], want_logits: bool):
-        """Compute KV for each sequence's new tokens (padded batch). Returns last-token logits [B, V]."""
+        """Compute KV for each sequence's new tokens (padded batch). Returns last-token logits [B, V].
+        The sequences may start with different shared prefixes."""
         B = len(items)
         T = max(len(ids) for _, ids in items)
         for s, ids in items:
@@ -276,8 +306,13 @@ class Engine:
             write += s.table.slots(n0, n0 + n)
             ctx.append((s.table.blocks, n0 + n))
         prefix = items[0][0].prefix
-        assert all(s.prefix is prefix for s, _ in items), "one prefill batch shares one prefix"
-        batch = self._batch(write, valid, pos, prefix, ctx)
+        if any(s.prefix is not prefix for s, _ in items):
+            # sequences of different prefixes, each attending to its own: a decode step on a model that mixes
+            # prefixes, else the packed forward
+            batch = self._batch(write, valid, pos, None, ctx)
+            batch.prefix_groups = self._groups([s for s, _ in items])
+        else:
+            batch = self._batch(write, valid, pos, prefix, ctx)
         last = torch.tensor([b * T + len(ids) - 1 for b, (_, ids) in enumerate(items)])
         logits = self.model(ids_t.to(self.device), batch, self.pool.k, self.pool.v,
                             logits_index=last.to(self.device) if want_logits else last[:0].to(self.device))
@@ -289,21 +324,26 @@ class Engine:
 
     def _decode(self, seqs: list[SeqState]) -> torch.Tensor:
         """One token per sequence: the last sampled token goes in, next-token logits [B, V] come out."""
-        # sequences with different prefixes decode in separate groups (usually there is one group)
         groups: dict[int, list[int]] = {}
         for i, s in enumerate(seqs):
             groups.setdefault(id(s.prefix), []).append(i)
-        out = [None] * len(seqs)
-        for idx in groups.values():
-            g = [seqs[i] for i in idx]
-            logits = self._prefill([(s, [s.tokens[-1]]) for s in g], want_logits=True)
-            self.stats["prefill_tokens"] -= len(g)
-            self.stats["prefill_calls"] -= 1
-            self.stats["decode_tokens"] += len(g)
-            for j, i in enumerate(idx):
-                out[i] = logits[j]
+        if len(groups) == 1 or self.model.mixes_prefixes:
+            logits = self._prefill([(s, [s.tokens[-1]]) for s in seqs], want_logits=True)
+        else:  # different prefixes on the torch cascade path: one forward per prefix
+            out = [None] * len(seqs)
+            for idx in groups.values():
+                g = [seqs[i] for i in idx]
+                lg = self._prefill([(s, [s.tokens[-1]]) for s in g], want_logits=True)
+                self.stats["prefill_calls"] -= 1
+                for j, i in enumerate(idx):
+                    out[i] = lg[j]
+            logits = torch.stack(out)
+            self.stats["prefill_calls"] += 1
+        self.stats["prefill_tokens"] -= len(seqs)
+        self.stats["prefill_calls"] -= 1
+        self.stats["decode_tokens"] += len(seqs)
         self.stats["decode_steps"] += 1
-        return torch.stack(out)
+        return logits
 
     def _batch(self, write, valid, pos, prefix, ctx: list[tuple[list[int], int]]) -> AttnBatch:
         """ctx: per sequence (its blocks, number of context entries after the prefix)."""
@@ -320,8 +360,17 @@ class Engine:
             prefix_len=prefix.length if prefix else 0,
             prefix_slots=prefix.slots if prefix else torch.zeros(0, dtype=torch.long, device=d),
             ctx_blocks=ctx_t.to(d), ctx_lens=torch.tensor([n for _, n in ctx], device=d), block_size=bs,
-            prefix_start=self._prefix_start if prefix else -1,
+            prefix_start=self._starts.get(id(prefix), -1) if prefix else -1,
         )
+
+    def _groups(self, seqs: list[SeqState]) -> list[PrefixGroup]:
+        rows: dict[int, list[int]] = {}
+        for i, s in enumerate(seqs):
+            if s.prefix is not None:
+                rows.setdefault(id(s.prefix), []).append(i)
+        by_id = {id(s.prefix): s.prefix for s in seqs if s.prefix is not None}
+        return [PrefixGroup(torch.tensor(r, dtype=torch.long, device=self.device), by_id[k].length, by_id[k].slots,
+                            self._starts.get(k, -1)) for k, r in rows.items()]
 
     # ------------------------------------------------------------------ cache-free attention passes
     @torch.inference_mode()

@@ -37,11 +37,17 @@ class RunOptions:
     kv_cache_gb: float = 8.0
     threads: int | None = None
     progress: bool = True
+    retriever: str = "bm25"  # bm25 | dense | elasticsearch (fastrag.retrieval.RETRIEVERS)
+    qids: tuple[str, ...] | None = None  # only these questions of the file (a shard of a distributed run)
 
     def __post_init__(self):
         from fastrag.methods.registry import get_method
 
+        from fastrag.retrieval import RETRIEVERS
+
         get_method(self.method)  # raises with the list of available methods
+        if self.retriever not in RETRIEVERS:
+            raise ValueError(f"--retriever {self.retriever!r}: expected one of {', '.join(RETRIEVERS)}")
         if self.batch_size <= 0:
             raise ValueError(f"--batch-size must be positive, got {self.batch_size}")
         if self.limit is not None and self.limit <= 0:
@@ -142,61 +148,111 @@ def summarize(opts_method: str, dataset: str, results: list[QuestionResult], wal
 
 def run(opts: RunOptions, engine=None, retriever=None) -> dict:
     """Run a method over a dataset; returns the metrics dict (also written to DIR/metrics.json)."""
+    return run_many([opts], engine=engine, retriever=retriever)[0]
+
+
+def run_many(runs: list[RunOptions], engine=None, retriever=None) -> list[dict]:
+    """Several (method, dataset) runs served together by one engine: their questions share the decode batch.
+
+    Each run keeps its own output directory (results.jsonl written as questions finish, resumable; metrics.json
+    at the end). A question's decode steps no longer wait for questions of its own run alone: when one run would
+    leave the batch mostly empty (its last, longest questions), the others fill it. The runs must share model,
+    corpus and engine settings (taken from the first). Each metrics.json carries the joint figures under
+    `joint`: all runs' questions over the one wall clock.
+    """
     from tqdm import tqdm
 
-    from fastrag.retrieval.bm25 import BM25Retriever
+    from fastrag.retrieval import make_retriever
     from fastrag.scheduler import Scheduler
 
-    if opts.threads:
-        torch.set_num_threads(opts.threads)
-    out = Path(opts.output)
-    out.mkdir(parents=True, exist_ok=True)
-    cfg = method_config(opts)
-    examples = load_examples(opts.dataset, opts.data, limit=opts.limit)
-    res_path = out / "results.jsonl"
-    done = read_results(res_path)
-    done_ids = {r.qid for r in done}
-    todo = [e for e in examples if e.qid not in done_ids]
-    by_id = {e.qid: e for e in examples}
+    if not runs:
+        raise ValueError("run_many: no runs given")
+    first = runs[0]
+    for o in runs[1:]:
+        for f in ("model", "corpus", "retriever", "batch_size", "signals", "kv_cache_gb"):
+            if getattr(o, f) != getattr(first, f):
+                raise ValueError(f"run_many: runs must share --{f.replace('_', '-')}: {getattr(first, f)!r} "
+                                 f"({first.dataset}) vs {getattr(o, f)!r} ({o.dataset})")
+    outs = [Path(o.output) for o in runs]
+    if len(set(outs)) != len(outs):
+        raise ValueError("run_many: two runs write to the same output directory")
+    if first.threads:
+        torch.set_num_threads(first.threads)
+    plans = []  # per run: (opts, cfg, examples by id, done, todo, results path)
+    for o, out in zip(runs, outs):
+        out.mkdir(parents=True, exist_ok=True)
+        cfg = method_config(o)
+        examples = load_examples(o.dataset, o.data, limit=o.limit)
+        if o.qids is not None:
+            keep = set(o.qids)
+            examples = [e for e in examples if e.qid in keep]
+        done = read_results(out / "results.jsonl")
+        have = {r.qid for r in done}
+        plans.append((o, cfg, {e.qid: e for e in examples}, done, [e for e in examples if e.qid not in have]))
 
     t0 = time.perf_counter()
-    new: list[QuestionResult] = []
+    news: list[list[QuestionResult]] = [[] for _ in runs]
     sched = None
-    if todo:
-        engine = engine or build_engine(opts.model, opts.batch_size, opts.signals, opts.kv_cache_gb)
-        retriever = retriever or BM25Retriever(opts.corpus)
-        policy = make_policy(opts.method, cfg, engine.tok)
-        engine.set_prefix(policy.shared_prefix)
+    tok0 = 0
+    if any(p[4] for p in plans):
+        engine = engine or build_engine(first.model, first.batch_size, first.signals, first.kv_cache_gb)
+        retriever = retriever or make_retriever(first.retriever, corpus_path=first.corpus)
+        policies = [make_policy(o.method, cfg, engine.tok) for o, cfg, *_ in plans]
+        for pol in policies:
+            engine.set_prefix(pol.shared_prefix)
         tok0 = engine.stats["prefill_tokens"] + engine.stats["decode_tokens"]
-        writer = ResultWriter(res_path)
-        bar = tqdm(total=len(todo), desc=f"{opts.method}/{opts.dataset}", unit="q", disable=not opts.progress)
+        writers = [ResultWriter(out / "results.jsonl") for out in outs]
+        which: dict[int, int] = {}  # id(example) -> run index
+        todo = []
+        for i, p in enumerate(plans):
+            for e in p[4]:
+                which[id(e)] = i
+                todo.append(e)
+        desc = runs[0].method + "/" + "+".join(o.dataset for o in runs)
+        bar = tqdm(total=len(todo), desc=desc, unit="q", disable=not first.progress)
         t0 = time.perf_counter()
 
-        def on_result(r: QuestionResult):
-            score_result(by_id[r.qid], r)
-            writer.write(r)
-            new.append(r)
+        def on_result(r: QuestionResult, ex):
+            i = which[id(ex)]
+            score_result(ex, r)
+            writers[i].write(r)
+            news[i].append(r)
             bar.update(1)
 
         try:
             # twice the decode batch in flight: questions waiting on attention passes or retrieval do not
             # leave holes in the decode batch
-            sched = Scheduler(engine, retriever, policy, max_inflight=2 * opts.batch_size)
-            sched.run(todo, on_result)
+            sched = Scheduler(engine, retriever, lambda ex: policies[which[id(ex)]](ex),
+                              max_inflight=2 * first.batch_size)
+            sched.run(todo, on_result, pass_example=True)
         finally:
             bar.close()
-            writer.close()
+            for w in writers:
+                w.close()
         tokens = engine.stats["prefill_tokens"] + engine.stats["decode_tokens"] - tok0
     else:
         tokens = 0
     wall = time.perf_counter() - t0
-    metrics = summarize(opts.method, opts.dataset, done + new, wall, len(new), tokens)
-    if engine is not None:
-        metrics["engine"] = dict(engine.stats)
-    if sched is not None:  # retrieval batches of this run: how many queries went to the retriever together
-        b = sched.search_batches
-        metrics["retrieval"] = {"batches": len(b), "queries": sum(b), "max_batch_size": max(b, default=0),
-                                "mean_batch_size": sum(b) / len(b) if b else None, "seconds": sched.search_seconds,
-                                "seconds_per_batch": sched.search_seconds / len(b) if b else None}
-    (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
-    return metrics
+    computed = sum(len(n) for n in news)
+    out_metrics = []
+    for (o, _cfg, _ex, done, _todo), new, out in zip(plans, news, outs):
+        # tokens are counted by the engine for all runs together: each run gets its own records' share
+        own_tokens = sum(r.prefill_tokens + r.decode_tokens for r in new)
+        metrics = summarize(o.method, o.dataset, done + new, wall, len(new),
+                            tokens if len(runs) == 1 else own_tokens)
+        if len(runs) > 1:
+            metrics["joint"] = {"runs": [f"{x.method}/{x.dataset}" for x in runs], "wall_s": wall,
+                                "computed_this_run": computed,
+                                "questions_per_s": computed / wall if wall > 0 else None,
+                                "tokens_per_s": tokens / wall if wall > 0 else None}
+        if engine is not None:
+            metrics["engine"] = dict(engine.stats)
+        if sched is not None:  # retrieval batches of this run: how many queries went to the retriever together
+            b = sched.search_batches
+            metrics["retrieval"] = {"batches": len(b), "queries": sum(b), "max_batch_size": max(b, default=0),
+                                    "mean_batch_size": sum(b) / len(b) if b else None,
+                                    "seconds": sched.search_seconds,
+                                    "seconds_per_batch": sched.search_seconds / len(b) if b else None}
+        (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
+        out_metrics.append(metrics)
+    return out_metrics

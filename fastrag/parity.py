@@ -33,7 +33,7 @@ def run_oracle(opts: RunOptions, out: Path) -> tuple[list[QuestionResult], float
 
     from fastrag.methods.registry import get_method
     from fastrag.model.loading import load_hf_model, load_tokenizer
-    from fastrag.retrieval.bm25 import BM25Retriever
+    from fastrag.retrieval import make_retriever
 
     spec = get_method(opts.method)
     if spec.make_oracle is None:
@@ -47,7 +47,8 @@ def run_oracle(opts: RunOptions, out: Path) -> tuple[list[QuestionResult], float
     wall = 0.0
     if todo:
         tok = load_tokenizer(opts.model)
-        oracle = spec.make_oracle(load_hf_model(opts.model), tok, BM25Retriever(opts.corpus), method_config(opts))
+        oracle = spec.make_oracle(load_hf_model(opts.model), tok, make_retriever(opts.retriever, corpus_path=opts.corpus),
+                                 method_config(opts))
         w = ResultWriter(path)
         t0 = time.perf_counter()  # after loading, like the engine's clock
         try:

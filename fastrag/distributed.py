@@ -1,0 +1,116 @@
+"""`fastrag run --ray`: the questions of one run sharded over Ray workers, merged into one result set.
+
+Each worker is one engine (one GPU each where there are GPUs, else one CPU process with its share of the cores)
+running `fastrag.eval.run` on its shard, written to `DIR/shards/<k>/results.jsonl` as questions finish (the same
+incremental, resumable format). The driver waits for the shards; a shard whose worker died is submitted again and
+resumes from its own file, so nothing is computed or written twice. When every shard is complete the driver
+appends, in question order, every question not yet in `DIR/results.jsonl`, and writes `DIR/metrics.json` exactly
+like a single-process run (with the wall time of the distributed run and a `ray` entry: workers, shard retries).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from fastrag.eval import ResultWriter, RunOptions, read_results, summarize
+
+
+def _shard_worker(opts: RunOptions, device: str | None) -> dict:
+    """Runs inside a Ray worker: the shard's questions through one engine."""
+    import torch
+
+    from fastrag.eval import build_engine, run
+
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
+    Path(opts.output).mkdir(parents=True, exist_ok=True)
+    (Path(opts.output) / "worker.pid").write_text(str(os.getpid()))
+    engine = build_engine(opts.model, opts.batch_size, opts.signals, opts.kv_cache_gb, device=device)
+    return run(opts, engine=engine)
+
+
+def run_ray(opts: RunOptions, num_workers: int = 2, max_retries: int = 3, ray_address: str | None = None) -> dict:
+    import ray
+
+    from fastrag.data.datasets import load_examples
+
+    if num_workers <= 0:
+        raise ValueError(f"--num-workers must be positive, got {num_workers}")
+    out = Path(opts.output)
+    out.mkdir(parents=True, exist_ok=True)
+    examples = load_examples(opts.dataset, opts.data, limit=opts.limit)
+    done = read_results(out / "results.jsonl")
+    have = {r.qid for r in done}
+    todo = [e for e in examples if e.qid not in have]
+    t0 = time.perf_counter()
+    retries = 0
+    if todo:
+        n = min(num_workers, len(todo))
+        # contiguous shards: each worker's questions come from one stretch of the file
+        bounds = [round(i * len(todo) / n) for i in range(n + 1)]
+        shards = [tuple(e.qid for e in todo[bounds[i]: bounds[i + 1]]) for i in range(n)]
+        if not ray.is_initialized():
+            if ray_address:
+                ray.init(address=ray_address, ignore_reinit_error=True, log_to_driver=False)
+            else:
+                ray.init(num_cpus=max(n, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False,
+                         ignore_reinit_error=True)
+        gpus = int(ray.cluster_resources().get("GPU", 0))
+        per_gpu = gpus >= n
+        threads = opts.threads or max(1, (os.cpu_count() or 1) // n)
+        task = ray.remote(num_gpus=1 if per_gpu else 0, num_cpus=0 if per_gpu else 1, max_retries=0)(_shard_worker)
+        shard_opts = [replace(opts, output=str(out / "shards" / str(i)), qids=shards[i], limit=opts.limit,
+                              threads=None if per_gpu else threads, progress=False) for i in range(n)]
+        device = "cuda" if per_gpu else "cpu"
+        pending = {task.remote(o, device): i for i, o in enumerate(shard_opts)}
+        tries = [0] * n
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(todo), desc=f"{opts.method}/{opts.dataset} ray x{n}", unit="q",
+                   disable=not opts.progress)
+        finished = 0
+        while pending:
+            ready, _ = ray.wait(list(pending), timeout=1.0)
+            count = sum(len(read_results(Path(o.output) / "results.jsonl")) for o in shard_opts)
+            bar.update(count - finished)
+            finished = count
+            for ref in ready:
+                i = pending.pop(ref)
+                try:
+                    ray.get(ref)
+                except (ray.exceptions.RayError, OSError) as e:  # the worker died: resume its shard elsewhere
+                    tries[i] += 1
+                    retries += 1
+                    if tries[i] > max_retries:
+                        bar.close()
+                        raise RuntimeError(f"shard {i} failed {tries[i]} times; last error: {e}") from e
+                    pending[task.remote(shard_opts[i], device)] = i
+        bar.close()
+        # merge: question order, only what the main file does not have yet
+        by_id = {}
+        for o in shard_opts:
+            for r in read_results(Path(o.output) / "results.jsonl"):
+                by_id[r.qid] = r
+        missing = [e.qid for e in todo if e.qid not in by_id]
+        if missing:
+            raise RuntimeError(f"{len(missing)} questions missing after all shards finished: {missing[:5]}")
+        w = ResultWriter(out / "results.jsonl")
+        try:
+            for e in todo:
+                w.write(by_id[e.qid])
+        finally:
+            w.close()
+    wall = time.perf_counter() - t0
+    results = read_results(out / "results.jsonl")
+    order = {e.qid: i for i, e in enumerate(examples)}
+    results = sorted((r for r in results if r.qid in order), key=lambda r: order[r.qid])
+    new = [r for r in results if r.qid not in have]
+    metrics = summarize(opts.method, opts.dataset, results, wall, len(new),
+                        sum(r.prefill_tokens + r.decode_tokens for r in new))
+    metrics["ray"] = {"workers": min(num_workers, len(todo)) if todo else 0, "shard_retries": retries}
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    return metrics

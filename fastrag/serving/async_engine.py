@@ -1,0 +1,230 @@
+"""An asyncio front to the engine: many concurrent requests share one decode batch.
+
+One worker thread owns the engine and the scheduler (neither is thread-safe) and loops: admit submitted questions,
+apply cancellations, `Scheduler.step()`; when idle it blocks on its inbox. Each request gets an asyncio queue the
+worker fills through `loop.call_soon_threadsafe`, and `submit` returns an async iterator over its events:
+
+    Event("token", {"text", "token_id", "branch"})       a decoded token of the current generation
+    Event("generate", {"prompt_tokens", "branch"})       a generation starts (a new round)
+    Event("search", {"query", "k"})                      the method decided to retrieve
+    Event("documents", {"query", "doc_ids", "titles"})   what the retriever returned
+    Event("answer", {"result": QuestionResult.to_json()})the final answer and the whole trace (always last)
+    Event("error", {"message"})                          the question failed (last)
+
+Leaving the iterator early (`break`, a client that disconnects, `asyncio.timeout`) cancels the question: its
+sequences leave the batch and their KV blocks go back to the pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import queue
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+
+@dataclass(slots=True)
+class Event:
+    kind: str
+    data: dict = field(default_factory=dict)
+
+
+class QueueFull(RuntimeError):
+    """The admission queue is full; retry after `retry_after` seconds."""
+
+    def __init__(self, retry_after: float):
+        super().__init__(f"admission queue full; retry after {retry_after:.0f}s")
+        self.retry_after = retry_after
+
+
+@dataclass(slots=True)
+class _Question:
+    qid: str
+    question: str
+    answers: list[str] = field(default_factory=list)
+    dataset: str = "hotpotqa"
+    meta: dict = field(default_factory=dict)
+
+
+class AsyncEngine:
+    """`await AsyncEngine.submit(question, method=..., dataset=..., config=...)` -> async iterator of `Event`.
+
+    engine, retriever: a built `fastrag.engine.Engine` and a `Retriever`. max_inflight: questions served at once
+    (the rest wait in the admission queue, at most max_queue of them; beyond that `submit` raises QueueFull).
+    """
+
+    def __init__(self, engine, retriever, max_inflight: int = 64, max_queue: int = 256):
+        from fastrag.scheduler import Scheduler
+
+        if max_inflight <= 0 or max_queue < 0:
+            raise ValueError("max_inflight must be > 0 and max_queue >= 0")
+        self.engine, self.retriever = engine, retriever
+        self.max_queue = max_queue
+        self.scheduler = Scheduler(engine, retriever, max_inflight=max_inflight)
+        self._inbox: queue.Queue = queue.Queue()
+        self._policies: dict[tuple, Any] = {}
+        self._ids = itertools.count()
+        self._pending = 0  # submitted, not yet finished (admission control)
+        self._handles: dict[int, dict] = {}  # requests the worker holds (worker thread only)
+        self._lock = threading.Lock()
+        self._closed = False
+        self.stats = {"submitted": 0, "finished": 0, "failed": 0, "cancelled": 0, "rejected": 0,
+                      "tokens": 0, "retrievals": 0}
+        self._t0 = time.perf_counter()
+        self._thread = threading.Thread(target=self._worker, name="fastrag-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ public API
+    def policy(self, method: str, dataset: str, config: dict | None = None):
+        """The policy serving (method, dataset, config); validates the names (ValueError names the bad one)."""
+        from fastrag.data.datasets import canonical_dataset
+        from fastrag.methods.registry import get_method
+
+        spec = get_method(method)
+        dataset = canonical_dataset(dataset)
+        key = (method, dataset, json.dumps(config, sort_keys=True) if config else None)
+        if key not in self._policies:
+            path = None
+            if config:
+                if not isinstance(config, dict):
+                    raise ValueError("retrieval.config must be a JSON object")
+                f = tempfile.NamedTemporaryFile("w", suffix=".json", delete=False)
+                json.dump(config, f)
+                f.close()
+                path = f.name
+            try:
+                cfg = spec.make_config(dataset, path)
+            finally:
+                if path:
+                    Path(path).unlink(missing_ok=True)
+            self._policies[key] = (spec.make_policy(cfg, self.engine.tok), False)
+        return key
+
+    async def submit(self, question: str, method: str = "dragin", dataset: str = "hotpotqa",
+                     config: dict | None = None, qid: str | None = None) -> AsyncIterator[Event]:
+        if self._closed:
+            raise RuntimeError("the engine is closed")
+        if not isinstance(question, str) or not question.strip():
+            raise ValueError("question must be a non-empty string")
+        key = self.policy(method, dataset, config)
+        with self._lock:
+            if self._pending >= self.max_queue + self.scheduler.max_inflight:
+                self.stats["rejected"] += 1
+                raise QueueFull(retry_after=max(1.0, self._eta()))
+            self._pending += 1
+            self.stats["submitted"] += 1
+        loop = asyncio.get_running_loop()
+        out: asyncio.Queue = asyncio.Queue()
+        q = _Question(qid=qid or f"req-{next(self._ids)}", question=question, dataset=key[1])
+        handle = {"ticket": None, "finished": False}
+
+        def push(ev: Event):
+            loop.call_soon_threadsafe(out.put_nowait, ev)
+
+        self._inbox.put(("submit", key, q, push, handle))
+        return self._events(out, handle)
+
+    def metrics(self) -> dict:
+        s = self.scheduler
+        up = time.perf_counter() - self._t0
+        return {**self.stats, "queue_depth": s.queued, "inflight": s.inflight,
+                "decode_batch": len(self.engine.running), "pending": self._pending, "uptime_s": up,
+                "engine": dict(self.engine.stats)}
+
+    def close(self) -> None:
+        self._closed = True
+        self._inbox.put(("stop",))
+        self._thread.join(timeout=30)
+
+    # ------------------------------------------------------------------ internals
+    def _eta(self) -> float:
+        done = self.stats["finished"] + self.stats["failed"]
+        up = time.perf_counter() - self._t0
+        return (self._pending / (done / up)) if done else 5.0
+
+    async def _events(self, out: asyncio.Queue, handle: dict) -> AsyncIterator[Event]:
+        try:
+            while True:
+                ev = await out.get()
+                yield ev
+                if ev.kind in ("answer", "error"):
+                    return
+        finally:
+            if not handle["finished"]:
+                self._inbox.put(("cancel", handle))
+
+    def _worker(self) -> None:
+        s = self.scheduler
+        while True:
+            try:
+                msg = self._inbox.get(block=not s.busy, timeout=None)
+            except queue.Empty:
+                msg = None
+            while msg is not None:
+                if msg[0] == "stop":
+                    s.close()
+                    return
+                self._handle(msg)
+                try:
+                    msg = self._inbox.get_nowait()
+                except queue.Empty:
+                    msg = None
+            if s.busy:
+                try:
+                    s.step()
+                except Exception as e:  # an engine failure: fail every question in flight, keep serving
+                    self._fail_all(f"{type(e).__name__}: {e}")
+
+    def _handle(self, msg) -> None:
+        if msg[0] == "cancel":
+            handle = msg[1]
+            t = handle.get("ticket")
+            if t is not None and self.scheduler.cancel(t):
+                self._done(handle, "cancelled")
+            return
+        _, key, q, push, handle = msg
+        policy, has_prefix = self._policies[key]
+        if not has_prefix:
+            self.engine.set_prefix(policy.shared_prefix)
+            self._policies[key] = (policy, True)
+
+        def on_event(kind, data):
+            if kind == "token":
+                self.stats["tokens"] += 1
+            elif kind == "search":
+                self.stats["retrievals"] += 1
+            push(Event(kind, data))
+
+        def on_result(r):
+            if r.error is not None:
+                self._done(handle, "failed")
+                push(Event("error", {"message": r.error, "result": r.to_json()}))
+            else:
+                self._done(handle, "finished")
+                push(Event("answer", {"result": r.to_json()}))
+
+        handle["push"] = push
+        handle["ticket"] = self.scheduler.submit(q, on_result, policy=policy, on_event=on_event)
+        self._handles[id(handle)] = handle
+
+    def _done(self, handle: dict, how: str) -> None:
+        self._handles.pop(id(handle), None)
+        if handle.get("finished"):
+            return
+        handle["finished"] = True
+        with self._lock:
+            self._pending -= 1
+            self.stats[how] += 1
+
+    def _fail_all(self, message: str) -> None:
+        """The engine raised: every question it held ends with an error event; the worker serves on."""
+        for handle in list(self._handles.values()):
+            self.scheduler.cancel(handle["ticket"])
+            self._done(handle, "failed")
+            handle["push"](Event("error", {"message": f"engine failure: {message}"}))

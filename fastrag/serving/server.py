@@ -1,0 +1,241 @@
+"""`fastrag serve`: OpenAI-style HTTP API over `AsyncEngine` (FastAPI + uvicorn).
+
+    POST /v1/completions        {"prompt": "question", "stream": false, "max_tokens": 64,
+                                 "retrieval": {"method": "dragin", "dataset": "hotpotqa", "config": {...}}}
+    POST /v1/chat/completions   {"messages": [{"role": "user", "content": "question"}], ...same extras}
+    GET  /health                {"status": "ok", ...}
+    GET  /metrics               Prometheus text: queue depth, in flight, decode batch, tokens/s, retrievals/s, ...
+
+The prompt is the question; the `retrieval` object picks the dynamic-RAG method, the dataset whose prompts and
+settings it uses, and the method's config (the same keys as its `--config` JSON). `max_tokens`, when given, is the
+length of each generation round (`generate_max_length`). Non-streaming answers carry the prediction as the
+completion text and the method's whole trace under `retrieval`. With `"stream": true` the response is server-sent
+events: one chunk per generated token (OpenAI chunk format), `retrieval.search` / `retrieval.documents` /
+`retrieval.generate` events as the method decides, a last chunk with `finish_reason` and the trace, then
+`data: [DONE]`.
+
+Admission is bounded: beyond `max_queue` waiting questions a request gets 429 with Retry-After. A request that
+runs past `timeout_s` gets 504 (streaming: an error event) and its question is cancelled. A client that
+disconnects cancels its question; the others are not affected.
+"""
+
+
+# (no `from __future__ import annotations` here: FastAPI reads the request models of the endpoints, which are
+# defined inside create_app, from their annotations at run time)
+import asyncio
+import json
+import time
+import uuid
+from typing import Any, Literal
+
+from fastrag.serving.async_engine import AsyncEngine, QueueFull
+
+
+def create_app(engine: AsyncEngine, timeout_s: float = 600.0, max_question_chars: int = 8192,
+               model_name: str = "smollm2"):
+    from fastapi import FastAPI, Request
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+    class Retrieval(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        method: str = "dragin"
+        dataset: str = "hotpotqa"
+        config: dict[str, Any] | None = None
+
+    class Common(BaseModel):
+        model: str | None = None
+        stream: bool = False
+        max_tokens: int | None = Field(default=None, ge=1, le=4096)
+        retrieval: Retrieval = Field(default_factory=Retrieval)
+
+    class Completion(Common):
+        prompt: str
+
+        @field_validator("prompt")
+        @classmethod
+        def _prompt(cls, v: str) -> str:
+            if not v.strip():
+                raise ValueError("prompt is empty")
+            if len(v) > max_question_chars:
+                raise ValueError(f"prompt has {len(v)} characters; at most {max_question_chars}")
+            return v
+
+    class Message(BaseModel):
+        role: Literal["system", "user", "assistant"]
+        content: str
+
+    class Chat(Common):
+        messages: list[Message] = Field(min_length=1)
+
+        @field_validator("messages")
+        @classmethod
+        def _messages(cls, v: list[Message]) -> list[Message]:
+            users = [m for m in v if m.role == "user"]
+            if not users or not users[-1].content.strip():
+                raise ValueError("messages need a non-empty user message (the question)")
+            if len(users[-1].content) > max_question_chars:
+                raise ValueError(f"the user message has {len(users[-1].content)} characters; "
+                                 f"at most {max_question_chars}")
+            return v
+
+    app = FastAPI(title="fastrag", version="0.1.0")
+    app.state.engine = engine
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        errs = []
+        for e in exc.errors():
+            loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body") or "body"
+            errs.append(f"{loc}: {e.get('msg')}")
+        return JSONResponse(status_code=422, content={"error": {"type": "invalid_request_error",
+                                                                "message": "; ".join(errs), "fields": errs}})
+
+    def _error(status: int, message: str, headers: dict | None = None):
+        return JSONResponse(status_code=status, headers=headers,
+                            content={"error": {"type": "invalid_request_error" if status < 500 else "server_error",
+                                               "message": message}})
+
+    async def _open(question: str, body: Common):
+        cfg = dict(body.retrieval.config or {})
+        if body.max_tokens is not None:
+            cfg["generate_max_length"] = body.max_tokens
+        try:
+            return await engine.submit(question, method=body.retrieval.method, dataset=body.retrieval.dataset,
+                                       config=cfg or None), None
+        except QueueFull as e:
+            return None, _error(429, str(e), {"Retry-After": str(int(e.retry_after + 0.999))})
+        except (ValueError, KeyError) as e:
+            return None, _error(422, f"retrieval: {e}")
+
+    async def _answer(question: str, body: Common, chat: bool):
+        events, err = await _open(question, body)
+        if err is not None:
+            return err
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        created = int(time.time())
+        if body.stream:
+            return StreamingResponse(_sse(events, rid, created, chat), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        try:
+            async with asyncio.timeout(timeout_s):
+                async for ev in events:
+                    if ev.kind == "error":
+                        return _error(422 if "exceeds the model context" in ev.data["message"] else 500,
+                                      ev.data["message"])
+                    if ev.kind == "answer":
+                        return JSONResponse(_final(ev.data["result"], rid, created, chat))
+        except TimeoutError:
+            await events.aclose()
+            return _error(504, f"the question did not finish within {timeout_s:.0f}s")
+        return _error(500, "the engine ended the request without an answer")
+
+    def _final(result: dict, rid: str, created: int, chat: bool) -> dict:
+        text = result.get("prediction", "")
+        usage = {"prompt_tokens": result.get("prefill_tokens", 0), "completion_tokens": result.get("decode_tokens", 0)}
+        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+        choice = {"index": 0, "finish_reason": "stop"}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+                "model": model_name, "choices": [choice], "usage": usage, "retrieval": result}
+
+    async def _sse(events, rid: str, created: int, chat: bool):
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(text: str | None, finish: str | None = None, extra: dict | None = None) -> str:
+            if chat:
+                choice = {"index": 0, "delta": {} if text is None else {"content": text}, "finish_reason": finish}
+            else:
+                choice = {"index": 0, "text": text or "", "finish_reason": finish}
+            d = {"id": rid, "object": obj, "created": created, "model": model_name, "choices": [choice]}
+            if extra:
+                d.update(extra)
+            return "data: " + json.dumps(d, ensure_ascii=False) + "\n\n"
+
+        if chat:
+            yield "data: " + json.dumps({"id": rid, "object": obj, "created": created, "model": model_name,
+                                         "choices": [{"index": 0, "delta": {"role": "assistant"},
+                                                      "finish_reason": None}]}) + "\n\n"
+        try:
+            async with asyncio.timeout(timeout_s):
+                async for ev in events:
+                    if ev.kind == "token":
+                        yield chunk(ev.data["text"], extra={"branch": ev.data["branch"]})
+                    elif ev.kind in ("search", "documents", "generate"):
+                        yield "data: " + json.dumps({"id": rid, "object": f"retrieval.{ev.kind}", **ev.data},
+                                                    ensure_ascii=False) + "\n\n"
+                    elif ev.kind == "answer":
+                        r = ev.data["result"]
+                        yield chunk(None, "stop", {"retrieval": r, "answer": r.get("prediction", "")})
+                    elif ev.kind == "error":
+                        yield "data: " + json.dumps({"id": rid, "object": "error",
+                                                     "error": {"message": ev.data["message"]}}) + "\n\n"
+        except TimeoutError:
+            yield "data: " + json.dumps({"id": rid, "object": "error", "error": {
+                "message": f"the question did not finish within {timeout_s:.0f}s"}}) + "\n\n"
+        finally:
+            await events.aclose()  # a disconnected client lands here too: its question is cancelled
+        yield "data: [DONE]\n\n"
+
+    @app.post("/v1/completions")
+    async def completions(body: Completion):
+        return await _answer(body.prompt, body, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: Chat):
+        question = [m for m in body.messages if m.role == "user"][-1].content
+        return await _answer(question, body, chat=True)
+
+    @app.get("/health")
+    async def health():
+        m = engine.metrics()
+        return {"status": "ok", "inflight": m["inflight"], "queue_depth": m["queue_depth"]}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(prometheus_text(engine.metrics()), media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+def prometheus_text(m: dict) -> str:
+    """The engine's metrics in the Prometheus text exposition format (prometheus_client's own writer)."""
+    from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+    reg = CollectorRegistry()
+    up = max(m["uptime_s"], 1e-9)
+    for name, doc, value in (
+        ("fastrag_queue_depth", "questions waiting for a slot in the batch", m["queue_depth"]),
+        ("fastrag_inflight", "questions being served", m["inflight"]),
+        ("fastrag_decode_batch", "sequences in the decode batch", m["decode_batch"]),
+        ("fastrag_tokens_per_second", "streamed tokens per second since start", m["tokens"] / up),
+        ("fastrag_retrievals_per_second", "retrievals per second since start", m["retrievals"] / up),
+    ):
+        Gauge(name, doc, registry=reg).set(value)
+    for key in ("submitted", "finished", "failed", "cancelled", "rejected", "tokens", "retrievals"):
+        Counter(f"fastrag_{key}", f"{key} since start", registry=reg).inc(m[key])
+    for key, value in m["engine"].items():
+        Counter(f"fastrag_engine_{key}", f"engine counter {key}", registry=reg).inc(value)
+    return generate_latest(reg).decode()
+
+
+def serve(model: str = "smollm2", corpus: str | None = None, retriever: str = "bm25", host: str = "127.0.0.1",
+          port: int = 8000, batch_size: int = 32, max_queue: int = 256, timeout_s: float = 600.0,
+          kv_cache_gb: float = 8.0) -> None:
+    import uvicorn
+
+    from fastrag.eval import BUNDLED, build_engine
+    from fastrag.retrieval import make_retriever
+
+    eng = build_engine(model, batch_size, kv_cache_gb=kv_cache_gb)
+    ret = make_retriever(retriever, corpus_path=corpus or str(BUNDLED / "wiki_passages.jsonl"))
+    engine = AsyncEngine(eng, ret, max_inflight=2 * batch_size, max_queue=max_queue)
+    try:
+        uvicorn.run(create_app(engine, timeout_s=timeout_s, model_name=model), host=host, port=port,
+                    log_level="info")
+    finally:
+        engine.close()

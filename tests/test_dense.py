@@ -1,0 +1,93 @@
+"""Dense retrieval (faiss + the embedded all-MiniLM-L6-v2): index build/reload, exact top-k, bad input."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from fastrag.eval import BUNDLED
+from fastrag.retrieval import make_retriever
+from fastrag.retrieval.dense import DenseRetriever, passage_text
+
+
+@pytest.fixture(scope="module")
+def small_corpus(tmp_path_factory):
+    d = tmp_path_factory.mktemp("dense")
+    lines = (BUNDLED / "wiki_passages.jsonl").read_text(encoding="utf-8").splitlines()[:240]
+    p = d / "corpus.jsonl"
+    p.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return p, [json.loads(x) for x in lines]
+
+
+@pytest.fixture(scope="module")
+def retriever(small_corpus):
+    return DenseRetriever(small_corpus[0], show_progress=False)
+
+
+def test_index_is_saved_and_reloaded(small_corpus, retriever):
+    assert retriever.built and retriever.n_docs == len(small_corpus[1])
+    assert (retriever.index_dir / "manifest.json").is_file() and (retriever.index_dir / "index.faiss").is_file()
+    again = make_retriever("dense", corpus_path=small_corpus[0], show_progress=False)
+    assert not again.built and again.index_dir == retriever.index_dir
+    q = [small_corpus[1][7]["text"][:200]]
+    assert [d.id for d in again.search(q, 5)[0]] == [d.id for d in retriever.search(q, 5)[0]]
+
+
+def test_top_k_equals_brute_force_cosine(small_corpus, retriever):
+    docs = small_corpus[1]
+    emb = retriever.encode([passage_text(d["title"], d["text"]) for d in docs])
+    np.testing.assert_allclose(np.linalg.norm(emb, axis=1), 1.0, atol=1e-4)
+    rng = np.random.default_rng(0)
+    queries = [docs[i]["title"] + " " + " ".join(docs[i]["text"].split()[:8]) for i in rng.choice(len(docs), 12)]
+    got = retriever.search(queries, 3)
+    sims = retriever.encode(queries) @ emb.T
+    for row, res in zip(sims, got):
+        assert len(res) == 3
+        order = np.argsort(-row, kind="stable")[:3]
+        assert [d.id for d in res] == [docs[i]["id"] for i in order]
+        np.testing.assert_allclose([d.score for d in res], row[order], atol=1e-4)
+
+
+def test_a_passage_finds_itself(small_corpus, retriever):
+    docs = small_corpus[1]
+    for i in (3, 100, 230):
+        top = retriever.search([passage_text(docs[i]["title"], docs[i]["text"])], 1)[0]
+        assert top[0].id == docs[i]["id"] and top[0].score > 0.99
+
+
+def test_blank_queries_and_bad_arguments(small_corpus, retriever):
+    res = retriever.search(["", "   ", "Who wrote the novel?"], 2)
+    assert res[0] == [] and res[1] == [] and len(res[2]) == 2
+    with pytest.raises(ValueError, match="k must be a positive integer"):
+        retriever.search(["x"], 0)
+    with pytest.raises(TypeError, match="list of strings"):
+        retriever.search("a bare string", 2)
+    with pytest.raises(FileNotFoundError, match="dense encoder"):
+        DenseRetriever(small_corpus[0], encoder="no-such-encoder")
+
+
+def test_changed_corpus_is_reindexed(tmp_path, small_corpus):
+    p = tmp_path / "c.jsonl"
+    p.write_text("\n".join(json.dumps(d) for d in small_corpus[1][:20]) + "\n", encoding="utf-8")
+    a = DenseRetriever(p, show_progress=False)
+    assert a.built and a.n_docs == 20
+    with open(p, "a", encoding="utf-8") as f:
+        f.write(json.dumps({"id": "new1", "title": "Zanzibar", "text": "Zanzibar is an archipelago."}) + "\n")
+    b = DenseRetriever(p, show_progress=False)
+    assert b.built and b.n_docs == 21
+    assert b.search(["Zanzibar is an archipelago."], 1)[0][0].id == "new1"
+
+
+def test_fastrag_index_cli_builds_both(tmp_path, small_corpus, capsys):
+    from fastrag.cli import main
+
+    p = tmp_path / "c.jsonl"
+    p.write_text("\n".join(json.dumps(d) for d in small_corpus[1][:30]) + "\n", encoding="utf-8")
+    assert main(["index", "--corpus", str(p), "--kind", "bm25", "dense", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "bm25: 30 passages, index built" in out and "dense: 30 passages, index built" in out
+    assert main(["index", "--corpus", str(p), "--kind", "dense", "--no-progress"]) == 0
+    assert "already up to date" in capsys.readouterr().out
+    assert main(["index", "--corpus", str(tmp_path / "missing.jsonl"), "--kind", "dense"]) == 2

@@ -1,0 +1,70 @@
+"""Several runs served by one engine (`fastrag.eval.run_many`): questions of different datasets (different demo
+prefixes, settings) share decode batches, and every question's record equals the one a run of its own gives.
+
+Real SmolLM2 and bm25s over the bundled corpus, short generations for CI.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fastrag.eval import BUNDLED, RunOptions, build_engine, read_results, run, run_many
+
+DATA = BUNDLED / "hotpotqa_dev20.jsonl"
+CORPUS = BUNDLED / "wiki_passages.jsonl"
+
+
+@pytest.fixture(scope="module")
+def short_cfg(tmp_path_factory):
+    p = tmp_path_factory.mktemp("cfg") / "dragin.json"
+    p.write_text(json.dumps({"method": "attn_entropy", "generate_max_length": 24, "retrieve_keep_top_k": 35,
+                             "hallucination_threshold": 1.2, "retrieve_topk": 3, "query_formulation": "real_words"}))
+    return str(p)
+
+
+def decisions(path):
+    return {r.qid: (r.prediction, [(x.trigger_sentence, x.query, x.doc_ids) for x in r.rounds], r.error)
+            for r in read_results(path / "results.jsonl")}
+
+
+def test_joint_run_equals_separate_runs(tmp_path, short_cfg):
+    from fastrag.retrieval.bm25 import BM25Retriever
+
+    eng = build_engine("smollm2", batch_size=8, kv_cache_gb=1.0, device="cpu")
+    ret = BM25Retriever(str(CORPUS))
+    # the same questions under two datasets' prompts (different demos: two shared prefixes in one batch)
+    mk = lambda ds, out: RunOptions(method="dragin", dataset=ds, data=str(DATA), corpus=str(CORPUS),  # noqa: E731
+                                    output=str(tmp_path / out), config=short_cfg, limit=3, batch_size=8,
+                                    kv_cache_gb=1.0, progress=False)
+    sep = [run(mk("hotpotqa", "sep_h"), engine=eng, retriever=ret),
+           run(mk("2wikimultihopqa", "sep_w"), engine=eng, retriever=ret)]
+    eng.clear_prefixes()
+    steps0 = eng.stats["decode_steps"]
+    joint = run_many([mk("hotpotqa", "joint_h"), mk("2wikimultihopqa", "joint_w")], engine=eng, retriever=ret)
+    assert len(eng.prefixes) == 2
+    for a, b in (("sep_h", "joint_h"), ("sep_w", "joint_w")):
+        da, db = decisions(tmp_path / a), decisions(tmp_path / b)
+        assert len(da) == 3 and da == db
+    # the two demo sets really differ (else this would test one prefix twice)
+    assert eng.prefixes[0].token_ids != eng.prefixes[1].token_ids
+    # one clock for both runs; fewer decode steps than the two runs took one after the other
+    assert joint[0]["joint"]["wall_s"] == joint[1]["joint"]["wall_s"]
+    assert joint[0]["joint"]["computed_this_run"] == 6
+    assert eng.stats["decode_steps"] - steps0 < sep[1]["engine"]["decode_steps"]  # (engine counters: cumulative)
+    m = json.loads((tmp_path / "joint_w" / "metrics.json").read_text())
+    assert m["n"] == 3 and m["dataset"] == "2wikimultihopqa"
+    # a rerun resumes both: nothing computed again
+    again = run_many([mk("hotpotqa", "joint_h"), mk("2wikimultihopqa", "joint_w")], engine=eng, retriever=ret)
+    assert [m["computed_this_run"] for m in again] == [0, 0]
+
+
+def test_runs_must_share_the_engine_settings(tmp_path):
+    a = RunOptions(method="dragin", dataset="hotpotqa", data=str(DATA), corpus=str(CORPUS), output=str(tmp_path / "a"))
+    b = RunOptions(method="dragin", dataset="hotpotqa", data=str(DATA), corpus=str(CORPUS), output=str(tmp_path / "b"),
+                   batch_size=4)
+    with pytest.raises(ValueError, match="batch-size"):
+        run_many([a, b])
+    with pytest.raises(ValueError, match="same output"):
+        run_many([a, a])

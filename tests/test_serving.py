@@ -1,0 +1,197 @@
+"""`AsyncEngine` and `fastrag serve` on loopback: real SmolLM2, real bm25s over the bundled corpus, short
+generations. The server runs in uvicorn on a free port; clients are real HTTP clients (httpx)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+from fastrag.data.datasets import load_examples
+from fastrag.eval import BUNDLED, build_engine
+from fastrag.retrieval import make_retriever
+from fastrag.serving import AsyncEngine, QueueFull
+
+QUESTIONS = [e.question for e in load_examples("hotpotqa", BUNDLED / "hotpotqa_dev20.jsonl", limit=3)]
+CFG = {"generate_max_length": 20}
+
+
+@pytest.fixture(scope="module")
+def parts():
+    eng = build_engine("smollm2", batch_size=4, kv_cache_gb=1.0, device="cpu")
+    ret = make_retriever("bm25", corpus_path=str(BUNDLED / "wiki_passages.jsonl"), show_progress=False)
+    return eng, ret
+
+
+@pytest.fixture(scope="module")
+def server(parts):
+    import uvicorn
+
+    from fastrag.serving.server import create_app
+
+    engine = AsyncEngine(*parts, max_inflight=4, max_queue=4)
+    app = create_app(engine, timeout_s=300, max_question_chars=4096)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    th = threading.Thread(target=srv.run, daemon=True)
+    th.start()
+    deadline = time.time() + 60
+    while not srv.started and time.time() < deadline:
+        time.sleep(0.05)
+    assert srv.started
+    yield f"http://127.0.0.1:{port}", engine
+    srv.should_exit = True
+    th.join(timeout=30)
+    engine.close()
+
+
+def batch_answers(parts, questions):
+    """The same questions through the batch path (Scheduler.run), for comparison."""
+    from fastrag.data.datasets import Example
+    from fastrag.methods.registry import get_method
+    from fastrag.scheduler import Scheduler
+    import tempfile
+
+    eng, ret = parts
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(CFG, f)
+    pol = get_method("dragin").make_policy(get_method("dragin").make_config("hotpotqa", f.name), eng.tok)
+    eng.set_prefix(pol.shared_prefix)
+    out = []
+    exs = [Example(qid=str(i), question=q, answers=[], dataset="hotpotqa") for i, q in enumerate(questions)]
+    Scheduler(eng, ret, pol, max_inflight=4).run(exs, out.append)
+    by = {r.qid: r for r in out}
+    return [by[str(i)] for i in range(len(questions))]
+
+
+def sse_events(lines):
+    evs = []
+    for line in lines:
+        if line.startswith("data: "):
+            payload = line[len("data: "):]
+            evs.append(payload if payload == "[DONE]" else json.loads(payload))
+    return evs
+
+
+def test_async_engine_answers_like_the_batch_path(parts):
+    ref = batch_answers(parts, QUESTIONS)
+
+    async def go():
+        engine = AsyncEngine(*parts, max_inflight=4, max_queue=8)
+        try:
+            async def one(q):
+                evs = [ev async for ev in await engine.submit(q, "dragin", "hotpotqa", CFG)]
+                return evs
+            return await asyncio.gather(*(one(q) for q in QUESTIONS))
+        finally:
+            engine.close()
+
+    got = asyncio.run(go())
+    for evs, r in zip(got, ref):
+        assert evs[-1].kind == "answer" and sum(e.kind == "answer" for e in evs) == 1
+        res = evs[-1].data["result"]
+        assert res["prediction"] == r.prediction
+        assert [x["query"] for x in res["rounds"]] == [x.query for x in r.rounds]
+        # every retrieval the trace records was streamed as it happened, with its documents
+        searches = [e.data["query"] for e in evs if e.kind == "search"]
+        assert searches == [x.query for x in r.rounds if x.query is not None]
+        docs = [e.data["doc_ids"] for e in evs if e.kind == "documents"]
+        assert docs == [x.doc_ids for x in r.rounds if x.query is not None]
+        # the streamed tokens are the decoded tokens: as many token events as tokens decoded
+        assert sum(e.kind == "token" for e in evs) <= res["decode_tokens"]
+        assert sum(e.kind == "token" for e in evs) > 0
+
+
+def test_completion_and_stream_over_http(server, parts):
+    url, _ = server
+    body = {"prompt": QUESTIONS[0], "max_tokens": 20, "retrieval": {"method": "dragin", "dataset": "hotpotqa"}}
+    r = httpx.post(url + "/v1/completions", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    d = r.json()
+    assert d["object"] == "text_completion" and d["choices"][0]["finish_reason"] == "stop"
+    assert d["choices"][0]["text"] == d["retrieval"]["prediction"]
+    assert d["usage"]["completion_tokens"] == d["retrieval"]["decode_tokens"] > 0
+    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=300) as s:
+        assert s.status_code == 200 and s.headers["content-type"].startswith("text/event-stream")
+        evs = sse_events(list(s.iter_lines()))
+    assert evs[-1] == "[DONE]"
+    finals = [e for e in evs[:-1] if e.get("choices") and e["choices"][0]["finish_reason"] == "stop"]
+    assert len(finals) == 1 and finals[0]["answer"] == d["choices"][0]["text"]  # same question, same answer
+    toks = [e for e in evs[:-1] if e.get("object") == "text_completion" and e["choices"][0]["finish_reason"] is None]
+    assert toks and all(isinstance(e["choices"][0]["text"], str) for e in toks)
+    chat = httpx.post(url + "/v1/chat/completions", timeout=300, json={
+        "messages": [{"role": "user", "content": QUESTIONS[0]}], "max_tokens": 20})
+    assert chat.status_code == 200 and chat.json()["choices"][0]["message"]["content"] == d["choices"][0]["text"]
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"prompt": "q", "retrieval": {"method": "no-such-method"}}, "no-such-method"),
+    ({"prompt": "q", "max_tokens": -5}, "max_tokens"),
+    ({"prompt": "x" * (1 << 20)}, "prompt"),
+    ({"prompt": "   "}, "prompt"),
+    ({"prompt": "q", "retrieval": {"dataset": "nope"}}, "nope"),
+    ({"messages": []}, "messages"),
+])
+def test_bad_requests_get_a_4xx_naming_the_problem(server, body, field):
+    url, _ = server
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    r = httpx.post(url + path, json=body, timeout=60)
+    assert r.status_code in (400, 422), r.text
+    assert field in r.json()["error"]["message"]
+
+
+def test_malformed_json_is_a_4xx(server):
+    url, _ = server
+    r = httpx.post(url + "/v1/completions", content=b'{"prompt": "q",', timeout=60,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 422 and "json" in r.json()["error"]["message"].lower()
+
+
+def test_disconnect_cancels_and_the_server_keeps_serving(server):
+    url, engine = server
+    before = engine.metrics()["cancelled"]
+    body = {"prompt": QUESTIONS[1], "max_tokens": 20, "stream": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as s:
+        for line in s.iter_lines():
+            if line.startswith("data: ") and "text_completion" in line:
+                break  # one token, then hang up
+    deadline = time.time() + 60
+    while engine.metrics()["cancelled"] == before and time.time() < deadline:
+        time.sleep(0.1)
+    assert engine.metrics()["cancelled"] == before + 1
+    assert engine.metrics()["inflight"] == 0
+    r = httpx.post(url + "/v1/completions", json={"prompt": QUESTIONS[2], "max_tokens": 20}, timeout=300)
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "stop"
+    h = httpx.get(url + "/health", timeout=30).json()
+    assert h["status"] == "ok"
+    m = httpx.get(url + "/metrics", timeout=30).text
+    for name in ("fastrag_queue_depth", "fastrag_decode_batch", "fastrag_tokens_per_second",
+                 "fastrag_retrievals_per_second", "fastrag_cancelled_total"):
+        assert name in m, name
+
+
+def test_admission_queue_overflow_is_429(parts):
+    async def go():
+        engine = AsyncEngine(*parts, max_inflight=1, max_queue=0)
+        try:
+            first = await engine.submit(QUESTIONS[0], "dragin", "hotpotqa", CFG)
+            with pytest.raises(QueueFull) as e:
+                await engine.submit(QUESTIONS[1], "dragin", "hotpotqa", CFG)
+            assert e.value.retry_after >= 1
+            evs = [ev async for ev in first]
+            assert evs[-1].kind == "answer"
+            again = await engine.submit(QUESTIONS[1], "dragin", "hotpotqa", CFG)  # room again
+            assert [ev async for ev in again][-1].kind == "answer"
+            return engine.metrics()
+        finally:
+            engine.close()
+
+    m = asyncio.run(go())
+    assert m["rejected"] == 1 and m["finished"] == 2
