@@ -32,3 +32,10 @@ class Retriever(ABC):
         if isinstance(k, bool) or not isinstance(k, int) or k <= 0:
             raise ValueError(f"k must be a positive integer, got {k!r}")
         return k
+
+    @staticmethod
+    def check_queries(queries) -> list[str]:
+        """Validate a batch of queries (a list of strings, not a bare string) and return it as a list."""
+        if isinstance(queries, str) or not all(isinstance(q, str) for q in queries):
+            raise TypeError("queries must be a list of strings")
+        return list(queries)

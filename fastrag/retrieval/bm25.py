@@ -69,6 +69,31 @@ def _read_manifest(d: Path) -> dict | None:
     return m
 
 
+def build_in_first_writable(candidates: list[Path], index, what: str) -> Path:
+    """Build an index (`index(folder)`) in the first candidate folder that can be written; returns the folder.
+    A folder's old manifest is removed first, so a half-rebuilt index is never trusted."""
+    errors = []
+    for d in candidates:
+        try:
+            if not _writable(d):
+                raise PermissionError(f"{d} is (inside) a read-only folder")
+            d.mkdir(parents=True, exist_ok=True)
+            (d / "manifest.json").unlink(missing_ok=True)
+        except OSError as e:
+            errors.append(f"{d}: {e}")
+            continue
+        index(d)
+        return d
+    raise OSError(f"no writable folder for the {what} index: " + "; ".join(errors))
+
+
+def write_manifest(d: Path, manifest: dict, n_docs: int) -> None:
+    """Write the manifest last and atomically: its presence marks the index in d complete."""
+    tmp = d / "manifest.json.tmp"
+    tmp.write_text(json.dumps({**manifest, "n_docs": n_docs}, indent=1))
+    os.replace(tmp, d / "manifest.json")
+
+
 class _DocStore:
     """Passages as one UTF-8 blob; field j of passage i is blob[off[3i + j] : off[3i + j + 1]] (j: id, title, text)."""
 
@@ -174,19 +199,7 @@ class BM25Retriever(Retriever):
         ]
 
     def _build(self, candidates: list[Path], manifest: dict) -> Path:
-        errors = []
-        for d in candidates:
-            try:
-                if not _writable(d):
-                    raise PermissionError(f"{d} is (inside) a read-only folder")
-                d.mkdir(parents=True, exist_ok=True)
-                (d / "manifest.json").unlink(missing_ok=True)  # never trust a half-rebuilt index
-            except OSError as e:
-                errors.append(f"{d}: {e}")
-                continue
-            self._index(d, manifest)
-            return d
-        raise OSError("no writable folder for the BM25 index: " + "; ".join(errors))
+        return build_in_first_writable(candidates, lambda d: self._index(d, manifest), "BM25")
 
     def _index(self, d: Path, manifest: dict) -> None:
         log.info("indexing %s into %s", self.corpus_path, d)
@@ -202,9 +215,7 @@ class BM25Retriever(Retriever):
             if (d / name).exists():
                 shutil.rmtree(d / name)
             model.save(d / name, show_progress=False)
-        tmp = d / "manifest.json.tmp"
-        tmp.write_text(json.dumps({**manifest, "n_docs": len(titles)}, indent=1))
-        os.replace(tmp, d / "manifest.json")
+        write_manifest(d, manifest, len(titles))
 
     # ---- search -------------------------------------------------------------------------------------------
 
@@ -229,13 +240,12 @@ class BM25Retriever(Retriever):
         when fewer passages match, and [] when it is blank or only stopwords. Ties: corpus order.
         """
         self.check_k(k)
-        if isinstance(queries, str) or not all(isinstance(q, str) for q in queries):
-            raise TypeError("queries must be a list of strings")
+        queries = self.check_queries(queries)
         # Exact scores from full per-field vectors: bm25s' own retrieve() also builds a dense [N] vector per
         # query, so a top-(k*20) candidate union per field would cost those two dense passes *plus* a re-score,
         # and would need a bound check to stay exact. One O(N) pass of max/min/add per query is the cheapest
         # exact path (about 0.1 ms at N = 13.5k; ~50 ms at the 21M-passage Wikipedia scale).
-        return [self._search_one(toks, k) for toks in self.analyze(list(queries))]
+        return [self._search_one(toks, k) for toks in self.analyze(queries)]
 
     def _search_one(self, toks: list[str], k: int) -> list[Doc]:
         if not toks:

@@ -17,7 +17,6 @@ mmapped) and `manifest.json`, written last so that a half-built index is never t
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 from pathlib import Path
@@ -25,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from fastrag.retrieval.base import Doc, Retriever
-from fastrag.retrieval.bm25 import _cache_root, _DocStore, _read_manifest, _writable
+from fastrag.retrieval.bm25 import _cache_root, _DocStore, _read_manifest, build_in_first_writable, write_manifest
 from fastrag.retrieval.corpus import CorpusError, iter_corpus
 
 log = logging.getLogger(__name__)
@@ -118,19 +117,7 @@ class DenseRetriever(Retriever):
                 _cache_root() / "indexes" / f"{self.corpus_path.stem}-dense-{key}"]
 
     def _build(self, candidates: list[Path], manifest: dict) -> Path:
-        errors = []
-        for d in candidates:
-            try:
-                if not _writable(d):
-                    raise PermissionError(f"{d} is (inside) a read-only folder")
-                d.mkdir(parents=True, exist_ok=True)
-                (d / "manifest.json").unlink(missing_ok=True)  # never trust a half-rebuilt index
-            except OSError as e:
-                errors.append(f"{d}: {e}")
-                continue
-            self._index(d, manifest)
-            return d
-        raise OSError("no writable folder for the dense index: " + "; ".join(errors))
+        return build_in_first_writable(candidates, lambda d: self._index(d, manifest), "dense")
 
     def _index(self, d: Path, manifest: dict) -> None:
         log.info("encoding %s into %s", self.corpus_path, d)
@@ -141,9 +128,7 @@ class DenseRetriever(Retriever):
         index = self._faiss.IndexFlatIP(self.dim)
         index.add(emb)
         self._faiss.write_index(index, str(d / "index.faiss"))
-        tmp = d / "manifest.json.tmp"
-        tmp.write_text(json.dumps({**manifest, "n_docs": len(texts)}, indent=1))
-        os.replace(tmp, d / "manifest.json")
+        write_manifest(d, manifest, len(texts))
 
     # ---- search -------------------------------------------------------------------------------------------
 
@@ -156,8 +141,7 @@ class DenseRetriever(Retriever):
     def search(self, queries: list[str], k: int) -> list[list[Doc]]:
         """Top-k passages per query by cosine similarity; a blank query gets []. Ties: faiss order (lower id)."""
         self.check_k(k)
-        if isinstance(queries, str) or not all(isinstance(q, str) for q in queries):
-            raise TypeError("queries must be a list of strings")
+        queries = self.check_queries(queries)
         out: list[list[Doc]] = [[] for _ in queries]
         live = [i for i, q in enumerate(queries) if q.strip()]
         if not live:

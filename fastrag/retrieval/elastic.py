@@ -70,8 +70,7 @@ class ElasticRetriever(Retriever):
 
     def search(self, queries: list[str], k: int) -> list[list[Doc]]:
         self.check_k(k)
-        if isinstance(queries, str) or not all(isinstance(q, str) for q in queries):
-            raise TypeError("queries must be a list of strings")
+        queries = self.check_queries(queries)
         out: list[list[Doc]] = [[] for _ in queries]
         live = [i for i, q in enumerate(queries) if q.strip()]
         if not live:
