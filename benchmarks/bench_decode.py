@@ -68,6 +68,7 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--ctx", type=int, default=None)
     ap.add_argument("--reps", type=int, default=None)
+    ap.add_argument("--span", type=int, default=64, help="tracked tokens per sequence in the signals+attn variant")
     args = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() and not args.cpu_small else "cpu")
     if dev.type == "cuda":
@@ -95,13 +96,31 @@ def main() -> None:
             for s in seqs:
                 s.table.num_tokens -= 1
 
+        # + attention statistics: every sequence tracks the in-context attention its last `span` tokens receive
+        # (DRAGIN streaming's a_i), folded in by the fused attn_decode_update on the decode attention's LSE
+        span = min(args.span, ctx)
+        H = shape["num_attention_heads"]
+
+        def fused_attn():
+            for s in seqs:
+                s.track_from = s.computed - span + 1
+                s.amax = torch.zeros(H, span, dtype=torch.float32, device=dev)
+            logits = eng._decode(seqs)
+            sig = eng.signals.decode_signals(logits)
+            torch.stack([sig.chosen.double(), sig.entropy.double(), sig.logprob.double()]).cpu()
+            for s in seqs:
+                s.table.num_tokens -= 1
+                s.track_from = s.amax = None
+
         with torch.inference_mode():
             t_plain = timeit(plain, dev, reps, warmup=2)
             t_fused = timeit(fused, dev, reps, warmup=2)
+            t_attn = timeit(fused_attn, dev, reps, warmup=2)
             t_plain2 = timeit(plain, dev, reps, warmup=1)  # timing spread: the same version twice
         roof = (weight_bytes + kv_read) / bw
         rows.append(dict(B=B, plain_ms=t_plain * 1e3, plain_again_ms=t_plain2 * 1e3, signals_ms=t_fused * 1e3,
-                         overhead=(t_fused - t_plain) / t_plain, roofline_ms=roof * 1e3, x_roofline=t_plain / roof,
+                         overhead=(t_fused - t_plain) / t_plain, attn_ms=t_attn * 1e3,
+                         overhead_attn=(t_attn - t_plain) / t_plain, roofline_ms=roof * 1e3, x_roofline=t_plain / roof,
                          backend=eng.signals.name))
         print(rows[-1], flush=True)
         del model, eng, seqs
@@ -116,14 +135,19 @@ def main() -> None:
              f"- measured copy bandwidth {bw / 1e9:.1f} GB/s; roofline = (weights + KV read) / bandwidth",
              f"- command: `python benchmarks/bench_decode.py {' '.join(sys.argv[1:])}`",
              "- plain = forward + argmax + host copy of the tokens; signals = forward + fused decode_signals + one "
-             "host copy of (token, entropy, logprob); plain_again = plain timed a second time (the noise floor)",
+             "host copy of (token, entropy, logprob); plain_again = plain timed a second time (the noise floor); "
+             f"signals+attn = signals plus, for every sequence, the in-context attention statistics of its last "
+             f"{min(args.span, ctx)} tokens (last layer's queries and the decode attention's row log-sum-exp through "
+             "the fused attn_decode_update: DRAGIN streaming's a_i)",
              *([] if dev.type == "cuda" else
                ["- CPU run with a small model shape (the 7B shape needs a GPU): GPU not measured"]),
-             "", "| B | plain ms | plain again ms | signals ms | overhead | roofline ms | plain / roofline | backend |",
-             "|---|---|---|---|---|---|---|---|"]
+             "", "| B | plain ms | plain again ms | signals ms | overhead | signals+attn ms | overhead | roofline ms "
+             "| plain / roofline | backend |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['B']} | {r['plain_ms']:.2f} | {r['plain_again_ms']:.2f} | {r['signals_ms']:.2f} | "
-                     f"{r['overhead']:+.1%} | {r['roofline_ms']:.2f} | {r['x_roofline']:.2f} | {r['backend']} |")
+                     f"{r['overhead']:+.1%} | {r['attn_ms']:.2f} | {r['overhead_attn']:+.1%} | "
+                     f"{r['roofline_ms']:.2f} | {r['x_roofline']:.2f} | {r['backend']} |")
     out.write_text("\n".join(lines) + "\n")
     print(f"wrote {out}")
 

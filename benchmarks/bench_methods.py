@@ -18,6 +18,8 @@ import datetime as dt
 import json
 import platform
 import random
+import shlex
+import sys
 import time
 from pathlib import Path
 
@@ -47,6 +49,14 @@ def paired_diff(a: list[float], b: list[float], n_boot: int = 2000, seed: int = 
     return sum(d) / len(d), means[int(0.025 * n_boot)], means[int(0.975 * n_boot)]
 
 
+def complete(out: Path, ds: str, limit: int) -> bool:
+    """The run in `out` already covers every question (its metrics.json is kept: a rerun would time nothing)."""
+    from fastrag.data.datasets import load_examples
+
+    m = out / "metrics.json"
+    return m.exists() and json.loads(m.read_text())["n"] >= len(load_examples(ds, DATA[ds], limit=limit))
+
+
 def fmt(v, nd=3):
     return "—" if v is None else (f"{v:.{nd}f}" if isinstance(v, float) else str(v))
 
@@ -62,6 +72,8 @@ def main() -> None:
     ap.add_argument("--output", default=str(ROOT / "runs" / "bench_methods"))
     ap.add_argument("--results", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--report-only", action="store_true", help="compute nothing; tabulate what --output holds")
+    ap.add_argument("--name", default="methods", help="result file stem under --results (default: methods)")
+    ap.add_argument("--note", default="", help="a line added under the table's header (e.g. how it was run)")
     args = ap.parse_args()
 
     from fastrag.retrieval.bm25 import BM25Retriever
@@ -73,7 +85,7 @@ def main() -> None:
     for ds in args.datasets:
         for m in args.methods:
             out = Path(args.output) / ds / m
-            if not args.report_only:
+            if not args.report_only and not complete(out, ds, args.limit):
                 if eng is None:
                     eng = build_engine(args.model, args.batch_size, kv_cache_gb=args.kv_cache_gb)
                     ret = BM25Retriever(str(CORPUS))
@@ -90,9 +102,10 @@ def main() -> None:
             rows.append((ds, m, mt))
 
     lines = [f"# Methods on the engine ({args.model}, {device}, {dt.date.today()})", "",
-             f"Command: `python benchmarks/bench_methods.py --limit {args.limit} --batch-size {args.batch_size}`; "
+             f"Command: `python benchmarks/bench_methods.py {shlex.join(sys.argv[1:])}`; "
              f"retriever bm25s over {CORPUS.name}; greedy decoding; per-dataset paper defaults (docs/methods.md). "
-             "q/s is the rate of the questions computed in the run that produced each metrics.json.", "",
+             "q/s is the rate of the questions computed in the run that produced each metrics.json.",
+             *(["", args.note] if args.note else []), "",
              "| dataset | method | n | EM | F1 / acc | retrievals/q | prefilled/q | decoded/q | q/s | errors |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for ds, m, mt in rows:
@@ -119,8 +132,8 @@ def main() -> None:
                      f"{f1[0]:+.3f} [{f1[1]:+.3f}, {f1[2]:+.3f}] |")
     res = Path(args.results)
     res.mkdir(parents=True, exist_ok=True)
-    (res / "methods.md").write_text("\n".join(lines) + "\n")
-    (res / "methods.json").write_text(json.dumps({f"{d}/{m}": v for (d, m), v in metrics.items()}, indent=2))
+    (res / f"{args.name}.md").write_text("\n".join(lines) + "\n")
+    (res / f"{args.name}.json").write_text(json.dumps({f"{d}/{m}": v for (d, m), v in metrics.items()}, indent=2))
     print("\n".join(lines))
 
 

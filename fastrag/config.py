@@ -292,10 +292,16 @@ class DraginStreamingConfig(DraginConfig):
     """DRAGIN `streaming` mode: the reference rules judged per sentence as soon as it ends (DESIGN.md)."""
 
     stream_chunk_tokens: int = 16  # tokens decoded between two sentence checks
+    # where a_i comes from: "in-context" (DESIGN.md streaming: the running max of the last layer's attention in
+    # the decode pass itself, prompt included in the softmax) or "pass" (reference mode's separate attention pass
+    # over the round's tokens alone, one per judged sentence)
+    stream_attention: str = "in-context"
 
     def __post_init__(self) -> None:
         DraginConfig.__post_init__(self)
         _int(self, "stream_chunk_tokens", 1)
+        if self.stream_attention not in ("in-context", "pass"):
+            raise ConfigError(f"stream_attention must be 'in-context' or 'pass', got {self.stream_attention!r}")
         if self.mode != "streaming":
             raise ConfigError(f"mode must be 'streaming' for dragin-streaming, got {self.mode!r}")
 

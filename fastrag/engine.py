@@ -39,6 +39,11 @@ class Generation:
     prompt_tokens: int = 0
     prefilled: int = 0  # prompt tokens actually computed (the rest came from the prefix / own cache)
     ended_by_eos: bool = False
+    # with attention tracking (Engine.start(track_from=...)): for every token of the tracked span (from track_from
+    # to the last generated token), the mean over heads of the largest last-layer attention it has received from
+    # any query so far, in context (DRAGIN's a_i, streaming semantics); 0 for a token no query has seen yet (the
+    # last sampled token of a length-capped generation is never fed)
+    attn: list[float] | None = None
 
 
 @dataclass(eq=False)  # identity semantics: the scheduler looks sequences up in lists
@@ -51,6 +56,10 @@ class SeqState:
     out: Generation | None = None
     pending_prompt: list[int] = field(default_factory=list)  # prompt tokens still to prefill
     on_token: object = None  # optional callable(token_id) run as each token of the current generation is kept
+    # attention tracking: absolute position of the tracked span's first token, and the running per-head max
+    # attention [H, cap] each span token received (column j: position track_from + j)
+    track_from: int | None = None
+    amax: torch.Tensor | None = None
 
     @property
     def base(self) -> int:
@@ -146,10 +155,21 @@ class Engine:
         self.prefixes.clear()
         self._starts.clear()
 
-    def start(self, s: SeqState, prompt_ids: list[int], max_new_tokens: int) -> None:
-        """Queue a generation of up to max_new_tokens after prompt_ids on sequence s (reusing its cache)."""
+    def start(self, s: SeqState, prompt_ids: list[int], max_new_tokens: int, track_from: int | None = None) -> None:
+        """Queue a generation of up to max_new_tokens after prompt_ids on sequence s (reusing its cache).
+
+        track_from: track the last layer's in-context attention received by every token from this position of
+        prompt_ids on (Generation.attn). Those tokens are fed one per decode step (never in a prefill), so each
+        of their queries goes through the decode attention, whose row log-sum-exp the fused attention-statistics
+        kernel reuses; the running maximum carries over when a later start continues the same span (same
+        track_from) on the same sequence, e.g. a generation resumed in chunks. A new span start begins from zero:
+        span tokens already in the sequence's cache keep it, and only queries fed from this start on count.
+        """
         if not prompt_ids:
             raise ValueError("empty prompt")
+        if track_from is not None and not 0 <= track_from <= len(prompt_ids):
+            raise ValueError(f"track_from={track_from} must be a position in the prompt of {len(prompt_ids)} "
+                             "tokens, or its length (the span starts with the first generated token)")
         if len(prompt_ids) + max_new_tokens > self.max_context:
             raise ValueError(f"prompt of {len(prompt_ids)} tokens + {max_new_tokens} new exceeds the model "
                              f"context of {self.max_context} tokens")
@@ -176,6 +196,19 @@ class Engine:
         s.max_new = max_new_tokens
         s.out = Generation(ids=[], entropy=[], logprob=[], prompt_tokens=len(prompt_ids),
                            prefilled=len(s.pending_prompt))
+        if track_from is not None:
+            if track_from < base:
+                raise ValueError(f"track_from={track_from} lies inside the shared prefix ({base} tokens)")
+            cap = len(prompt_ids) - track_from + max_new_tokens
+            amax = torch.zeros(self.model.c.num_heads, cap, dtype=torch.float32, device=self.device)
+            if s.track_from == track_from and s.amax is not None:  # the same span continues: keep what is cached
+                keep = min(max(s.computed - track_from, 0), s.amax.shape[1], cap)
+                amax[:, :keep] = s.amax[:, :keep]
+            s.track_from, s.amax = track_from, amax
+            # tracked tokens are fed by decode steps: prefill only what comes before the span
+            s.pending_prompt = prompt_ids[base + lcp: max(track_from, base + lcp)]
+        else:
+            s.track_from = s.amax = None
         self.waiting.append(s)
 
     @property
@@ -191,9 +224,12 @@ class Engine:
         """
         finished: list[SeqState] = []
         if self.waiting:
+            self._admit_fed()
+        if self.waiting:
             group, budget = [], self.max_prefill_tokens
-            self.waiting.sort(key=lambda s: (s.prefix is None, len(s.pending_prompt)))
-            while self.waiting and len(self.running) + len(group) < self.max_batch:
+            # (sequences with nothing to prefill, left by _admit_fed for lack of room, go last and wait)
+            self.waiting.sort(key=lambda s: (not s.pending_prompt, s.prefix is None, len(s.pending_prompt)))
+            while self.waiting and self.waiting[0].pending_prompt and len(self.running) + len(group) < self.max_batch:
                 s = self.waiting[0]
                 n = len(s.pending_prompt)
                 if group and s.prefix is not group[0].prefix and not self.mix_prefill:
@@ -202,7 +238,7 @@ class Engine:
                 if group and sum(len(x.pending_prompt) for x in group) + n > budget:
                     break
                 try:
-                    s.table.reserve(n + s.max_new)
+                    s.table.reserve(len(s.tokens) - s.computed + s.max_new)
                 except OutOfBlocks:
                     if group or self.running:
                         break  # wait for running sequences to finish and free blocks
@@ -216,17 +252,48 @@ class Engine:
                 logits = self._prefill([(s, s.pending_prompt) for s in group], want_logits=True)
                 for s, row in zip(group, logits):
                     s.pending_prompt = []
-                    if self._append(s, row.unsqueeze(0))[0]:
+                    if s.computed < len(s.tokens):  # tracked tokens follow, fed one per decode step
+                        self.running.append(s)
+                    elif self._append(s, row.unsqueeze(0))[0]:
                         finished.append(s)
                     else:
                         self.running.append(s)
         if self.running:
             batch = self.running[: self.max_batch]
             logits = self._decode(batch)
-            done = self._append_batch(batch, logits)
+            # a sequence still feeding the tracked tokens of its prompt samples nothing this step
+            ready = [i for i, s in enumerate(batch) if s.computed == len(s.tokens)]
+            done = [False] * len(batch)
+            if len(ready) == len(batch):
+                done = self._append_batch(batch, logits)
+            elif ready:
+                for i, d in zip(ready, self._append_batch([batch[i] for i in ready], logits[ready])):
+                    done[i] = d
             self.running = [s for s, d in zip(batch, done) if not d] + self.running[self.max_batch:]
             finished += [s for s, d in zip(batch, done) if d]
+        for s in finished:
+            if s.amax is not None:
+                s.out.attn = s.amax[:, : len(s.tokens) - s.track_from].mean(0).tolist()
         return finished
+
+    def _admit_fed(self) -> None:
+        """Waiting sequences with nothing to prefill (their next tokens are fed by decode steps) join the decode
+        batch directly, as far as the batch and the KV pool have room."""
+        for s in [s for s in self.waiting if not s.pending_prompt]:
+            if len(self.running) >= self.max_batch:
+                break
+            try:
+                s.table.reserve(len(s.tokens) - s.computed + s.max_new)
+            except OutOfBlocks:
+                if self.running:
+                    break  # wait for running sequences to finish and free blocks
+                if not self._evict_idle(keep=s):
+                    raise OutOfBlocks(f"the KV pool ({self.pool.num_blocks} blocks of {self.pool.block_size}) "
+                                      f"cannot hold one sequence of {len(s.tokens) + s.max_new} tokens; "
+                                      "raise --kv-cache-gb") from None
+                return  # evicted sequences may need a prefill again: the next step sorts it out
+            self.waiting.remove(s)
+            self.running.append(s)
 
     def _evict_idle(self, keep: SeqState) -> bool:
         """Free the own caches of sequences that are not decoding (waiting for a prefill, or between two
@@ -238,8 +305,8 @@ class Engine:
                 continue
             s.table.free()
             if s in self.waiting:
-                s.pending_prompt = s.tokens[s.base:]
-                s.out.prefilled = len(s.pending_prompt)
+                s.pending_prompt = s.tokens[s.base: s.track_from]  # tracked tokens are fed by decode steps
+                s.out.prefilled = len(s.tokens) - s.base
             freed = True
         return freed
 
@@ -287,9 +354,10 @@ class Engine:
     def _append(self, s: SeqState, logits: torch.Tensor) -> list[bool]:
         return self._append_batch([s], logits)
 
-    def _prefill(self, items: list[tuple[SeqState, list[int]]], want_logits: bool):
+    def _prefill(self, items: list[tuple[SeqState, list[int]]], want_logits: bool, decode: bool = False):
         """Compute KV for each sequence's new tokens (padded batch). Returns last-token logits [B, V].
-        The sequences may start with different shared prefixes."""
+        The sequences may start with different shared prefixes. decode: one token each (a decode step), whose
+        tracked sequences' attention statistics are updated."""
         B = len(items)
         T = max(len(ids) for _, ids in items)
         for s, ids in items:
@@ -314,8 +382,13 @@ class Engine:
         else:
             batch = self._batch(write, valid, pos, prefix, ctx)
         last = torch.tensor([b * T + len(ids) - 1 for b, (_, ids) in enumerate(items)])
+        tracked = [b for b, (s, _) in enumerate(items) if s.amax is not None and s.computed >= s.track_from]
+        if decode and tracked:
+            batch.last_layer = {}  # the model leaves the last layer's queries and row log-sum-exp here
         logits = self.model(ids_t.to(self.device), batch, self.pool.k, self.pool.v,
                             logits_index=last.to(self.device) if want_logits else last[:0].to(self.device))
+        if decode and tracked:
+            self._track(items, tracked, batch)
         for s, ids in items:
             s.table.num_tokens += len(ids)
         self.stats["prefill_tokens"] += sum(len(ids) for _, ids in items)
@@ -328,12 +401,12 @@ class Engine:
         for i, s in enumerate(seqs):
             groups.setdefault(id(s.prefix), []).append(i)
         if len(groups) == 1 or self.model.mixes_prefixes:
-            logits = self._prefill([(s, [s.tokens[-1]]) for s in seqs], want_logits=True)
+            logits = self._prefill([(s, [s.tokens[s.computed]]) for s in seqs], want_logits=True, decode=True)
         else:  # different prefixes on the torch cascade path: one forward per prefix
             out = [None] * len(seqs)
             for idx in groups.values():
                 g = [seqs[i] for i in idx]
-                lg = self._prefill([(s, [s.tokens[-1]]) for s in g], want_logits=True)
+                lg = self._prefill([(s, [s.tokens[s.computed]]) for s in g], want_logits=True, decode=True)
                 self.stats["prefill_calls"] -= 1
                 for j, i in enumerate(idx):
                     out[i] = lg[j]
@@ -344,6 +417,26 @@ class Engine:
         self.stats["decode_tokens"] += len(seqs)
         self.stats["decode_steps"] += 1
         return logits
+
+    def _track(self, items, rows: list[int], batch: AttnBatch) -> None:
+        """Fold this decode step's last-layer attention into the running maxima of the tracked sequences (one
+        fused call for all of them), reusing the row log-sum-exp of the decode attention."""
+        seqs = [items[b][0] for b in rows]
+        idx = torch.tensor(rows, dtype=torch.long, device=self.device)
+        q, lse = batch.last_layer["q"].index_select(0, idx), batch.last_layer["lse"].index_select(0, idx)
+        # own-relative positions: the span starts track_from - base into the sequence's own blocks; only its
+        # tokens with a key so far (the one fed now included) can receive attention
+        starts = [s.track_from - s.base for s in seqs]
+        cols = [min(s.amax.shape[1], s.table.num_tokens + 1 - st) for s, st in zip(seqs, starts)]
+        amax = torch.zeros(len(seqs), q.shape[1], max(cols), dtype=torch.float32, device=self.device)
+        for i, (s, n) in enumerate(zip(seqs, cols)):
+            amax[i, :, :n] = s.amax[:, :n]
+        self.signals.attn_decode_update(q.contiguous(), self.pool.k[-1], batch.ctx_blocks.index_select(0, idx),
+                                        batch.ctx_lens.index_select(0, idx),
+                                        torch.tensor(starts, dtype=torch.long, device=self.device),
+                                        lse.float().contiguous(), self.pool.block_size, self.model.scale, amax)
+        for i, (s, n) in enumerate(zip(seqs, cols)):
+            s.amax[:, :n] = amax[i, :, :n]
 
     def _batch(self, write, valid, pos, prefix, ctx: list[tuple[list[int], int]]) -> AttnBatch:
         """ctx: per sequence (its blocks, number of context entries after the prefix)."""

@@ -32,6 +32,12 @@ class Generate:
     # None: a fresh sequence for this generation alone, released as soon as it finishes (a prompt nothing later
     # extends, e.g. one carrying retrieved documents, need not hold KV blocks)
     branch: int | None = 0
+    # token ids appended to the tokenised prompt as they are (a generation resumed exactly where it stopped,
+    # with no decode/encode round trip)
+    suffix_ids: tuple[int, ...] = ()
+    # track the in-context attention each token receives from the suffix on (Generation.attn covers suffix_ids
+    # and the new tokens): DRAGIN streaming's a_i from the decode pass itself
+    track_attn: bool = False
 
 
 @dataclass(slots=True)
@@ -284,6 +290,8 @@ class Scheduler:
     def _dispatch(self, lv: _Live, idx: int | None, req) -> None:
         if isinstance(req, Generate):
             ids = self.engine.tok.encode(req.prompt)
+            track_from = len(ids) if req.track_attn else None
+            ids += list(req.suffix_ids)
             if req.branch is None:
                 seq = self.engine.new_sequence()
                 lv.one_shot[id(seq)] = seq
@@ -292,7 +300,10 @@ class Scheduler:
                     lv.seqs[req.branch] = self.engine.new_sequence()
                 seq = lv.seqs[req.branch]
             self._by_seq[id(seq)] = (lv, idx)
-            self.engine.start(seq, ids, req.max_new_tokens)
+            if track_from is None:
+                self.engine.start(seq, ids, req.max_new_tokens)
+            else:
+                self.engine.start(seq, ids, req.max_new_tokens, track_from=track_from)
             seq.on_token = self._token_hook(lv, req.branch) if lv.on_event is not None else None
             self._emit(lv, "generate", {"prompt_tokens": len(ids), "branch": req.branch})
             lv.generations += 1

@@ -1,7 +1,8 @@
 """Engine level: DRAGIN decisions (trigger sentence, hit words, query, retrieved documents, final text) are
 identical between the torch signals backend and each kernel backend (C++ CPU; Triton under TRITON_INTERPRET=1 on
 the CPU, or on the GPU) on a fixed set of bundled HotpotQA questions, real SmolLM2-135M and bm25s, greedy decoding.
-The kernels are used inside the engine's decode step (fused token signals) and in the attention passes.
+The kernels are used inside the engine's decode step (fused token signals; for streaming DRAGIN also the fused
+in-context attention statistics) and in the attention passes (reference mode's RIND and both modes' QFS rows).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def config(request, tmp_path_factory):
     return path, n, data
 
 
-def _decisions(backend: str, config, tmp_path) -> list[dict]:
+def _decisions(backend: str, method: str, config, tmp_path) -> list[dict]:
     config, n, data = config
     try:
         get_backend(backend)
@@ -58,7 +59,7 @@ def _decisions(backend: str, config, tmp_path) -> list[dict]:
     except (BackendUnavailableError, FileNotFoundError, ImportError, OSError) as e:
         pytest.skip(f"{backend}: {e}")
     assert engine.signals.name == backend
-    opts = RunOptions(method="dragin", dataset="hotpotqa", data=str(data), corpus=str(CORPUS),
+    opts = RunOptions(method=method, dataset="hotpotqa", data=str(data), corpus=str(CORPUS),
                       output=str(tmp_path / backend), config=str(config), limit=n, batch_size=n,
                       signals=backend, progress=False)
     run(opts, engine=engine)
@@ -68,13 +69,22 @@ def _decisions(backend: str, config, tmp_path) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def torch_decisions(config, tmp_path_factory):
-    return _decisions("torch", config, tmp_path_factory.mktemp("torch"))
+def torch_runs(config, tmp_path_factory):
+    done: dict[str, list[dict]] = {}
+
+    def get(method: str) -> list[dict]:
+        if method not in done:
+            done[method] = _decisions("torch", method, config, tmp_path_factory.mktemp(f"torch-{method}"))
+        return done[method]
+
+    return get
 
 
+@pytest.mark.parametrize("method", ["dragin", "dragin-streaming"])
 @pytest.mark.parametrize("backend", ["cpp", "triton"])
-def test_dragin_decisions_match_torch_backend(backend, torch_decisions, config, tmp_path):
-    got = _decisions(backend, config, tmp_path)
+def test_dragin_decisions_match_torch_backend(backend, method, torch_runs, config, tmp_path):
+    torch_decisions = torch_runs(method)
+    got = _decisions(backend, method, config, tmp_path)
     assert len(got) == len(torch_decisions) == config[1]
     assert all(r["error"] is None for r in got), [r["error"] for r in got]
     assert any(rd["query"] for r in torch_decisions for rd in r["rounds"]), "the questions should trigger retrieval"

@@ -47,7 +47,7 @@ class ScriptEngine:
     def __init__(self, tok, world, steps=1):
         self.tok, self.world = tok, world
         self.waiting, self.running, self.prompts, self._q = [], [], [], []
-        self.attn_calls = []
+        self.attn_calls, self.tracked = [], []
 
     def new_sequence(self):
         return Seq()
@@ -55,7 +55,7 @@ class ScriptEngine:
     def release(self, s):
         pass
 
-    def start(self, s, ids, n):
+    def start(self, s, ids, n, track_from=None):
         prompt = self.tok.decode(ids)
         self.prompts.append((prompt, n))
         gen, p, h = [], [], []
@@ -77,6 +77,9 @@ class ScriptEngine:
         s.tokens = list(ids) + gen
         s.out = Generation(ids=gen, entropy=h, logprob=[math.log(x) for x in p], prompt_tokens=len(ids),
                            prefilled=len(ids) - lcp, ended_by_eos=eos)
+        if track_from is not None:  # uniform in-context attention over the tracked span (suffix + new tokens)
+            self.tracked.append(len(ids) - track_from)
+            s.out.attn = [1.0] * (len(ids) - track_from + len(gen))
         self._q.append(s)
 
     @property
@@ -300,7 +303,8 @@ def test_short_or_empty_retrieval_is_defined(tok, n_docs):
 # ---------------------------------------------------------------------------------------------- DRAGIN streaming
 
 
-def test_dragin_streaming_cuts_at_the_trigger_sentence(tok):
+@pytest.mark.parametrize("attention", ["in-context", "pass"])
+def test_dragin_streaming_cuts_at_the_trigger_sentence(tok, attention):
     # uniform attention: a word's score is its entropy share; " Marseille" (H = 5) in sentence 2 hits (theta 0.6)
     answer = [(" Paris is in France.", HIGH, 0.05), (" Its mayor lives in", HIGH, 0.05), (" Marseille", LOW, 5.0),
               (" today.", HIGH, 0.05), (" More words that reference mode would decode anyway.", HIGH, 0.05), None]
@@ -320,7 +324,8 @@ def test_dragin_streaming_cuts_at_the_trigger_sentence(tok):
     from fastrag.methods.dragin_streaming import DraginStreaming
 
     cfg = DraginStreamingConfig(dataset="2wikimultihopqa", generate_max_length=64, hallucination_threshold=0.6,
-                                retrieve_keep_top_k=5, fewshot=0, mode="streaming", stream_chunk_tokens=4)
+                                retrieve_keep_top_k=5, fewshot=0, mode="streaming", stream_chunk_tokens=4,
+                                stream_attention=attention)
     eng, ret = ScriptEngine(tok, world), Retriever()
     out = []
     Scheduler(eng, ret, DraginStreaming(cfg, tok), max_inflight=2).run([Ex("1", "Where is Paris?")], out.append)
@@ -334,6 +339,11 @@ def test_dragin_streaming_cuts_at_the_trigger_sentence(tok):
     upto = len(tok.encode("".join(x[0] for x in answer[:4])))
     assert r.decode_tokens < full + len(tok.encode(rag[1][0])) + len(tok.encode(final[0][0])) + 8
     assert upto < full
+    if attention == "in-context":  # a_i from the decode itself: no attention pass; each chunk resumes the span
+        assert not any(kind == "colmax" for kind, _ in eng.attn_calls)
+        assert eng.tracked[0] == 0 and any(n > 0 for n in eng.tracked)
+    else:
+        assert any(kind == "colmax" for kind, _ in eng.attn_calls) and not eng.tracked
 
 
 # ---------------------------------------------------------------------------------------------- configs
@@ -376,6 +386,21 @@ def test_bad_config_values_name_the_field(method, over, msg):
         return
     with pytest.raises(ConfigError, match=msg):
         method_config(method, "hotpotqa", overrides=over)
+
+
+@pytest.mark.parametrize("over, msg", [({"stream_attention": "decode"}, "stream_attention must be 'in-context' or"),
+                                       ({"stream_chunk_tokens": 0}, "stream_chunk_tokens")])
+def test_bad_streaming_options_name_the_field(tmp_path, over, msg):
+    import json
+
+    from fastrag.methods.registry import get_method
+
+    p = tmp_path / "DRAGIN.json"
+    p.write_text(json.dumps({"method": "attn_entropy", "hallucination_threshold": 1.2, **over}))
+    with pytest.raises(ConfigError, match=msg):
+        get_method("dragin-streaming").make_config("hotpotqa", str(p))
+    ok = get_method("dragin-streaming").make_config("hotpotqa", None)
+    assert ok.stream_attention == "in-context" and ok.stream_chunk_tokens == 16
 
 
 def test_config_file_errors(tmp_path):

@@ -3,17 +3,20 @@
 Reference mode decodes L tokens per round, judges the sentences afterwards and throws away everything after a
 trigger; after a retrieval it decodes L more tokens to keep one sentence. Streaming decodes in chunks of
 `stream_chunk_tokens` and judges each sentence as soon as the next one starts (or the round ends):
-- RIND of a sentence uses the tokens generated so far in the round: `a_t` is the running max over the rows that
-  exist when the sentence ends (the attention pass covers the round's tokens up to the sentence end, positions
-  from 0, as in reference mode), `H_t` comes from the decode itself;
+- RIND of a sentence uses the tokens generated so far in the round; `H_t` comes from the decode itself, and `a_t`
+  (config `stream_attention`) by default from the decode too: the engine tracks, for every token of the round,
+  the largest last-layer attention (per head, then the mean over heads) it has received from any later query
+  decoded so far, in context (the prompt's keys are in the softmax), with the fused attention-statistics kernel
+  on the decode attention's row log-sum-exp — no extra forward. `"pass"` instead runs reference mode's attention
+  pass over the round's tokens up to the sentence end (positions from 0), one per judged sentence;
 - a trigger cuts the round at the sentence start: the next prompt is the truncated text, so the engine frees the
   KV blocks after it (longest-common-prefix restart) and nothing past the trigger is decoded;
 - after a retrieval, decoding stops as soon as the first sentence is complete;
 - a round also ends at the sentence that contains the stop phrase (reference mode would decode on to L tokens).
 QFS, the retrieval prompt and the stop rule are reference mode's (fastrag.methods.dragin).
 
-Continuing a chunk re-sends the round's prompt plus the decoded chunk text; the engine reuses the sequence's own
-cache for all of it, so a chunk boundary costs one re-fed token, not a prefill.
+Continuing a chunk re-sends the round's prompt plus the round's token ids as they are (`Generate.suffix_ids`); the
+engine reuses the sequence's own cache for all of it, so a chunk boundary costs one fed token, not a prefill.
 """
 
 from __future__ import annotations
@@ -74,9 +77,10 @@ class DraginStreaming(DraginReference):
             base = self.demos + join(case_text, text)
             ids, ent = [], []  # the round's generated tokens and their entropies
             judged, ended, trig, stop_here = 0, False, None, False
+            in_context = cfg.stream_attention == "in-context"
             while not ended:
-                g = yield from generate(res, base + tok.decode(ids, skip_special_tokens=True),
-                                        min(chunk, L - len(ids)), PLAIN)
+                g = yield from generate(res, base, min(chunk, L - len(ids)), PLAIN, suffix_ids=tuple(ids),
+                                        track_attn=in_context)
                 ids += g.ids
                 ent += g.entropy
                 ended = g.ended_by_eos or len(ids) >= L or not g.ids
@@ -89,8 +93,11 @@ class DraginStreaming(DraginReference):
                 tspans = token_spans(ends, sents)
                 for si in range(judged, complete):
                     upto = tspans[si][1]
-                    a = yield AttnColmax(ids[:upto])
-                    res.prefill_tokens += upto
+                    if in_context:
+                        a = g.attn[:upto]
+                    else:
+                        a = yield AttnColmax(ids[:upto])
+                        res.prefill_tokens += upto
                     sub = tok.decode(ids[:upto], skip_special_tokens=True)
                     found = self.judge(ids[:upto], sub, a, ent[:upto], si)
                     if found is not None:
@@ -125,8 +132,7 @@ class DraginStreaming(DraginReference):
                             + join(case_text, text, kept))
                 rids: list[int] = []
                 while True:  # decode until the first sentence is complete
-                    g = yield from generate(res, rag_base + tok.decode(rids, skip_special_tokens=True),
-                                            min(chunk, L - len(rids)), RAG)
+                    g = yield from generate(res, rag_base, min(chunk, L - len(rids)), RAG, suffix_ids=tuple(rids))
                     rids += g.ids
                     rtext = tok.decode(rids, skip_special_tokens=True)
                     if g.ended_by_eos or len(rids) >= L or not g.ids or len(split_sentences(rtext)) > 1:
@@ -142,8 +148,9 @@ def _config(dataset: str, path: str | None) -> DraginStreamingConfig:
     cfg = load_dragin_config(path, dataset=dataset) if path else dragin_config(dataset)
     values = {name: getattr(cfg, name) for name in cfg.__dataclass_fields__}
     chunk = values["extra"].pop("stream_chunk_tokens", 16)
+    attention = values["extra"].pop("stream_attention", "in-context")
     values["mode"] = "streaming"
-    return DraginStreamingConfig(**values, stream_chunk_tokens=chunk)
+    return DraginStreamingConfig(**values, stream_chunk_tokens=chunk, stream_attention=attention)
 
 
 register(MethodSpec(

@@ -85,6 +85,9 @@ class AttnBatch:
                             batch: a list of PrefixGroup, each a shared prefix and the batch rows that start with
                             it (prefix_len is then 0: ctx_* describe each sequence's own tokens after its prefix).
                             None: every sequence starts with the one prefix above.
+    last_layer:             decode only: a dict the forward fills with the last layer's queries "q" [B, H, D]
+                            (rotated) and the row log-sum-exp "lse" [B, H] of their attention over prefix and
+                            context (the input of the attention-statistics kernels); None: not wanted.
     """
 
     write_slots: torch.Tensor
@@ -97,6 +100,7 @@ class AttnBatch:
     block_size: int
     prefix_start: int = -1
     prefix_groups: list["PrefixGroup"] | None = None
+    last_layer: dict | None = None
 
 
 @dataclass(slots=True)
@@ -271,10 +275,15 @@ class LlamaModel(nn.Module):
         mask_ctx = self._ctx_mask(batch)
         if T > 1:  # the prefill mask over [prefix | context] is the same for every layer: build it once
             mask_ctx = (mask_ctx, self._prefill_mask(batch, mask_ctx))
+        stats_at = len(self.layers) - 1 if batch.last_layer is not None and T == 1 else -1
         for li, layer in enumerate(self.layers):
             q, k, v = layer.project_qk(x, cos, sin)
             self._write_kv(k, v, batch, k_pool[li], v_pool[li])
-            o = self._attend(q, batch, k_pool[li], v_pool[li], mask_ctx)
+            if li == stats_at:
+                o, lse = self._attend(q, batch, k_pool[li], v_pool[li], mask_ctx, want_lse=True)
+                batch.last_layer.update(q=q[:, :, 0], lse=lse)
+            else:
+                o = self._attend(q, batch, k_pool[li], v_pool[li], mask_ctx)
             x = x + layer.o(o.transpose(1, 2).reshape(B, T, -1))
             x = layer.mlp(x)
         x = x.reshape(B * T, -1)
@@ -402,14 +411,14 @@ class LlamaModel(nn.Module):
         p = self.embed.weight
         return self.native_decode is not None and p.device.type == "cpu" and p.dtype == torch.float32
 
-    def _decode_native(self, q, b: AttnBatch, kp, vp):
+    def _decode_native(self, q, b: AttnBatch, kp, vp, want_lse: bool = False):
         """One new token per sequence, q: [B, H, D] -> [B, H, D].
 
         Each shared prefix is one GEMM for all the sequences that start with it: [Hkv, n*G, D] x [Hkv, D, P], the
         prefix's keys and values read once for the batch (read once per sequence, the prefix is most of the
         traffic of a decode step at batch 32). Each sequence's own tokens go through the C++ paged kernel
         (csrc/paged_attn_cpu.cpp), which reads them in place from the pool and returns their log-sum-exp; the
-        parts are merged by LSE.
+        parts are merged by LSE. want_lse: also return the merged row log-sum-exp [B, H].
         """
         B, H, D = q.shape
         Hkv = self.c.num_kv_heads
@@ -419,6 +428,7 @@ class LlamaModel(nn.Module):
             groups = [PrefixGroup(None, b.prefix_len, b.prefix_slots, b.prefix_start)] if b.prefix_len else []
         no_prefix = b.prefix_slots[:0]
         o, lse = self.native_decode(q, kp, vp, no_prefix, b.ctx_blocks, b.ctx_lens, b.block_size, self.scale)
+        lse_all = lse.clone() if want_lse else None
         for g in groups:
             if g.start >= 0:
                 kpre, vpre = kp[:, g.start: g.start + g.length], vp[:, g.start: g.start + g.length]
@@ -443,17 +453,23 @@ class LlamaModel(nn.Module):
                 o = merged
             else:
                 o = o.index_copy(0, g.rows, merged)
-        return o
+            if want_lse:
+                tot = (m + (w_pre + w_own).log()).squeeze(-1)
+                lse_all = tot if g.rows is None else lse_all.index_copy(0, g.rows, tot)
+        return (o, lse_all) if want_lse else o
 
-    def _attend(self, q, b: AttnBatch, kp, vp, mask_ctx):
+    def _attend(self, q, b: AttnBatch, kp, vp, mask_ctx, want_lse: bool = False):
         """Cascade attention: the shared prefix once for the batch + each sequence's context, merged by LSE.
 
         q: [B, H, T, D] -> [B, H, T, D]. Work is laid out per kv head, `[Hkv, B, G*T, .]`, so the gathered
         context keys `[Hkv, B, S, D]` come out of the pool contiguous and the prefix keys `[Hkv, P, D]` are one
-        contiguous read for the whole batch.
+        contiguous read for the whole batch. want_lse (decode, T = 1): also return the row log-sum-exp [B, H].
         """
         B, H, T, D = q.shape
         if T == 1 and q.device.type == "cpu" and q.dtype == torch.float32 and self.native_decode is not None:
+            if want_lse:
+                o, lse = self._decode_native(q.reshape(B, H, D), b, kp, vp, want_lse=True)
+                return o.view(B, H, 1, D), lse
             return self._decode_native(q.reshape(B, H, D), b, kp, vp).view(B, H, 1, D)
         assert b.prefix_groups is None, "sequences of different prefixes decode together only on the native path"
         Hkv = self.c.num_kv_heads
@@ -487,4 +503,7 @@ class LlamaModel(nn.Module):
             e_ctx = torch.exp(s_ctx - mx)
             num = torch.matmul(e_ctx, vs)
             den = e_ctx.sum(-1, keepdim=True).clamp_min(1e-30)
-        return (num / den).transpose(0, 1).reshape(B, H, T, D)
+        o = (num / den).transpose(0, 1).reshape(B, H, T, D)
+        if want_lse:  # [Hkv, B, G*T, 1] -> [B, H] (T = 1)
+            return o, (mx.float() + den.float().log()).squeeze(-1).transpose(0, 1).reshape(B, H)
+        return o

@@ -1,0 +1,220 @@
+"""In-context attention tracking in the decode step (DRAGIN streaming's a_i): the engine's running per-head maximum
+of the last layer's attention each tracked token receives, folded in by the fused attention-statistics kernel from
+the decode attention's own row log-sum-exp, equals the same statistic computed from scratch (a cache-free causal
+pass over the whole sequence, softmax in float64) — with and without a shared prefix, on the C++ decode path and the
+torch cascade path, with the torch, C++ and Triton (interpreted on CPU) signal backends, across a generation resumed
+in chunks and after a cache loss; tracking leaves the generated tokens of every sequence in the batch unchanged."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # the Triton kernels on CPU tensors; before any kernels import
+
+from fastrag.engine import Engine  # noqa: E402
+from fastrag.model.llama import LlamaModel  # noqa: E402
+from fastrag.signals import BackendUnavailableError, get_backend  # noqa: E402
+
+
+class ByteTok:
+    """Bytes 0-255 are the tokens; no EOS (every generation runs to its length)."""
+
+    eos_token_id = None
+
+    def encode(self, s: str) -> list[int]:
+        return list(s.encode())
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return bytes(ids).decode(errors="replace")
+
+
+@pytest.fixture(scope="module")
+def model():
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, eos_token_id=None, max_position_embeddings=2048)
+    return LlamaModel.from_hf_config(cfg, seed=1).eval()
+
+
+def torch_path(model):
+    m = copy.deepcopy(model)
+    m.native_decode = None  # the torch cascade attention (what a non-fp32 / GPU-less build without _C runs)
+    return m
+
+
+def expected_attn(model, tokens: list[int], fed: int, track_from: int, rows_from: int = 0) -> list[float]:
+    """mean_h max_{j <= r < fed, r >= rows_from} A[h, r, j] for j = track_from .. len(tokens)-1, from scratch
+    (0 where no such row)."""
+    ids = torch.tensor([tokens[:fed]])
+    with torch.no_grad():
+        q, k = model.last_layer_qk(ids, torch.tensor([fed]))
+    q, k = q[0].double(), k[0].double()
+    G = q.shape[0] // k.shape[0]
+    k = k.repeat_interleave(G, dim=0)
+    s = (q @ k.transpose(-1, -2)) * model.scale
+    s = s.masked_fill(~torch.ones(fed, fed, dtype=torch.bool).tril(), float("-inf"))
+    p = s.softmax(-1)  # [H, fed, fed]
+    out = []
+    for j in range(track_from, len(tokens)):
+        r0 = max(j, rows_from)
+        out.append(float(p[:, r0:, j].amax(dim=1).mean()) if r0 < fed else 0.0)
+    return out
+
+
+def run_one(eng, seq, prompt, n, track_from=None):
+    if track_from is None:
+        eng.start(seq, prompt, n)
+    else:
+        eng.start(seq, prompt, n, track_from=track_from)
+    done = []
+    while eng.has_work:
+        done += eng.step()
+    assert seq in done
+    return seq.out
+
+
+BACKENDS = ["torch", "cpp", "triton"]
+
+
+def backend_or_skip(name):
+    try:
+        get_backend(name)
+    except BackendUnavailableError as e:
+        pytest.skip(str(e))
+    return name
+
+
+@pytest.mark.parametrize("signals", BACKENDS)
+@pytest.mark.parametrize("path", ["native", "torch"])
+@pytest.mark.parametrize("with_prefix", [True, False])
+def test_tracked_generation_matches_from_scratch(model, signals, path, with_prefix):
+    m = model if path == "native" else torch_path(model)
+    if path == "native" and m.native_decode is None:
+        pytest.skip("fastrag._C is not built")
+    eng = Engine(m, ByteTok(), block_size=8, kv_cache_gb=0.01, signals=backend_or_skip(signals))
+    demos = "Question: alpha beta gamma? Answer: delta.\n" * 2
+    if with_prefix:
+        assert eng.set_prefix(demos) is not None
+    prompt = ByteTok().encode(demos + "Question: why? Answer:")
+    tf = len(prompt) - 3  # the span starts inside the prompt: its last 3 tokens are fed by decode steps
+    s = eng.new_sequence()
+    g = run_one(eng, s, prompt, 12, track_from=tf)
+    assert len(g.ids) == 12 and g.attn is not None and len(g.attn) == 3 + 12
+    exp = expected_attn(m, prompt + g.ids, fed=len(prompt) + 11, track_from=tf)
+    assert g.attn[-1] == 0.0  # the last sampled token was never fed
+    torch.testing.assert_close(torch.tensor(g.attn, dtype=torch.float64), torch.tensor(exp, dtype=torch.float64), atol=2e-6, rtol=1e-4)
+    # the same tokens as an untracked generation of the same prompt
+    plain = run_one(eng, eng.new_sequence(), prompt, 12)
+    assert plain.ids == g.ids and plain.attn is None
+
+
+@pytest.mark.parametrize("signals", BACKENDS)
+def test_resumed_in_chunks_and_after_cache_loss(model, signals):
+    eng = Engine(model, ByteTok(), block_size=8, kv_cache_gb=0.01, signals=backend_or_skip(signals))
+    demos = "Question: one two three? Answer: four.\n"
+    eng.set_prefix(demos)
+    prompt = ByteTok().encode(demos + "Question: what? Answer:")
+    tf = len(prompt)
+    s = eng.new_sequence()
+    ids: list[int] = []
+    for c in range(3):  # three chunks of 5: each restart feeds one token (the last sampled one), no prefill
+        before = eng.stats["prefill_tokens"]
+        g = run_one(eng, s, prompt + ids, 5, track_from=tf)
+        assert c == 0 or (eng.stats["prefill_tokens"] == before and g.prefilled == 1)
+        ids += g.ids
+        assert len(g.attn) == len(ids)
+    exp = expected_attn(model, prompt + ids, fed=len(prompt) + len(ids) - 1, track_from=tf)
+    torch.testing.assert_close(torch.tensor(g.attn, dtype=torch.float64), torch.tensor(exp, dtype=torch.float64), atol=2e-6, rtol=1e-4)
+    # a fresh sequence (nothing cached) resuming the same span: the 15 span tokens are fed one per step
+    s2 = eng.new_sequence()
+    g2 = run_one(eng, s2, prompt + ids, 5, track_from=tf)
+    assert g2.prefilled == len(prompt) + len(ids) - eng.prefix.length  # all after the shared prefix is computed
+    exp2 = expected_attn(model, prompt + ids + g2.ids, fed=len(prompt) + len(ids) + 4, track_from=tf)
+    torch.testing.assert_close(torch.tensor(g2.attn, dtype=torch.float64), torch.tensor(exp2, dtype=torch.float64), atol=2e-6,
+                               rtol=1e-4)
+    # a different span start on the same sequence starts from zero: the span's tokens already cached keep their
+    # cache, and only the queries fed from this start on count
+    g3 = run_one(eng, s2, prompt + ids + g2.ids, 3, track_from=tf + 5)
+    n = len(prompt) + len(ids) + 5
+    exp3 = expected_attn(model, prompt + ids + g2.ids + g3.ids, fed=n + 2, track_from=tf + 5, rows_from=n - 1)
+    torch.testing.assert_close(torch.tensor(g3.attn, dtype=torch.float64), torch.tensor(exp3, dtype=torch.float64), atol=2e-6,
+                               rtol=1e-4)
+
+
+def test_span_longer_than_the_cached_context(model):
+    # a few own tokens after a block-aligned prefix, then 40 tracked new ones: the span outgrows the cache it
+    # starts in (its columns get keys step by step)
+    eng = Engine(model, ByteTok(), block_size=8, kv_cache_gb=0.01, signals="torch")
+    demos = "Question: a b c d? Answer: e f g h.\n"
+    pre = eng.set_prefix(demos)
+    prompt = ByteTok().encode(demos)[: pre.length] + ByteTok().encode("Q:")
+    g = run_one(eng, eng.new_sequence(), prompt, 40, track_from=len(prompt))
+    exp = expected_attn(model, prompt + g.ids, fed=len(prompt) + 39, track_from=len(prompt))
+    torch.testing.assert_close(torch.tensor(g.attn, dtype=torch.float64), torch.tensor(exp, dtype=torch.float64),
+                               atol=2e-6, rtol=1e-4)
+
+
+def test_tracked_and_untracked_sequences_share_a_batch(model):
+    eng = Engine(model, ByteTok(), block_size=8, kv_cache_gb=0.01, signals="torch")
+    prompts = [ByteTok().encode(f"Question {i}: {'x' * (3 * i)}? Answer:") for i in range(4)]
+    solo = [run_one(eng, eng.new_sequence(), p, 8).ids for p in prompts]
+    seqs = [eng.new_sequence() for _ in prompts]
+    for i, (s, p) in enumerate(zip(seqs, prompts)):
+        if i % 2:
+            eng.start(s, p, 8, track_from=len(p) - 2)
+        else:
+            eng.start(s, p, 8)
+    while eng.has_work:
+        eng.step()
+    assert [s.out.ids for s in seqs] == solo
+    for i, (s, p) in enumerate(zip(seqs, prompts)):
+        if i % 2:
+            exp = expected_attn(model, p + s.out.ids, fed=len(p) + 7, track_from=len(p) - 2)
+            torch.testing.assert_close(torch.tensor(s.out.attn, dtype=torch.float64), torch.tensor(exp, dtype=torch.float64),
+                                       atol=2e-6, rtol=1e-4)
+        else:
+            assert s.out.attn is None
+
+
+def test_bad_track_from(model):
+    eng = Engine(model, ByteTok(), block_size=8, kv_cache_gb=0.01, signals="torch")
+    demos = "Question: a? Answer: b.\n" * 2
+    eng.set_prefix(demos)
+    p = ByteTok().encode(demos + "Q?")
+    with pytest.raises(ValueError, match="track_from"):
+        eng.start(eng.new_sequence(), p, 4, track_from=len(p) + 1)
+    with pytest.raises(ValueError, match="shared prefix"):
+        eng.start(eng.new_sequence(), p, 4, track_from=0)
+
+
+def test_real_smollm2_tracked_attention_and_streaming_dragin(tmp_path):
+    """The embedded SmolLM2 (9 query heads on 3 KV heads, shared demo prefix, C++ decode path): the tracked a_i
+    equal the from-scratch statistic; then one question of DRAGIN streaming (in-context a_i) runs end to end."""
+    import json
+
+    from fastrag.eval import BUNDLED, RunOptions, build_engine, run
+
+    eng = build_engine("smollm2", 4, "torch", kv_cache_gb=0.25, device="cpu")
+    demos = "Question: Who wrote Hamlet?\nAnswer: William Shakespeare wrote Hamlet. So the answer is Shakespeare.\n\n"
+    eng.set_prefix(demos)
+    prompt = eng.tok.encode(demos + "Question: What is the capital of France?\nAnswer:")
+    g = run_one(eng, eng.new_sequence(), prompt, 10, track_from=len(prompt) - 2)
+    exp = expected_attn(eng.model, prompt + g.ids, fed=len(prompt) + len(g.ids) - (0 if g.ended_by_eos else 1),
+                        track_from=len(prompt) - 2)
+    torch.testing.assert_close(torch.tensor(g.attn, dtype=torch.float64), torch.tensor(exp, dtype=torch.float64),
+                               atol=1e-5, rtol=1e-3)
+
+    cfg = tmp_path / "stream.json"
+    cfg.write_text(json.dumps({"generate_max_length": 24, "hallucination_threshold": 0.5, "fewshot": 2}))
+    opts = RunOptions(method="dragin-streaming", dataset="hotpotqa", data=str(BUNDLED / "hotpotqa_dev20.jsonl"),
+                      corpus=str(BUNDLED / "wiki_passages.jsonl"), output=str(tmp_path / "out"), config=str(cfg),
+                      limit=1, batch_size=1, progress=False)
+    eng.clear_prefixes()
+    m = run(opts, engine=eng)
+    assert m["errors"] == 0 and m["n"] == 1 and m["decode_tokens_per_question"] > 0
