@@ -171,7 +171,7 @@ def main() -> None:
     (a.results / f"ray_{device}.json").write_text(json.dumps(report, indent=2))
     lines = [f"# `fastrag run --ray` vs single process ({a.method}, {a.dataset}, {n} questions)", "",
              f"Date {report['date']}, {report['cpus']}-core CPU VM, torch {torch.__version__}, ray {ray.__version__},"
-             f" SmolLM2-135M fp32, BM25 over the bundled passage corpus, batch size {a.batch_size} per engine.", "",
+             f" SmolLM2-135M fp32, BM25 (bm25s) over `{a.corpus.name}`, batch size {a.batch_size} per engine.", "",
              f"Command: `{cmd}`", "",
              "Compared per question: prediction and every retrieval round's trigger sentence, query and retrieved "
              "passage ids.", "",
@@ -195,8 +195,9 @@ def main() -> None:
     for k, r in rows.items():
         if r["differing_qids"]:
             lines += ["", f"{names[k]}: questions that differ: {', '.join(r['differing_qids'])}"]
-    lines += ["", "Wall times: the two Ray workers share the machine's 2 cores (one thread each), so Ray here shows "
-              "correctness, not speed-up."]
+    lines += ["", "Wall times: the two Ray workers share the machine's 2 cores (one thread each; the single process "
+              "uses both), and the runs may overlap other jobs: Ray here shows correctness, not speed-up. A run "
+              "already complete in --out is reused, not re-timed."]
     (a.results / f"ray_{device}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     bad = [k for k, r in rows.items() if r["identical"] != n or r["missing"] or not r["question_order"]
