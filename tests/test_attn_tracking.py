@@ -19,6 +19,7 @@ if not torch.cuda.is_available():
 from fastrag.engine import Engine  # noqa: E402
 from fastrag.model.llama import LlamaModel  # noqa: E402
 from fastrag.signals import BackendUnavailableError, get_backend  # noqa: E402
+from fastrag.signals.reference import _causal_probs  # noqa: E402
 
 
 class ByteTok:
@@ -50,16 +51,10 @@ def torch_path(model):
 
 def expected_attn(model, tokens: list[int], fed: int, track_from: int, rows_from: int = 0) -> list[float]:
     """mean_h max_{j <= r < fed, r >= rows_from} A[h, r, j] for j = track_from .. len(tokens)-1, from scratch
-    (0 where no such row)."""
-    ids = torch.tensor([tokens[:fed]])
+    (0 where no such row); A is the reference's float64 causal softmax of a cache-free pass."""
     with torch.no_grad():
-        q, k = model.last_layer_qk(ids, torch.tensor([fed]))
-    q, k = q[0].double(), k[0].double()
-    G = q.shape[0] // k.shape[0]
-    k = k.repeat_interleave(G, dim=0)
-    s = (q @ k.transpose(-1, -2)) * model.scale
-    s = s.masked_fill(~torch.ones(fed, fed, dtype=torch.bool).tril(), float("-inf"))
-    p = s.softmax(-1)  # [H, fed, fed]
+        q, k = model.last_layer_qk(torch.tensor([tokens[:fed]]), torch.tensor([fed]))
+    p = _causal_probs(q[0], k[0], fed, model.scale)  # [H, fed, fed]
     out = []
     for j in range(track_from, len(tokens)):
         r0 = max(j, rows_from)

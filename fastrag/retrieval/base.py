@@ -39,3 +39,10 @@ class Retriever(ABC):
         if isinstance(queries, str) or not all(isinstance(q, str) for q in queries):
             raise TypeError("queries must be a list of strings")
         return list(queries)
+
+    def live_queries(self, queries, k: int) -> tuple[list[str], list[int]]:
+        """Validate k and the batch; return (the queries as a list, the indices of the non-blank ones). A blank
+        query gets no documents."""
+        self.check_k(k)
+        queries = self.check_queries(queries)
+        return queries, [i for i, q in enumerate(queries) if q.strip()]

@@ -140,10 +140,8 @@ class DenseRetriever(Retriever):
 
     def search(self, queries: list[str], k: int) -> list[list[Doc]]:
         """Top-k passages per query by cosine similarity; a blank query gets []. Ties: faiss order (lower id)."""
-        self.check_k(k)
-        queries = self.check_queries(queries)
+        queries, live = self.live_queries(queries, k)
         out: list[list[Doc]] = [[] for _ in queries]
-        live = [i for i, q in enumerate(queries) if q.strip()]
         if not live:
             return out
         scores, ids = self.index.search(self.encode([queries[i] for i in live]), min(k, self.n_docs))

@@ -69,10 +69,8 @@ class ElasticRetriever(Retriever):
         return n
 
     def search(self, queries: list[str], k: int) -> list[list[Doc]]:
-        self.check_k(k)
-        queries = self.check_queries(queries)
+        queries, live = self.live_queries(queries, k)
         out: list[list[Doc]] = [[] for _ in queries]
-        live = [i for i, q in enumerate(queries) if q.strip()]
         if not live:
             return out
         body = []
