@@ -1,6 +1,7 @@
 """Roofline benchmark of the fused signal kernels: Triton vs CUDA vs torch (vs C++ on the CPU).
 
-Token signals (decode_signals, greedy) over logits [B, V] for B in {1, 16, 64, 256}, V in {32000, 128256}; the
+Token signals (decode_signals, greedy) over logits [B, V] for B in {1, 16, 64, 256}, V in {32000, 128256}, and
+nucleus sampling (top_p 0.9, the radix-select kernels) at V = 128256; the
 decode attention statistics (running max over the generated span, and the QFS row) at H = 32, D = 128, contexts
 1k-8k, spans 64-512 (Llama-2-7B's last layer). Each row: median time, achieved GB/s (the fewest bytes the op must
 move: each input read once, each output written once) and the fraction of the HBM bandwidth measured in the same
@@ -92,24 +93,31 @@ def backends(dev: torch.device) -> dict:
     return out
 
 
-def bench_token(dev, bes, bw, Bs, Vs, dtype, reps, cache_bytes) -> list[dict]:
+def bench_token(dev, bes, bw, Bs, Vs, dtype, reps, cache_bytes, top_p: float | None = None) -> list[dict]:
+    """Greedy decode signals, or (top_p) nucleus sampling at temperature 1: the nucleus kernels read a row ten
+    times (radix select), so their GB/s, counted for one read, is a tenth of the bytes they actually stream."""
     rows = []
     el = torch.tensor([], dtype=dtype).element_size()
+    kernel = "token_signals" if top_p is None else f"token_signals_top_p{top_p}"
     for V in Vs:
         for B in Bs:
             one = B * V * el
             sets = rotating(lambda: (torch.randn(B, V, device=dev) * 3).to(dtype), 2 * cache_bytes, one)
-            ref = decode_signals_ref(sets[0][: min(B, 4)].cpu())
+            keys = torch.randint(0, 2**32, (B,), device=dev)
+            kw = {} if top_p is None else dict(temperature=1.0, rng_keys=keys, top_p=top_p)
+            n = min(B, 4)
+            ref = decode_signals_ref(sets[0][:n].cpu(), kw.get("temperature", 0.0), keys[:n].cpu(),
+                                     top_p=top_p or 1.0)
             moved = one + B * (8 + 4 * 3)  # logits once + outputs
             for name, be in bes.items():
-                res = be.decode_signals(sets[0])  # correctness spot check on the first rows
-                if not torch.equal(res.chosen[: min(B, 4)].cpu(), ref["chosen"]):
-                    raise AssertionError(f"{name}: argmax disagrees with the reference at B={B} V={V}")
+                res = be.decode_signals(sets[0], **kw)  # correctness spot check on the first rows
+                if not torch.equal(res.chosen[:n].cpu(), ref["chosen"]):
+                    raise AssertionError(f"{name}: chosen token disagrees with the reference at B={B} V={V}")
                 it = iter(range(1 << 30))
-                t = timeit(lambda: be.decode_signals(sets[next(it) % len(sets)]), dev, reps)
-                rows.append(dict(kernel="token_signals", backend=name, B=B, V=V, dtype=str(dtype).split(".")[-1],
+                t = timeit(lambda: be.decode_signals(sets[next(it) % len(sets)], **kw), dev, reps)
+                rows.append(dict(kernel=kernel, backend=name, B=B, V=V, dtype=str(dtype).split(".")[-1],
                                  time_us=t * 1e6, GBps=moved / t / 1e9, frac_bw=moved / t / bw))
-                print(f"token B={B:4d} V={V:6d} {name:7s} {t * 1e6:9.1f} us {moved / t / 1e9:8.1f} GB/s "
+                print(f"{kernel} B={B:4d} V={V:6d} {name:7s} {t * 1e6:9.1f} us {moved / t / 1e9:8.1f} GB/s "
                       f"{moved / t / bw:6.1%}", flush=True)
     return rows
 
@@ -190,6 +198,7 @@ def main() -> None:
         cache = torch.cuda.get_device_properties(dev).L2_cache_size
         Bs, Vs = ([1, 64], [128256]) if args.quick else ([1, 16, 64, 256], [32000, 128256])
         rows = bench_token(dev, bes, bw, Bs, Vs, torch.bfloat16, reps, cache)
+        rows += bench_token(dev, bes, bw, [1, 64], [128256], torch.bfloat16, reps, cache, top_p=0.9)
         rows += bench_attn(dev, bes, bw, [1, 16, 64], [1024, 4096, 8192] if not args.quick else [1024],
                            [64, 512], torch.bfloat16, reps)
         note = "GPU run: bf16 logits and keys."
@@ -197,6 +206,7 @@ def main() -> None:
         reps = args.reps or 5
         Bs, Vs = ([1, 16], [32000]) if args.quick else ([1, 16, 64], [32000, 128256])
         rows = bench_token(dev, bes, bw, Bs, Vs, torch.float32, reps, 64 << 20)
+        rows += bench_token(dev, bes, bw, [1, 16], [128256], torch.float32, reps, 64 << 20, top_p=0.9)
         rows += bench_attn(dev, bes, bw, [1, 16], [1024, 4096] if not args.quick else [1024], [64, 512],
                            torch.float32, reps)
         note = ("CPU run, small shapes (no B=256, no 8k context), fp32; Triton/CUDA need a GPU: GPU not measured. "

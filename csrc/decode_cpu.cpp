@@ -2,6 +2,7 @@
 // (definitions: fastrag/signals/reference.py). Raw pointers only; checks live in glue_cpu.cpp.
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -68,6 +69,86 @@ void decode_row(const T* x, int64_t V, float inv_t, bool sample, uint32_t key, i
   if (flag) *flag = nonstop[c];
 }
 
+// Order-preserving uint32 image of a float32: a < b  <=>  order_key(a) < order_key(b) (NaN aside).
+inline uint32_t order_key(float y) {
+  uint32_t bits;
+  std::memcpy(&bits, &y, sizeof bits);
+  return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+}
+
+// One row with nucleus (top-p) filtering of p = softmax(y), y = x * inv_t (reference top_p_nucleus_ref): the
+// nucleus is {v : order_key(y_v) >= K0} with K0 = min{K : sum_{order_key(y_u) > K} e^{y_u - m} < top_p * s}, found
+// by a radix select over the 32 key bits, 4 at a time: each level histograms the mass of the keys that share the
+// prefix chosen so far by their next digit and keeps the smallest digit whose strictly-larger mass stays below
+// the target. The global max is always in the nucleus, so the nucleus' softmax is relative to the same m.
+// Then entropy, ln p_chosen (-inf outside the nucleus) and the Gumbel-max draw over the nucleus only.
+template <typename T>
+void decode_row_top_p(const T* x, int64_t V, float inv_t, float top_p, bool sample, uint32_t key, int64_t chosen,
+                      const uint8_t* nonstop, int64_t* out_c, float* ent, float* lp, float* prob, uint8_t* flag,
+                      std::vector<float>& y, std::vector<double>& e, std::vector<uint32_t>& k) {
+  y.resize(static_cast<size_t>(V));
+  e.resize(static_cast<size_t>(V));
+  k.resize(static_cast<size_t>(V));
+  float m = kNegInf;
+  for (int64_t v = 0; v < V; ++v) {
+    y[v] = static_cast<float>(x[v]) * inv_t;
+    k[v] = order_key(y[v]);
+    m = std::max(m, y[v]);
+  }
+  const double md = m == kNegInf ? 0.0 : static_cast<double>(m);
+  double s = 0.0;
+  for (int64_t v = 0; v < V; ++v) {
+    e[v] = y[v] == kNegInf ? 0.0 : std::exp(static_cast<double>(y[v]) - md);
+    s += e[v];
+  }
+  const double target = static_cast<double>(top_p) * s;
+  uint32_t prefix = 0;
+  double above = 0.0;  // mass of the keys above every key that shares `prefix`
+  for (int shift = 28; shift >= 0; shift -= 4) {
+    double hist[16] = {0.0};
+    for (int64_t v = 0; v < V; ++v) {
+      if (shift < 28 && (k[v] >> (shift + 4)) != prefix) continue;
+      hist[(k[v] >> shift) & 15u] += e[v];
+    }
+    // smallest digit d with above + sum_{d' > d} hist[d'] < target (d = 15 always qualifies)
+    double suffix = 0.0;
+    int digit = 15;
+    double digit_above = above;
+    for (int d = 15; d >= 0; --d) {
+      if (above + suffix >= target) break;
+      digit = d;
+      digit_above = above + suffix;
+      suffix += hist[d];
+    }
+    prefix = (prefix << 4) | static_cast<uint32_t>(digit);
+    above = digit_above;
+  }
+  const uint32_t k0 = prefix;
+  double sn = 0.0, un = 0.0;
+  float best = kNegInf;
+  int64_t best_i = -1;
+  for (int64_t v = 0; v < V; ++v) {
+    if (y[v] == kNegInf || k[v] < k0) continue;
+    const double d = static_cast<double>(y[v]) - md;
+    sn += e[v];
+    un += d * e[v];
+    const float score = sample ? y[v] - std::log(-std::log(sampling_uniform(key, static_cast<uint32_t>(v)))) : y[v];
+    if (score > best || best_i < 0) {
+      best = score;
+      best_i = v;
+    }
+  }
+  const int64_t c = chosen >= 0 ? chosen : std::max<int64_t>(best_i, 0);  // best_i < 0 only for an all -inf row
+  const double log_s = std::log(sn);
+  const bool in = y[c] != kNegInf && k[c] >= k0;
+  const double l = in ? static_cast<double>(y[c]) - md - log_s : -std::numeric_limits<double>::infinity();
+  *out_c = c;
+  *ent = static_cast<float>(log_s - un / sn);
+  *lp = static_cast<float>(l);
+  *prob = static_cast<float>(std::exp(l));
+  if (flag) *flag = nonstop[c];
+}
+
 template <typename T>
 inline float dot_f(const T* a, const T* b, int64_t D) {
   float acc = 0.f;
@@ -78,15 +159,27 @@ inline float dot_f(const T* a, const T* b, int64_t D) {
 }  // namespace
 
 template <typename T>
-void decode_signals_cpu(const T* logits, int64_t B, int64_t V, float temperature, bool sample, const int64_t* keys,
-                        const int64_t* chosen, const uint8_t* nonstop, int64_t* out_chosen, float* entropy,
-                        float* logprob, float* prob, uint8_t* flag) {
+void decode_signals_cpu(const T* logits, int64_t B, int64_t V, float temperature, float top_p, bool sample,
+                        const int64_t* keys, const int64_t* chosen, const uint8_t* nonstop, int64_t* out_chosen,
+                        float* entropy, float* logprob, float* prob, uint8_t* flag) {
   const float inv_t = temperature > 0.f ? 1.0f / temperature : 1.0f;
-#pragma omp parallel for schedule(static)
-  for (int64_t b = 0; b < B; ++b) {
-    const uint32_t key = sample ? static_cast<uint32_t>(keys[b]) : 0u;
-    decode_row(logits + b * V, V, inv_t, sample, key, chosen ? chosen[b] : -1, nonstop, out_chosen + b,
-               entropy + b, logprob + b, prob + b, flag ? flag + b : nullptr);
+  const bool nucleus = temperature > 0.f && top_p < 1.f;
+#pragma omp parallel
+  {
+    std::vector<float> y;
+    std::vector<double> e;
+    std::vector<uint32_t> k;
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < B; ++b) {
+      const uint32_t key = sample ? static_cast<uint32_t>(keys[b]) : 0u;
+      if (nucleus) {
+        decode_row_top_p(logits + b * V, V, inv_t, top_p, sample, key, chosen ? chosen[b] : -1, nonstop,
+                         out_chosen + b, entropy + b, logprob + b, prob + b, flag ? flag + b : nullptr, y, e, k);
+      } else {
+        decode_row(logits + b * V, V, inv_t, sample, key, chosen ? chosen[b] : -1, nonstop, out_chosen + b,
+                   entropy + b, logprob + b, prob + b, flag ? flag + b : nullptr);
+      }
+    }
   }
 }
 
@@ -169,8 +262,8 @@ void causal_attn_rows_cpu(const float* q, const float* k, const int64_t* lengths
 }
 
 #define FASTRAG_INSTANTIATE(T)                                                                                     \
-  template void decode_signals_cpu<T>(const T*, int64_t, int64_t, float, bool, const int64_t*, const int64_t*,    \
-                                      const uint8_t*, int64_t*, float*, float*, float*, uint8_t*);                 \
+  template void decode_signals_cpu<T>(const T*, int64_t, int64_t, float, float, bool, const int64_t*,            \
+                                      const int64_t*, const uint8_t*, int64_t*, float*, float*, float*, uint8_t*); \
   template void attn_decode_update_cpu<T>(const T*, const T*, int64_t, int64_t, const int64_t*, const int64_t*,   \
                                           const int64_t*, const float*, int64_t, int64_t, int64_t, int64_t,       \
                                           int64_t, int64_t, int64_t, int64_t, float, float*, float*);

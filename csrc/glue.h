@@ -12,7 +12,7 @@ namespace fastrag::glue {
 void decode_signals(torch::Tensor logits, double temperature, std::optional<torch::Tensor> rng_keys,
                     std::optional<torch::Tensor> chosen, std::optional<torch::Tensor> nonstop,
                     torch::Tensor out_chosen, torch::Tensor out_entropy, torch::Tensor out_logprob,
-                    torch::Tensor out_prob, std::optional<torch::Tensor> out_flag);
+                    torch::Tensor out_prob, std::optional<torch::Tensor> out_flag, double top_p);
 
 // amax [B, H, S] f32 updated in place; row [B, NB * block_size] f32 written if given.
 void attn_decode_update(torch::Tensor q, torch::Tensor k_cache, torch::Tensor block_tables, torch::Tensor ctx_lens,
@@ -27,7 +27,8 @@ torch::Tensor causal_attn_rows(torch::Tensor q, torch::Tensor k, torch::Tensor l
 void decode_signals_cuda(torch::Tensor logits, double temperature, std::optional<torch::Tensor> rng_keys,
                          std::optional<torch::Tensor> chosen, std::optional<torch::Tensor> nonstop,
                          torch::Tensor out_chosen, torch::Tensor out_entropy, torch::Tensor out_logprob,
-                         torch::Tensor out_prob, std::optional<torch::Tensor> out_flag, int64_t num_splits);
+                         torch::Tensor out_prob, std::optional<torch::Tensor> out_flag, int64_t num_splits,
+                         double top_p);
 void attn_decode_update_cuda(torch::Tensor q, torch::Tensor k_cache, torch::Tensor block_tables,
                              torch::Tensor ctx_lens, torch::Tensor span_start, torch::Tensor lse, int64_t block_size,
                              double scale, torch::Tensor amax, std::optional<torch::Tensor> row);

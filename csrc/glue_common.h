@@ -26,7 +26,7 @@ inline void check_out_buf(const torch::Tensor& out, const char* name, at::IntArr
 }
 
 // Shape/dtype checks of the decode-signals arguments common to both devices (values are checked on the CPU only).
-inline void check_decode_args(const torch::Tensor& logits, double temperature,
+inline void check_decode_args(const torch::Tensor& logits, double temperature, double top_p,
                               const std::optional<torch::Tensor>& rng_keys, const std::optional<torch::Tensor>& chosen,
                               const std::optional<torch::Tensor>& nonstop, const torch::Tensor& oc,
                               const torch::Tensor& oe, const torch::Tensor& ol, const torch::Tensor& op,
@@ -37,6 +37,7 @@ inline void check_decode_args(const torch::Tensor& logits, double temperature,
   const int64_t B = logits.size(0), V = logits.size(1);
   TORCH_CHECK(V > 0 && V < (int64_t{1} << 31) - 1, "logits vocabulary V=", V, " must be in [1, 2^31 - 1)");
   TORCH_CHECK(temperature >= 0.0, "temperature must be >= 0 (0: greedy), got ", temperature);
+  TORCH_CHECK(top_p > 0.0 && top_p <= 1.0, "top_p must be in (0, 1], got ", top_p);
   if (chosen.has_value()) {
     FR_CHECK_DIM(*chosen, 1, "chosen");
     FR_CHECK_DTYPE(*chosen, at::kLong, "chosen");

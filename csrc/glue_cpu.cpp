@@ -25,10 +25,10 @@ void dispatch_float(at::ScalarType dt, Fn&& fn) {
 void decode_signals(torch::Tensor logits, double temperature, std::optional<torch::Tensor> rng_keys,
                     std::optional<torch::Tensor> chosen, std::optional<torch::Tensor> nonstop,
                     torch::Tensor out_chosen, torch::Tensor out_entropy, torch::Tensor out_logprob,
-                    torch::Tensor out_prob, std::optional<torch::Tensor> out_flag) {
+                    torch::Tensor out_prob, std::optional<torch::Tensor> out_flag, double top_p) {
   FR_CHECK_CPU(logits, "logits");
-  check_decode_args(logits, temperature, rng_keys, chosen, nonstop, out_chosen, out_entropy, out_logprob, out_prob,
-                    out_flag);
+  check_decode_args(logits, temperature, top_p, rng_keys, chosen, nonstop, out_chosen, out_entropy, out_logprob,
+                    out_prob, out_flag);
   const int64_t B = logits.size(0), V = logits.size(1);
   logits = logits.contiguous();
   torch::Tensor ch, keys, ns;
@@ -47,7 +47,8 @@ void decode_signals(torch::Tensor logits, double temperature, std::optional<torc
   uint8_t* fp = ns.defined() ? reinterpret_cast<uint8_t*>(out_flag->data_ptr<bool>()) : nullptr;
   dispatch_float(logits.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
-    fastrag::decode_signals_cpu(logits.data_ptr<T>(), B, V, static_cast<float>(temperature), sample, kp, cp, np,
+    fastrag::decode_signals_cpu(logits.data_ptr<T>(), B, V, static_cast<float>(temperature),
+                                static_cast<float>(top_p), sample, kp, cp, np,
                                 out_chosen.data_ptr<int64_t>(), out_entropy.data_ptr<float>(),
                                 out_logprob.data_ptr<float>(), out_prob.data_ptr<float>(), fp);
   });

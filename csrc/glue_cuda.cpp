@@ -32,10 +32,11 @@ constexpr int64_t kSplitAlign = 4096;  // slice length multiple: keeps every sli
 void decode_signals_cuda(torch::Tensor logits, double temperature, std::optional<torch::Tensor> rng_keys,
                          std::optional<torch::Tensor> chosen, std::optional<torch::Tensor> nonstop,
                          torch::Tensor out_chosen, torch::Tensor out_entropy, torch::Tensor out_logprob,
-                         torch::Tensor out_prob, std::optional<torch::Tensor> out_flag, int64_t num_splits) {
+                         torch::Tensor out_prob, std::optional<torch::Tensor> out_flag, int64_t num_splits,
+                         double top_p) {
   FR_CHECK_CUDA(logits, "logits");
-  check_decode_args(logits, temperature, rng_keys, chosen, nonstop, out_chosen, out_entropy, out_logprob, out_prob,
-                    out_flag);
+  check_decode_args(logits, temperature, top_p, rng_keys, chosen, nonstop, out_chosen, out_entropy, out_logprob,
+                    out_prob, out_flag);
   const c10::cuda::CUDAGuard guard(logits.device());
   const int64_t B = logits.size(0), V = logits.size(1);
   logits = logits.contiguous();
@@ -57,7 +58,8 @@ void decode_signals_cuda(torch::Tensor logits, double temperature, std::optional
   const uint8_t* ns = nonstop.has_value() ? reinterpret_cast<const uint8_t*>(nonstop->data_ptr<bool>()) : nullptr;
   uint8_t* fl = nonstop.has_value() ? reinterpret_cast<uint8_t*>(out_flag->data_ptr<bool>()) : nullptr;
   C10_CUDA_CHECK(fastrag::cuda::decode_signals(
-      logits.data_ptr(), dtype_code(logits.scalar_type()), B, V, static_cast<float>(temperature), sample,
+      logits.data_ptr(), dtype_code(logits.scalar_type()), B, V, static_cast<float>(temperature),
+      static_cast<float>(top_p), sample,
       keys.defined() ? keys.data_ptr<int64_t>() : nullptr, ch.defined() ? ch.data_ptr<int64_t>() : nullptr, ns,
       part.data_ptr<float>(), pidx.data_ptr<int32_t>(), static_cast<int>(nsplit), split_len,
       out_chosen.data_ptr<int64_t>(), out_entropy.data_ptr<float>(), out_logprob.data_ptr<float>(),

@@ -1,6 +1,6 @@
 // Counter-based Gumbel noise shared by the C++ CPU and CUDA kernels (and mirrored in fastrag/signals/reference.py
-// `mix32` / `sampling_uniform_ref` and kernels/token_signals.py): u[b, v] = ((mix32(key_b ^ mix32(v)) >> 8) + 0.5)
-// * 2^-24, g = -ln(-ln u). Same key and logits -> same sampled token on every backend, no RNG state on the device.
+// `mix32` / `sampling_uniform_ref` and kernels/token_signals.py): u[b, v] = ((mix32(key_b ^ mix32(v)) >> 9) + 0.5)
+// * 2^-23, g = -ln(-ln u). Same key and logits -> same sampled token on every backend, no RNG state on the device.
 #pragma once
 
 #include <cstdint>
@@ -22,9 +22,10 @@ FASTRAG_HD uint32_t mix32(uint32_t x) {
   return x;
 }
 
-// Uniform in (0, 1), exactly representable in float32.
+// Uniform in [2^-24, 1 - 2^-24]: a 23-bit integer + 0.5 has 24 significant bits, so the sum is exact in float32
+// (a 24-bit integer + 0.5 would round, its largest value to 2^24, i.e. u = 1 and an infinite Gumbel score).
 FASTRAG_HD float sampling_uniform(uint32_t key, uint32_t v) {
-  return (static_cast<float>(mix32(key ^ mix32(v)) >> 8) + 0.5f) * 5.9604644775390625e-08f;
+  return (static_cast<float>(mix32(key ^ mix32(v)) >> 9) + 0.5f) * 1.1920928955078125e-07f;
 }
 
 }  // namespace fastrag

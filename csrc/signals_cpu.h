@@ -27,13 +27,14 @@ void causal_attn_colmax_cpu(const float* q, const float* k, const int64_t* lengt
 namespace fastrag {
 
 // The fused decode-step signals (fastrag/signals/reference.py decode_signals_ref). logits: [B, V] contiguous.
-// temperature 0: greedy on the raw logits; > 0: y = logits / T, and (sample) the Gumbel-max draw keyed by keys[b]
-// (sampling.h). chosen (nullable) overrides the choice. nonstop: [V] bytes (nullable; then flag is not written).
+// temperature 0: greedy on the raw logits; > 0: y = logits / T, restricted to the top-p nucleus when top_p < 1,
+// and (sample) the Gumbel-max draw keyed by keys[b] (sampling.h). chosen (nullable) overrides the choice.
+// nonstop: [V] bytes (nullable; then flag is not written).
 // Outputs [B]: out_chosen, entropy, logprob, prob = exp(logprob), flag = nonstop[chosen].
 template <typename T>
-void decode_signals_cpu(const T* logits, int64_t B, int64_t V, float temperature, bool sample, const int64_t* keys,
-                        const int64_t* chosen, const uint8_t* nonstop, int64_t* out_chosen, float* entropy,
-                        float* logprob, float* prob, uint8_t* flag);
+void decode_signals_cpu(const T* logits, int64_t B, int64_t V, float temperature, float top_p, bool sample,
+                        const int64_t* keys, const int64_t* chosen, const uint8_t* nonstop, int64_t* out_chosen,
+                        float* entropy, float* logprob, float* prob, uint8_t* flag);
 
 // Running max of the last layer's decode attention over the generated span (reference attn_decode_update_ref).
 // q: [B, H, D] contiguous; k_cache: [Hkv, num_slots, D] with strides (sk_h, sk_s, 1); block_tables: [B, NB]

@@ -13,9 +13,11 @@ namespace fastrag::cuda {
 enum class DType : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
 
 // Fused decode-step signals. logits: [B, V] contiguous. part: [B, nsplit, 4] f32 and pidx: [B, nsplit] i32
-// workspaces; split_len: logits per slice (nsplit = ceil(V / split_len)). temperature 0: greedy.
+// workspaces; split_len: logits per slice (nsplit = ceil(V / split_len)). temperature 0: greedy. top_p < 1 with
+// temperature > 0: the nucleus kernel (one block per row, radix select of the nucleus, no workspace).
 // chosen, keys, nonstop, out_flag are nullable (keys needed when sampling; flag written iff nonstop).
-cudaError_t decode_signals(const void* logits, DType dtype, int64_t B, int64_t V, float temperature, bool sample,
+cudaError_t decode_signals(const void* logits, DType dtype, int64_t B, int64_t V, float temperature, float top_p,
+                           bool sample,
                            const int64_t* keys, const int64_t* chosen, const uint8_t* nonstop, float* part,
                            int32_t* pidx, int nsplit, int64_t split_len, int64_t* out_chosen, float* out_entropy,
                            float* out_logprob, float* out_prob, uint8_t* out_flag, cudaStream_t stream);

@@ -2,7 +2,7 @@
 // Split-V: grid (nsplit, B); each block reduces one slice of a row to an online-softmax state
 // (m, s = sum e^{y-m}, u = sum (y-m) e^{y-m}) plus the best score and its lowest index; a one-warp-per-row kernel
 // merges the slices: H = ln s - u/s, ln p_c = y_c - m - ln s. Logits are read once, 16 bytes per load when
-// the row is 16-byte aligned.
+// the row is 16-byte aligned. Top-p sampling (top_p < 1) takes decode_top_p_kernel instead: ten reads of a row.
 #include "cuda_common.cuh"
 #include "sampling.h"
 #include "signals_cuda.cuh"
@@ -155,12 +155,163 @@ __global__ void decode_combine_kernel(const T* __restrict__ logits, int64_t B, i
   if (nonstop) out_flag[b] = nonstop[c];
 }
 
+// Order-preserving uint32 image of a float32 (a < b <=> order_key(a) < order_key(b)); same as decode_cpu.cpp.
+__device__ __forceinline__ uint32_t order_key(float y) {
+  const uint32_t bits = __float_as_uint(y);
+  return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+}
+
+// Nucleus (top-p) sampling and signals, one block per row (reference: decode_signals_ref with top_p < 1; the C++
+// twin is decode_row_top_p in decode_cpu.cpp). Pass 1: max m and s = sum e^{y-m}. Passes 2-9: radix select of
+// K0 = min{K : sum_{key(y_u) > K} e^{y_u - m} < top_p * s}, 4 key bits per pass (a 16-bucket mass histogram of the
+// keys sharing the prefix chosen so far; keep the smallest digit whose strictly-larger mass stays below the
+// target). Pass 10: entropy, Gumbel-max draw and ln p_chosen over the nucleus {key >= K0}, which holds the max.
+// Every reduction runs in a fixed order, so the result does not depend on scheduling.
+template <typename T, bool kSample>
+__global__ void __launch_bounds__(kThreads) decode_top_p_kernel(const T* __restrict__ logits, int64_t V, float inv_t,
+                                                                float top_p, const int64_t* __restrict__ keys,
+                                                                const int64_t* __restrict__ chosen,
+                                                                const uint8_t* __restrict__ nonstop,
+                                                                int64_t* __restrict__ out_chosen,
+                                                                float* __restrict__ out_entropy,
+                                                                float* __restrict__ out_logprob,
+                                                                float* __restrict__ out_prob,
+                                                                uint8_t* __restrict__ out_flag) {
+  const int64_t b = blockIdx.x;
+  const T* row = logits + b * V;
+  const uint32_t key = kSample ? static_cast<uint32_t>(keys[b]) : 0u;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  __shared__ State warp_states[kWarps];
+  __shared__ float hist_w[kWarps][16];
+  __shared__ uint32_t s_prefix;
+  __shared__ float s_above;
+
+  State st{kNegInf, 0.f, 0.f, kNegInf, INT32_MAX};
+  for (int64_t i = threadIdx.x; i < V; i += kThreads) {
+    const float y = to_float(row[i]) * inv_t;
+    push(st, y, y, static_cast<int32_t>(i));
+  }
+  for (int o = 16; o > 0; o >>= 1) st = merge(st, shfl_state(st, o));
+  if (lane == 0) warp_states[warp] = st;
+  __syncthreads();
+  st = warp_states[0];
+  for (int w = 1; w < kWarps; ++w) st = merge(st, warp_states[w]);  // same order in every thread
+  const float m = st.m == kNegInf ? 0.f : st.m;
+  const float target = top_p * st.s;
+
+  uint32_t prefix = 0;
+  float above = 0.f;  // mass of the keys above every key that shares `prefix`
+  for (int shift = 28; shift >= 0; shift -= 4) {
+    float h[16];
+#pragma unroll
+    for (int d = 0; d < 16; ++d) h[d] = 0.f;
+    for (int64_t i = threadIdx.x; i < V; i += kThreads) {
+      const float y = to_float(row[i]) * inv_t;
+      if (y == kNegInf) continue;
+      const uint32_t k = order_key(y);
+      if (shift < 28 && (k >> (shift + 4)) != prefix) continue;
+      const uint32_t dig = (k >> shift) & 15u;
+      const float e = __expf(y - m);
+#pragma unroll
+      for (int d = 0; d < 16; ++d) h[d] += dig == static_cast<uint32_t>(d) ? e : 0.f;
+    }
+#pragma unroll
+    for (int d = 0; d < 16; ++d) h[d] = warp_sum(h[d]);
+    if (lane == 0) {
+#pragma unroll
+      for (int d = 0; d < 16; ++d) hist_w[warp][d] = h[d];
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      float suffix = 0.f, digit_above = above;
+      int digit = 15;
+      for (int d = 15; d >= 0; --d) {  // smallest digit with above + sum_{d' > d} < target (15 always qualifies)
+        if (above + suffix >= target) break;
+        digit = d;
+        digit_above = above + suffix;
+        float tot = 0.f;
+        for (int w = 0; w < kWarps; ++w) tot += hist_w[w][d];
+        suffix += tot;
+      }
+      s_prefix = (prefix << 4) | static_cast<uint32_t>(digit);
+      s_above = digit_above;
+    }
+    __syncthreads();
+    prefix = s_prefix;
+    above = s_above;
+  }
+
+  const uint32_t k0 = prefix;
+  float sn = 0.f, un = 0.f, best = kNegInf;
+  int32_t best_i = INT32_MAX;
+  for (int64_t i = threadIdx.x; i < V; i += kThreads) {
+    const float y = to_float(row[i]) * inv_t;
+    if (y == kNegInf || order_key(y) < k0) continue;
+    const float d = y - m;
+    const float e = __expf(d);
+    sn += e;
+    un += d * e;
+    const float score = score_of<kSample>(y, key, static_cast<int32_t>(i));
+    if (score > best || (score == best && static_cast<int32_t>(i) < best_i)) {
+      best = score;
+      best_i = static_cast<int32_t>(i);
+    }
+  }
+  State fin{0.f, sn, un, best, best_i};  // m = 0 in every thread: merge adds s and u unscaled
+  for (int o = 16; o > 0; o >>= 1) {
+    const State other = shfl_state(fin, o);
+    if (other.best > fin.best || (other.best == fin.best && other.idx < fin.idx)) {
+      fin.best = other.best;
+      fin.idx = other.idx;
+    }
+    fin.s += other.s;
+    fin.u += other.u;
+  }
+  __syncthreads();  // warp_states is reused
+  if (lane == 0) warp_states[warp] = fin;
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  fin = warp_states[0];
+  for (int w = 1; w < kWarps; ++w) {
+    const State& other = warp_states[w];
+    if (other.best > fin.best || (other.best == fin.best && other.idx < fin.idx)) {
+      fin.best = other.best;
+      fin.idx = other.idx;
+    }
+    fin.s += other.s;
+    fin.u += other.u;
+  }
+  int64_t c = chosen ? chosen[b] : static_cast<int64_t>(fin.idx);
+  c = c < 0 ? 0 : (c >= V ? V - 1 : c);
+  const float yc = to_float(row[c]) * inv_t;
+  const bool in = yc != kNegInf && order_key(yc) >= k0;
+  const float log_s = logf(fin.s);
+  const float lp = in ? yc - m - log_s : kNegInf;
+  out_chosen[b] = c;
+  out_entropy[b] = log_s - fin.u / fin.s;
+  out_logprob[b] = lp;
+  out_prob[b] = expf(lp);
+  if (nonstop) out_flag[b] = nonstop[c];
+}
+
 template <typename T>
-cudaError_t launch(const T* logits, int64_t B, int64_t V, float temperature, bool sample, const int64_t* keys,
-                   const int64_t* chosen, const uint8_t* nonstop, float* part, int32_t* pidx, int nsplit,
-                   int64_t split_len, int64_t* oc, float* oe, float* ol, float* op, uint8_t* of, cudaStream_t s) {
+cudaError_t launch(const T* logits, int64_t B, int64_t V, float temperature, float top_p, bool sample,
+                   const int64_t* keys, const int64_t* chosen, const uint8_t* nonstop, float* part, int32_t* pidx,
+                   int nsplit, int64_t split_len, int64_t* oc, float* oe, float* ol, float* op, uint8_t* of,
+                   cudaStream_t s) {
   if (B == 0) return cudaSuccess;
   const float inv_t = temperature > 0.f ? 1.f / temperature : 1.f;
+  if (temperature > 0.f && top_p < 1.f) {
+    const dim3 rows(static_cast<unsigned>(B));
+    if (sample) {
+      decode_top_p_kernel<T, true><<<rows, kThreads, 0, s>>>(logits, V, inv_t, top_p, keys, chosen, nonstop, oc, oe,
+                                                            ol, op, of);
+    } else {
+      decode_top_p_kernel<T, false><<<rows, kThreads, 0, s>>>(logits, V, inv_t, top_p, keys, chosen, nonstop, oc, oe,
+                                                             ol, op, of);
+    }
+    return cudaGetLastError();
+  }
   const dim3 grid(nsplit, static_cast<unsigned>(B));
   if (sample) {
     decode_partial_kernel<T, true><<<grid, kThreads, 0, s>>>(logits, V, inv_t, keys, split_len, nsplit, part, pidx);
@@ -177,20 +328,22 @@ cudaError_t launch(const T* logits, int64_t B, int64_t V, float temperature, boo
 
 }  // namespace
 
-cudaError_t decode_signals(const void* logits, DType dtype, int64_t B, int64_t V, float temperature, bool sample,
+cudaError_t decode_signals(const void* logits, DType dtype, int64_t B, int64_t V, float temperature, float top_p,
+                           bool sample,
                            const int64_t* keys, const int64_t* chosen, const uint8_t* nonstop, float* part,
                            int32_t* pidx, int nsplit, int64_t split_len, int64_t* out_chosen, float* out_entropy,
                            float* out_logprob, float* out_prob, uint8_t* out_flag, cudaStream_t stream) {
   switch (dtype) {
     case DType::kF32:
-      return launch(static_cast<const float*>(logits), B, V, temperature, sample, keys, chosen, nonstop, part, pidx,
-                    nsplit, split_len, out_chosen, out_entropy, out_logprob, out_prob, out_flag, stream);
+      return launch(static_cast<const float*>(logits), B, V, temperature, top_p, sample, keys, chosen, nonstop,
+                    part, pidx, nsplit, split_len, out_chosen, out_entropy, out_logprob, out_prob, out_flag, stream);
     case DType::kBF16:
-      return launch(static_cast<const __nv_bfloat16*>(logits), B, V, temperature, sample, keys, chosen, nonstop, part,
-                    pidx, nsplit, split_len, out_chosen, out_entropy, out_logprob, out_prob, out_flag, stream);
+      return launch(static_cast<const __nv_bfloat16*>(logits), B, V, temperature, top_p, sample, keys, chosen,
+                    nonstop, part, pidx, nsplit, split_len, out_chosen, out_entropy, out_logprob, out_prob, out_flag,
+                    stream);
     case DType::kF16:
-      return launch(static_cast<const __half*>(logits), B, V, temperature, sample, keys, chosen, nonstop, part, pidx,
-                    nsplit, split_len, out_chosen, out_entropy, out_logprob, out_prob, out_flag, stream);
+      return launch(static_cast<const __half*>(logits), B, V, temperature, top_p, sample, keys, chosen, nonstop,
+                    part, pidx, nsplit, split_len, out_chosen, out_entropy, out_logprob, out_prob, out_flag, stream);
   }
   return cudaErrorInvalidValue;
 }

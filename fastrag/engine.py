@@ -310,29 +310,15 @@ class Engine:
             freed = True
         return freed
 
-    def _sample(self, logits: torch.Tensor):
-        """logits: [B, V] float32 -> (logits the fused kernel decodes from, its temperature).
-
-        Greedy (temperature 0) and plain temperature sampling happen inside the fused decode-signals kernel (argmax,
-        or a Gumbel-max draw keyed by the seeded generator). Top-p needs a sort over the vocabulary, which no
-        one-pass kernel does: it is applied here, leaving -inf outside the nucleus, and the kernel then draws from
-        the warped logits at temperature 1 (so entropy is that of the warped distribution, as decoded).
-        """
-        sp = self.sampling
-        if sp.temperature == 0 or sp.top_p >= 1:
-            return logits, sp.temperature
-        warped = logits / sp.temperature
-        srt, idx = warped.sort(-1, descending=True)
-        p = srt.softmax(-1)
-        drop = p.cumsum(-1) - p > sp.top_p  # keep the smallest set whose mass reaches top_p
-        return warped.scatter(-1, idx, srt.masked_fill(drop, float("-inf"))), 1.0
-
     def _append_batch(self, seqs: list[SeqState], logits: torch.Tensor) -> list[bool]:
-        x, temperature = self._sample(logits)
+        # Greedy, temperature and top-p sampling all happen inside the fused decode-signals kernel (argmax, or a
+        # Gumbel-max draw over the nucleus keyed by the seeded generator); entropy and logprob are those of the
+        # distribution the token is drawn from (DESIGN.md "Signals").
+        sp = self.sampling
         keys = None
-        if temperature > 0:  # per-row keys of the in-kernel sampler, drawn from the seeded host generator
-            keys = torch.randint(0, 2**32, (len(seqs),), generator=self.gen, dtype=torch.int64).to(x.device)
-        sig = self.signals.decode_signals(x, temperature=temperature, rng_keys=keys)
+        if sp.temperature > 0:  # per-row keys of the in-kernel sampler, drawn from the seeded host generator
+            keys = torch.randint(0, 2**32, (len(seqs),), generator=self.gen, dtype=torch.int64).to(logits.device)
+        sig = self.signals.decode_signals(logits, temperature=sp.temperature, rng_keys=keys, top_p=sp.top_p)
         # the one host copy per step: [3, B] (token ids < 2^53 are exact in float64)
         host = torch.stack([sig.chosen.double(), sig.entropy.double(), sig.logprob.double()]).cpu()
         chosen, ent, logp = host[0].long().tolist(), host[1].tolist(), host[2].tolist()

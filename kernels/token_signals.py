@@ -2,6 +2,8 @@
 
 Per row: greedy argmax or Gumbel-max sample, entropy of p = softmax(y), ln p of the chosen token, FLARE's
 p_chosen and the non-stopword flag of the chosen token (reference: fastrag.signals.reference.decode_signals_ref).
+Top-p (nucleus) sampling has its own kernel (_token_signals_top_p_kernel: a radix select of the nucleus
+threshold, ten reads of the row).
 
 Split-V layout: a row of 128k logits is one program's worth of bytes but would leave most of the GPU idle at
 small B, so each row is cut into NSPLIT slices (B * NSPLIT programs fill the SMs). A slice keeps an online
@@ -16,8 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-# 2^-24: a 24-bit integer + 0.5 times this is exactly representable in float32 and lies in (0, 1).
-_U_SCALE = 5.960464477539063e-08
+# u = ((hash >> 9) + 0.5) * 2^-23: a 23-bit integer + 0.5 is exact in float32, so u is the reference's value and
+# lies in [2^-24, 1 - 2^-24] (never 1.0, whose Gumbel noise would be +inf).
 
 
 @triton.jit
@@ -57,7 +59,7 @@ def _token_signals_partial_kernel(
                       other=float("-inf")).to(tl.float32) * inv_t
         if SAMPLE:
             h = _mix32(key ^ _mix32(o_v.to(tl.uint32)))
-            b_u = ((h >> 8).to(tl.float32) + 0.5) * 5.960464477539063e-08
+            b_u = ((h >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07
             b_score = b_y - tl.log(-tl.log(b_u))
         else:
             b_score = b_y
@@ -88,7 +90,7 @@ def _token_signals_partial_kernel(
 def _token_signals_combine_kernel(
     x_ptr, stride_xb, stride_xv, part_ptr, pidx_ptr, chosen_ptr, nonstop_ptr,
     out_chosen_ptr, out_ent_ptr, out_lp_ptr, out_prob_ptr, out_flag_ptr,
-    inv_t, NSPLIT,
+    inv_t, NSPLIT, V,
     HAS_CHOSEN: tl.constexpr, HAS_NONSTOP: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     i_b = tl.program_id(0).to(tl.int64)
@@ -110,12 +112,107 @@ def _token_signals_combine_kernel(
     if HAS_CHOSEN:
         c = tl.load(chosen_ptr + i_b)
     else:
-        c = tl.min(tl.where(b_best == best, b_idx, 2147483647), axis=0).to(tl.int64)
+        # an all -inf row leaves no index: clamp so the load below stays inside the row
+        c = tl.minimum(tl.min(tl.where(b_best == best, b_idx, 2147483647), axis=0), V - 1).to(tl.int64)
     y_c = tl.load(x_ptr + i_b * stride_xb + c * stride_xv).to(tl.float32) * inv_t
     log_s = tl.log(s)
     lp = y_c - m_safe - log_s
     tl.store(out_chosen_ptr + i_b, c)
     tl.store(out_ent_ptr + i_b, log_s - u / s)
+    tl.store(out_lp_ptr + i_b, lp)
+    tl.store(out_prob_ptr + i_b, tl.exp(lp))
+    if HAS_NONSTOP:
+        tl.store(out_flag_ptr + i_b, tl.load(nonstop_ptr + c))
+
+
+@triton.jit
+def _order_key(y):
+    # order-preserving int64 image of float32 y (a < b <=> key(a) < key(b)), in [0, 2^32): as csrc order_key
+    bits = y.to(tl.uint32, bitcast=True).to(tl.int64)
+    return tl.where(bits >= 0x80000000, 0xFFFFFFFF - bits, bits + 0x80000000)
+
+
+@triton.jit
+def _token_signals_top_p_kernel(
+    x_ptr, stride_xb, stride_xv, keys_ptr, chosen_ptr, nonstop_ptr,
+    out_chosen_ptr, out_ent_ptr, out_lp_ptr, out_prob_ptr, out_flag_ptr,
+    V, inv_t, top_p,
+    SAMPLE: tl.constexpr, HAS_CHOSEN: tl.constexpr, HAS_NONSTOP: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    # Nucleus (top-p) sampling and signals of one row (reference decode_signals_ref with top_p < 1). Pass 1: max m
+    # and s = sum e^{y-m} (online). Passes 2-9: radix select of K0 = min{K : sum_{key(y) > K} e^{y-m} < top_p s},
+    # 4 key bits per pass: a 16-bucket mass histogram of the keys that share the prefix chosen so far, keep the
+    # smallest digit whose strictly-larger mass stays below the target. Pass 10: entropy, Gumbel-max draw and
+    # ln p_chosen over the nucleus {key >= K0} (it holds the max, so m stays the reference point).
+    i_b = tl.program_id(0).to(tl.int64)
+    o_v0 = tl.arange(0, BLOCK_V)
+    o_d = tl.arange(0, 16)
+    row = x_ptr + i_b * stride_xb
+    m = float("-inf")
+    s = 0.0
+    for c0 in range(0, V, BLOCK_V):
+        o_v = c0 + o_v0
+        b_y = tl.load(row + o_v.to(tl.int64) * stride_xv, mask=o_v < V, other=float("-inf")).to(tl.float32) * inv_t
+        m_new = tl.maximum(m, tl.max(b_y, axis=0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        s = s * tl.exp(m - m_safe) + tl.sum(tl.exp(b_y - m_safe), axis=0)
+        m = m_new
+    m = tl.where(m == float("-inf"), 0.0, m)
+    target = top_p * s
+    prefix = tl.zeros([], tl.int64)
+    above = tl.zeros([], tl.float32)
+    for lvl in tl.static_range(8):
+        shift: tl.constexpr = 28 - 4 * lvl
+        hist = tl.zeros([16], tl.float32)
+        for c0 in range(0, V, BLOCK_V):
+            o_v = c0 + o_v0
+            b_y = tl.load(row + o_v.to(tl.int64) * stride_xv, mask=o_v < V,
+                          other=float("-inf")).to(tl.float32) * inv_t
+            b_k = _order_key(b_y)
+            b_e = tl.where((b_y > float("-inf")) & ((b_k >> (shift + 4)) == prefix), tl.exp(b_y - m), 0.0)
+            b_dig = (b_k >> shift) & 15
+            hist += tl.sum(tl.where(b_dig[:, None] == o_d[None, :], b_e[:, None], 0.0), axis=0)
+        # suffix[d] = sum_{d' > d} hist[d']; the smallest digit with above + suffix < target (15 always qualifies)
+        suffix = tl.sum(tl.where(o_d[None, :] > o_d[:, None], hist[None, :], 0.0), axis=1)
+        digit = tl.min(tl.where(above + suffix < target, o_d, 15), axis=0)
+        above = above + tl.sum(tl.where(o_d == digit, suffix, 0.0), axis=0)
+        prefix = prefix * 16 + digit.to(tl.int64)
+    if SAMPLE:
+        key = tl.load(keys_ptr + i_b).to(tl.uint32)
+    sn = 0.0
+    un = 0.0
+    b_best = tl.full([BLOCK_V], float("-inf"), tl.float32)
+    b_best_i = tl.full([BLOCK_V], 2147483647, tl.int32)
+    for c0 in range(0, V, BLOCK_V):
+        o_v = c0 + o_v0
+        b_y = tl.load(row + o_v.to(tl.int64) * stride_xv, mask=o_v < V, other=float("-inf")).to(tl.float32) * inv_t
+        b_in = (b_y > float("-inf")) & (_order_key(b_y) >= prefix)
+        b_d = tl.where(b_in, b_y - m, 0.0)
+        b_e = tl.where(b_in, tl.exp(b_d), 0.0)
+        sn += tl.sum(b_e, axis=0)
+        un += tl.sum(b_d * b_e, axis=0)
+        if SAMPLE:
+            h = _mix32(key ^ _mix32(o_v.to(tl.uint32)))
+            b_u = ((h >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07
+            b_score = b_y - tl.log(-tl.log(b_u))
+        else:
+            b_score = b_y
+        b_score = tl.where(b_in, b_score, float("-inf"))
+        upd = b_score > b_best
+        b_best = tl.where(upd, b_score, b_best)
+        b_best_i = tl.where(upd, o_v, b_best_i)
+    best = tl.max(b_best, axis=0)
+    if HAS_CHOSEN:
+        c = tl.load(chosen_ptr + i_b)
+    else:
+        # an all -inf row leaves no index: clamp so the load below stays inside the row
+        c = tl.minimum(tl.min(tl.where(b_best == best, b_best_i, 2147483647), axis=0), V - 1).to(tl.int64)
+    y_c = tl.load(row + c * stride_xv).to(tl.float32) * inv_t
+    c_in = (y_c > float("-inf")) & (_order_key(y_c) >= prefix)
+    log_s = tl.log(sn)
+    lp = tl.where(c_in, y_c - m - log_s, float("-inf"))
+    tl.store(out_chosen_ptr + i_b, c)
+    tl.store(out_ent_ptr + i_b, log_s - un / sn)
     tl.store(out_lp_ptr + i_b, lp)
     tl.store(out_prob_ptr + i_b, tl.exp(lp))
     if HAS_NONSTOP:
@@ -133,15 +230,32 @@ def num_splits_for(B: int, V: int, block_v: int, device: torch.device) -> int:
 
 def token_signals(logits: torch.Tensor, temperature: float, rng_keys: torch.Tensor | None,
                   chosen: torch.Tensor | None, nonstop: torch.Tensor | None,
-                  out: tuple[torch.Tensor, ...], num_splits: int | None = None, block_v: int | None = None) -> None:
+                  out: tuple[torch.Tensor, ...], num_splits: int | None = None, block_v: int | None = None,
+                  top_p: float = 1.0) -> None:
     """Launch on validated inputs (fastrag.signals.checks.check_decode_signals did shapes/dtypes/devices).
 
     logits [B, V] fp32/bf16/fp16 (any strides); temperature 0 = greedy; rng_keys [B] int64 when sampling;
     chosen [B] int64 or None; nonstop [V] bool or None; out = (chosen [B] i64, entropy [B] f32, logprob [B] f32,
-    prob [B] f32, flag [B] bool or None), all written.
+    prob [B] f32, flag [B] bool or None), all written. top_p < 1 (with temperature > 0): the nucleus kernel, one
+    program per row reading it ten times (no split).
     """
     B, V = logits.shape
     if B == 0:
+        return
+    if temperature > 0 and top_p < 1:
+        bv = block_v or min(1024, triton.next_power_of_2(V))
+        o_chosen, o_ent, o_lp, o_prob, o_flag = out
+        sample = chosen is None
+        dummy = o_chosen
+        _token_signals_top_p_kernel[(B,)](
+            logits, logits.stride(0), logits.stride(1), rng_keys.contiguous() if sample else dummy,
+            chosen.contiguous() if chosen is not None else dummy,
+            nonstop.view(torch.uint8) if nonstop is not None else dummy,
+            o_chosen, o_ent, o_lp, o_prob, o_flag.view(torch.uint8) if o_flag is not None else dummy,
+            V, 1.0 / temperature, float(top_p),
+            SAMPLE=sample, HAS_CHOSEN=chosen is not None, HAS_NONSTOP=nonstop is not None, BLOCK_V=bv,
+            num_warps=4,
+        )
         return
     if block_v is None:
         block_v = min(4096, triton.next_power_of_2(V))
@@ -166,7 +280,7 @@ def token_signals(logits: torch.Tensor, temperature: float, rng_keys: torch.Tens
         logits, logits.stride(0), logits.stride(1), part, pidx,
         chosen if chosen is not None else pidx, nonstop_u8 if nonstop_u8 is not None else pidx,
         o_chosen, o_ent, o_lp, o_prob, flag_u8 if flag_u8 is not None else pidx,
-        inv_t, nsplit,
+        inv_t, nsplit, V,
         HAS_CHOSEN=chosen is not None, HAS_NONSTOP=nonstop is not None,
         BLOCK_S=max(16, triton.next_power_of_2(nsplit)), num_warps=1,
     )

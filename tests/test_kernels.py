@@ -179,6 +179,132 @@ def test_decode_signals_non_contiguous(backend, device):
             _check_decode(res, ref, torch.float32, f"{backend} strided", seed, sampled=temperature > 0)
 
 
+@pytest.mark.parametrize("backend,device", KERNEL_BACKENDS)
+@pytest.mark.parametrize("top_p", [1.0, 0.999])
+def test_sampling_uniform_never_reaches_one(backend, device, top_p):
+    """Key 12829346 hashes token 5 to 0xffffffec, the largest class of hash values. Its uniform must stay below 1
+    in float32 (u = 1 would give token 5 an infinite Gumbel score and draw it whatever its probability)."""
+    from fastrag.signals.reference import mix32, sampling_uniform_ref
+
+    key = torch.tensor([12829346])
+    assert int(mix32(key ^ mix32(torch.tensor([5])))[0]) == 0xFFFFFFEC
+    u = sampling_uniform_ref(key, 8)[0, 5]
+    assert u < 1 and float(torch.tensor(float(u), dtype=torch.float32)) == float(u)  # exact in float32
+    logits = torch.zeros(1, 5000)
+    logits[0, 5] = -60.0  # probability ~e^-60: never drawn by a correct sampler
+    res = get_backend(backend).decode_signals(logits.to(device), temperature=1.0, rng_keys=key.to(device),
+                                              top_p=top_p)
+    ref = decode_signals_ref(logits, 1.0, key, top_p=top_p)
+    assert int(res.chosen[0]) != 5 and int(res.chosen[0]) == int(ref["chosen"][0])
+
+
+@pytest.mark.parametrize("backend,device", KERNEL_BACKENDS)
+def test_decode_signals_all_masked_row_stays_in_bounds(backend, device):
+    """A row with no finite logit has no defined signals (the reference needs one finite logit), but every path
+    must still return an index inside the vocabulary instead of reading past the row."""
+    logits = torch.full((2, 3001), NEG_INF)
+    logits[1, 7] = 1.0
+    keys = torch.tensor([3, 4])
+    for kw in (dict(), dict(temperature=0.9, rng_keys=keys), dict(temperature=0.9, rng_keys=keys, top_p=0.5)):
+        kw = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
+        res = get_backend(backend).decode_signals(logits.to(device), **kw)
+        assert 0 <= int(res.chosen[0]) < 3001 and int(res.chosen[1]) == 7, kw
+
+
+def _top_p_logits(B: int, V: int, top_p: float, g, dtype) -> torch.Tensor:
+    """Random logits in `dtype` whose rows are all > 2e-5 of probability mass away from a nucleus boundary
+    decision (so float32 kernels and the float64 reference must keep the same set); rows are redrawn until they
+    are (at V = 16k and top_p = 0.95 about 3 in 4 rows qualify)."""
+    rows = []
+    for _ in range(200):
+        x = (torch.randn(1, V, generator=g) * 3).to(dtype)
+        if float(decode_signals_ref(x, 0.8, torch.zeros(1, dtype=torch.int64), top_p=top_p)["margin"][0]) > 2e-5:
+            rows.append(x)
+            if len(rows) == B:
+                return torch.cat(rows)
+    raise AssertionError(f"no {B} rows of V={V} away from the top_p={top_p} boundary in 200 draws")
+
+
+@pytest.mark.parametrize("backend,device", KERNEL_BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("B,V", [(1, 7), (3, 4231), (2, 16411)])
+@pytest.mark.parametrize("top_p", [0.05, 0.6, 0.95])
+@pytest.mark.parametrize("mode", ["sample", "chosen"])
+def test_decode_signals_top_p_vs_reference(backend, device, dtype, B, V, top_p, mode):
+    """Nucleus sampling inside the kernel: the chosen token, and entropy/logprob of the nucleus-restricted
+    distribution (a chosen token outside the nucleus has logprob -inf)."""
+    g, seed = _gen()
+    logits = _top_p_logits(B, V, top_p, g, dtype)
+    nonstop = torch.rand(V, generator=g) < 0.5
+    keys = torch.randint(0, 2**32, (B,), generator=g)
+    chosen = torch.randint(0, V, (B,), generator=g) if mode == "chosen" else None
+    if chosen is not None:
+        chosen[0] = logits[0].float().argmax()  # one in the nucleus for sure, the others mostly outside
+    ref = decode_signals_ref(logits, 0.8, keys, chosen, nonstop, top_p=top_p)
+    res = get_backend(backend).decode_signals(
+        logits.to(device), temperature=0.8, rng_keys=keys.to(device),
+        chosen=None if chosen is None else chosen.to(device), nonstop=nonstop.to(device),
+        out=_poisoned(B, device, ref["nonstop"]), top_p=top_p)
+    _check_decode(res, ref, dtype, f"{backend} top_p={top_p} {mode}", seed, sampled=mode == "sample")
+    if mode == "sample":
+        assert torch.isfinite(ref["logprob"]).all() and torch.isfinite(res.logprob.cpu()).all(), \
+            f"a sampled token outside the nucleus (seed={seed})"
+
+
+@pytest.mark.parametrize("backend,device", KERNEL_BACKENDS)
+def test_decode_signals_top_p_ties_and_masks(backend, device):
+    """A tie group straddling the nucleus boundary is kept whole; -inf tokens never enter it; a tiny top_p leaves
+    the argmax alone (entropy 0); top_p = 1 is the plain sampler."""
+    g, seed = _gen()
+    V = 4099
+    logits = torch.full((4, V), -30.0)
+    logits[0, [5, 900, 4000]] = 2.0  # three equal tokens of mass ~1/3 each: top_p 0.5 must keep all three
+    logits[1] = torch.randn(V, generator=g) * 3
+    logits[1, ::2] = NEG_INF
+    logits[2] = torch.randn(V, generator=g)
+    logits[3] = torch.randn(V, generator=g) * 5
+    keys = torch.randint(0, 2**32, (4,), generator=g)
+    be = get_backend(backend)
+    ref = decode_signals_ref(logits, 1.0, keys, top_p=0.5)
+    res = be.decode_signals(logits.to(device), temperature=1.0, rng_keys=keys.to(device), top_p=0.5,
+                            out=_poisoned(4, device))
+    assert int(res.chosen[0]) in (5, 900, 4000)
+    assert abs(float(res.entropy[0]) - float(ref["entropy"][0])) < 1e-4
+    assert abs(float(ref["entropy"][0]) - torch.log(torch.tensor(3.0)).item()) < 1e-3, "the tie group was split"
+    _check_decode(res, ref, torch.float32, f"{backend} ties/masks", seed, sampled=True)
+    assert bool(torch.isfinite(logits[1, res.chosen[1].cpu()])), "a masked token was sampled"
+    tiny = be.decode_signals(logits.to(device), temperature=1.0, rng_keys=keys.to(device), top_p=1e-9)
+    assert tiny.chosen.cpu().tolist()[1:] == logits[1:].argmax(-1).tolist()
+    assert tiny.entropy.cpu()[1:].abs().max().item() < 1e-6 and tiny.logprob.cpu()[1:].abs().max().item() < 1e-6
+    full = be.decode_signals(logits.to(device), temperature=1.0, rng_keys=keys.to(device), top_p=1.0)
+    plain = be.decode_signals(logits.to(device), temperature=1.0, rng_keys=keys.to(device))
+    assert torch.equal(full.chosen, plain.chosen) and torch.equal(full.entropy, plain.entropy)
+
+
+def test_top_p_nucleus_reference_matches_transformers_warper():
+    """The reference's nucleus is the set HF's TopPLogitsWarper keeps (tie-free random rows), and Gumbel-max
+    draws over it follow the renormalised nucleus distribution."""
+    from transformers.generation.logits_process import TopPLogitsWarper
+
+    from fastrag.signals.reference import top_p_nucleus_ref
+
+    g, seed = _gen()
+    y = torch.randn(6, 500, generator=g, dtype=torch.float64) * 2
+    for top_p in (0.1, 0.5, 0.9, 0.99):
+        keep, _ = top_p_nucleus_ref(y, top_p)
+        hf = TopPLogitsWarper(top_p=top_p, min_tokens_to_keep=1)(None, y.float())
+        assert torch.equal(keep, torch.isfinite(hf)), f"top_p={top_p} (seed={seed})"
+    # frequencies of the in-kernel draw over 4000 keys vs the nucleus distribution (torch backend, V = 6)
+    logits = torch.tensor([[2.0, 1.5, 1.0, 0.0, -1.0, -3.0]]).expand(4000, 6).contiguous()
+    keys = torch.randint(0, 2**32, (4000,), generator=g)
+    res = get_backend("torch").decode_signals(logits, temperature=1.0, rng_keys=keys, top_p=0.8)
+    keep, _ = top_p_nucleus_ref(logits[:1].double(), 0.8)
+    p = torch.softmax(logits[0].double().masked_fill(~keep[0], float("-inf")), -1)
+    freq = torch.bincount(res.chosen, minlength=6).double() / 4000
+    assert (freq[~keep[0]] == 0).all(), f"drawn outside the nucleus: {freq.tolist()}"
+    assert (freq - p).abs().max() < 0.035, f"frequencies {freq.tolist()} vs nucleus probabilities {p.tolist()}"
+
+
 def test_triton_split_rows_merge():
     """The split-V path (several slices per row merged by the second kernel) on the CPU interpreter too."""
     be = get_backend("triton") if "triton" in _available() else pytest.skip("triton unavailable")
@@ -313,6 +439,9 @@ DECODE_BAD = [
     ("chosen", dict(chosen=torch.tensor([0, 11]))),
     ("nonstop", dict(nonstop=torch.zeros(10, dtype=torch.bool))),
     ("nonstop", dict(nonstop=torch.zeros(11, dtype=torch.uint8))),
+    ("top_p", dict(top_p=0.0)),
+    ("top_p", dict(top_p=1.5)),
+    ("top_p", dict(top_p=float("nan"), temperature=0.5, rng_keys=torch.zeros(2, dtype=torch.int64))),
 ]
 
 
@@ -375,6 +504,8 @@ def test_cpp_glue_rejects_span_longer_than_cache():
         _C.decode_signals(torch.zeros(2, 11), 0.5, None, None, None, *o, None)
     with pytest.raises(RuntimeError, match="out_flag"):
         _C.decode_signals(torch.zeros(2, 11), 0.0, None, None, torch.zeros(11, dtype=torch.bool), *o, None)
+    with pytest.raises(RuntimeError, match="top_p"):
+        _C.decode_signals(torch.zeros(2, 11), 0.5, torch.zeros(2, dtype=torch.int64), None, None, *o, None, top_p=0.0)
 
 
 def test_auto_backend_prefers_kernels_on_cuda_and_torch_elsewhere():

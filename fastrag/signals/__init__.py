@@ -36,7 +36,8 @@ class DecodeSignals(NamedTuple):
     """The per-token signals of one decode step (reference.decode_signals_ref); every field is [B] on the device."""
 
     chosen: torch.Tensor  # i64, the decoded token: greedy argmax, Gumbel-max sample, or the caller's `chosen`
-    entropy: torch.Tensor  # f32, -sum p ln p of p = softmax(logits / T) (T = 1 when greedy): DRAGIN's H_i
+    entropy: torch.Tensor  # f32, -sum p ln p of p = softmax(logits / T) (T = 1 when greedy; restricted to the
+    #                        top-p nucleus when sampling with top_p < 1): DRAGIN's H_i
     logprob: torch.Tensor  # f32, ln p_chosen
     prob: torch.Tensor  # f32, p_chosen = exp(logprob): FLARE's token probability
     nonstop: torch.Tensor | None  # bool, nonstop[chosen] (DRAGIN's s_i); None when no table was given
@@ -45,7 +46,7 @@ class DecodeSignals(NamedTuple):
 # Kernel signatures a backend provides (arguments already validated; `out` may be None).
 TokenSignalsFn = Callable[[torch.Tensor, "torch.Tensor | None", float, "TokenSignals | None"], tuple]
 AttnFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float, "torch.Tensor | None"], torch.Tensor]
-# (logits, temperature, rng_keys, chosen, nonstop, out: DecodeSignals) -> None, writes every field of out
+# (logits, temperature, rng_keys, chosen, nonstop, out: DecodeSignals, *, top_p) -> None, writes every field of out
 DecodeFn = Callable[..., None]
 # (q, k_cache, block_tables, ctx_lens, span_start, lse, block_size, scale, amax, row_out) -> None, in place
 AttnDecodeFn = Callable[..., None]
@@ -105,16 +106,19 @@ class SignalBackend:
 
     def decode_signals(self, logits: torch.Tensor, *, temperature: float = 0.0,
                        rng_keys: torch.Tensor | None = None, chosen: torch.Tensor | None = None,
-                       nonstop: torch.Tensor | None = None, out: DecodeSignals | tuple | None = None
-                       ) -> DecodeSignals:
+                       nonstop: torch.Tensor | None = None, out: DecodeSignals | tuple | None = None,
+                       top_p: float = 1.0) -> DecodeSignals:
         """All token signals of a decode step from logits [B, V] in one pass (reference.decode_signals_ref).
 
         temperature 0: greedy argmax, entropy of softmax(logits); > 0: Gumbel-max draw from softmax(logits / T)
-        keyed by rng_keys [B] int64 (same keys, same logits -> same token on every backend). chosen [B] int64
-        skips the choice. nonstop [V] bool: the non-stopword table (build_nonstop_table). out: optional buffers
-        (chosen [B] i64, entropy, logprob, prob [B] f32, nonstop [B] bool or None), written in place.
+        keyed by rng_keys [B] int64 (same keys, same logits -> same token on every backend). top_p < 1 (with
+        temperature > 0): nucleus sampling, the distribution (and so entropy/logprob) restricted to the smallest
+        set of most likely tokens holding top_p of the mass, ties kept (the kernels' nucleus path reads a row ten
+        times). chosen [B] int64 skips the choice. nonstop [V] bool: the non-stopword table (build_nonstop_table).
+        out: optional buffers (chosen [B] i64, entropy, logprob, prob [B] f32, nonstop [B] bool or None), written
+        in place.
         """
-        checks.check_decode_signals(logits, temperature, rng_keys, chosen, nonstop, self.devices)
+        checks.check_decode_signals(logits, temperature, rng_keys, chosen, nonstop, self.devices, top_p)
         B, dev = logits.shape[0], logits.device
         if out is None:
             f32 = dict(dtype=torch.float32, device=dev)
@@ -130,7 +134,7 @@ class SignalBackend:
                 checks.check_out(out.nonstop, "out.nonstop", (B,), torch.bool, dev)
             elif out.nonstop is not None:
                 raise ValueError("out.nonstop was given but no nonstop table: pass nonstop= or out.nonstop=None")
-        self.decode_signals_fn(logits, float(temperature), rng_keys, chosen, nonstop, out)
+        self.decode_signals_fn(logits, float(temperature), rng_keys, chosen, nonstop, out, top_p=float(top_p))
         return out
 
     def attn_decode_update(self, q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -190,10 +194,10 @@ def _make_torch() -> SignalBackend:
     )
 
 
-def _torch_decode(logits, temperature, rng_keys, chosen, nonstop, out):
+def _torch_decode(logits, temperature, rng_keys, chosen, nonstop, out, *, top_p=1.0):
     from fastrag.signals import torch_backend as tb
 
-    for o, r in zip(out, tb.decode_signals(logits, temperature, rng_keys, chosen, nonstop)):
+    for o, r in zip(out, tb.decode_signals(logits, temperature, rng_keys, chosen, nonstop, top_p)):
         if o is not None:
             o.copy_(r)
 
@@ -274,7 +278,7 @@ def _make_auto() -> SignalBackend:
         token_signals_fn=lambda x, *a: pick(x).token_signals_fn(x, *a),
         causal_attn_colmax_fn=lambda q, *a: pick(q).causal_attn_colmax_fn(q, *a),
         causal_attn_mean_rows_fn=lambda q, *a: pick(q).causal_attn_mean_rows_fn(q, *a),
-        decode_signals_fn=lambda x, *a: pick(x).decode_signals_fn(x, *a),
+        decode_signals_fn=lambda x, *a, **kw: pick(x).decode_signals_fn(x, *a, **kw),
         attn_decode_update_fn=lambda q, *a: pick(q).attn_decode_update_fn(q, *a),
         causal_attn_rows_fn=lambda q, *a: pick(q).causal_attn_rows_fn(q, *a),
     )

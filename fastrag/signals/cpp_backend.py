@@ -36,9 +36,9 @@ def causal_attn_colmax(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, 
     return load_extension().causal_attn_colmax(q.float(), k.float(), lengths, float(scale), out)
 
 
-def decode_signals(logits, temperature, rng_keys, chosen, nonstop, out) -> None:
+def decode_signals(logits, temperature, rng_keys, chosen, nonstop, out, *, top_p=1.0) -> None:
     """Fused decode-step signals (reference.decode_signals_ref) into `out` (DecodeSignals of [B] buffers)."""
-    load_extension().decode_signals(logits, float(temperature), rng_keys, chosen, nonstop, *out)
+    load_extension().decode_signals(logits, float(temperature), rng_keys, chosen, nonstop, *out, top_p=float(top_p))
 
 
 def attn_decode_update(q, k_cache, block_tables, ctx_lens, span_start, lse, block_size, scale, amax,

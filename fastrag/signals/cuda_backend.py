@@ -23,9 +23,9 @@ def load_cuda_extension():
     return ext
 
 
-def decode_signals(logits, temperature, rng_keys, chosen, nonstop, out, num_splits: int = 0) -> None:
+def decode_signals(logits, temperature, rng_keys, chosen, nonstop, out, *, top_p=1.0, num_splits: int = 0) -> None:
     load_cuda_extension().decode_signals_cuda(logits, float(temperature), rng_keys, chosen, nonstop, *out,
-                                              num_splits)
+                                              num_splits, top_p=float(top_p))
 
 
 def token_signals(logits, chosen, temperature, out):

@@ -132,26 +132,62 @@ def mix32(x: torch.Tensor) -> torch.Tensor:
 
 
 def sampling_uniform_ref(rng_keys: torch.Tensor, V: int) -> torch.Tensor:
-    """u [B, V] f64 in (0, 1): u[b, v] = ((mix32(key_b ^ mix32(v)) >> 8) + 0.5) / 2^24 (exact in float32)."""
+    """u [B, V] f64 in (0, 1): u[b, v] = ((mix32(key_b ^ mix32(v)) >> 9) + 0.5) / 2^23.
+
+    A 23-bit integer plus one half has 24 significant bits, so every u is exactly a float32 and the float32
+    kernels draw from the same u; u lies in [2^-24, 1 - 2^-24], so -ln(-ln u) is finite. (With 24 bits, +0.5
+    would round in float32, the largest value to 1.0 and an infinite Gumbel score for a random token.)
+    """
     v = mix32(torch.arange(V, dtype=torch.int64))
     h = mix32((rng_keys.to(torch.int64).cpu()[:, None] & _MASK32) ^ v[None, :])
-    return ((h >> 8).to(torch.float64) + 0.5) * 2.0**-24
+    return ((h >> 9).to(torch.float64) + 0.5) * 2.0**-23
+
+
+def top_p_nucleus_ref(y: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(keep [B, V] bool, margin [B] f64) of nucleus (top-p) filtering of softmax(y), y [B, V] float64.
+
+    Token v is kept when the probability mass of the tokens with a strictly larger y is below top_p: the smallest
+    set of most likely tokens whose mass reaches top_p, ties at the boundary all kept (HF's TopPLogitsWarper up to
+    its tie order). -inf tokens are never kept (for top_p < 1). margin[b] = min over the distinct values of row b
+    of |mass strictly above - top_p|: how far the row is from a boundary decision (float32 kernels may keep or
+    drop a boundary group differently when it is ~1e-6).
+    """
+    B, _ = y.shape
+    p = torch.softmax(y, dim=-1)
+    keep = torch.zeros_like(y, dtype=torch.bool)
+    margin = torch.empty(B, dtype=torch.float64)
+    for b in range(B):
+        vals, inv = torch.unique(y[b], return_inverse=True)  # ascending distinct values
+        mass = torch.zeros(len(vals), dtype=torch.float64).scatter_add_(0, inv, p[b])
+        above = mass.flip(0).cumsum(0).flip(0) - mass  # mass of the strictly larger values
+        keep[b] = (above < top_p)[inv] & (y[b] > float("-inf"))
+        margin[b] = (above - top_p).abs().min()
+    return keep, margin
 
 
 def decode_signals_ref(logits: torch.Tensor, temperature: float = 0.0, rng_keys: torch.Tensor | None = None,
-                       chosen: torch.Tensor | None = None, nonstop: torch.Tensor | None = None) -> dict:
+                       chosen: torch.Tensor | None = None, nonstop: torch.Tensor | None = None,
+                       top_p: float = 1.0) -> dict:
     """The decode-step token signals, float64. logits [B, V]; returns a dict of [B] tensors:
 
-    y = logits (temperature 0: greedy) or logits / temperature; p = softmax(y).
+    y = logits (temperature 0: greedy) or logits / temperature; with temperature > 0 and top_p < 1, y is then
+    warped: -inf outside the nucleus (top_p_nucleus_ref). p = softmax(y), the distribution the token is drawn from.
     chosen  i64: `chosen` if given; else argmax_v y_v (greedy, lowest index) or, temperature > 0, the Gumbel-max
                  draw argmax_v (y_v - ln(-ln u_v)) with u = sampling_uniform_ref(rng_keys, V) (lowest index on ties).
     entropy f64: -sum_v p_v ln p_v (masked -inf entries contribute 0);  logprob f64: ln p_chosen;
     prob    f64: exp(logprob) (FLARE's token probability);  nonstop bool: nonstop[chosen] (None without a table).
     score   f64: the value whose argmax picked `chosen` (y, or y + Gumbel noise), for tie-aware comparisons.
+    margin  f64: top-p boundary margin per row (top_p_nucleus_ref; +inf when no nucleus filtering happened).
     """
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     x = logits.detach().cpu().to(torch.float64)
     B, V = x.shape
     y = x if temperature == 0 else x / temperature
+    margin = torch.full((B,), float("inf"), dtype=torch.float64)
+    if temperature > 0 and top_p < 1:
+        keep, margin = top_p_nucleus_ref(y, top_p)
+        y = y.masked_fill(~keep, float("-inf"))
     logp = y - torch.logsumexp(y, dim=-1, keepdim=True)
     p = logp.exp()
     entropy = -torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(-1)
@@ -169,7 +205,7 @@ def decode_signals_ref(logits: torch.Tensor, temperature: float = 0.0, rng_keys:
     logprob = logp.gather(1, pick[:, None])[:, 0]
     flag = None if nonstop is None else nonstop.detach().cpu().bool()[pick]
     return {"chosen": pick, "entropy": entropy, "logprob": logprob, "prob": logprob.exp(), "nonstop": flag,
-            "score": score}
+            "score": score, "margin": margin}
 
 
 # ---------------------------------------------------------------- attention statistics (issue 3)

@@ -70,17 +70,30 @@ def sampling_gumbel(rng_keys: torch.Tensor, V: int) -> torch.Tensor:
     """g [B, V] f32 = -ln(-ln u), u from the counter hash of (key, v) (same bits as reference.sampling_uniform_ref)."""
     v = _mix32(torch.arange(V, dtype=torch.int64, device=rng_keys.device))
     h = _mix32((rng_keys[:, None] & 0xFFFFFFFF) ^ v[None, :])
-    u = ((h >> 8).to(torch.float32) + 0.5) * 2.0**-24
+    u = ((h >> 9).to(torch.float32) + 0.5) * 2.0**-23
     return -torch.log(-torch.log(u))
 
 
+def top_p_filter(y: torch.Tensor, top_p: float) -> torch.Tensor:
+    """y [B, V] f32 with -inf outside each row's nucleus (reference.top_p_nucleus_ref: keep the tokens whose
+    strictly-more-likely tokens hold less than top_p of the mass; boundary ties all kept). One sort per row."""
+    srt, _ = y.sort(dim=-1, descending=True)
+    p = torch.softmax(srt.double(), dim=-1)  # float64: a float32 running sum over 100k+ entries drifts ~1e-5
+    n_keep = ((p.cumsum(-1) - p) < top_p).sum(-1, keepdim=True).clamp(min=1)  # a prefix of the sorted row
+    tau = srt.gather(1, n_keep - 1)  # the smallest kept value: every tie of it stays
+    return y.masked_fill(y < tau, float("-inf"))
+
+
 def decode_signals(logits: torch.Tensor, temperature: float, rng_keys: torch.Tensor | None,
-                   chosen: torch.Tensor | None, nonstop: torch.Tensor | None):
+                   chosen: torch.Tensor | None, nonstop: torch.Tensor | None, top_p: float = 1.0):
     """(chosen [B] i64, entropy [B] f32, logprob [B] f32, prob [B] f32, flag [B] bool | None); see
-    reference.decode_signals_ref. Greedy at temperature 0, Gumbel-max sampling from softmax(logits / T) above."""
+    reference.decode_signals_ref. Greedy at temperature 0, Gumbel-max sampling from softmax(logits / T) above,
+    restricted to the top-p nucleus when top_p < 1."""
     y = logits.float()
     if temperature > 0:
         y = y / temperature
+        if top_p < 1:
+            y = top_p_filter(y, top_p)
     logp = y - torch.logsumexp(y, dim=-1, keepdim=True)
     p = logp.exp()
     entropy = -torch.where(p > 0, p * logp, 0.0).sum(-1)

@@ -30,10 +30,10 @@ def devices() -> frozenset[str]:
     raise RuntimeError("no CUDA GPU, and the Triton kernels were not imported under TRITON_INTERPRET=1")
 
 
-def decode_signals(logits, temperature, rng_keys, chosen, nonstop, out) -> None:
+def decode_signals(logits, temperature, rng_keys, chosen, nonstop, out, *, top_p=1.0) -> None:
     from fastrag.kernels import token_signals as ts
 
-    ts.token_signals(logits, temperature, rng_keys, chosen, nonstop, tuple(out))
+    ts.token_signals(logits, temperature, rng_keys, chosen, nonstop, tuple(out), top_p=top_p)
 
 
 def token_signals(logits, chosen, temperature, out):
