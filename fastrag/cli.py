@@ -28,6 +28,10 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--signals", help="signal backend (torch | cpp); default env FASTRAG_SIGNALS_BACKEND or torch")
     p.add_argument("--kv-cache-gb", type=float, default=8.0, help="KV cache pool size")
     p.add_argument("--threads", type=int, help="torch CPU threads")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 (default): greedy; > 0: sample inside the fused signal kernel (run only; parity is greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling with --temperature > 0 (e.g. 0.9)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampling keys")
     p.add_argument("--output", required=True, help="output directory (results.jsonl, metrics.json)")
     p.add_argument("--no-progress", action="store_true")
 
@@ -87,7 +91,11 @@ def main(argv: list[str] | None = None) -> int:
         opts = RunOptions(method=args.method, dataset=args.dataset, data=args.data, corpus=args.corpus,
                           output=args.output, model=args.model, config=args.config, limit=args.limit,
                           batch_size=args.batch_size, signals=args.signals, kv_cache_gb=args.kv_cache_gb,
-                          threads=args.threads, progress=not args.no_progress, retriever=args.retriever)
+                          threads=args.threads, progress=not args.no_progress, retriever=args.retriever,
+                          temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+        if args.cmd == "parity" and args.temperature > 0:
+            raise ValueError("--temperature: parity compares greedy decoding with the per-question oracle; "
+                             "drop --temperature/--top-p for `fastrag parity`")
         if args.cmd == "run" and args.ray:
             from fastrag.distributed import run_ray
 

@@ -16,6 +16,20 @@ from fastrag.model.llama import AttnBatch, LlamaModel, PrefixGroup
 from fastrag.signals import get_backend
 
 
+_M64 = (1 << 64) - 1
+
+
+def sampling_key(*parts: int) -> int:
+    """A 64-bit key from integers (splitmix64 steps over the parts): the same parts give the same key in every
+    process, unlike Python's salted hash()."""
+    x = 0x9E3779B97F4A7C15
+    for p in parts:
+        x = (x ^ (p & _M64)) * 0xBF58476D1CE4E5B9 & _M64
+        x = (x ^ (x >> 31)) * 0x94D049BB133111EB & _M64
+        x ^= x >> 29
+    return x
+
+
 @dataclass(slots=True)
 class SamplingParams:
     temperature: float = 0.0  # 0: greedy
@@ -60,6 +74,7 @@ class SeqState:
     # attention [H, cap] each span token received (column j: position track_from + j)
     track_from: int | None = None
     amax: torch.Tensor | None = None
+    sample_key: int = 0  # sampling: the key of the current generation (token t draws with sampling_key(.., t))
 
     @property
     def base(self) -> int:
@@ -155,8 +170,14 @@ class Engine:
         self.prefixes.clear()
         self._starts.clear()
 
-    def start(self, s: SeqState, prompt_ids: list[int], max_new_tokens: int, track_from: int | None = None) -> None:
+    def start(self, s: SeqState, prompt_ids: list[int], max_new_tokens: int, track_from: int | None = None,
+              sample_key: int | None = None) -> None:
         """Queue a generation of up to max_new_tokens after prompt_ids on sequence s (reusing its cache).
+
+        sample_key (sampling only): the generation's key; token t is drawn with sampling_key(seed, sample_key, t),
+        so a caller that names its generations (the scheduler: question id and call number) gets the same tokens
+        whatever else shares the batch and whenever the generation runs. None: the next key of the engine's
+        seeded generator (reproducible for the same sequence of start calls).
 
         track_from: track the last layer's in-context attention received by every token from this position of
         prompt_ids on (Generation.attn). Those tokens are fed one per decode step (never in a prefill), so each
@@ -194,6 +215,9 @@ class Engine:
         s.tokens = list(prompt_ids)
         s.pending_prompt = prompt_ids[base + lcp:]
         s.max_new = max_new_tokens
+        if self.sampling.temperature > 0:
+            s.sample_key = sample_key if sample_key is not None else \
+                int(torch.randint(0, 2**62, (1,), generator=self.gen))
         s.out = Generation(ids=[], entropy=[], logprob=[], prompt_tokens=len(prompt_ids),
                            prefilled=len(s.pending_prompt))
         if track_from is not None:
@@ -316,8 +340,9 @@ class Engine:
         # distribution the token is drawn from (DESIGN.md "Signals").
         sp = self.sampling
         keys = None
-        if sp.temperature > 0:  # per-row keys of the in-kernel sampler, drawn from the seeded host generator
-            keys = torch.randint(0, 2**32, (len(seqs),), generator=self.gen, dtype=torch.int64).to(logits.device)
+        if sp.temperature > 0:  # per-row keys of the in-kernel sampler: (seed, generation key, token index)
+            keys = torch.tensor([sampling_key(sp.seed, s.sample_key, len(s.out.ids)) & 0xFFFFFFFF for s in seqs],
+                                dtype=torch.int64).to(logits.device)
         sig = self.signals.decode_signals(logits, temperature=sp.temperature, rng_keys=keys, top_p=sp.top_p)
         # the one host copy per step: [3, B] (token ids < 2^53 are exact in float64)
         host = torch.stack([sig.chosen.double(), sig.entropy.double(), sig.logprob.double()]).cpu()

@@ -39,6 +39,12 @@ class RunOptions:
     progress: bool = True
     retriever: str = "bm25"  # bm25 | dense | elasticsearch (fastrag.retrieval.RETRIEVERS)
     qids: tuple[str, ...] | None = None  # only these questions of the file (a shard of a distributed run)
+    # decoding: greedy by default (parity and the committed tables); temperature > 0 samples inside the fused
+    # signal kernel, from the top-p nucleus when top_p < 1, keyed by `seed` (the published DRAGIN runs sampled
+    # with T = 0.6, top-p 0.9). A resumed sampled run draws fresh keys for the questions it computes.
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
 
     def __post_init__(self):
         from fastrag.methods.registry import get_method
@@ -52,6 +58,10 @@ class RunOptions:
             raise ValueError(f"--batch-size must be positive, got {self.batch_size}")
         if self.limit is not None and self.limit <= 0:
             raise ValueError(f"--limit must be positive, got {self.limit}")
+        if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0):
+            raise ValueError(f"--temperature must be a number >= 0 (0: greedy), got {self.temperature!r}")
+        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            raise ValueError(f"--top-p must be in (0, 1] (1: no nucleus filtering), got {self.top_p!r}")
         for name in ("data", "corpus"):
             p = Path(getattr(self, name))
             if not p.is_file():
@@ -101,8 +111,16 @@ class ResultWriter:
         self.f.close()
 
 
+def sampling_of(opts: RunOptions):
+    """The engine's SamplingParams for a run's --temperature / --top-p / --seed."""
+    from fastrag.engine import SamplingParams
+
+    return SamplingParams(temperature=opts.temperature, top_p=opts.top_p, seed=opts.seed)
+
+
 def build_engine(model: str, batch_size: int, signals: str | None = None, kv_cache_gb: float = 8.0,
-                 device: str | None = None, dtype: torch.dtype | None = None):
+                 device: str | None = None, dtype: torch.dtype | None = None, sampling=None):
+    """sampling: fastrag.engine.SamplingParams (None: greedy)."""
     from fastrag.engine import Engine
     from fastrag.model.llama import LlamaModel
     from fastrag.model.loading import load_tokenizer, resolve_model
@@ -111,7 +129,7 @@ def build_engine(model: str, batch_size: int, signals: str | None = None, kv_cac
     dtype = dtype or (torch.bfloat16 if device == "cuda" else torch.float32)
     tok = load_tokenizer(model)
     m = LlamaModel.from_pretrained(resolve_model(model), dtype=dtype, device=device)
-    return Engine(m, tok, max_batch=batch_size, kv_cache_gb=kv_cache_gb, signals=signals)
+    return Engine(m, tok, max_batch=batch_size, kv_cache_gb=kv_cache_gb, signals=signals, sampling=sampling)
 
 
 def make_policy(method: str, cfg, tokenizer):
@@ -169,7 +187,8 @@ def run_many(runs: list[RunOptions], engine=None, retriever=None) -> list[dict]:
         raise ValueError("run_many: no runs given")
     first = runs[0]
     for o in runs[1:]:
-        for f in ("model", "corpus", "retriever", "batch_size", "signals", "kv_cache_gb"):
+        for f in ("model", "corpus", "retriever", "batch_size", "signals", "kv_cache_gb", "temperature", "top_p",
+                  "seed"):
             if getattr(o, f) != getattr(first, f):
                 raise ValueError(f"run_many: runs must share --{f.replace('_', '-')}: {getattr(first, f)!r} "
                                  f"({first.dataset}) vs {getattr(o, f)!r} ({o.dataset})")
@@ -195,7 +214,8 @@ def run_many(runs: list[RunOptions], engine=None, retriever=None) -> list[dict]:
     sched = None
     tok0 = 0
     if any(p[4] for p in plans):
-        engine = engine or build_engine(first.model, first.batch_size, first.signals, first.kv_cache_gb)
+        engine = engine or build_engine(first.model, first.batch_size, first.signals, first.kv_cache_gb,
+                                        sampling=sampling_of(first))
         retriever = retriever or make_retriever(first.retriever, corpus_path=first.corpus)
         policies = [make_policy(o.method, cfg, engine.tok) for o, cfg, *_ in plans]
         for pol in policies:
@@ -245,6 +265,7 @@ def run_many(runs: list[RunOptions], engine=None, retriever=None) -> list[dict]:
                                 "computed_this_run": computed,
                                 "questions_per_s": computed / wall if wall > 0 else None,
                                 "tokens_per_s": tokens / wall if wall > 0 else None}
+        metrics["sampling"] = {"temperature": o.temperature, "top_p": o.top_p, "seed": o.seed}
         if engine is not None:
             metrics["engine"] = dict(engine.stats)
         if sched is not None:  # retrieval batches of this run: how many queries went to the retriever together

@@ -13,6 +13,7 @@ batch in the same retriever call) and the generator resumes once, with the list 
 
 from __future__ import annotations
 
+import hashlib
 import time
 import traceback
 from collections import deque
@@ -20,8 +21,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Generator, Iterable
 
-from fastrag.engine import Engine, SeqState
+from fastrag.engine import Engine, SeqState, sampling_key
 from fastrag.trace import QuestionResult
+
+
+def _stable_id(example) -> int:
+    """A process-independent integer naming a question: its qid, else its question text, else its repr."""
+    name = getattr(example, "qid", None) or getattr(example, "question", None) or repr(example)
+    return int.from_bytes(hashlib.blake2b(str(name).encode(), digest_size=8).digest(), "little")
 
 
 @dataclass(slots=True)
@@ -300,10 +307,13 @@ class Scheduler:
                     lv.seqs[req.branch] = self.engine.new_sequence()
                 seq = lv.seqs[req.branch]
             self._by_seq[id(seq)] = (lv, idx)
-            if track_from is None:
-                self.engine.start(seq, ids, req.max_new_tokens)
-            else:
-                self.engine.start(seq, ids, req.max_new_tokens, track_from=track_from)
+            kw = {} if track_from is None else {"track_from": track_from}
+            sp = getattr(self.engine, "sampling", None)
+            if sp is not None and sp.temperature > 0:
+                # the generation's sampling key names the question and its call number, so a seeded run draws
+                # the same tokens whatever shares the batch and whenever retrieval returns
+                kw["sample_key"] = sampling_key(_stable_id(lv.example), lv.generations)
+            self.engine.start(seq, ids, req.max_new_tokens, **kw)
             seq.on_token = self._token_hook(lv, req.branch) if lv.on_event is not None else None
             self._emit(lv, "generate", {"prompt_tokens": len(ids), "branch": req.branch})
             lv.generations += 1

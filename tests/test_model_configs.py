@@ -161,6 +161,42 @@ def test_sampling_is_seeded_and_top_p_limits_the_support():
         SamplingParams(top_p=0.0)
 
 
+def test_sampled_tokens_depend_on_the_generation_key_not_on_the_batch():
+    """A generation started with a sample_key draws the same tokens alone or beside other sequences (its keys are
+    (seed, sample_key, token index), not a shared stream), and another key draws other tokens."""
+    from transformers import LlamaConfig
+
+    from fastrag.engine import Engine, SamplingParams
+
+    class Tok:
+        eos_token_id = None
+
+    cfg = LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, eos_token_id=None)
+    m = LlamaModel.from_hf_config(cfg, seed=2)
+
+    def run(jobs):  # jobs: (prompt, sample_key, start at step)
+        eng = Engine(m, Tok(), kv_cache_gb=0.01, sampling=SamplingParams(temperature=1.5, top_p=0.95, seed=4))
+        seqs = [eng.new_sequence() for _ in jobs]
+        step = 0
+        while True:
+            for s, (prompt, key, at) in zip(seqs, jobs):
+                if at == step:
+                    eng.start(s, prompt, 20, sample_key=key)
+            if not eng.has_work and step > max(at for *_, at in jobs):
+                break
+            if eng.has_work:
+                eng.step()
+            step += 1
+        return [s.out.ids for s in seqs]
+
+    alone = run([([5, 6, 7], 123, 0)])[0]
+    crowded = run([([9, 8], 77, 0), ([1, 2, 3, 4], 55, 0), ([5, 6, 7], 123, 3)])[2]
+    assert alone == crowded and len(alone) == 20
+    other = run([([5, 6, 7], 124, 0)])[0]
+    assert other != alone
+
+
 def test_top_p_sampling_same_tokens_on_every_signals_backend():
     """Nucleus sampling runs inside the fused decode kernel: with the same seed, the torch (sort), C++ and Triton
     (radix select, interpreted on CPU) backends draw the same tokens and report the same entropies; and every
