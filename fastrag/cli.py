@@ -63,15 +63,22 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("--max-queue", type=int, default=256, help="questions waiting beyond those in flight; then 429")
     sp.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds")
     sp.add_argument("--kv-cache-gb", type=float, default=8.0)
+    sp.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; > 0: sampled answers")
+    sp.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling with --temperature > 0")
+    sp.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     if args.cmd == "index":
         return _index(args)
     if args.cmd == "serve":
         from fastrag.serving.server import serve
 
-        serve(model=args.model, corpus=args.corpus, retriever=args.retriever, host=args.host, port=args.port,
-              batch_size=args.batch_size, max_queue=args.max_queue, timeout_s=args.timeout,
-              kv_cache_gb=args.kv_cache_gb)
+        try:
+            serve(model=args.model, corpus=args.corpus, retriever=args.retriever, host=args.host, port=args.port,
+                  batch_size=args.batch_size, max_queue=args.max_queue, timeout_s=args.timeout,
+                  kv_cache_gb=args.kv_cache_gb, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+        except ValueError as e:
+            print(f"fastrag: error: {e}", file=sys.stderr)
+            return 2
         return 0
     if args.cmd == "methods":
         from fastrag.methods.registry import available, get_method

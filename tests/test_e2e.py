@@ -144,6 +144,11 @@ def test_sampled_run_is_seeded_and_recorded(tmp_path, small_config):
     assert p.returncode == 2 and "--temperature" in p.stderr, p.stderr
 
 
+def test_serve_rejects_bad_sampling_before_loading_anything():
+    p = cli("serve", "--temperature", "0.5", "--top-p", "2", check=False, timeout=120)
+    assert p.returncode == 2 and "top_p must be in (0, 1]" in p.stderr, p.stderr
+
+
 def test_malformed_data_line_is_named(tmp_path):
     bad = tmp_path / "q.jsonl"
     lines = DATA.read_text().splitlines()[:2]
