@@ -1,5 +1,6 @@
-"""Triton kernels of the retrieval signals, installed as `fastrag.kernels` (one op per module:
-token_signals, attn_stats). Definitions: fastrag.signals.reference.
+"""Triton kernels, installed as `fastrag.kernels` (one op per module): the retrieval signals (token_signals,
+attn_stats; definitions: fastrag.signals.reference) and the model's paged decode attention on CUDA
+(paged_attention).
 
 Triton decides at decoration time whether a kernel is compiled for the GPU or run by its interpreter
 (TRITON_INTERPRET=1, numpy on the CPU), so `INTERPRETED` records which mode these modules were imported in.

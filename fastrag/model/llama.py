@@ -18,12 +18,22 @@ import torch.nn.functional as F
 from torch import nn
 
 
-def _native_decode_attention():
-    """The C++ paged decode attention (csrc/paged_attn_cpu.cpp) when the extension is built, else None.
-    FASTRAG_DECODE_ATTENTION=torch forces the pure-torch cascade path."""
+DECODE_ATTENTION_ENV = "FASTRAG_DECODE_ATTENTION"  # native (default) | triton | torch
+
+
+def _decode_attention_mode() -> str:
     import os
 
-    if os.environ.get("FASTRAG_DECODE_ATTENTION", "native") == "torch":
+    mode = os.environ.get(DECODE_ATTENTION_ENV, "native")
+    if mode not in ("native", "triton", "torch"):
+        raise ValueError(f"${DECODE_ATTENTION_ENV}={mode!r}: expected native, triton or torch")
+    return mode
+
+
+def _native_decode_attention():
+    """The C++ paged decode attention (csrc/paged_attn_cpu.cpp) when the extension is built, else None.
+    FASTRAG_DECODE_ATTENTION=torch forces the pure-torch cascade path (and =triton the Triton kernel)."""
+    if _decode_attention_mode() != "native":
         return None
     try:
         import fastrag._C  # noqa: F401  (registers torch.ops.fastrag.*)
@@ -31,6 +41,22 @@ def _native_decode_attention():
         return torch.ops.fastrag.paged_decode_attention_lse
     except (ImportError, AttributeError, RuntimeError):
         return None
+
+
+def _triton_decode_attention():
+    """(op, runs on CPU tensors) of the Triton paged decode attention (kernels/paged_attention.py), or (None, False).
+
+    Used for CUDA tensors unless FASTRAG_DECODE_ATTENTION=torch; with =triton also for CPU tensors when the kernels
+    were imported under TRITON_INTERPRET=1 (how CI runs this path without a GPU)."""
+    mode = _decode_attention_mode()
+    if mode == "torch":
+        return None, False
+    try:
+        from fastrag.kernels import INTERPRETED
+        from fastrag.kernels.paged_attention import paged_decode_attention_lse
+    except ImportError:
+        return None, False
+    return paged_decode_attention_lse, mode == "triton" and INTERPRETED
 
 
 @dataclass(slots=True)
@@ -187,6 +213,7 @@ class LlamaModel(nn.Module):
         self.attention_scaling = attention_scaling
         self.scale = 1.0 / math.sqrt(c.head_dim)
         self.native_decode = _native_decode_attention()
+        self.triton_decode, self._triton_on_cpu = _triton_decode_attention()
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -405,20 +432,33 @@ class LlamaModel(nn.Module):
             v = torch.cat([vpre.unsqueeze(0).expand(B, -1, -1, -1), v], dim=2)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True)
 
+    def paged_decode_op(self, device: torch.device, dtype: torch.dtype):
+        """The own-context paged decode attention for tensors of this device/dtype, or None (torch cascade):
+        the Triton kernel on CUDA (or on CPU under TRITON_INTERPRET=1 with FASTRAG_DECODE_ATTENTION=triton), the
+        C++ kernel for float32 on CPU. Both return (out, lse), so the shared prefixes are merged the same way."""
+        if device.type == "cuda" and self.triton_decode is not None:
+            return self.triton_decode
+        if device.type == "cpu" and self._triton_on_cpu:
+            return self.triton_decode
+        if device.type == "cpu" and dtype == torch.float32:
+            return self.native_decode
+        return None
+
     @property
     def mixes_prefixes(self) -> bool:
         """Whether one decode batch may hold sequences of different shared prefixes (AttnBatch.prefix_groups)."""
         p = self.embed.weight
-        return self.native_decode is not None and p.device.type == "cpu" and p.dtype == torch.float32
+        return self.paged_decode_op(p.device, p.dtype) is not None
 
     def _decode_native(self, q, b: AttnBatch, kp, vp, want_lse: bool = False):
         """One new token per sequence, q: [B, H, D] -> [B, H, D].
 
         Each shared prefix is one GEMM for all the sequences that start with it: [Hkv, n*G, D] x [Hkv, D, P], the
         prefix's keys and values read once for the batch (read once per sequence, the prefix is most of the
-        traffic of a decode step at batch 32). Each sequence's own tokens go through the C++ paged kernel
-        (csrc/paged_attn_cpu.cpp), which reads them in place from the pool and returns their log-sum-exp; the
-        parts are merged by LSE. want_lse: also return the merged row log-sum-exp [B, H].
+        traffic of a decode step at batch 32). Each sequence's own tokens go through the paged kernel
+        (paged_decode_op: C++ csrc/paged_attn_cpu.cpp on CPU, Triton kernels/paged_attention.py on CUDA), which
+        reads them in place from the pool and returns their log-sum-exp; the parts are merged by LSE.
+        want_lse: also return the merged row log-sum-exp [B, H].
         """
         B, H, D = q.shape
         Hkv = self.c.num_kv_heads
@@ -427,7 +467,8 @@ class LlamaModel(nn.Module):
         if groups is None:
             groups = [PrefixGroup(None, b.prefix_len, b.prefix_slots, b.prefix_start)] if b.prefix_len else []
         no_prefix = b.prefix_slots[:0]
-        o, lse = self.native_decode(q, kp, vp, no_prefix, b.ctx_blocks, b.ctx_lens, b.block_size, self.scale)
+        op = self.paged_decode_op(q.device, q.dtype)
+        o, lse = op(q, kp, vp, no_prefix, b.ctx_blocks, b.ctx_lens, b.block_size, self.scale)
         lse_all = lse.clone() if want_lse else None
         for g in groups:
             if g.start >= 0:
@@ -437,18 +478,19 @@ class LlamaModel(nn.Module):
             qg = q if g.rows is None else q.index_select(0, g.rows)
             n = qg.shape[0]
             qh = qg.reshape(n, Hkv, G, D).transpose(0, 1).reshape(Hkv, n * G, D)
-            s = torch.matmul(qh, kpre.transpose(1, 2)).mul_(self.scale)  # [Hkv, n*G, P]
+            # softmax and merge in float32 (no-ops for the fp32 CPU path); the GEMMs stay in the model's dtype
+            s = torch.matmul(qh, kpre.transpose(1, 2)).float().mul_(self.scale)  # [Hkv, n*G, P]
             mx = s.amax(-1, keepdim=True)
             e = s.sub_(mx).exp_()
             den = e.sum(-1, keepdim=True)
-            o_pre = torch.matmul(e, vpre).div_(den)  # [Hkv, n*G, D]
+            o_pre = torch.matmul(e.to(vpre.dtype), vpre).float().div_(den)  # [Hkv, n*G, D]
             l_pre = (mx + den.log()).view(Hkv, n, G).transpose(0, 1).reshape(n, H, 1)
             o_pre = o_pre.view(Hkv, n, G, D).transpose(0, 1).reshape(n, H, D)
-            o_own = o if g.rows is None else o.index_select(0, g.rows)
+            o_own = (o if g.rows is None else o.index_select(0, g.rows)).float()
             l_own = (lse if g.rows is None else lse.index_select(0, g.rows)).unsqueeze(-1)
             m = torch.maximum(l_pre, l_own)
             w_pre, w_own = (l_pre - m).exp_(), (l_own - m).exp_()
-            merged = (o_pre * w_pre + o_own * w_own).div_(w_pre + w_own)
+            merged = (o_pre * w_pre + o_own * w_own).div_(w_pre + w_own).to(q.dtype)
             if g.rows is None:
                 o = merged
             else:
@@ -466,7 +508,7 @@ class LlamaModel(nn.Module):
         contiguous read for the whole batch. want_lse (decode, T = 1): also return the row log-sum-exp [B, H].
         """
         B, H, T, D = q.shape
-        if T == 1 and q.device.type == "cpu" and q.dtype == torch.float32 and self.native_decode is not None:
+        if T == 1 and self.paged_decode_op(q.device, q.dtype) is not None:
             if want_lse:
                 o, lse = self._decode_native(q.reshape(B, H, D), b, kp, vp, want_lse=True)
                 return o.view(B, H, 1, D), lse

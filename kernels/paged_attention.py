@@ -1,0 +1,164 @@
+"""Paged decode attention over each sequence's own KV blocks, returning the row log-sum-exp (Triton).
+
+One new query per sequence: q [B, H, D]; keys/values live in the engine's pool [Hkv, num_slots, D], sequence b's
+token n in slot ctx_blocks[b, n // bs] * bs + n % bs, for n < ctx_lens[b]. Returns out [B, H, D] (q's dtype) and
+lse [B, H] f32 (natural log of the sum of exp(q . k * scale)), the same contract as the C++ CPU op
+`torch.ops.fastrag.paged_decode_attention_lse` with no prefix keys: the model computes each shared prefix as one
+GEMM for the whole batch and merges it with this part by LSE (cascade attention), and the decode attention
+statistics reuse the merged LSE. A sequence with no own key gets out = 0 and lse = -inf (neutral in that merge).
+
+Program = (sequence, kv head, split): the G = H / Hkv query heads of a group share every key/value row, so a row is
+read once per sequence (one tl.dot of the [G, D] queries against a tile of keys); long contexts are cut into
+NSPLIT slices whose partial (max, sum, accumulator) states a second kernel merges (flash-decoding), so small
+batches still fill the GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _paged_decode_partial_kernel(
+    q_ptr, k_ptr, v_ptr, tab_ptr, len_ptr, acc_ptr, ml_ptr,
+    stride_qb, stride_qh, stride_kh, stride_ks, stride_vh, stride_vs, stride_tb,
+    scale, SPLIT_LEN, NSPLIT, H,
+    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr,
+    BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+):
+    i_b = tl.program_id(0).to(tl.int64)
+    i_kh = tl.program_id(1)
+    i_s = tl.program_id(2)
+    n_ctx = tl.load(len_ptr + i_b)
+    o_g = tl.arange(0, G_PAD)
+    o_d = tl.arange(0, D_PAD)
+    m_g = o_g < G
+    m_d = o_d < D
+    # q: [G_PAD, D_PAD], the query heads i_kh * G + g of this sequence
+    b_q = tl.load(q_ptr + i_b * stride_qb + (i_kh * G + o_g)[:, None] * stride_qh + o_d[None, :],
+                  mask=m_g[:, None] & m_d[None, :], other=0.0)
+    b_m = tl.full([G_PAD], float("-inf"), tl.float32)
+    b_l = tl.zeros([G_PAD], tl.float32)
+    b_acc = tl.zeros([G_PAD, D_PAD], tl.float32)
+    n_start = i_s * SPLIT_LEN
+    n_end = tl.minimum(n_start + SPLIT_LEN, n_ctx)
+    for n0 in range(n_start, n_end, BLOCK_N):
+        o_n = n0 + tl.arange(0, BLOCK_N)
+        m_n = o_n < n_end
+        blk = tl.load(tab_ptr + i_b * stride_tb + o_n // BS, mask=m_n, other=0).to(tl.int64)
+        slot = blk * BS + (o_n % BS).to(tl.int64)
+        # k, v: [BLOCK_N, D_PAD] rows of this kv head, in the pool's dtype (bf16/fp16 tensor-core dots with f32
+        # accumulation; fp32 pools multiply in IEEE fp32, not tf32)
+        b_k = tl.load(k_ptr + i_kh * stride_kh + slot[:, None] * stride_ks + o_d[None, :],
+                      mask=m_n[:, None] & m_d[None, :], other=0.0)
+        b_v = tl.load(v_ptr + i_kh * stride_vh + slot[:, None] * stride_vs + o_d[None, :],
+                      mask=m_n[:, None] & m_d[None, :], other=0.0)
+        if IEEE:
+            b_s = tl.dot(b_q, tl.trans(b_k), input_precision="ieee") * scale  # [G_PAD, BLOCK_N]
+        else:
+            b_s = tl.dot(b_q, tl.trans(b_k)) * scale
+        b_s = tl.where(m_n[None, :], b_s, float("-inf"))
+        b_m_new = tl.maximum(b_m, tl.max(b_s, axis=1))
+        b_alpha = tl.exp(b_m - b_m_new)
+        b_p = tl.exp(b_s - b_m_new[:, None])
+        b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
+        if IEEE:
+            b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p, b_v, input_precision="ieee")
+        else:
+            b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v)
+        b_m = b_m_new
+    # partial state of (sequence, head, split): acc [D], (m, l)
+    base = (i_b * H + i_kh * G + o_g) * NSPLIT + i_s  # [G_PAD] row of (sequence, head, split)
+    tl.store(acc_ptr + base[:, None] * D_PAD + o_d[None, :], b_acc, mask=m_g[:, None])
+    tl.store(ml_ptr + base * 2, b_m, mask=m_g)
+    tl.store(ml_ptr + base * 2 + 1, b_l, mask=m_g)
+
+
+@triton.jit
+def _paged_decode_merge_kernel(
+    acc_ptr, ml_ptr, out_ptr, lse_ptr, stride_ob, stride_oh, H, NSPLIT,
+    D: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr,
+):
+    i_b = tl.program_id(0).to(tl.int64)
+    i_h = tl.program_id(1)
+    o_s = tl.arange(0, S_PAD)
+    o_d = tl.arange(0, D_PAD)
+    m_s = o_s < NSPLIT
+    base = (i_b * H + i_h) * NSPLIT + o_s  # [S_PAD]
+    b_m = tl.load(ml_ptr + base * 2, mask=m_s, other=float("-inf"))
+    b_l = tl.load(ml_ptr + base * 2 + 1, mask=m_s, other=0.0)
+    m = tl.max(b_m, axis=0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    b_w = tl.where(b_m == float("-inf"), 0.0, tl.exp(b_m - m_safe))  # empty splits weigh nothing
+    den = tl.sum(b_l * b_w, axis=0)
+    b_acc = tl.load(acc_ptr + base[:, None] * D_PAD + o_d[None, :], mask=m_s[:, None], other=0.0)
+    num = tl.sum(b_acc * b_w[:, None], axis=0)  # [D_PAD]
+    out = tl.where(den > 0, num / tl.where(den > 0, den, 1.0), 0.0)
+    tl.store(out_ptr + i_b * stride_ob + i_h * stride_oh + o_d, out.to(out_ptr.dtype.element_ty), mask=o_d < D)
+    tl.store(lse_ptr + i_b * H + i_h, tl.where(den > 0, m_safe + tl.log(tl.where(den > 0, den, 1.0)),
+                                               float("-inf")))
+
+
+def paged_decode_attention_lse(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                               prefix_slots: torch.Tensor, ctx_blocks: torch.Tensor, ctx_lens: torch.Tensor,
+                               block_size: int, scale: float, num_splits: int | None = None,
+                               block_n: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [B, H, D], lse [B, H] f32) of each sequence's query over its own paged context (see the module doc).
+
+    q [B, H, D]; k_pool/v_pool [Hkv, num_slots, D] (last dim contiguous, q's dtype); ctx_blocks [B, NB] int;
+    ctx_lens [B] int (own keys, the new token's included); prefix_slots must be empty (shared prefixes are merged
+    by the caller). Raises ValueError naming a bad argument.
+    """
+    if prefix_slots.numel():
+        raise ValueError("prefix_slots: the Triton paged decode attention covers the own context only; merge "
+                         "shared prefixes by LSE (LlamaModel._decode_native)")
+    if q.dim() != 3 or k_pool.dim() != 3 or v_pool.shape != k_pool.shape:
+        raise ValueError(f"q must be [B, H, D] and k_pool/v_pool equal [Hkv, num_slots, D], got q "
+                         f"{tuple(q.shape)}, k_pool {tuple(k_pool.shape)}, v_pool {tuple(v_pool.shape)}")
+    B, H, D = q.shape
+    Hkv = k_pool.shape[0]
+    if k_pool.shape[2] != D or H % Hkv:
+        raise ValueError(f"k_pool head dim {k_pool.shape[2]} must equal q's {D} and H={H} a multiple of Hkv={Hkv}")
+    if k_pool.dtype != q.dtype or v_pool.dtype != q.dtype:
+        raise ValueError(f"k_pool/v_pool dtype {k_pool.dtype}/{v_pool.dtype} must equal q's {q.dtype}")
+    if k_pool.stride(2) != 1 or v_pool.stride(2) != 1:
+        raise ValueError("k_pool/v_pool must be contiguous in the head dim")
+    if block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
+    if ctx_blocks.dim() != 2 or ctx_blocks.shape[0] != B or ctx_lens.shape != (B,):
+        raise ValueError(f"ctx_blocks must be [B={B}, NB] and ctx_lens [B], got {tuple(ctx_blocks.shape)} and "
+                         f"{tuple(ctx_lens.shape)}")
+    G = H // Hkv
+    out = torch.empty(B, H, D, dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, H, dtype=torch.float32, device=q.device)
+    if B == 0:
+        return out, lse
+    q = q.contiguous() if q.stride(2) != 1 else q
+    tab = ctx_blocks.contiguous()
+    lens = ctx_lens.contiguous()
+    max_ctx = ctx_blocks.shape[1] * block_size
+    if num_splits is None:
+        if q.device.type == "cuda":  # about 2 programs per SM in all
+            sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+            num_splits = max(1, min(triton.cdiv(max_ctx, 256), triton.cdiv(2 * sms, B * Hkv)))
+        else:
+            num_splits = 1
+    split_len = triton.cdiv(triton.cdiv(max(max_ctx, 1), num_splits), block_n) * block_n
+    nsplit = max(1, triton.cdiv(max_ctx, split_len))
+    d_pad = max(16, triton.next_power_of_2(D))  # tl.dot needs every dim >= 16
+    g_pad = max(16, triton.next_power_of_2(G))
+    acc = torch.empty(B * H * nsplit, d_pad, dtype=torch.float32, device=q.device)
+    ml = torch.empty(B * H * nsplit, 2, dtype=torch.float32, device=q.device)
+    _paged_decode_partial_kernel[(B, Hkv, nsplit)](
+        q, k_pool, v_pool, tab, lens, acc, ml,
+        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
+        tab.stride(0), float(scale), split_len, nsplit, H,
+        G=G, G_PAD=g_pad, D=D, D_PAD=d_pad, BS=block_size, BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
+    )
+    _paged_decode_merge_kernel[(B, H)](
+        acc, ml, out, lse, out.stride(0), out.stride(1), H, nsplit,
+        D=D, D_PAD=d_pad, S_PAD=max(2, triton.next_power_of_2(nsplit)),
+    )
+    return out, lse
