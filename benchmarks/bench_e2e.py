@@ -4,7 +4,10 @@ The engine answers all datasets' questions in one run (`fastrag.eval.run_many`: 
 own prompts and settings), the way a user evaluates; `--separate-engine-runs` runs one engine job per dataset
 instead. Then, per dataset, the oracle as the published recipe runs it (plain transformers, eager attention, fp32,
 batch size 1, the whole prompt re-prefilled by `generate` every round and an extra attention forward per round),
-resuming from its earlier records (its rate is n / sum of per-question times), and the decision-by-decision parity.
+resuming from its earlier records (its rate is n / sum of per-question times), and the decision-by-decision parity;
+with --tuned-oracle-limit N also the oracle in its best honest per-question configuration (bf16 on a GPU, SDPA,
+batch size 1) on the first N questions of each dataset. --model takes an HF directory (e.g. a random-initialised
+Llama-2-7B shape from benchmarks/make_random_model.py) for GPU runs; the oracle runs on the GPU when there is one.
 Writes `benchmarks/results/e2e_<device>.md` (+ .json): questions/s of both over all questions and their ratio, and
 per dataset the tokens prefilled/decoded and retrievals per question, parity and EM.
 
@@ -76,6 +79,9 @@ def main() -> None:
     ap.add_argument("--datasets", nargs="+", default=["hotpotqa", "2wikimultihopqa"])
     ap.add_argument("--limit", type=int, default=50)
     ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--model", default="smollm2", help="engine and oracle model: smollm2 or an HF directory")
+    ap.add_argument("--tuned-oracle-limit", type=int, default=0,
+                    help="questions per dataset for the tuned per-question oracle (bf16 on a GPU, SDPA); 0: none")
     ap.add_argument("--output", default=str(ROOT / "runs" / "bench_e2e"))
     ap.add_argument("--results", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--report-only", action="store_true",
@@ -92,7 +98,8 @@ def main() -> None:
         f"CPU {platform.processor() or platform.machine()} x{torch.get_num_threads()} threads"
     outs = {ds: Path(args.output) / ds for ds in args.datasets}
     opts = {ds: RunOptions(method="dragin", dataset=ds, data=str(DATA[ds]), corpus=str(CORPUS),
-                           output=str(outs[ds] / "engine"), limit=args.limit, batch_size=args.batch_size)
+                           output=str(outs[ds] / "engine"), limit=args.limit, batch_size=args.batch_size,
+                           model=args.model)
             for ds in args.datasets}
     if not (args.report_only or args.keep_engine):
         for ds in args.datasets:
@@ -108,6 +115,9 @@ def main() -> None:
         out = outs[ds]
         if not args.report_only:
             run_oracle(replace(opts[ds], output=str(out)), out / "oracle")
+            if args.tuned_oracle_limit:
+                run_oracle(replace(opts[ds], output=str(out), limit=args.tuned_oracle_limit), out / "oracle-tuned",
+                           recipe="tuned")
         eng = read_results(out / "engine" / "results.jsonl")
         orc = read_results(out / "oracle" / "results.jsonl")
         rep = report_from(out, eng, orc)
@@ -131,6 +141,21 @@ def main() -> None:
                     "engine_em": None, "oracle_em": None})
     if len(args.datasets) > 1:
         rows.append(row("all", eng_all, orc_all, rep_all))
+    tuned_rows = []
+    if args.tuned_oracle_limit or any((outs[ds] / "oracle-tuned" / "results.jsonl").exists() for ds in args.datasets):
+        tuned_all = []
+        for ds in args.datasets:
+            tuned_all += read_results(outs[ds] / "oracle-tuned" / "results.jsonl")
+        t_rep = compare(eng_all, tuned_all, method_decisions("dragin"))
+        e_qps, t_qps, p_qps = rep_all["engine_questions_per_s"], _rate(tuned_all), _rate(orc_all)
+        tuned_rows.append({"n_tuned_oracle": len(tuned_all), "tuned_oracle_q_per_s": t_qps,
+                           "published_oracle_q_per_s": p_qps, "engine_q_per_s": e_qps,
+                           "engine_vs_tuned": e_qps / t_qps if e_qps and t_qps else None,
+                           "engine_vs_published": e_qps / p_qps if e_qps and p_qps else None,
+                           "tuned_prefill_tok_per_q": per_q(tuned_all, "prefill_tokens"),
+                           "tuned_decode_tok_per_q": per_q(tuned_all, "decode_tokens"),
+                           "agreement_engine_vs_tuned": t_rep["agreement"]})
+        reports["tuned_oracle"] = tuned_rows[0]
     reports["all"] = {k: v for k, v in rep_all.items() if k != "disagreements"} | {
         "engine_wall_s": e_wall, "engine_questions_computed": n_e,
         "engine_mode": "separate" if args.separate_engine_runs or joint is None else "joint"}
@@ -141,7 +166,8 @@ def main() -> None:
     res.mkdir(parents=True, exist_ok=True)
     head = (f"# DRAGIN end to end: engine vs per-question oracle ({tag})\n\n"
             f"- date: {dt.date.today().isoformat()}\n- device: {device}\n- torch {torch.__version__}\n"
-            f"- model: SmolLM2-135M-Instruct (embedded GGUF, fp32), BM25 (bm25s) over the 13.5k-passage corpus\n"
+            f"- model: {'SmolLM2-135M-Instruct (embedded GGUF)' if args.model == 'smollm2' else args.model} "
+            f"({'bf16' if torch.cuda.is_available() else 'fp32'} engine), BM25 (bm25s) over the 13.5k-passage corpus\n"
             f"- settings: DRAGIN paper Table 9 per dataset, greedy; engine batch {args.batch_size}\n"
             f"- engine: {'one run per dataset' if reports['all']['engine_mode'] == 'separate' else 'one joint run over all datasets (per-dataset speed not separable: see the all row)'}; "
             f"engine wall {e_wall:.0f} s for {n_e} questions\n"
@@ -150,6 +176,12 @@ def main() -> None:
     table = "| " + " | ".join(cols) + " |\n|" + "---|" * len(cols) + "\n"
     for r in rows:
         table += "| " + " | ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in r.values()) + " |\n"
+    if tuned_rows:
+        cols = list(tuned_rows[0])
+        table += ("\n## Engine vs the tuned per-question oracle (bf16 on a GPU, fp32 on a CPU; SDPA; batch size 1), "
+                  "all datasets\n\n| " + " | ".join(cols) + " |\n|" + "---|" * len(cols) + "\n")
+        for r in tuned_rows:
+            table += "| " + " | ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in r.values()) + " |\n"
     (res / f"e2e_{tag}.md").write_text(head + table)
     (res / f"e2e_{tag}.json").write_text(json.dumps({"rows": rows, "parity": reports, "device": device}, indent=2))
     print(head + table)

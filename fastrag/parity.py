@@ -14,6 +14,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+import torch
+
 from fastrag.data.datasets import load_examples
 from fastrag.eval import ResultWriter, RunOptions, method_config, read_results, run, score_result
 from fastrag.trace import QuestionResult
@@ -27,12 +29,35 @@ def decisions(r: QuestionResult) -> dict:
     }
 
 
-def run_oracle(opts: RunOptions, out: Path) -> tuple[list[QuestionResult], float, int]:
-    """Per-question oracle over the same questions; returns (results, wall seconds, questions computed)."""
+ORACLE_RECIPES = ("published", "tuned")
+
+
+def oracle_model(model: str, recipe: str = "published"):
+    """The per-question oracle's transformers model, on the GPU when there is one.
+
+    published: as the published code runs it (fp32, eager attention, whose `output_attentions` DRAGIN reads);
+    tuned: the best honest per-question configuration (bf16 on a GPU, fp32 on a CPU; SDPA attention, the DRAGIN
+    oracle recomputing only the last layer's probabilities).
+    """
+    from fastrag.model.loading import load_hf_model
+
+    if recipe not in ORACLE_RECIPES:
+        raise ValueError(f"oracle recipe {recipe!r}: expected one of {', '.join(ORACLE_RECIPES)}")
+    cuda = torch.cuda.is_available()
+    if recipe == "published":
+        return load_hf_model(model, dtype=torch.float32, attn_implementation="eager",
+                             device="cuda" if cuda else "cpu")
+    return load_hf_model(model, dtype=torch.bfloat16 if cuda else torch.float32, attn_implementation="sdpa",
+                         device="cuda" if cuda else "cpu")
+
+
+def run_oracle(opts: RunOptions, out: Path, recipe: str = "published") -> tuple[list[QuestionResult], float, int]:
+    """Per-question oracle over the same questions (model per `oracle_model(recipe)`); returns (results, wall
+    seconds, questions computed)."""
     from tqdm import tqdm
 
     from fastrag.methods.registry import get_method
-    from fastrag.model.loading import load_hf_model, load_tokenizer
+    from fastrag.model.loading import load_tokenizer
     from fastrag.retrieval import make_retriever
 
     spec = get_method(opts.method)
@@ -47,7 +72,8 @@ def run_oracle(opts: RunOptions, out: Path) -> tuple[list[QuestionResult], float
     wall = 0.0
     if todo:
         tok = load_tokenizer(opts.model)
-        oracle = spec.make_oracle(load_hf_model(opts.model), tok, make_retriever(opts.retriever, corpus_path=opts.corpus),
+        oracle = spec.make_oracle(oracle_model(opts.model, recipe), tok,
+                                  make_retriever(opts.retriever, corpus_path=opts.corpus),
                                  method_config(opts))
         w = ResultWriter(path)
         t0 = time.perf_counter()  # after loading, like the engine's clock

@@ -205,3 +205,54 @@ def test_real_question_structural_invariants():
         assert r.query.strip() and len(tok.encode(r.query)) <= 64
         assert len(r.doc_ids) == cfg.retrieve_topk and set(r.doc_ids) <= ids
         assert all(w in r.trigger_sentence for w in r.hit_words)
+
+
+# ---------------------------------------------------------------------------------------------- tuned recipe
+
+
+def test_tuned_oracle_reads_the_same_last_layer_attention_as_eager():
+    """The tuned per-question oracle (SDPA; bf16 on a GPU) has no `output_attentions`: it recomputes the last
+    layer's probabilities from its input hidden state. They equal eager attention's on the real SmolLM2 (fp32 on the
+    CPU), and on a random Qwen2-style model (q/k/v bias, GQA 4/2), and the RIND decision on a real generation is the
+    same through both oracles."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from fastrag.config import DraginConfig
+    from fastrag.eval import BUNDLED
+    from fastrag.model.loading import load_tokenizer
+    from fastrag.oracle import DraginOracle
+    from fastrag.oracle.dragin import last_layer_probs
+    from fastrag.parity import oracle_model
+    from fastrag.retrieval.bm25 import BM25Retriever
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=120, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2)
+    for impl in ("eager", "sdpa"):
+        cfg._attn_implementation = impl
+    eager = Qwen2ForCausalLM(cfg).eval()
+    cfg2 = Qwen2Config(**{k: v for k, v in cfg.to_dict().items() if k in ("vocab_size", "hidden_size",
+                          "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")})
+    sdpa = Qwen2ForCausalLM._from_config(cfg2, attn_implementation="sdpa").eval()
+    sdpa.load_state_dict(eager.state_dict())
+    eager.config._attn_implementation = "eager"
+    x = torch.randint(0, 120, (1, 19))
+    with torch.no_grad():
+        a = eager(input_ids=x, output_attentions=True).attentions[-1][0]
+        b = last_layer_probs(sdpa, sdpa(input_ids=x, output_hidden_states=True).hidden_states[-2])
+    torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-4)
+
+    tok = load_tokenizer("smollm2")
+    retriever = BM25Retriever(BUNDLED / "wiki_passages.jsonl")
+    dcfg = DraginConfig(dataset="hotpotqa", generate_max_length=24, hallucination_threshold=0.5,
+                        retrieve_keep_top_k=35, retrieve_topk=3, fewshot=1)
+    published = DraginOracle(oracle_model("smollm2", "published"), tok, retriever, dcfg)
+    tuned = DraginOracle(oracle_model("smollm2", "tuned"), tok, retriever, dcfg)
+    assert tuned.model.config._attn_implementation == "sdpa"
+    prompt = ("Question: Which country is the birthplace of the author of Dracula?\n"
+              "Answer: Dracula was written by Bram Stoker, who was born in")
+    gen = published.generate(prompt, 24)
+    assert gen.ids, "the model generated nothing"
+    torch.testing.assert_close(tuned.last_layer_attention(gen.ids), published.last_layer_attention(gen.ids),
+                               atol=1e-5, rtol=1e-4)
+    assert tuned.rind(gen) == published.rind(gen)

@@ -3,7 +3,9 @@
 This is the parity oracle and the speed baseline ("the published recipe"): every round re-prefills the full
 prompt through `model.generate` (no prefix reuse), then runs one extra forward over the generated ids alone to
 read the last-layer attention (RIND), and one forward over `question + text + kept + sentence words` for the
-query (QFS). Batch size 1, the model as loaded (fp32 + eager attention for `output_attentions`).
+query (QFS). Batch size 1, the model as loaded: fp32 + eager attention for `output_attentions` as published, or
+the tuned per-question configuration (bf16 on a GPU, SDPA), which returns no attention probabilities: the last
+layer's are then recomputed from its input hidden state (`last_layer_probs`).
 
 It shares no code with the engine: only the tokenizer, the retriever and the text utilities. The decision rules
 themselves are the pure functions of `fastrag.oracle.decisions`.
@@ -25,6 +27,32 @@ from fastrag.text.words import WordBoundaries, assign_words_to_sentences, senten
 from fastrag.trace import QuestionResult, Round
 
 STOP_PHRASE = "the answer is"
+
+
+@torch.no_grad()
+def last_layer_probs(model, h: torch.Tensor) -> torch.Tensor:
+    """Causal attention probabilities [H, T, T] (float32) of a Llama/Qwen2-family model's last layer, from that
+    layer's input hidden state h [1, T, hidden] (`output_hidden_states[-2]`): what eager attention would return
+    as `attentions[-1]`, for models run with fused attention (SDPA/flash), which never materialise it."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    layer = model.model.layers[-1]
+    attn = layer.self_attn
+    if hasattr(attn, "q_norm"):
+        raise ValueError("last_layer_probs supports Llama/Qwen2-style attention (no q/k norm)")
+    cfg = model.config
+    H, Hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    D = getattr(cfg, "head_dim", None) or cfg.hidden_size // H
+    T = h.shape[1]
+    x = layer.input_layernorm(h)
+    q = attn.q_proj(x).view(1, T, H, D).transpose(1, 2)
+    k = attn.k_proj(x).view(1, T, Hkv, D).transpose(1, 2)
+    cos, sin = model.model.rotary_emb(x, torch.arange(T, device=h.device)[None])
+    q, k = apply_rotary_pos_emb(q, k, cos, sin)
+    k = k.repeat_interleave(H // Hkv, dim=1)
+    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * attn.scaling  # [1, H, T, T]
+    causal = torch.ones(T, T, dtype=torch.bool, device=h.device).tril()
+    return torch.softmax(s.masked_fill(~causal, float("-inf")), dim=-1)[0]
 
 
 def join(*parts: str) -> str:
@@ -105,9 +133,13 @@ class DraginOracle:
     def last_layer_attention(self, ids: list[int]) -> torch.Tensor:
         """One forward over `ids` alone (positions from 0): last-layer attention [H, T, T]."""
         input_ids = torch.tensor([ids], device=self.model.device)
-        out = self.model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), output_attentions=True)
+        mask = torch.ones_like(input_ids)
         self._prefill += len(ids)
-        return out.attentions[-1][0].cpu()
+        if getattr(self.model.config, "_attn_implementation", "eager") == "eager":
+            out = self.model(input_ids=input_ids, attention_mask=mask, output_attentions=True)
+            return out.attentions[-1][0].cpu()
+        out = self.model(input_ids=input_ids, attention_mask=mask, output_hidden_states=True)
+        return last_layer_probs(self.model, out.hidden_states[-2]).cpu()
 
     # ------------------------------------------------------------------ prompts
 
