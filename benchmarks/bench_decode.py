@@ -1,13 +1,16 @@
 """Decode step of a Llama-2-7B-shaped model (random bf16 weights) with and without the fused signals.
 
-Per batch size (1, 16, 64) at a 1k-token context: the median time of one engine decode step (batched forward over
+Per batch size (GPU: 1, 16, 64, 256) and context (GPU: 1k and 4k tokens): the median time of one engine decode step (batched forward over
 the paged KV cache) followed by (a) plain greedy argmax and one host copy of the tokens, or (b) the fused
 decode-signals kernel (token, entropy, logprob, FLARE probability) and one host copy of those. Overhead =
 (b - a) / a; target <= 3% at batch 64 (DESIGN.md "Performance model"). Roofline step time = (weight bytes +
 KV bytes read) / measured copy bandwidth.
 
-    python benchmarks/bench_decode.py                  # GPU: Llama-2-7B shape, bf16
+    python benchmarks/bench_decode.py                  # GPU: Llama-2-7B shape, bf16, B 1/16/64/256 x ctx 1k/4k
     python benchmarks/bench_decode.py --cpu-small      # CPU: SmolLM2-135M shape, fp32, context 256
+
+A cell whose weights + KV cache do not fit the device's free memory is listed as not run (Llama-2-7B has no GQA:
+0.5 MiB of KV per token, so B=256 at 1k or B=64 at 4k needs more than an 80 GB GPU).
 
 Writes benchmarks/results/decode_<device>.md. Weights are random (speed does not depend on their values) and
 never saved.
@@ -65,22 +68,37 @@ def build(shape: dict, dtype, dev, batch: int, ctx: int, signals: str | None):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cpu-small", action="store_true", help="CPU: SmolLM2-135M shape, fp32, context 256")
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
-    ap.add_argument("--ctx", type=int, default=None)
+    ap.add_argument("--batches", type=int, nargs="+", default=None, help="default: GPU 1 16 64 256, CPU 1 16 64")
+    ap.add_argument("--ctx", type=int, nargs="+", default=None, help="contexts; default: GPU 1024 4096, CPU 256")
+    ap.add_argument("--name", default=None, help="result file stem (default decode_gpu / decode_cpu)")
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--span", type=int, default=64, help="tracked tokens per sequence in the signals+attn variant")
     args = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() and not args.cpu_small else "cpu")
     if dev.type == "cuda":
-        shape, dtype, ctx, reps, label = LLAMA2_7B, torch.bfloat16, args.ctx or 1024, args.reps or 30, "Llama-2-7B"
+        shape, dtype, ctxs, reps, label = LLAMA2_7B, torch.bfloat16, args.ctx or [1024, 4096], args.reps or 30, \
+            "Llama-2-7B"
+        batches = args.batches or [1, 16, 64, 256]
     else:
-        shape, dtype, ctx, reps, label = SMOLLM2_135M, torch.float32, args.ctx or 256, args.reps or 5, "SmolLM2-135M"
+        shape, dtype, ctxs, reps, label = SMOLLM2_135M, torch.float32, args.ctx or [256], args.reps or 5, \
+            "SmolLM2-135M"
+        batches = args.batches or [1, 16, 64]
     bw = measure_bandwidth(dev)
     rows = []
-    for B in args.batches:
+    hd = shape["hidden_size"] // shape["num_attention_heads"]
+    n_weights = (2 * shape["vocab_size"] * shape["hidden_size"] + shape["num_hidden_layers"] * (
+        2 * shape["hidden_size"] ** 2 + 2 * shape["hidden_size"] * shape["num_key_value_heads"] * hd
+        + 3 * shape["hidden_size"] * shape["intermediate_size"]))
+    for ctx, B in [(c, b) for c in ctxs for b in batches]:
+        need = (n_weights + 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * hd * (ctx + 64) * B
+                ) * dtype.itemsize
+        free = torch.cuda.mem_get_info(dev)[0] if dev.type == "cuda" else None
+        if free is not None and need > 0.9 * free:
+            rows.append(dict(B=B, ctx=ctx, skipped=f"needs {need / 2**30:.0f} GiB, {free / 2**30:.0f} GiB free"))
+            print(rows[-1], flush=True)
+            continue
         model, eng, seqs = build(shape, dtype, dev, B, ctx, None)
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        hd = shape["hidden_size"] // shape["num_attention_heads"]
         kv_read = 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * hd * dtype.itemsize * ctx * B
 
         def plain():
@@ -118,36 +136,42 @@ def main() -> None:
             t_attn = timeit(fused_attn, dev, reps, warmup=2)
             t_plain2 = timeit(plain, dev, reps, warmup=1)  # timing spread: the same version twice
         roof = (weight_bytes + kv_read) / bw
-        rows.append(dict(B=B, plain_ms=t_plain * 1e3, plain_again_ms=t_plain2 * 1e3, signals_ms=t_fused * 1e3,
+        op = model.paged_decode_op(dev, dtype)
+        attn_impl = "torch" if op is None else ("triton" if op is model.triton_decode else "C++")
+        rows.append(dict(B=B, ctx=ctx, plain_ms=t_plain * 1e3, plain_again_ms=t_plain2 * 1e3, signals_ms=t_fused * 1e3,
                          overhead=(t_fused - t_plain) / t_plain, attn_ms=t_attn * 1e3,
                          overhead_attn=(t_attn - t_plain) / t_plain, roofline_ms=roof * 1e3, x_roofline=t_plain / roof,
-                         backend=eng.signals.name))
+                         backend=eng.signals.name, attn=attn_impl))
         print(rows[-1], flush=True)
         del model, eng, seqs
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     tag = "gpu" if dev.type == "cuda" else "cpu"
-    out = ROOT / "benchmarks" / "results" / f"decode_{tag}.md"
+    out = ROOT / "benchmarks" / "results" / f"{args.name or 'decode_' + tag}.md"
     out.parent.mkdir(parents=True, exist_ok=True)
     lines = [f"# Decode step with and without fused signals ({tag})", "",
              f"- device: {device_name(dev)}; date {dt.date.today().isoformat()}; torch {torch.__version__}",
-             f"- model: {label} shape, random {str(dtype).split('.')[-1]} weights; context {ctx} tokens per sequence",
+             f"- model: {label} shape, random {str(dtype).split('.')[-1]} weights; context (tokens per sequence) "
+             "per row",
              f"- measured copy bandwidth {bw / 1e9:.1f} GB/s; roofline = (weights + KV read) / bandwidth",
              f"- command: `python benchmarks/bench_decode.py {' '.join(sys.argv[1:])}`",
              "- plain = forward + argmax + host copy of the tokens; signals = forward + fused decode_signals + one "
              "host copy of (token, entropy, logprob); plain_again = plain timed a second time (the noise floor); "
              f"signals+attn = signals plus, for every sequence, the in-context attention statistics of its last "
-             f"{min(args.span, ctx)} tokens (last layer's queries and the decode attention's row log-sum-exp through "
+             f"{args.span} tokens (last layer's queries and the decode attention's row log-sum-exp through "
              "the fused attn_decode_update: DRAGIN streaming's a_i)",
              *([] if dev.type == "cuda" else
                ["- CPU run with a small model shape (the 7B shape needs a GPU): GPU not measured"]),
-             "", "| B | plain ms | plain again ms | signals ms | overhead | signals+attn ms | overhead | roofline ms "
-             "| plain / roofline | backend |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "", "| ctx | B | plain ms | plain again ms | signals ms | overhead | signals+attn ms | overhead | "
+             "roofline ms | plain / roofline | signals backend | decode attention |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['B']} | {r['plain_ms']:.2f} | {r['plain_again_ms']:.2f} | {r['signals_ms']:.2f} | "
-                     f"{r['overhead']:+.1%} | {r['attn_ms']:.2f} | {r['overhead_attn']:+.1%} | "
-                     f"{r['roofline_ms']:.2f} | {r['x_roofline']:.2f} | {r['backend']} |")
+        if "skipped" in r:
+            lines.append(f"| {r['ctx']} | {r['B']} | not run: {r['skipped']} |" + " |" * 9)
+            continue
+        lines.append(f"| {r['ctx']} | {r['B']} | {r['plain_ms']:.2f} | {r['plain_again_ms']:.2f} | "
+                     f"{r['signals_ms']:.2f} | {r['overhead']:+.1%} | {r['attn_ms']:.2f} | {r['overhead_attn']:+.1%} | "
+                     f"{r['roofline_ms']:.2f} | {r['x_roofline']:.2f} | {r['backend']} | {r['attn']} |")
     out.write_text("\n".join(lines) + "\n")
     print(f"wrote {out}")
 
