@@ -342,7 +342,8 @@ class Engine:
         keys = None
         if sp.temperature > 0:  # per-row keys of the in-kernel sampler: (seed, generation key, token index)
             keys = torch.tensor([sampling_key(sp.seed, s.sample_key, len(s.out.ids)) & 0xFFFFFFFF for s in seqs],
-                                dtype=torch.int64).to(logits.device)
+                                dtype=torch.int64)
+            keys = self._h2d(keys) if logits.device == self.device else keys.to(logits.device)
         sig = self.signals.decode_signals(logits, temperature=sp.temperature, rng_keys=keys, top_p=sp.top_p)
         # the one host copy per step: [3, B] (token ids < 2^53 are exact in float64)
         host = torch.stack([sig.chosen.double(), sig.entropy.double(), sig.logprob.double()]).cpu()
@@ -396,8 +397,8 @@ class Engine:
         tracked = [b for b, (s, _) in enumerate(items) if s.amax is not None and s.computed >= s.track_from]
         if decode and tracked:
             batch.last_layer = {}  # the model leaves the last layer's queries and row log-sum-exp here
-        logits = self.model(ids_t.to(self.device), batch, self.pool.k, self.pool.v,
-                            logits_index=last.to(self.device) if want_logits else last[:0].to(self.device))
+        logits = self.model(self._h2d(ids_t), batch, self.pool.k, self.pool.v,
+                            logits_index=self._h2d(last if want_logits else last[:0]))
         if decode and tracked:
             self._track(items, tracked, batch)
         for s, ids in items:
@@ -433,7 +434,7 @@ class Engine:
         """Fold this decode step's last-layer attention into the running maxima of the tracked sequences (one
         fused call for all of them), reusing the row log-sum-exp of the decode attention."""
         seqs = [items[b][0] for b in rows]
-        idx = torch.tensor(rows, dtype=torch.long, device=self.device)
+        idx = self._h2d(torch.tensor(rows, dtype=torch.long))
         q, lse = batch.last_layer["q"].index_select(0, idx), batch.last_layer["lse"].index_select(0, idx)
         # own-relative positions: the span starts track_from - base into the sequence's own blocks; only its
         # tokens with a key so far (the one fed now included) can receive attention
@@ -444,10 +445,18 @@ class Engine:
             amax[i, :, :n] = s.amax[:, :n]
         self.signals.attn_decode_update(q.contiguous(), self.pool.k[-1], batch.ctx_blocks.index_select(0, idx),
                                         batch.ctx_lens.index_select(0, idx),
-                                        torch.tensor(starts, dtype=torch.long, device=self.device),
+                                        self._h2d(torch.tensor(starts, dtype=torch.long)),
                                         lse.float().contiguous(), self.pool.block_size, self.model.scale, amax)
         for i, (s, n) in enumerate(zip(seqs, cols)):
             s.amax[:, :n] = amax[i, :, :n]
+
+    def _h2d(self, t: torch.Tensor) -> torch.Tensor:
+        """A host tensor on the engine's device. On a GPU through pinned memory with non_blocking: a copy from
+        pageable memory would wait for the GPU's queue to drain, one host synchronisation per upload; this way
+        the step's only synchronisation is the host copy of its signals."""
+        if self.device.type != "cuda":
+            return t.to(self.device)
+        return t.pin_memory().to(self.device, non_blocking=True)
 
     def _batch(self, write, valid, pos, prefix, ctx: list[tuple[list[int], int]]) -> AttnBatch:
         """ctx: per sequence (its blocks, number of context entries after the prefix)."""
@@ -460,10 +469,10 @@ class Engine:
             ctx_t[b, :nb] = torch.tensor(blocks[:nb], dtype=torch.long)
         d = self.device
         return AttnBatch(
-            write_slots=torch.tensor(write, dtype=torch.long, device=d), valid=valid.to(d), positions=pos.to(d),
-            prefix_len=prefix.length if prefix else 0,
+            write_slots=self._h2d(torch.tensor(write, dtype=torch.long)), valid=self._h2d(valid),
+            positions=self._h2d(pos), prefix_len=prefix.length if prefix else 0,
             prefix_slots=prefix.slots if prefix else torch.zeros(0, dtype=torch.long, device=d),
-            ctx_blocks=ctx_t.to(d), ctx_lens=torch.tensor([n for _, n in ctx], device=d), block_size=bs,
+            ctx_blocks=self._h2d(ctx_t), ctx_lens=self._h2d(torch.tensor([n for _, n in ctx])), block_size=bs,
             prefix_start=self._starts.get(id(prefix), -1) if prefix else -1,
         )
 
@@ -473,7 +482,7 @@ class Engine:
             if s.prefix is not None:
                 rows.setdefault(id(s.prefix), []).append(i)
         by_id = {id(s.prefix): s.prefix for s in seqs if s.prefix is not None}
-        return [PrefixGroup(torch.tensor(r, dtype=torch.long, device=self.device), by_id[k].length, by_id[k].slots,
+        return [PrefixGroup(self._h2d(torch.tensor(r, dtype=torch.long)), by_id[k].length, by_id[k].slots,
                             self._starts.get(k, -1)) for k, r in rows.items()]
 
     # ------------------------------------------------------------------ cache-free attention passes
