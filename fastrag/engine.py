@@ -336,8 +336,8 @@ class Engine:
 
     def _append_batch(self, seqs: list[SeqState], logits: torch.Tensor) -> list[bool]:
         # Greedy, temperature and top-p sampling all happen inside the fused decode-signals kernel (argmax, or a
-        # Gumbel-max draw over the nucleus keyed by the seeded generator); entropy and logprob are those of the
-        # distribution the token is drawn from (DESIGN.md "Signals").
+        # Gumbel-max draw over the nucleus keyed per token); entropy and logprob are those of the distribution
+        # the token is drawn from (DESIGN.md "Signals").
         sp = self.sampling
         keys = None
         if sp.temperature > 0:  # per-row keys of the in-kernel sampler: (seed, generation key, token index)

@@ -107,8 +107,7 @@ def _decode(path: str, prompts, prefixes, seed: int):
                       num_attention_heads=6, num_key_value_heads=2, eos_token_id=None)
     m = LlamaModel.from_hf_config(cfg, seed=seed, device=DEV)
     if path == "triton":
-        assert m.triton_decode is not None
-        m._triton_on_cpu = DEV == "cpu"
+        m.triton_decode, m._triton_on_cpu = paged_decode_attention_lse, DEV == "cpu"
         assert m.paged_decode_op(torch.device(DEV), torch.float32) is m.triton_decode
     elif path == "torch":
         m.native_decode, m.triton_decode, m._triton_on_cpu = None, None, False
@@ -138,3 +137,15 @@ def test_model_decode_with_triton_attention_equals_the_other_paths():
         ids, lp, _ = _decode(path, prompts, [pa, pb], seed=9)
         assert ids == ids_tr, f"triton decode attention drew other tokens than the {path} path"
         torch.testing.assert_close(torch.tensor(lp), torch.tensor(lp_tr), rtol=1e-4, atol=1e-5)
+
+
+def test_unknown_decode_attention_setting_is_named(monkeypatch):
+    from transformers import LlamaConfig
+
+    from fastrag.model.llama import LlamaModel
+
+    monkeypatch.setenv("FASTRAG_DECODE_ATTENTION", "flash")
+    cfg = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2)
+    with pytest.raises(ValueError, match="FASTRAG_DECODE_ATTENTION='flash'"):
+        LlamaModel.from_hf_config(cfg, seed=0)

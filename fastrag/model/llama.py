@@ -49,8 +49,8 @@ def _triton_decode_attention():
     Used for CUDA tensors unless FASTRAG_DECODE_ATTENTION=torch; with =triton also for CPU tensors when the kernels
     were imported under TRITON_INTERPRET=1 (how CI runs this path without a GPU)."""
     mode = _decode_attention_mode()
-    if mode == "torch":
-        return None, False
+    if mode == "torch" or (mode == "native" and not torch.cuda.is_available()):
+        return None, False  # nothing for Triton to run here (and no triton import on CPU-only machines)
     try:
         from fastrag.kernels import INTERPRETED
         from fastrag.kernels.paged_attention import paged_decode_attention_lse
