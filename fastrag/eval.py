@@ -40,8 +40,9 @@ class RunOptions:
     retriever: str = "bm25"  # bm25 | dense | elasticsearch (fastrag.retrieval.RETRIEVERS)
     qids: tuple[str, ...] | None = None  # only these questions of the file (a shard of a distributed run)
     # decoding: greedy by default (parity and the committed tables); temperature > 0 samples inside the fused
-    # signal kernel, from the top-p nucleus when top_p < 1, keyed by `seed` (the published DRAGIN runs sampled
-    # with T = 0.6, top-p 0.9). A resumed sampled run draws fresh keys for the questions it computes.
+    # signal kernel, from the top-p nucleus when top_p < 1 (the published DRAGIN runs sampled with T = 0.6,
+    # top-p 0.9). Keys derive from (seed, question id, call number, token index), so a resumed or sharded run
+    # draws what one uninterrupted run would.
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
@@ -265,7 +266,8 @@ def run_many(runs: list[RunOptions], engine=None, retriever=None) -> list[dict]:
                                 "computed_this_run": computed,
                                 "questions_per_s": computed / wall if wall > 0 else None,
                                 "tokens_per_s": tokens / wall if wall > 0 else None}
-        metrics["sampling"] = {"temperature": o.temperature, "top_p": o.top_p, "seed": o.seed}
+        sp = engine.sampling if engine is not None else sampling_of(o)  # what really decoded (a caller's engine)
+        metrics["sampling"] = {"temperature": sp.temperature, "top_p": sp.top_p, "seed": sp.seed}
         if engine is not None:
             metrics["engine"] = dict(engine.stats)
         if sched is not None:  # retrieval batches of this run: how many queries went to the retriever together
