@@ -18,8 +18,6 @@ import torch
 import triton
 import triton.language as tl
 
-# u = ((hash >> 9) + 0.5) * 2^-23: a 23-bit integer + 0.5 is exact in float32, so u is the reference's value and
-# lies in [2^-24, 1 - 2^-24] (never 1.0, whose Gumbel noise would be +inf).
 
 
 @triton.jit
@@ -31,6 +29,15 @@ def _mix32(x):
     x = x * 0x846CA68B
     x = x ^ (x >> 16)
     return x
+
+
+@triton.jit
+def _gumbel_score(b_y, key, o_v):
+    # y - ln(-ln u), u = ((hash(key, v) >> 9) + 0.5) * 2^-23: a 23-bit integer + 0.5 is exact in float32, so u is
+    # the reference's value and lies in [2^-24, 1 - 2^-24] (never 1.0, whose Gumbel noise would be +inf)
+    h = _mix32(key ^ _mix32(o_v.to(tl.uint32)))
+    b_u = ((h >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07
+    return b_y - tl.log(-tl.log(b_u))
 
 
 @triton.jit
@@ -58,9 +65,7 @@ def _token_signals_partial_kernel(
         b_y = tl.load(x_ptr + i_b * stride_xb + o_v.to(tl.int64) * stride_xv, mask=m_v,
                       other=float("-inf")).to(tl.float32) * inv_t
         if SAMPLE:
-            h = _mix32(key ^ _mix32(o_v.to(tl.uint32)))
-            b_u = ((h >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07
-            b_score = b_y - tl.log(-tl.log(b_u))
+            b_score = _gumbel_score(b_y, key, o_v)
         else:
             b_score = b_y
         # strict >: within a lane the earlier (lower) index wins ties; NaN never wins
@@ -192,9 +197,7 @@ def _token_signals_top_p_kernel(
         sn += tl.sum(b_e, axis=0)
         un += tl.sum(b_d * b_e, axis=0)
         if SAMPLE:
-            h = _mix32(key ^ _mix32(o_v.to(tl.uint32)))
-            b_u = ((h >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07
-            b_score = b_y - tl.log(-tl.log(b_u))
+            b_score = _gumbel_score(b_y, key, o_v)
         else:
             b_score = b_y
         b_score = tl.where(b_in, b_score, float("-inf"))

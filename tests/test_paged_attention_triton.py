@@ -20,31 +20,12 @@ triton = pytest.importorskip("triton")
 
 from fastrag.kernels import INTERPRETED  # noqa: E402
 from fastrag.kernels.paged_attention import paged_decode_attention_lse  # noqa: E402
+from test_paged_attention import _dense  # noqa: E402  (the float64 reference over gathered paged keys)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(DEV == "cpu" and not INTERPRETED,
                                 reason="no GPU and fastrag.kernels was imported without TRITON_INTERPRET=1")
 DTYPES = [torch.float32] + ([torch.bfloat16, torch.float16] if DEV == "cuda" else [])
-
-
-def _dense(q, kp, vp, blocks, lens, bs, scale):
-    """(out [B, H, D], lse [B, H]) float64 over each sequence's own paged keys; empty rows: 0 and -inf."""
-    B, H, D = q.shape
-    G = H // kp.shape[0]
-    out = torch.zeros(B, H, D, dtype=torch.float64)
-    lse = torch.full((B, H), float("-inf"), dtype=torch.float64)
-    for b in range(B):
-        n = int(lens[b])
-        if n == 0:
-            continue
-        slots = [int(blocks[b, i // bs]) * bs + i % bs for i in range(n)]
-        for h in range(H):
-            k = kp[h // G, slots].double()
-            v = vp[h // G, slots].double()
-            sc = k @ q[b, h].double() * scale
-            out[b, h] = torch.softmax(sc, 0) @ v
-            lse[b, h] = torch.logsumexp(sc, 0)
-    return out, lse
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -65,7 +46,7 @@ def test_matches_dense_softmax_on_random_pools(dtype, B, H, Hkv, D, bs, splits, 
     out, lse = paged_decode_attention_lse(q.to(DEV), kp.to(DEV), vp.to(DEV), torch.empty(0, dtype=torch.long),
                                           blocks.to(DEV), lens.to(DEV), bs, scale, num_splits=splits,
                                           block_n=block_n)
-    ref_o, ref_l = _dense(q, kp, vp, blocks, lens, bs, scale)
+    ref_o, ref_l = _dense(q, kp, vp, torch.empty(0, dtype=torch.long), blocks, lens, bs, scale, with_lse=True)
     tol = dict(atol=2e-5, rtol=2e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     assert out.dtype == dtype and lse.dtype == torch.float32
     torch.testing.assert_close(out.cpu().double(), ref_o, **tol, msg=lambda m: f"{m} (seed={seed})")
