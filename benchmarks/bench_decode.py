@@ -135,13 +135,18 @@ def main() -> None:
             t_fused = timeit(fused, dev, reps, warmup=2)
             t_attn = timeit(fused_attn, dev, reps, warmup=2)
             t_plain2 = timeit(plain, dev, reps, warmup=1)  # timing spread: the same version twice
+            graphs, eng.graphs = eng.graphs, None  # the same step launched kernel by kernel
+            t_eager = timeit(plain, dev, reps, warmup=1)
+            eng.graphs = graphs
+        replays = graphs.stats["replays"] if graphs is not None else 0
         roof = (weight_bytes + kv_read) / bw
         op = model.paged_decode_op(dev, dtype)
         attn_impl = "torch" if op is None else ("triton" if op is model.triton_decode else "C++")
         rows.append(dict(B=B, ctx=ctx, plain_ms=t_plain * 1e3, plain_again_ms=t_plain2 * 1e3, signals_ms=t_fused * 1e3,
                          overhead=(t_fused - t_plain) / t_plain, attn_ms=t_attn * 1e3,
                          overhead_attn=(t_attn - t_plain) / t_plain, roofline_ms=roof * 1e3, x_roofline=t_plain / roof,
-                         backend=eng.signals.name, attn=attn_impl))
+                         backend=eng.signals.name, attn=attn_impl, eager_ms=t_eager * 1e3,
+                         graphs="yes" if replays else "no"))
         print(rows[-1], flush=True)
         del model, eng, seqs
         if dev.type == "cuda":
@@ -162,16 +167,19 @@ def main() -> None:
              "the fused attn_decode_update: DRAGIN streaming's a_i)",
              *([] if dev.type == "cuda" else
                ["- CPU run with a small model shape (the 7B shape needs a GPU): GPU not measured"]),
-             "", "| ctx | B | plain ms | plain again ms | signals ms | overhead | signals+attn ms | overhead | "
-             "roofline ms | plain / roofline | signals backend | decode attention |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "- graphs: whether the timed steps replayed CUDA graphs (fastrag/cuda_graphs.py; on by default on a GPU); "
+             "eager = the plain step with graphs off, launched kernel by kernel",
+             "", "| ctx | B | plain ms | plain again ms | eager ms | signals ms | overhead | signals+attn ms | "
+             "overhead | roofline ms | plain / roofline | graphs | signals backend | decode attention |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "skipped" in r:
-            lines.append(f"| {r['ctx']} | {r['B']} | not run: {r['skipped']} |" + " |" * 9)
+            lines.append(f"| {r['ctx']} | {r['B']} | not run: {r['skipped']} |" + " |" * 11)
             continue
         lines.append(f"| {r['ctx']} | {r['B']} | {r['plain_ms']:.2f} | {r['plain_again_ms']:.2f} | "
-                     f"{r['signals_ms']:.2f} | {r['overhead']:+.1%} | {r['attn_ms']:.2f} | {r['overhead_attn']:+.1%} | "
-                     f"{r['roofline_ms']:.2f} | {r['x_roofline']:.2f} | {r['backend']} | {r['attn']} |")
+                     f"{r['eager_ms']:.2f} | {r['signals_ms']:.2f} | {r['overhead']:+.1%} | {r['attn_ms']:.2f} | "
+                     f"{r['overhead_attn']:+.1%} | {r['roofline_ms']:.2f} | {r['x_roofline']:.2f} | {r['graphs']} | "
+                     f"{r['backend']} | {r['attn']} |")
     out.write_text("\n".join(lines) + "\n")
     print(f"wrote {out}")
 

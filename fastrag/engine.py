@@ -7,16 +7,19 @@ against the sequence's own cached tokens (longest common prefix), and only the r
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
 
 from fastrag.cache.kv import BlockTable, KVPool, OutOfBlocks, SharedPrefix
+from fastrag.cuda_graphs import DecodeGraphs
 from fastrag.model.llama import AttnBatch, LlamaModel, PrefixGroup
 from fastrag.signals import get_backend
 
 
 _M64 = (1 << 64) - 1
+CUDA_GRAPHS_ENV = "FASTRAG_CUDA_GRAPHS"
 
 
 def sampling_key(*parts: int) -> int:
@@ -89,7 +92,7 @@ class SeqState:
 class Engine:
     def __init__(self, model: LlamaModel, tokenizer, *, block_size: int = 16, kv_cache_gb: float = 4.0,
                  max_batch: int = 64, max_prefill_tokens: int = 4096, sampling: SamplingParams | None = None,
-                 signals: str | None = None, mix_prefill: bool = False):
+                 signals: str | None = None, mix_prefill: bool = False, cuda_graphs: bool | None = None):
         self.model, self.tok = model, tokenizer
         c = model.c
         p = next(model.parameters())
@@ -115,6 +118,13 @@ class Engine:
         self.live: dict[int, SeqState] = {}  # sequences that may hold blocks
         self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "prefix_hit_tokens": 0, "own_hit_tokens": 0,
                       "decode_steps": 0, "prefill_calls": 0}
+        # decode steps replayed from CUDA graphs (fastrag/cuda_graphs.py): on by default on a GPU,
+        # FASTRAG_CUDA_GRAPHS=0 turns them off; cuda_graphs=True on a CPU runs the same static-buffer protocol
+        # without CUDA (emulated; how the tests check it)
+        if cuda_graphs is None:
+            cuda_graphs = self.device.type == "cuda" and os.environ.get(CUDA_GRAPHS_ENV, "1") != "0"
+        self.graphs = DecodeGraphs(model, self.pool, max_batch, emulate=self.device.type != "cuda") \
+            if cuda_graphs else None
 
     # ------------------------------------------------------------------ sequences
     def new_sequence(self) -> SeqState:
@@ -412,6 +422,12 @@ class Engine:
         groups: dict[int, list[int]] = {}
         for i, s in enumerate(seqs):
             groups.setdefault(id(s.prefix), []).append(i)
+        self.stats["decode_tokens"] += len(seqs)
+        self.stats["decode_steps"] += 1
+        if self.graphs is not None and len(groups) == 1:
+            logits = self._decode_graphed(seqs)
+            if logits is not None:
+                return logits
         if len(groups) == 1 or self.model.mixes_prefixes:
             logits = self._prefill([(s, [s.tokens[s.computed]]) for s in seqs], want_logits=True, decode=True)
         else:  # different prefixes on the torch cascade path: one forward per prefix
@@ -426,8 +442,28 @@ class Engine:
             self.stats["prefill_calls"] += 1
         self.stats["prefill_tokens"] -= len(seqs)
         self.stats["prefill_calls"] -= 1
-        self.stats["decode_tokens"] += len(seqs)
-        self.stats["decode_steps"] += 1
+        return logits
+
+    def _decode_graphed(self, seqs: list[SeqState]) -> torch.Tensor | None:
+        """_decode for sequences of one shared prefix through a replayed graph; None: decode eagerly instead."""
+        ids, pos, write, ctx = [], [], [], []
+        for s in seqs:
+            s.table.reserve(1)
+            n0 = s.table.num_tokens
+            ids.append(s.tokens[s.computed])
+            pos.append(s.base + n0)
+            write.append(s.table.slots(n0, n0 + 1)[0])
+            ctx.append((s.table.blocks, n0 + 1))
+        prefix = seqs[0].prefix
+        res = self.graphs.run(ids, pos, write, ctx, prefix, self._starts.get(id(prefix), -1) if prefix else -1)
+        if res is None:
+            return None
+        logits, batch = res
+        tracked = [b for b, s in enumerate(seqs) if s.amax is not None and s.computed >= s.track_from]
+        if tracked:
+            self._track([(s, None) for s in seqs], tracked, batch)
+        for s in seqs:
+            s.table.num_tokens += 1
         return logits
 
     def _track(self, items, rows: list[int], batch: AttnBatch) -> None:

@@ -399,9 +399,14 @@ class LlamaModel(nn.Module):
     def _write_kv(self, k, v, b: AttnBatch, kp, vp):
         """k, v: [B, Hkv, T, D] -> pool slots (pool layout [Hkv, num_slots, D])."""
         Hkv, D = k.shape[1], k.shape[3]
-        flat = b.valid.reshape(-1)
-        kp.index_copy_(1, b.write_slots, k.transpose(0, 1).reshape(Hkv, -1, D)[:, flat])
-        vp.index_copy_(1, b.write_slots, v.transpose(0, 1).reshape(Hkv, -1, D)[:, flat])
+        k, v = k.transpose(0, 1).reshape(Hkv, -1, D), v.transpose(0, 1).reshape(Hkv, -1, D)
+        if k.shape[1] != b.write_slots.numel():
+            # padding to skip (a prefill batch). A decode step (T = 1) has one real token per row: no boolean
+            # mask, whose indexing waits for the GPU (a host synchronisation per layer) and cannot be graph-captured
+            flat = b.valid.reshape(-1)
+            k, v = k[:, flat], v[:, flat]
+        kp.index_copy_(1, b.write_slots, k)
+        vp.index_copy_(1, b.write_slots, v)
 
     @staticmethod
     def _prefill_mask(b: AttnBatch, mask_ctx):

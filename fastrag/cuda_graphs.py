@@ -1,0 +1,189 @@
+"""Decode steps replayed from CUDA graphs, one per (batch bucket, context-block bucket, shared prefix).
+
+A decode step of a small model, or of a large one at a small batch, is dominated by kernel launches: ~15 per layer,
+a few microseconds each, against a step of a few milliseconds. A CUDA graph records the whole forward once and
+replays it with one launch. Everything a replay reads lives in static buffers that each step overwrites in place:
+
+    ids [Bb, 1], positions [Bb, 1], write_slots [Bb], ctx_blocks [Bb, NBb], ctx_lens [Bb]
+
+with Bb the batch rounded up to a bucket and NBb the longest own context (in blocks) rounded up to a power of two
+(the paged kernel's work follows the real lengths, so the extra columns are free). Rows past the real batch are
+padding: token 0 at position 0, written to a scratch block that no sequence owns and attending to that one key,
+so they stay finite and never touch a sequence's cache; their logits are dropped. The shared prefix is part of the
+graph (its consecutive slots are a fixed view of the pool, or its slot tensor is kept alive by the graph), so each
+prefix gets its own graphs; batches that mix prefixes (BeamSearchQA's prompt families) decode eagerly. Graphs are
+always captured with the last layer's queries and row log-sum-exp as outputs, so steps that track DRAGIN's
+attention statistics replay the same graph.
+
+`emulate=True` (CPU, tests) runs the same protocol without CUDA: the AttnBatch and buffers are built once at
+"capture" and every "replay" re-runs the forward on them, so a step that depended on anything but the static
+buffers would show up as a wrong token in the CPU tests. A capture that fails on the GPU disables graphs for the
+engine with a warning; decoding goes on eagerly.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from fastrag.model.llama import AttnBatch
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    """Batch sizes a graph is captured for: 1, 2, 4, 8, 16, 24, 32, then steps of 16 to 64, of 32 to 256, of 64
+    after, and max_batch itself (padding costs little: a decode step reads all weights whatever the batch)."""
+    out, b = [], 1
+    while b < max_batch:
+        out.append(b)
+        b = b * 2 if b < 16 else b + (8 if b < 32 else 16 if b < 64 else 32 if b < 256 else 64)
+    out.append(max_batch)
+    return out
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+@dataclass
+class _Graph:
+    ids: torch.Tensor  # [Bb, 1]
+    positions: torch.Tensor  # [Bb, 1]
+    write_slots: torch.Tensor  # [Bb]
+    ctx_blocks: torch.Tensor  # [Bb, NBb]
+    ctx_lens: torch.Tensor  # [Bb]
+    batch: AttnBatch  # built once on the buffers above
+    logits: torch.Tensor | None = None  # [Bb, V], the graph's output
+    graph: object = None  # torch.cuda.CUDAGraph (None when emulated)
+    prefix_slots: torch.Tensor | None = None  # keeps a gathered prefix's slot tensor alive (it is in the key)
+
+
+class DecodeGraphs:
+    """Captures and replays decode steps for one engine (see the module doc).
+
+    model, pool: the engine's.
+    max_graphs: captures beyond it decode eagerly (each graph holds its own kernel arguments; memory is shared).
+    """
+
+    def __init__(self, model, pool, max_batch: int, *, emulate: bool = False, max_graphs: int = 96):
+        self.model, self.pool = model, pool
+        self.emulate = emulate
+        self.device = pool.k[0].device
+        if not emulate and self.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA model, this one is on {self.device}; use emulate=True")
+        self.buckets = batch_buckets(max_batch)
+        self.max_graphs = max_graphs
+        self.scratch_block = pool.allocate(1)[0]  # padding rows write and read here; never freed
+        self.graphs: dict[tuple, _Graph] = {}
+        self.disabled: str | None = None  # why graphs were turned off (a failed capture), else None
+        self.mempool = None if emulate else torch.cuda.graph_pool_handle()
+        self.stats = {"replays": 0, "captures": 0, "eager_steps": 0}
+        self._all_rows = torch.arange(self.buckets[-1], device=self.device)  # logits of every row, padding too
+
+    def bucket(self, B: int, NB: int) -> tuple[int, int] | None:
+        """(batch bucket, block bucket) for B sequences whose longest context takes NB blocks; None: too big."""
+        if B > self.buckets[-1]:
+            return None
+        return next(b for b in self.buckets if b >= B), _pow2(max(NB, 1))
+
+    def run(self, ids: list[int], positions: list[int], write_slots: list[int],
+            ctx: list[tuple[list[int], int]], prefix, prefix_start: int = -1) -> tuple[torch.Tensor, AttnBatch] | None:
+        """One decode step: per sequence its fed token, position, write slot and (blocks, context entries); the
+        shared prefix all of them start with (None: none) and its first slot when its slots are consecutive.
+
+        Returns (logits [B, V] float32, the step's AttnBatch with last_layer filled, rows >= B padding) or None
+        when this step cannot replay a graph (the caller decodes eagerly).
+        """
+        if self.disabled is not None:
+            self.stats["eager_steps"] += 1
+            return None
+        bs = self.pool.block_size
+        B = len(ids)
+        NB = max(-(-n // bs) for _, n in ctx)
+        bk = self.bucket(B, NB)
+        if bk is None:
+            self.stats["eager_steps"] += 1
+            return None
+        Bb, NBb = bk
+        if prefix is None:
+            pkey = None
+        else:  # a consecutive prefix is a fixed view of the pool; a gathered one is read through its slot tensor
+            pkey = (prefix.length, prefix_start) if prefix_start >= 0 else (prefix.length, "slots", id(prefix.slots))
+        key = (Bb, NBb, pkey)
+        g = self.graphs.get(key)
+        if g is None:
+            if len(self.graphs) >= self.max_graphs:
+                self.stats["eager_steps"] += 1
+                return None
+            try:
+                g = self._capture(Bb, NBb, prefix, prefix_start)
+            except Exception as e:  # noqa: BLE001  (any capture failure: keep decoding, eagerly)
+                self.disabled = f"{type(e).__name__}: {e}"
+                warnings.warn(f"CUDA graph capture failed, decoding eagerly from now on ({self.disabled})",
+                              RuntimeWarning, stacklevel=2)
+                self.stats["eager_steps"] += 1
+                return None
+            self.graphs[key] = g
+        # the whole padded host image of the buffers, so rows left by a bigger previous batch become padding again
+        sb = self.scratch_block * bs
+        ids_h = torch.zeros(Bb, 1, dtype=torch.long)
+        pos_h = torch.zeros(Bb, 1, dtype=torch.long)
+        write_h = torch.full((Bb,), sb, dtype=torch.long)
+        tab_h = torch.full((Bb, NBb), self.scratch_block, dtype=torch.long)
+        lens_h = torch.ones(Bb, dtype=torch.long)
+        ids_h[:B, 0] = torch.tensor(ids, dtype=torch.long)
+        pos_h[:B, 0] = torch.tensor(positions, dtype=torch.long)
+        write_h[:B] = torch.tensor(write_slots, dtype=torch.long)
+        for b, (blocks, n) in enumerate(ctx):
+            nb = -(-n // bs)
+            tab_h[b, :nb] = torch.tensor(blocks[:nb], dtype=torch.long)
+            lens_h[b] = n
+        for dst, src in ((g.ids, ids_h), (g.positions, pos_h), (g.write_slots, write_h), (g.ctx_blocks, tab_h),
+                         (g.ctx_lens, lens_h)):
+            dst.copy_(src.pin_memory() if dst.is_cuda else src, non_blocking=dst.is_cuda)
+        if self.emulate:
+            g.logits = self._forward(g)
+        else:
+            g.graph.replay()
+        self.stats["replays"] += 1
+        return g.logits[:B], g.batch
+
+    def _forward(self, g: _Graph) -> torch.Tensor:
+        return self.model(g.ids, g.batch, self.pool.k, self.pool.v, logits_index=self._all_rows[: g.ids.shape[0]])
+
+    def _capture(self, Bb: int, NBb: int, prefix, prefix_start: int) -> _Graph:
+        d = self.device
+        bs = self.pool.block_size
+        g = _Graph(
+            ids=torch.zeros(Bb, 1, dtype=torch.long, device=d),
+            positions=torch.zeros(Bb, 1, dtype=torch.long, device=d),
+            write_slots=torch.full((Bb,), self.scratch_block * bs, dtype=torch.long, device=d),
+            ctx_blocks=torch.full((Bb, NBb), self.scratch_block, dtype=torch.long, device=d),
+            ctx_lens=torch.ones(Bb, dtype=torch.long, device=d),
+            batch=None,
+        )
+        g.batch = AttnBatch(
+            write_slots=g.write_slots, valid=torch.ones(Bb, 1, dtype=torch.bool, device=d), positions=g.positions,
+            prefix_len=prefix.length if prefix is not None else 0,
+            prefix_slots=prefix.slots if prefix is not None else torch.zeros(0, dtype=torch.long, device=d),
+            ctx_blocks=g.ctx_blocks, ctx_lens=g.ctx_lens, block_size=bs,
+            prefix_start=prefix_start if prefix is not None else -1, last_layer={},
+        )
+        g.prefix_slots = g.batch.prefix_slots
+        self.stats["captures"] += 1
+        if self.emulate:
+            return g
+        # the buffers hold padding only (every row writes to the scratch block), so the warm-up runs that compile
+        # the Triton kernels and the capture itself touch no sequence's cache
+        side = torch.cuda.Stream(device=d)
+        side.wait_stream(torch.cuda.current_stream(d))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._forward(g)
+        torch.cuda.current_stream(d).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.mempool):
+            g.logits = self._forward(g)
+        g.graph = graph
+        return g

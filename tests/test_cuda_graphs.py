@@ -1,0 +1,297 @@
+"""Decode steps through DecodeGraphs (fastrag/cuda_graphs.py): on the CPU the graph protocol is emulated (buffers
+and AttnBatch built once at capture, every replay re-runs the forward on them), so any dependence of a step on
+something outside the static buffers, a padding row that leaks into a real one, or a bucket that is reused with
+stale contents changes a token here. On a GPU the same tests capture real CUDA graphs."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from fastrag.cuda_graphs import DecodeGraphs, batch_buckets
+from fastrag.engine import Engine, SamplingParams
+from fastrag.model.llama import LlamaModel
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class Tok:
+    eos_token_id = None
+
+    def encode(self, s):
+        return [int(x) for x in s.split()]
+
+
+def LlamaConfig(**kw):  # (transformers imported lazily: at collection it would import triton before the modules
+    from transformers import LlamaConfig as C  # that set TRITON_INTERPRET=1 for their interpreted kernels)
+
+    return C(**kw)
+
+
+CFG = dict(vocab_size=96, hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=6,
+           num_key_value_heads=2, eos_token_id=None)
+PREFIX = list(range(20, 52))  # 32 tokens: two whole blocks of 16
+
+
+def _engine(graphs: bool, native: bool = True, **kw) -> Engine:
+    m = LlamaModel.from_hf_config(LlamaConfig(**CFG), seed=5, device=DEV)
+    if not native:
+        m.native_decode = None
+    return Engine(m, Tok(), kv_cache_gb=0.02, max_batch=kw.pop("max_batch", 12), cuda_graphs=graphs, **kw)
+
+
+def _run(eng: Engine, prompts, max_new, prefix=True, track=False):
+    if prefix:
+        eng.set_prefix(" ".join(map(str, PREFIX)))
+    seqs = [eng.new_sequence() for _ in prompts]
+    for s, p, n in zip(seqs, prompts, max_new):
+        eng.start(s, p, n, track_from=len(p) - 2 if track else None)
+    batches = set()
+    while eng.has_work:
+        batches.add(len(eng.running))
+        eng.step()
+    out = [(s.out.ids, s.out.logprob, s.out.entropy, s.out.attn) for s in seqs]
+    return out, batches
+
+
+def _prompts(n, seed=0, prefix=True):
+    g = torch.Generator().manual_seed(seed)
+    head = PREFIX if prefix else []
+    return [head + torch.randint(1, 96, (int(torch.randint(1, 40, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+def _same(a, b):
+    for (ia, la, ea, aa), (ib, lb, eb, ab) in zip(a, b):
+        assert ia == ib
+        torch.testing.assert_close(torch.tensor(la), torch.tensor(lb), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(torch.tensor(ea), torch.tensor(eb), rtol=1e-4, atol=1e-4)
+        if aa is not None or ab is not None:
+            torch.testing.assert_close(torch.tensor(aa), torch.tensor(ab), rtol=1e-4, atol=1e-5)
+
+
+def test_batch_buckets_cover_every_batch_size():
+    for mb in (1, 5, 16, 64, 100, 256, 300):
+        b = batch_buckets(mb)
+        assert b == sorted(set(b)) and b[0] == 1 and b[-1] == mb
+        for n in range(1, mb + 1):  # every batch has a bucket, and padding stays under 2x (1.5x from 16 on)
+            k = next(x for x in b if x >= n)
+            assert k < 2 * n or n == 1 or k == n + 1
+            if n >= 16:
+                assert k <= 1.5 * n
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("prefix", [True, False])
+def test_graphed_decode_equals_eager(native, prefix):
+    """Sequences of different lengths and budgets, so the batch shrinks step by step (several batch and block
+    buckets, graphs replayed with other contents than at capture): same tokens, logprobs and entropies."""
+    prompts = _prompts(9, seed=1, prefix=prefix)
+    max_new = [3, 17, 9, 30, 1, 24, 12, 5, 40]
+    eager, _ = _run(_engine(False, native), prompts, max_new, prefix)
+    eng = _engine(True, native)
+    got, batches = _run(eng, prompts, max_new, prefix)
+    _same(got, eager)
+    st = eng.graphs.stats
+    assert len(batches) >= 4 and st["captures"] >= 3 and st["replays"] > 3 * st["captures"]
+    assert st["eager_steps"] == 0 and eng.graphs.disabled is None
+    assert eng.stats["decode_steps"] == st["replays"]
+    assert eng.stats["decode_tokens"] == sum(len(o[0]) for o in got) - len(prompts)  # first tokens come from prefill
+
+
+def test_graphed_decode_tracks_attention_like_eager():
+    """DRAGIN's in-context attention maxima (last layer's queries + the decode attention's LSE, read from the
+    graph's outputs) equal those of eager decoding."""
+    prompts = _prompts(5, seed=2)
+    max_new = [6, 20, 11, 2, 15]
+    eager, _ = _run(_engine(False), prompts, max_new, track=True)
+    got, _ = _run(_engine(True), prompts, max_new, track=True)
+    assert all(o[3] is not None and len(o[3]) > 2 for o in got)
+    _same(got, eager)
+
+
+def test_graphed_decode_with_top_p_sampling_equals_eager():
+    prompts = _prompts(6, seed=3)
+    max_new = [10, 4, 16, 8, 12, 3]
+    sp = SamplingParams(temperature=0.8, top_p=0.9, seed=11)
+    eager, _ = _run(_engine(False, sampling=sp), prompts, max_new)
+    got, _ = _run(_engine(True, sampling=sp), prompts, max_new)
+    _same(got, eager)
+
+
+def test_padding_rows_never_touch_a_sequence_cache():
+    """One sequence in a bucket of 2+ rows: the padding rows write only to the scratch block, which no sequence or
+    prefix ever holds; the pool's free count accounts for it; the live sequence's KV equals eager decoding's."""
+    prompts = _prompts(3, seed=4)
+    outs = {}
+    for graphs in (False, True):
+        eng = _engine(graphs)
+        eng.set_prefix(" ".join(map(str, PREFIX)))
+        seqs = [eng.new_sequence() for _ in prompts]
+        for s, p, n in zip(seqs, prompts, [2, 2, 20]):  # two finish early: one sequence decodes in a bucket
+            eng.start(s, p, n)
+        while eng.has_work:
+            eng.step()
+        s = seqs[2]
+        slots = torch.tensor(s.table.slots(0, s.table.num_tokens), device=eng.device)
+        outs[graphs] = (s.out.ids, [k.index_select(1, slots).cpu() for k in eng.pool.k])
+        if graphs:
+            sb = eng.graphs.scratch_block
+            assert eng.pool.refcount[sb] == 1
+            held = {b for x in eng.live.values() for b in x.table.blocks} | set(eng.prefix.blocks)
+            assert sb not in held
+            for x in seqs:
+                eng.release(x)
+            eng.clear_prefixes()
+            assert eng.pool.num_free == eng.pool.num_blocks - 1  # everything back but the scratch block
+    assert outs[True][0] == outs[False][0]
+    for a, b in zip(outs[True][1], outs[False][1]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_mixed_prefix_batches_decode_eagerly():
+    """A batch of sequences of two prefixes has no graph: it decodes eagerly, with the tokens of an engine
+    without graphs."""
+    pb = list(range(50, 82))
+    prompts = [PREFIX + [1, 2, 3], pb + [4, 5], PREFIX + [9], pb + [7, 7, 7, 7]]
+
+    def run(graphs):
+        eng = _engine(graphs)
+        eng.set_prefix(" ".join(map(str, PREFIX)))
+        eng.set_prefix(" ".join(map(str, pb)))
+        seqs = [eng.new_sequence() for _ in prompts]
+        for s, p in zip(seqs, prompts):
+            eng.start(s, p, 8)
+        mixed = 0
+        while eng.has_work:
+            eng.step()
+            mixed += len({id(s.prefix) for s in eng.running}) > 1 and not eng.waiting
+        return [s.out.ids for s in seqs], eng, mixed
+
+    want, _, _ = run(False)
+    got, eng, mixed = run(True)
+    assert got == want
+    if eng.model.mixes_prefixes:  # (the torch path decodes each family in its own forward, never through graphs)
+        assert mixed > 0 and eng.graphs.stats["replays"] <= eng.stats["decode_steps"] - mixed
+
+
+def test_failed_capture_warns_and_decodes_eagerly(monkeypatch):
+    prompts = _prompts(4, seed=5)
+    want, _ = _run(_engine(False), prompts, [8] * 4)
+    eng = _engine(True)
+
+    def boom(*a, **k):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(eng.graphs, "_capture", boom)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        got, _ = _run(eng, prompts, [8] * 4)
+    assert any("CUDA graph capture failed" in str(x.message) and "stream is capturing" in str(x.message) for x in w)
+    assert eng.graphs.disabled and eng.graphs.stats["replays"] == 0 and eng.graphs.stats["eager_steps"] > 0
+    _same(got, want)
+
+
+def test_graph_cap_and_oversized_batches_fall_back_to_eager():
+    prompts = _prompts(6, seed=6)
+    max_new = [2, 4, 6, 8, 10, 12]
+    want, _ = _run(_engine(False), prompts, max_new)
+    eng = _engine(True)
+    eng.graphs.max_graphs = 1
+    got, _ = _run(eng, prompts, max_new)
+    _same(got, want)
+    assert len(eng.graphs.graphs) == 1 and eng.graphs.stats["eager_steps"] > 0 and eng.graphs.stats["replays"] > 0
+    g = eng.graphs
+    assert g.bucket(g.buckets[-1] + 1, 3) is None
+    assert g.bucket(5, 3) == (8, 4) and g.bucket(1, 1) == (1, 1) and g.bucket(12, 9) == (12, 16)
+
+
+def test_real_graphs_need_cuda():
+    if DEV == "cuda":
+        pytest.skip("a GPU is present: the real capture is what the tests above ran")
+    m = LlamaModel.from_hf_config(LlamaConfig(**CFG), seed=5)
+    eng = Engine(m, Tok(), kv_cache_gb=0.02, cuda_graphs=False)
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA model"):
+        DecodeGraphs(m, eng.pool, 8)
+
+
+def test_default_is_off_on_cpu_and_env_switch(monkeypatch):
+    m = LlamaModel.from_hf_config(LlamaConfig(**CFG), seed=5, device=DEV)
+    eng = Engine(m, Tok(), kv_cache_gb=0.02)
+    assert (eng.graphs is not None) == (DEV == "cuda")
+    monkeypatch.setenv("FASTRAG_CUDA_GRAPHS", "0")
+    assert Engine(m, Tok(), kv_cache_gb=0.02).graphs is None
+
+
+def test_continuous_batching_with_block_reuse_equals_eager(monkeypatch):
+    """Finished sequences are released and new ones start while others decode (as the scheduler does), so freed
+    blocks go to new sequences while a graph of the same bucket is replayed with fewer rows: rows left over from a
+    bigger batch must become padding again, or they would write into blocks that now belong to someone else."""
+    prompts = _prompts(14, seed=7)
+    max_new = [int(x) for x in torch.randint(1, 30, (14,), generator=torch.Generator().manual_seed(8))]
+
+    def run(graphs):
+        eng = _engine(graphs, max_batch=6)
+        eng.set_prefix(" ".join(map(str, PREFIX)))
+        queue = list(range(len(prompts)))
+        live, out = {}, {}
+        while queue or eng.has_work:
+            while queue and len(live) < 6:
+                i = queue.pop(0)
+                s = eng.new_sequence()
+                eng.start(s, prompts[i], max_new[i])
+                live[id(s)] = (i, s)
+            for s in eng.step():
+                i, _ = live.pop(id(s))
+                out[i] = (s.out.ids, s.out.logprob, s.out.entropy, None)
+                eng.release(s)
+        return [out[i] for i in range(len(prompts))], eng
+
+    want, _ = run(False)
+    checked = []
+    orig = DecodeGraphs.run
+
+    def run_and_check(self, ids, *a, **k):  # after every replay: rows past the batch are pure padding
+        res = orig(self, ids, *a, **k)
+        if res is not None:
+            b, B = res[1], len(ids)
+            sb = self.scratch_block
+            assert (b.write_slots[B:] == sb * self.pool.block_size).all() and (b.ctx_lens[B:] == 1).all()
+            assert (b.ctx_blocks[B:] == sb).all() and (b.positions[B:] == 0).all()
+            assert not (b.write_slots[:B] == sb * self.pool.block_size).any()
+            checked.append(b.write_slots.numel() - B)
+        return res
+
+    monkeypatch.setattr(DecodeGraphs, "run", run_and_check)
+    got, eng = run(True)
+    _same(got, want)
+    assert eng.graphs.stats["replays"] > 10 and sum(x > 0 for x in checked) > 3  # steps with padding rows
+
+
+def test_each_prefix_gets_its_own_graphs():
+    """Two families with the same batch and block buckets decode one after the other in one engine: the second
+    must not replay the graph captured with the first one's prefix."""
+    pb = list(range(50, 82))
+    fam_a = [PREFIX + [1, 2, 3], PREFIX + [9, 8]]
+    fam_b = [pb + [1, 2, 3], pb + [9, 8]]
+
+    def run(graphs):
+        eng = _engine(graphs)
+        eng.set_prefix(" ".join(map(str, PREFIX)))
+        eng.set_prefix(" ".join(map(str, pb)))
+        out = []
+        for fam in (fam_a, fam_b, [p[32:] for p in fam_a]):  # and no prefix at all
+            seqs = [eng.new_sequence() for _ in fam]
+            for s, p in zip(seqs, fam):
+                eng.start(s, p, 10)
+            while eng.has_work:
+                eng.step()
+            out += [s.out.ids for s in seqs]
+        return out, eng
+
+    want, _ = run(False)
+    got, eng = run(True)
+    assert got == want
+    assert len({k[2] for k in eng.graphs.graphs}) == 3
