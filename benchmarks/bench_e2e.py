@@ -32,11 +32,12 @@ from fastrag.parity import _rate, compare, method_decisions, run_oracle
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared" / "data"
-DATA = {
-    "hotpotqa": SHARED / "hotpotqa" / "dev_distractor_200.jsonl",
-    "2wikimultihopqa": SHARED / "2wikimultihopqa" / "dev_sample_200.jsonl",
-    "strategyqa": SHARED / "strategyqa" / "train_first1000.json",
+FILES = {
+    "hotpotqa": Path("hotpotqa") / "dev_distractor_200.jsonl",
+    "2wikimultihopqa": Path("2wikimultihopqa") / "dev_sample_200.jsonl",
+    "strategyqa": Path("strategyqa") / "train_first1000.json",
 }
+DATA = {ds: SHARED / f for ds, f in FILES.items()}
 CORPUS = SHARED / "corpus" / "wiki_passages.jsonl"
 
 
@@ -80,6 +81,10 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=50)
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--model", default="smollm2", help="engine and oracle model: smollm2 or an HF directory")
+    ap.add_argument("--data-dir", default=str(SHARED),
+                    help="folder holding hotpotqa/, 2wikimultihopqa/, strategyqa/ and corpus/ (default ../shared/data)")
+    ap.add_argument("--oracle-limit", type=int, default=None,
+                    help="questions per dataset for the published-recipe oracle (default: --limit)")
     ap.add_argument("--tuned-oracle-limit", type=int, default=0,
                     help="questions per dataset for the tuned per-question oracle (bf16 on a GPU, SDPA); 0: none")
     ap.add_argument("--output", default=str(ROOT / "runs" / "bench_e2e"))
@@ -97,7 +102,9 @@ def main() -> None:
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else \
         f"CPU {platform.processor() or platform.machine()} x{torch.get_num_threads()} threads"
     outs = {ds: Path(args.output) / ds for ds in args.datasets}
-    opts = {ds: RunOptions(method="dragin", dataset=ds, data=str(DATA[ds]), corpus=str(CORPUS),
+    data_dir = Path(args.data_dir)
+    opts = {ds: RunOptions(method="dragin", dataset=ds, data=str(data_dir / FILES[ds]),
+                           corpus=str(data_dir / "corpus" / "wiki_passages.jsonl"),
                            output=str(outs[ds] / "engine"), limit=args.limit, batch_size=args.batch_size,
                            model=args.model)
             for ds in args.datasets}
@@ -114,7 +121,7 @@ def main() -> None:
     for ds in args.datasets:
         out = outs[ds]
         if not args.report_only:
-            run_oracle(replace(opts[ds], output=str(out)), out / "oracle")
+            run_oracle(replace(opts[ds], output=str(out), limit=args.oracle_limit or args.limit), out / "oracle")
             if args.tuned_oracle_limit:
                 run_oracle(replace(opts[ds], output=str(out), limit=args.tuned_oracle_limit), out / "oracle-tuned",
                            recipe="tuned")

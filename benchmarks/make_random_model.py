@@ -27,16 +27,18 @@ SHAPES = {
 
 
 def make(shape: str, out: Path, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
-         device: str | None = None) -> Path:
-    """Create `out` (config.json, weights, tokenizer) and return it."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+         device: str | None = None, tokenizer: str | None = None) -> Path:
+    """Create `out` (config.json, weights, tokenizer) and return it. tokenizer: a directory holding the SmolLM2
+    tokenizer files (benchmarks/gpu/prepare.sh writes one for machines without the embedded GGUF package);
+    default: the embedded one."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     from fastrag.model.loading import load_tokenizer
 
     if shape not in SHAPES:
         raise ValueError(f"unknown shape {shape!r}: expected one of {', '.join(SHAPES)}")
     hidden, inter, layers, heads, kv, max_pos = SHAPES[shape]
-    tok = load_tokenizer("smollm2")
+    tok = AutoTokenizer.from_pretrained(tokenizer) if tokenizer else load_tokenizer("smollm2")
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
                       num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=max_pos,
                       rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=tok.bos_token_id,
@@ -58,8 +60,10 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tokenizer", default=None,
+                    help="directory of SmolLM2 tokenizer files (default: the embedded GGUF package's)")
     args = ap.parse_args()
-    path = make(args.shape, Path(args.out), getattr(torch, args.dtype), args.seed)
+    path = make(args.shape, Path(args.out), getattr(torch, args.dtype), args.seed, tokenizer=args.tokenizer)
     print(f"wrote {path}")
 
 
