@@ -7,7 +7,7 @@
 #             decode attention, CUDA graphs vs eager decoding, engine/model/attention-tracking tests on the GPU
 #   kernels   benchmarks/bench_kernels.py (signal kernels vs torch, GB/s, fraction of the copy bandwidth)
 #   decode    benchmarks/bench_decode.py (Llama-2-7B shape, B 1/16/64/256 x ctx 1k/4k, vs roofline, graphs/eager)
-#   model     make_random_model.py llama2-7b into /tmp (kept while the machine stays warm)
+#   model     make_random_model.py llama2-7b (E2E_SHAPE) into /tmp (kept while the machine stays warm)
 #   e2e       bench_e2e.py: engine DRAGIN vs the published per-question recipe and the tuned one, on that model
 #             (E2E_LIMIT, E2E_BATCH, E2E_ORACLE_LIMIT, E2E_TUNED_LIMIT override the sizes)
 # Planned in three calls of <= 10 minutes: "tests kernels", "decode", "model e2e".
@@ -21,12 +21,15 @@ export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 export FASTRAG_CACHE=/tmp/fastrag_cache
 PY=${PYTHON:-python3}
+SHAPE=${E2E_SHAPE:-llama2-7b}  # make_random_model.py shape of the e2e model
+MODEL=/tmp/fastrag_model_$SHAPE
 
 setup() {
     if [ -f /tmp/fastrag_setup_done ]; then return 0; fi
     nvidia-smi || true
     $PY -c "import torch, triton, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
-'triton', triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
+'triton', triton.__version__, 'transformers', transformers.__version__, \
+torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')"
     mkdir -p "$SITE" /tmp/fastrag_data
     tar xJf "$C/site.tar.xz" -C "$SITE"
     tar xJf "$C/data.tar.xz" -C /tmp/fastrag_data
@@ -64,11 +67,11 @@ for st in "$@"; do
         kernels) stage kernels $PY benchmarks/bench_kernels.py ;;
         decode) stage decode $PY benchmarks/bench_decode.py ;;
         model)
-            [ -f /tmp/llama2-7b-random/config.json ] || stage model $PY benchmarks/make_random_model.py \
-                --shape llama2-7b --out /tmp/llama2-7b-random --tokenizer "$C/tokenizer"
+            [ -f "$MODEL/config.json" ] || stage model $PY benchmarks/make_random_model.py \
+                --shape "$SHAPE" --out "$MODEL" --tokenizer "$C/tokenizer"
             ;;
         e2e)
-            stage e2e $PY benchmarks/bench_e2e.py --model /tmp/llama2-7b-random --data-dir /tmp/fastrag_data \
+            stage e2e $PY benchmarks/bench_e2e.py --model "$MODEL" --data-dir /tmp/fastrag_data \
                 --limit "${E2E_LIMIT:-64}" --batch-size "${E2E_BATCH:-128}" --oracle-limit "${E2E_ORACLE_LIMIT:-3}" \
                 --tuned-oracle-limit "${E2E_TUNED_LIMIT:-6}" --output /tmp/fastrag_runs/bench_e2e
             ;;

