@@ -77,8 +77,9 @@ class _Tok:
         return [int(x) for x in s.split()]
 
 
-def _decode(path: str, prompts, prefixes, seed: int):
-    """Greedy decoding through the engine with the model's decode attention forced to `path`."""
+def _decode(path: str, prompts, prefixes, seed: int, graphs: bool = False, max_new=None):
+    """Greedy decoding through the engine with the model's decode attention forced to `path` (graphs: decode steps
+    through DecodeGraphs, real CUDA graphs on a GPU, the emulated protocol on CPU)."""
     from transformers import LlamaConfig
 
     from fastrag.engine import Engine
@@ -92,16 +93,18 @@ def _decode(path: str, prompts, prefixes, seed: int):
         assert m.paged_decode_op(torch.device(DEV), torch.float32) is m.triton_decode
     elif path == "torch":
         m.native_decode, m.triton_decode, m._triton_on_cpu = None, None, False
-    eng = Engine(m, _Tok(), kv_cache_gb=0.01, max_batch=8, mix_prefill=True)
+    eng = Engine(m, _Tok(), kv_cache_gb=0.01, max_batch=8, mix_prefill=True, cuda_graphs=graphs)
     for p in prefixes:
         eng.set_prefix(" ".join(map(str, p)))
     seqs = [eng.new_sequence() for _ in prompts]
-    for s, p in zip(seqs, prompts):
-        eng.start(s, p, 10)
+    for s, p, n in zip(seqs, prompts, max_new or [10] * len(prompts)):
+        eng.start(s, p, n)
     mixed = 0
     while eng.has_work:
         mixed += len({id(s.prefix) for s in eng.running}) > 1
         eng.step()
+    if graphs:
+        assert eng.graphs.disabled is None and eng.graphs.stats["replays"] > 0
     return [s.out.ids for s in seqs], [s.out.logprob for s in seqs], mixed
 
 
@@ -118,6 +121,22 @@ def test_model_decode_with_triton_attention_equals_the_other_paths():
         ids, lp, _ = _decode(path, prompts, [pa, pb], seed=9)
         assert ids == ids_tr, f"triton decode attention drew other tokens than the {path} path"
         torch.testing.assert_close(torch.tensor(lp), torch.tensor(lp_tr), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("with_prefix", [True, False])
+def test_graphed_decode_with_triton_attention_equals_eager(with_prefix):
+    """Decode steps replayed through DecodeGraphs with the Triton kernel (the GPU's decode path): padding rows of
+    the batch buckets attend to the scratch block only, and tokens and log-probabilities equal eager decoding's as
+    the batch shrinks through several buckets."""
+    pa = list(range(20, 52))
+    head = pa if with_prefix else []
+    prompts = [head + list(range(1, 1 + n)) for n in (3, 11, 20, 1, 7)]
+    max_new = [4, 12, 7, 15, 2]
+    ids_e, lp_e, _ = _decode("triton", prompts, [pa], seed=4, max_new=max_new)
+    ids_g, lp_g, _ = _decode("triton", prompts, [pa], seed=4, graphs=True, max_new=max_new)
+    assert ids_g == ids_e
+    torch.testing.assert_close(torch.tensor([x for r in lp_g for x in r]), torch.tensor([x for r in lp_e for x in r]),
+                               rtol=1e-4, atol=1e-5)
 
 
 def test_unknown_decode_attention_setting_is_named(monkeypatch):
