@@ -2,7 +2,9 @@
 
 `DIR/results.jsonl` gets one line per finished question (flushed and fsynced as it finishes), so a killed run
 loses at most the questions in flight; a rerun reads the file, skips every question already there and computes
-only the rest. `DIR/metrics.json` is rewritten at the end from all records.
+only the rest. `DIR/metrics.json` is rewritten at the end from all records. `DIR/runs.jsonl` keeps each run's
+questions computed and seconds (a killed run's too, from `DIR/progress.json`), so `all_runs` in metrics.json is the
+rate over every run that produced the results, not only the last one.
 """
 
 from __future__ import annotations
@@ -165,6 +167,41 @@ def summarize(opts_method: str, dataset: str, results: list[QuestionResult], wal
     }
 
 
+def _write_progress(out: Path, computed: int, wall_s: float) -> None:
+    """How far the current run got (questions finished, seconds since it started computing): a run killed before
+    its end (a machine taken back) still counts in the rate over all runs of the directory."""
+    tmp = out / "progress.json.tmp"
+    tmp.write_text(json.dumps({"computed": computed, "wall_s": wall_s}))
+    tmp.replace(out / "progress.json")
+
+
+def _close_progress(out: Path) -> dict:
+    """Move the last run's progress into DIR/runs.jsonl (one line per run that computed something) and return the
+    totals over all runs: {"runs", "computed", "wall_s", "questions_per_s"}. A killed run counts up to its last
+    finished question (the work in flight when it died is not counted, and neither is its lost time)."""
+    prog, hist = out / "progress.json", out / "runs.jsonl"
+    if prog.exists():
+        try:
+            rec = json.loads(prog.read_text())
+            if rec.get("computed", 0) > 0:
+                with hist.open("a") as f:
+                    f.write(json.dumps(rec) + "\n")
+        except (json.JSONDecodeError, OSError):
+            pass  # a torn progress file: that run's time is lost, its results are not
+        prog.unlink(missing_ok=True)
+    recs = []
+    if hist.exists():
+        for line in hist.read_text().splitlines():
+            try:
+                recs.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    computed = sum(r["computed"] for r in recs)
+    wall = sum(r["wall_s"] for r in recs)
+    return {"runs": len(recs), "computed": computed, "wall_s": wall,
+            "questions_per_s": computed / wall if wall > 0 else None}
+
+
 def run(opts: RunOptions, engine=None, retriever=None) -> dict:
     """Run a method over a dataset; returns the metrics dict (also written to DIR/metrics.json)."""
     return run_many([opts], engine=engine, retriever=retriever)[0]
@@ -210,6 +247,8 @@ def run_many(runs: list[RunOptions], engine=None, retriever=None) -> list[dict]:
         have = {r.qid for r in done}
         plans.append((o, cfg, {e.qid: e for e in examples}, done, [e for e in examples if e.qid not in have]))
 
+    for out in outs:  # a run interrupted before its end left its progress: it joins the history
+        _close_progress(out)
     t0 = time.perf_counter()
     news: list[list[QuestionResult]] = [[] for _ in runs]
     sched = None
@@ -238,6 +277,7 @@ def run_many(runs: list[RunOptions], engine=None, retriever=None) -> list[dict]:
             score_result(ex, r)
             writers[i].write(r)
             news[i].append(r)
+            _write_progress(outs[i], len(news[i]), time.perf_counter() - t0)
             bar.update(1)
 
         try:
@@ -270,6 +310,7 @@ def run_many(runs: list[RunOptions], engine=None, retriever=None) -> list[dict]:
         metrics["sampling"] = {"temperature": sp.temperature, "top_p": sp.top_p, "seed": sp.seed}
         if engine is not None:
             metrics["engine"] = dict(engine.stats)
+        metrics["all_runs"] = _close_progress(out)
         if sched is not None:  # retrieval batches of this run: how many queries went to the retriever together
             b = sched.search_batches
             metrics["retrieval"] = {"batches": len(b), "queries": sum(b), "max_batch_size": max(b, default=0),

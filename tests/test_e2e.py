@@ -96,7 +96,7 @@ def test_killed_run_resumes_to_the_complete_set(tmp_path, small_config, run_dir)
     res = out / "results.jsonl"
     deadline = time.time() + 600
     while time.time() < deadline and proc.poll() is None:
-        if res.exists() and res.read_text().count("\n") >= 1:
+        if res.exists() and res.read_text().count("\n") >= 1 and (out / "progress.json").exists():
             break
         time.sleep(0.2)
     proc.send_signal(signal.SIGKILL)
@@ -108,6 +108,14 @@ def test_killed_run_resumes_to_the_complete_set(tmp_path, small_config, run_dir)
     assert final[: len(first)] == first  # nothing already written was recomputed or rewritten
     qids = [json.loads(x)["qid"] for x in final]
     assert len(qids) == 4 and len(set(qids)) == 4
+    # the killed run's time still counts: the rate over all runs covers both (up to the killed one's last
+    # recorded question)
+    m = json.loads((out / "metrics.json").read_text())
+    ar = m["all_runs"]
+    assert m["computed_this_run"] == 4 - len(first)
+    assert ar["runs"] == 2 and m["computed_this_run"] + 1 <= ar["computed"] <= 4
+    assert ar["wall_s"] > m["wall_s"] and ar["questions_per_s"] == ar["computed"] / ar["wall_s"]
+    assert not (out / "progress.json").exists() and len((out / "runs.jsonl").read_text().splitlines()) == 2
 
 
 @pytest.mark.parametrize("bad, msg", [

@@ -68,3 +68,22 @@ def test_runs_must_share_the_engine_settings(tmp_path):
         run_many([a, b])
     with pytest.raises(ValueError, match="same output"):
         run_many([a, a])
+
+
+def test_run_history_totals(tmp_path):
+    """runs.jsonl keeps each run's questions and seconds; a killed run's progress.json joins it when the next run
+    starts; a torn progress file loses that run's time only."""
+    from fastrag.eval import _close_progress, _write_progress
+
+    assert _close_progress(tmp_path) == {"runs": 0, "computed": 0, "wall_s": 0, "questions_per_s": None}
+    _write_progress(tmp_path, 3, 30.0)
+    _write_progress(tmp_path, 5, 50.0)  # the latest state replaces the earlier one
+    assert _close_progress(tmp_path) == {"runs": 1, "computed": 5, "wall_s": 50.0, "questions_per_s": 0.1}
+    assert not (tmp_path / "progress.json").exists()
+    _write_progress(tmp_path, 0, 10.0)  # a run that finished nothing adds no line
+    assert _close_progress(tmp_path)["runs"] == 1
+    (tmp_path / "progress.json").write_text('{"computed": 4, "wall')
+    got = _close_progress(tmp_path)
+    assert got["runs"] == 1 and got["computed"] == 5
+    _write_progress(tmp_path, 15, 50.0)
+    assert _close_progress(tmp_path) == {"runs": 2, "computed": 20, "wall_s": 100.0, "questions_per_s": 0.2}
