@@ -17,8 +17,8 @@ attention statistics replay the same graph.
 
 `emulate=True` (CPU, tests) runs the same protocol without CUDA: the AttnBatch and buffers are built once at
 "capture" and every "replay" re-runs the forward on them, so a step that depended on anything but the static
-buffers would show up as a wrong token in the CPU tests. A capture that fails on the GPU disables graphs for the
-engine with a warning; decoding goes on eagerly.
+buffers would show up as a wrong token in the CPU tests. A capture that fails on the GPU leaves that step to eager
+decoding with a warning, and three failures turn graphs off for the engine.
 """
 
 from __future__ import annotations
@@ -76,7 +76,9 @@ class DecodeGraphs:
         self.max_graphs = max_graphs
         self.scratch_block = pool.allocate(1)[0]  # padding rows write and read here; never freed
         self.graphs: dict[tuple, _Graph] = {}
-        self.disabled: str | None = None  # why graphs were turned off (a failed capture), else None
+        self.disabled: str | None = None  # why graphs were turned off (max_failures failed captures), else None
+        self.failures, self.max_failures = 0, 3  # a capture can fail once for a passing reason (another thread's
+        # CUDA call during it); a step whose capture fails decodes eagerly and the next one tries again
         self.mempool = None if emulate else torch.cuda.graph_pool_handle()
         self.stats = {"replays": 0, "captures": 0, "eager_steps": 0}
         self._all_rows = torch.arange(self.buckets[-1], device=self.device)  # logits of every row, padding too
@@ -118,9 +120,13 @@ class DecodeGraphs:
                 return None
             try:
                 g = self._capture(Bb, NBb, prefix, prefix_start)
-            except Exception as e:  # noqa: BLE001  (any capture failure: keep decoding, eagerly)
-                self.disabled = f"{type(e).__name__}: {e}"
-                warnings.warn(f"CUDA graph capture failed, decoding eagerly from now on ({self.disabled})",
+            except Exception as e:  # noqa: BLE001  (any capture failure: this step decodes eagerly)
+                self.failures += 1
+                why = f"{type(e).__name__}: {e}"
+                if self.failures >= self.max_failures:
+                    self.disabled = why
+                warnings.warn(f"CUDA graph capture failed ({why}); "
+                              + ("decoding eagerly from now on" if self.disabled else "this step decodes eagerly"),
                               RuntimeWarning, stacklevel=2)
                 self.stats["eager_steps"] += 1
                 return None
@@ -183,7 +189,8 @@ class DecodeGraphs:
                 self._forward(g)
         torch.cuda.current_stream(d).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.mempool):
+        # thread_local: CUDA calls of other threads (a dense retriever's encoder) do not invalidate the capture
+        with torch.cuda.graph(graph, pool=self.mempool, capture_error_mode="thread_local"):
             g.logits = self._forward(g)
         g.graph = graph
         return g
