@@ -59,7 +59,7 @@ stage setup setup || { echo "setup failed: see $OUT/logs/setup.log"; exit 1; }
 for st in "$@"; do
     case $st in
         tests)
-            stage tests $PY -m pytest -q -x -p no:cacheprovider --junitxml="$OUT/results/gpu_tests.xml" \
+            stage tests $PY -m pytest -q -p no:cacheprovider --junitxml="$OUT/results/gpu_tests.xml" \
                 tests/test_kernels.py tests/test_paged_attention_triton.py tests/test_cuda_graphs.py \
                 tests/test_kernels_engine.py tests/test_attn_tracking.py tests/test_model.py tests/test_kv_reuse.py \
                 tests/test_paged_attention.py tests/test_signals.py tests/test_cache.py
