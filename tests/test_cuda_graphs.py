@@ -39,7 +39,8 @@ def _engine(graphs: bool, native: bool = True, **kw) -> Engine:
     m = LlamaModel.from_hf_config(LlamaConfig(**CFG), seed=5, device=DEV)
     if not native:
         m.native_decode = None
-    return Engine(m, Tok(), kv_cache_gb=0.02, max_batch=kw.pop("max_batch", 12), cuda_graphs=graphs, **kw)
+    return Engine(m, Tok(), kv_cache_gb=kw.pop("kv_cache_gb", 0.02), max_batch=kw.pop("max_batch", 12),
+                  cuda_graphs=graphs, **kw)
 
 
 def _run(eng: Engine, prompts, max_new, prefix=True, track=False):
@@ -318,3 +319,18 @@ def test_each_prefix_gets_its_own_graphs():
     got, eng = run(True)
     assert got == want
     assert len({k[2] for k in eng.graphs.graphs}) == 3
+
+
+def test_small_kv_pool_with_graphs_equals_eager():
+    """A pool too small for every sequence at once (24 blocks, the scratch block one of them): sequences wait for
+    blocks and decode in smaller batches; the tokens equal eager decoding's with the same pool."""
+    prompts = _prompts(9, seed=9)
+    max_new = [3, 17, 9, 30, 1, 24, 12, 5, 20]
+    per_block = 2 * CFG["num_hidden_layers"] * 16 * CFG["num_key_value_heads"] * 8 * 4
+    kv = 24 * per_block / 2**30
+    eager, b_e = _run(_engine(False, kv_cache_gb=kv), prompts, max_new)
+    eng = _engine(True, kv_cache_gb=kv)
+    assert eng.pool.num_blocks == 24 and eng.pool.num_free == 23
+    got, b_g = _run(eng, prompts, max_new)
+    _same(got, eager)
+    assert max(b_g) < len(prompts) and eng.graphs.stats["replays"] > 0  # the pool, not max_batch, bounded the batch
