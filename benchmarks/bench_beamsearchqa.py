@@ -163,8 +163,9 @@ def main() -> None:
         f"B={cfg.beam_size}; max new tokens answer/ask/summary/score = {cfg.answer_max_tokens}/{cfg.ask_max_tokens}/"
         f"{cfg.summary_max_tokens}/{cfg.score_max_tokens}\n"
         f"- engine batch {args.batch_size}; oracle on the first {args.oracle_limit} questions of each dataset\n"
-        f"- wall time of this benchmark: {time.perf_counter() - t_start:.0f} s\n"
-        f"- command: `{cmd}`\n\n"
+        + (f"- report only: tables from the results in {args.output} (datasets: {', '.join(args.datasets)})\n"
+           if args.report_only else f"- wall time of this benchmark: {time.perf_counter() - t_start:.0f} s\n")
+        + f"- command: `{cmd}`\n\n"
         "## Accuracy and cost (engine)\n\n"
         + table(rows, ["dataset", "method", "n", "errors", "em", "f1", "llm_calls_per_q", "retrievals_per_q",
                        "prefill_tok_per_q", "decode_tok_per_q", "questions_per_s"])

@@ -126,8 +126,9 @@ def main() -> None:
                      f"{fmt(mt['retrievals_per_question'], 2)} | {fmt(mt['prefill_tokens_per_question'], 0)} | "
                      f"{fmt(mt['decode_tokens_per_question'], 0)} | {rate(mt)} | {mt['errors']} |")
     lines += ["", "## Streaming DRAGIN vs reference DRAGIN (same questions)", "",
-              "| dataset | decoded/q reference | decoded/q streaming | ratio | EM diff [95% CI] | F1 diff [95% CI] |",
-              "|---|---|---|---|---|---|"]
+              "| dataset | questions | decoded/q reference | decoded/q streaming | ratio | EM diff [95% CI] | "
+              "F1 diff [95% CI] |",
+              "|---|---|---|---|---|---|---|"]
     for ds in args.datasets:
         a_dir, b_dir = Path(args.output) / ds / "dragin", Path(args.output) / ds / "dragin-streaming"
         a = {r.qid: r for r in read_results(a_dir / "results.jsonl") if r.error is None}
@@ -140,7 +141,7 @@ def main() -> None:
         key = "accuracy" if ds == "strategyqa" else "f1"
         em = paired_diff([a[q].metrics["em"] for q in common], [b[q].metrics["em"] for q in common])
         f1 = paired_diff([a[q].metrics[key] for q in common], [b[q].metrics[key] for q in common])
-        lines.append(f"| {ds} | {da:.1f} | {db:.1f} | {db / da:.3f} | {em[0]:+.3f} [{em[1]:+.3f}, {em[2]:+.3f}] | "
+        lines.append(f"| {ds} | {len(common)} | {da:.1f} | {db:.1f} | {db / da:.3f} | {em[0]:+.3f} [{em[1]:+.3f}, {em[2]:+.3f}] | "
                      f"{f1[0]:+.3f} [{f1[1]:+.3f}, {f1[2]:+.3f}] |")
     res = Path(args.results)
     res.mkdir(parents=True, exist_ok=True)
