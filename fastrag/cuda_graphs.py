@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fastrag.cache.kv import block_table_tensor, blocks_needed
 from fastrag.model.llama import AttnBatch
 
 
@@ -56,7 +57,6 @@ class _Graph:
     batch: AttnBatch  # built once on the buffers above
     logits: torch.Tensor | None = None  # [Bb, V], the graph's output
     graph: object = None  # torch.cuda.CUDAGraph (None when emulated)
-    prefix_slots: torch.Tensor | None = None  # keeps a gathered prefix's slot tensor alive (it is in the key)
 
 
 class DecodeGraphs:
@@ -102,8 +102,7 @@ class DecodeGraphs:
             return None
         bs = self.pool.block_size
         B = len(ids)
-        NB = max(-(-n // bs) for _, n in ctx)
-        bk = self.bucket(B, NB)
+        bk = self.bucket(B, blocks_needed(ctx, bs))
         if bk is None:
             self.stats["eager_steps"] += 1
             return None
@@ -111,6 +110,7 @@ class DecodeGraphs:
         if prefix is None:
             pkey = None
         else:  # a consecutive prefix is a fixed view of the pool; a gathered one is read through its slot tensor
+            # (g.batch keeps the slot tensor alive, so its id is not reused while the graph exists)
             pkey = (prefix.length, prefix_start) if prefix_start >= 0 else (prefix.length, "slots", id(prefix.slots))
         key = (Bb, NBb, pkey)
         g = self.graphs.get(key)
@@ -136,15 +136,10 @@ class DecodeGraphs:
         ids_h = torch.zeros(Bb, 1, dtype=torch.long)
         pos_h = torch.zeros(Bb, 1, dtype=torch.long)
         write_h = torch.full((Bb,), sb, dtype=torch.long)
-        tab_h = torch.full((Bb, NBb), self.scratch_block, dtype=torch.long)
-        lens_h = torch.ones(Bb, dtype=torch.long)
         ids_h[:B, 0] = torch.tensor(ids, dtype=torch.long)
         pos_h[:B, 0] = torch.tensor(positions, dtype=torch.long)
         write_h[:B] = torch.tensor(write_slots, dtype=torch.long)
-        for b, (blocks, n) in enumerate(ctx):
-            nb = -(-n // bs)
-            tab_h[b, :nb] = torch.tensor(blocks[:nb], dtype=torch.long)
-            lens_h[b] = n
+        tab_h, lens_h = block_table_tensor(ctx, bs, Bb, NBb, fill=self.scratch_block)
         for dst, src in ((g.ids, ids_h), (g.positions, pos_h), (g.write_slots, write_h), (g.ctx_blocks, tab_h),
                          (g.ctx_lens, lens_h)):
             dst.copy_(src.pin_memory() if dst.is_cuda else src, non_blocking=dst.is_cuda)
@@ -176,7 +171,6 @@ class DecodeGraphs:
             ctx_blocks=g.ctx_blocks, ctx_lens=g.ctx_lens, block_size=bs,
             prefix_start=prefix_start if prefix is not None else -1, last_layer={},
         )
-        g.prefix_slots = g.batch.prefix_slots
         self.stats["captures"] += 1
         if self.emulate:
             return g

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fastrag.cache.kv import BlockTable, KVPool, OutOfBlocks, SharedPrefix
+from fastrag.cache.kv import BlockTable, KVPool, OutOfBlocks, SharedPrefix, block_table_tensor, blocks_needed
 from fastrag.cuda_graphs import DecodeGraphs
 from fastrag.model.llama import AttnBatch, LlamaModel, PrefixGroup
 from fastrag.signals import get_backend
@@ -498,17 +498,13 @@ class Engine:
         """ctx: per sequence (its blocks, number of context entries after the prefix)."""
         bs = self.pool.block_size
         B = len(ctx)
-        NB = max(-(-n // bs) for _, n in ctx)
-        ctx_t = torch.zeros(B, NB, dtype=torch.long)
-        for b, (blocks, n) in enumerate(ctx):
-            nb = -(-n // bs)
-            ctx_t[b, :nb] = torch.tensor(blocks[:nb], dtype=torch.long)
+        ctx_t, lens = block_table_tensor(ctx, bs, B, blocks_needed(ctx, bs))
         d = self.device
         return AttnBatch(
             write_slots=self._h2d(torch.tensor(write, dtype=torch.long)), valid=self._h2d(valid),
             positions=self._h2d(pos), prefix_len=prefix.length if prefix else 0,
             prefix_slots=prefix.slots if prefix else torch.zeros(0, dtype=torch.long, device=d),
-            ctx_blocks=self._h2d(ctx_t), ctx_lens=self._h2d(torch.tensor([n for _, n in ctx])), block_size=bs,
+            ctx_blocks=self._h2d(ctx_t), ctx_lens=self._h2d(lens), block_size=bs,
             prefix_start=self._starts.get(id(prefix), -1) if prefix else -1,
         )
 

@@ -70,6 +70,24 @@ class KVPool:
                 self._free.append(b)
 
 
+def blocks_needed(ctx: list[tuple[list[int], int]], block_size: int) -> int:
+    """The most blocks any of ctx's (blocks, entries) sequences uses."""
+    return max(-(-n // block_size) for _, n in ctx)
+
+
+def block_table_tensor(ctx: list[tuple[list[int], int]], block_size: int, rows: int, cols: int,
+                       fill: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Host tensors of a batch's block tables: ([rows, cols] block ids, [rows] entries), one row per (blocks,
+    entries) of ctx, each row's unused columns and the rows past len(ctx) holding `fill` (entries 1 there)."""
+    tab = torch.full((rows, cols), fill, dtype=torch.long)
+    lens = torch.ones(rows, dtype=torch.long)
+    for b, (blocks, n) in enumerate(ctx):
+        nb = -(-n // block_size)
+        tab[b, :nb] = torch.tensor(blocks[:nb], dtype=torch.long)
+        lens[b] = n
+    return tab, lens
+
+
 @dataclass(eq=False)
 class BlockTable:
     """The blocks one sequence owns, holding its tokens after the shared prefix (positions base, base+1, ...)."""
