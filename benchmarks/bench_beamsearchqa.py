@@ -59,6 +59,8 @@ def row_for(method: str, ds: str, out: Path, who: str = "engine") -> dict:
         "llm_calls_per_q": calls if calls else None,
         "retrievals_per_q": per_q(res, "retrievals"),
         "prefill_tok_per_q": per_q(res, "prefill_tokens"), "decode_tok_per_q": per_q(res, "decode_tokens"),
+        # LLM calls answered by an identical earlier one of the question (the engine's reuse; none for the oracle)
+        "reused_calls_per_q": sum(r.counters.get("reused_generations", 0) for r in ok) / len(ok) if ok else None,
         # the engine's rate over all runs that computed its results when their history covers them all (a run
         # killed part-way included: fastrag.eval's runs.jsonl), else the last run's
         "questions_per_s": (_all_runs_rate(m, len(res)) or m.get("questions_per_s")) if who == "engine" else _rate(res),
@@ -99,6 +101,9 @@ def main() -> None:
     ap.add_argument("--results", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--fresh", action="store_true", help="delete earlier engine results under --output first")
     ap.add_argument("--report-only", action="store_true", help="compute nothing: tables from --output")
+    ap.add_argument("--report", default="beamsearchqa",
+                    help="name of the tables under --results (NAME.md, NAME.json): e.g. a separate speed run")
+    ap.add_argument("--note", default="", help="a paragraph put under the title (how and where it was run)")
     args = ap.parse_args()
     for b in args.baselines:
         if b not in available():
@@ -141,6 +146,7 @@ def main() -> None:
                           "engine_prefill_tok_per_q": e_row["prefill_tok_per_q"],
                           "oracle_prefill_tok_per_q": o_row["prefill_tok_per_q"],
                           "engine_llm_calls_per_q": e_row["llm_calls_per_q"],
+                          "engine_reused_calls_per_q": e_row["reused_calls_per_q"],
                           "oracle_llm_calls_per_q": o_row["llm_calls_per_q"]})
             eng = read_results(base / METHOD / "results.jsonl")
             rep = compare(eng, orc, method_decisions(METHOD))
@@ -155,7 +161,8 @@ def main() -> None:
     res.mkdir(parents=True, exist_ok=True)
     md = (
         "# BeamSearchQA vs wo-RAG vs SR-RAG, engine vs per-question oracle\n\n"
-        f"- date: {dt.date.today().isoformat()}\n- device: {device}\n- torch {torch.__version__}\n"
+        + (f"{args.note}\n\n" if args.note else "")
+        + f"- date: {dt.date.today().isoformat()}\n- device: {device}\n- torch {torch.__version__}\n"
         "- model: SmolLM2-135M-Instruct (embedded GGUF, fp32, greedy); retriever: BM25 (bm25s) over the 13.5k-passage "
         "corpus in ../shared/data/corpus (HotpotQA/2Wiki paragraphs; NQ-open and WebQuestions have no supporting "
         "corpus here, so their accuracy is a pipeline check, not a claim)\n"
@@ -176,8 +183,8 @@ def main() -> None:
                + table(speed, list(speed[0]))
                + "\n## Decisions: engine vs oracle on the oracle's questions (final answer and chosen path)\n\n"
                + table(parity_rows, list(parity_rows[0])))
-    (res / "beamsearchqa.md").write_text(md)
-    (res / "beamsearchqa.json").write_text(json.dumps({"rows": rows, "speed": speed, "parity": parity_rows,
+    (res / f"{args.report}.md").write_text(md)
+    (res / f"{args.report}.json").write_text(json.dumps({"rows": rows, "speed": speed, "parity": parity_rows,
                                                        "device": device, "command": cmd}, indent=2))
     print(md)
 

@@ -56,6 +56,9 @@ class Generation:
     prompt_tokens: int = 0
     prefilled: int = 0  # prompt tokens actually computed (the rest came from the prefix / own cache)
     ended_by_eos: bool = False
+    # answered from an identical earlier one-shot greedy generation of the same question (Scheduler): nothing was
+    # prefilled or decoded for it
+    reused: bool = False
     # with attention tracking (Engine.start(track_from=...)): for every token of the tracked span (from track_from
     # to the last generated token), the mean over heads of the largest last-layer attention it has received from
     # any query so far, in context (DRAGIN's a_i, streaming semantics); 0 for a token no query has seen yet (the

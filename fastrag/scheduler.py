@@ -18,10 +18,10 @@ import time
 import traceback
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Generator, Iterable
 
-from fastrag.engine import Engine, SeqState, sampling_key
+from fastrag.engine import Engine, Generation, SeqState, sampling_key
 from fastrag.trace import QuestionResult
 
 
@@ -99,6 +99,10 @@ class _Live:
     left: int = 0  # parts of the current Parallel still unanswered
     one_shot: dict = field(default_factory=dict)  # id(seq) -> seq of branch-None generations in flight
     generations: int = 0  # Generate requests served (the result's llm_calls when the policy does not count them)
+    # one-shot greedy generations by (prompt ids, max new tokens): the Generation once finished, else the Parallel
+    # parts waiting for the one in flight
+    memo: dict = field(default_factory=dict)
+    memo_key: dict = field(default_factory=dict)  # id(seq) -> its memo key, for one-shot generations in flight
 
 
 @dataclass(eq=False)
@@ -119,8 +123,13 @@ class Scheduler:
 
     on_event(kind, data), when given at submit, streams what a question does as it happens: "token" (the decoded
     text of each new token of a generation: `{"text", "token_id", "branch"}`), "search" (`{"query", "k"}`),
-    "documents" (`{"query", "doc_ids", "titles"}`), "generate" (a new generation: `{"prompt_tokens", "branch"}`).
+    "documents" (`{"query", "doc_ids", "titles"}`), "generate" (a new generation: `{"prompt_tokens", "branch"}`,
+    with `"reused": True` for one answered from an identical earlier generation, which streams no tokens).
     All callbacks run on the thread that calls `step()`.
+
+    Under greedy decoding a one-shot generation (branch None, no attention tracking) whose prompt ids and token
+    budget equal those of an earlier one of the same question is not run again: it gets a copy of that result
+    (`Generation.reused`, nothing prefilled or decoded; `reused_generations` counts them).
     """
 
     def __init__(self, engine: Engine, retriever, policy: Policy | None = None, max_inflight: int = 64):
@@ -134,6 +143,8 @@ class Scheduler:
         self._tickets: dict[int, Ticket] = {}  # id(live) -> ticket
         self._pool: ThreadPoolExecutor | None = None
         self._search: tuple[Future, list] | None = None
+        self._ready: list[tuple[_Live, int | None, object]] = []  # results known at dispatch (reused generations)
+        self.reused_generations = 0
 
     # ------------------------------------------------------------------ batch use
     def run(self, examples: Iterable, on_result: Callable[..., None], pass_example: bool = False) -> None:
@@ -205,6 +216,11 @@ class Scheduler:
             self._tickets[id(lv)] = t
             self._advance(lv, None)
         progressed = False
+        if self._ready:  # generations answered by an identical earlier one
+            ready, self._ready = self._ready, []
+            for lv, i, g in ready:
+                self._deliver(lv, i, g)
+            progressed = True
         # attention passes: one batched forward per kind
         for kind, cls in (("colmax", AttnColmax), ("rows", AttnRows)):
             items = self._take(cls)
@@ -238,10 +254,17 @@ class Scheduler:
                 if hit is None:  # its question ended while it ran
                     continue
                 lv, i = hit
+                waiting = []
                 if lv.one_shot.pop(id(seq), None) is not None:
                     self._by_seq.pop(id(seq), None)
                     self.engine.release(seq)  # one-shot: its KV is never reused
-                self._deliver(lv, i, seq.out)
+                    key = lv.memo_key.pop(id(seq), None)
+                    if key is not None:
+                        waiting, lv.memo[key] = lv.memo[key], seq.out
+                out = seq.out
+                self._deliver(lv, i, out)
+                for j in waiting:
+                    self._deliver(lv, j, _reused(out))
             progressed = True
         if not progressed and self._live and self._search is None:
             stuck = [type(lv.request).__name__ for lv in self._live.values()]
@@ -299,17 +322,37 @@ class Scheduler:
             ids = self.engine.tok.encode(req.prompt)
             track_from = len(ids) if req.track_attn else None
             ids += list(req.suffix_ids)
+            sp = getattr(self.engine, "sampling", None)
+            greedy = sp is None or sp.temperature <= 0
+            key = None
+            if req.branch is None and greedy and not req.track_attn:
+                # greedy decoding is a function of the prompt: a one-shot generation identical to one this question
+                # already made (BeamSearchQA summarising the same documents for two sub-questions) is answered from
+                # it, nothing prefilled or decoded
+                key = (tuple(ids), req.max_new_tokens)
+                known = lv.memo.get(key)
+                if known is not None:
+                    lv.generations += 1
+                    self.reused_generations += 1
+                    self._emit(lv, "generate", {"prompt_tokens": len(ids), "branch": None, "reused": True})
+                    if isinstance(known, list):  # the same generation is in flight: answered when it finishes
+                        known.append(idx)
+                    else:
+                        self._ready.append((lv, idx, _reused(known)))
+                    return
             if req.branch is None:
                 seq = self.engine.new_sequence()
                 lv.one_shot[id(seq)] = seq
+                if key is not None:
+                    lv.memo[key] = []
+                    lv.memo_key[id(seq)] = key
             else:
                 if req.branch not in lv.seqs:
                     lv.seqs[req.branch] = self.engine.new_sequence()
                 seq = lv.seqs[req.branch]
             self._by_seq[id(seq)] = (lv, idx)
             kw = {} if track_from is None else {"track_from": track_from}
-            sp = getattr(self.engine, "sampling", None)
-            if sp is not None and sp.temperature > 0:
+            if not greedy:
                 # the generation's sampling key names the question and its call number, so a seeded run draws
                 # the same tokens whatever shares the batch and whenever retrieval returns
                 kw["sample_key"] = sampling_key(_stable_id(lv.example), lv.generations)
@@ -384,6 +427,12 @@ class Scheduler:
         self.search_seconds += time.perf_counter() - t
         self.search_batches.append(len(reqs))
         return out
+
+
+def _reused(g: Generation) -> Generation:
+    """A copy of g for an identical generation answered from it (its token lists are copied too)."""
+    return replace(g, ids=list(g.ids), entropy=list(g.entropy), logprob=list(g.logprob), prefilled=0,
+                   attn=None if g.attn is None else list(g.attn), reused=True)
 
 
 def _check_parallel(req: Parallel) -> None:

@@ -12,6 +12,7 @@ import torch
 from beamsearchqa_fakes import ListRetriever
 from fastrag.data.datasets import Example
 from fastrag.engine import Engine
+from fastrag.retrieval.base import Doc
 from fastrag.methods.beamsearchqa import BeamSearchQA, beamsearchqa_config, decisions
 from fastrag.model.llama import LlamaModel
 from fastrag.oracle.beamsearchqa import BeamSearchQAOracle
@@ -77,6 +78,39 @@ def test_engine_and_oracle_take_the_same_path_on_noise(tiny):
     assert max(len(b) for b in ret.batches) > 2
     assert eng.stats["own_hit_tokens"] > 0
     assert not eng.live  # every KV sequence was released
+
+
+class SameDocs(ListRetriever):
+    """The same two documents for every query: every summary prompt of a question is the same text."""
+
+    def search(self, queries, k):
+        self.batches.append(list(queries))
+        return [[Doc(id=f"d{i}", title="T", text=f"shared text {i}") for i in range(k)] for _ in queries]
+
+
+def test_repeated_summaries_are_generated_once_and_decide_as_the_oracle(tiny):
+    hf, ours = tiny
+    cfg = beamsearchqa_config("nq", overrides={"answer_max_tokens": 8, "ask_max_tokens": 24,
+                                               "summary_max_tokens": 12, "score_max_tokens": 4})
+    tok = CharTok()
+    eng = Engine(ours, tok, kv_cache_gb=0.05, max_batch=16)
+    sched = Scheduler(eng, SameDocs(), BeamSearchQA(cfg, tok), max_inflight=3)
+    out = []
+    sched.run(QUESTIONS, out.append)
+    by = {r.qid: r for r in out}
+    assert all(r.error is None for r in out), [r.error for r in out]
+    oracle = BeamSearchQAOracle(hf, tok, SameDocs(), cfg)
+    reused = 0
+    for ex in QUESTIONS:
+        e, o = by[ex.qid], oracle.run(ex.qid, ex.question, ex.answers)
+        assert decisions(e) == decisions(o) and e.beams == o.beams, ex.question
+        assert e.llm_calls == o.llm_calls  # the algorithm's calls; the engine ran fewer
+        n = e.counters.get("reused_generations", 0)
+        # every summary after a question's first repeats it: none of them decoded again
+        assert n == e.retrievals - 1
+        assert e.decode_tokens < o.decode_tokens or n == 0
+        reused += n
+    assert reused > 0 and sched.reused_generations == reused
 
 
 def test_smollm2_parity_through_the_cli_entry(tmp_path):

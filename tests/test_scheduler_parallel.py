@@ -221,3 +221,74 @@ def test_width_of_a_parallel_is_free(width):
     eng, out = FakeEngine(), []
     Scheduler(eng, Retriever(), pol).run([Ex("0", "q")], out.append)
     assert out[0].text == str([1 + i % 3 for i in range(width)])
+
+
+def _repeats(ex):
+    """One-shot generations with repeated prompts, in one Parallel and across Parallels."""
+    g1 = yield Parallel([Generate("x y", 3, branch=None), Generate("x y", 3, branch=None),
+                         Generate("z", 3, branch=None), Search("s", 1)])
+    g2 = yield Parallel([Generate("x y", 3, branch=None), Generate("x y", 4, branch=None),
+                         Generate("x y", 3, branch=0)])
+    g3 = yield Generate("z", 3, branch=None)
+    gens = [*g1[:3], *g2, g3]
+    return QuestionResult(qid=ex.qid, question=ex.question, gold=ex.answers,
+                          text=repr(([g.ids for g in gens], [g.reused for g in gens], [g.prefilled for g in gens])))
+
+
+def test_identical_one_shot_greedy_generations_of_a_question_run_once():
+    eng, out = FakeEngine(), []
+    sched = Scheduler(eng, Retriever(), _repeats)
+    sched.run([Ex("0", "q"), Ex("1", "q")], out.append)
+    assert all(r.error is None for r in out), [r.error for r in out]
+    ran_per_question = 4  # "x y"/3, "z"/3, "x y"/4 and the branch-0 generation; the rest are copies
+    assert len(eng.seqs) == 2 * ran_per_question  # nothing is shared between questions
+    assert sched.reused_generations == 2 * 3
+    for r in sorted(out, key=lambda r: r.qid):
+        ids, reused, prefilled = eval(r.text)  # noqa: S307 - our own repr
+        assert reused == [False, True, False, True, False, False, True]
+        # a copy carries the tokens of the generation it repeats (the fake engine's ids name the sequence)
+        assert ids[1] == ids[0] and ids[3] == ids[0] and ids[6] == ids[2]
+        assert len({ids[0][0], ids[2][0], ids[4][0], ids[5][0]}) == 4  # the four that ran had their own sequence
+        assert all(p == 0 for p, u in zip(prefilled, reused) if u)
+        assert r.llm_calls == 7  # the policy's calls, reused or not
+    assert not eng.running
+
+
+def test_sampled_one_shot_generations_are_never_reused():
+    from fastrag.engine import SamplingParams
+
+    class Sampling(FakeEngine):
+        sampling = SamplingParams(temperature=0.7, seed=1)
+
+        def start(self, s, ids, n, **kw):
+            assert "sample_key" in kw
+            super().start(s, ids, n)
+
+    eng, out = Sampling(), []
+    sched = Scheduler(eng, Retriever(), _repeats)
+    sched.run([Ex("0", "q")], out.append)
+    assert out[0].error is None, out[0].error
+    assert len(eng.seqs) == 7 and sched.reused_generations == 0
+    assert eval(out[0].text)[1] == [False] * 7  # noqa: S307
+
+
+def test_a_question_that_ends_while_a_repeat_waits_leaves_nothing_behind():
+    """The question fails in the same Parallel as a waiting repeat: the copy is never delivered, nothing leaks."""
+
+    def pol(ex):
+        yield Parallel([Generate("x y", 3, branch=None), Generate("x y", 3, branch=None),
+                        Generate("a b", 2, branch=None)])
+        return QuestionResult(qid=ex.qid, question=ex.question, gold=ex.answers, text="ok")
+
+    class Failing(FakeEngine):
+        def start(self, s, ids, n):
+            if n == 2:
+                raise ValueError("prompt exceeds the model context")
+            super().start(s, ids, n)
+
+    eng, out = Failing(), []
+    sched = Scheduler(eng, Retriever(), pol)
+    sched.run([Ex("0", "q")], out.append)
+    assert len(out) == 1 and "exceeds the model context" in out[0].error
+    assert not eng.running and not sched.busy and not sched._ready
+    assert sorted(eng.released) == [s.n for s in eng.seqs]

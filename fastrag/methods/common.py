@@ -80,9 +80,11 @@ def probs(logprobs) -> list[float]:
 def account(res: QuestionResult, g) -> None:
     """Add one engine Generation to the question's counters."""
     res.prefill_tokens += g.prefilled
-    res.decode_tokens += len(g.ids)
+    res.decode_tokens += 0 if g.reused else len(g.ids)
     c = res.counters
     c["generate_calls"] = c.get("generate_calls", 0) + 1
+    if g.reused:
+        c["reused_generations"] = c.get("reused_generations", 0) + 1
     c["reused_prompt_tokens"] = c.get("reused_prompt_tokens", 0) + (g.prompt_tokens - g.prefilled)
 
 
