@@ -58,6 +58,39 @@ def test_matches_dense_softmax_on_random_pools(B, H, Hkv, D, P, bs):
     torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("G,D", [(1, 128), (2, 64), (3, 64), (4, 128), (8, 64), (5, 64), (3, 128), (2, 32)])
+@pytest.mark.parametrize("P", [0, 21])
+def test_compiled_shapes_and_generic_shapes_match_the_reference(G, D, P):
+    """Group sizes 1-4 and 8 at head dims 64/128 run the compiled-shape item, others the generic one (5 x 64,
+    2 x 32); contexts long enough that the row prefetch crosses blocks, one of length 1; unread rows are NaN."""
+    g = torch.Generator().manual_seed(1000 * G + D + P)
+    Hkv, bs, NB, num_blocks = 2, 16, 6, 64
+    B = 4
+    kp = torch.randn(Hkv, num_blocks * bs, D, generator=g)
+    vp = torch.randn(Hkv, num_blocks * bs, D, generator=g)
+    prefix_blocks = torch.randperm(num_blocks, generator=g)
+    pre = (prefix_blocks[:2].repeat_interleave(bs) * bs + torch.arange(bs).repeat(2))[:P]
+    blocks = prefix_blocks[2: 2 + B * NB].view(B, NB).clone()
+    lens = torch.tensor([1, NB * bs, 37, 70])
+    for b in range(B):  # the rest of each sequence's blocks: never read
+        for i in range(int(lens[b]), NB * bs):
+            slot = int(blocks[b, i // bs]) * bs + i % bs
+            kp[:, slot] = float("nan")
+            vp[:, slot] = float("nan")
+    q = torch.randn(B, Hkv * G, D, generator=g)
+    scale = D ** -0.5
+    out, lse = op_lse(q, kp, vp, pre, blocks, lens, bs, scale)
+    ref, _ = _dense(q, kp, vp, pre, blocks, lens, bs, scale, with_lse=True)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    if P == 0:  # the project's reference covers the sequence's own keys
+        from fastrag.signals.reference import decode_lse_ref
+
+        torch.testing.assert_close(lse.double(), decode_lse_ref(q, kp, blocks, lens, bs, scale), rtol=1e-5,
+                                   atol=1e-5)
+    torch.testing.assert_close(op(q, kp, vp, pre, blocks, lens, bs, scale), out, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("P", [0, 13])
 def test_lse_variant_returns_the_log_sum_exp_and_handles_empty_rows(P):
     g = torch.Generator().manual_seed(31 + P)
