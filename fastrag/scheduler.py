@@ -260,7 +260,8 @@ class Scheduler:
                     self.engine.release(seq)  # one-shot: its KV is never reused
                     key = lv.memo_key.pop(id(seq), None)
                     if key is not None:
-                        waiting, lv.memo[key] = lv.memo[key], seq.out
+                        # kept as a copy: the policy owns the Generation it is handed and may change it
+                        waiting, lv.memo[key] = lv.memo[key], _reused(seq.out)
                 out = seq.out
                 self._deliver(lv, i, out)
                 for j in waiting:
