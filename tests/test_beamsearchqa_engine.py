@@ -54,10 +54,15 @@ QUESTIONS = [Example(str(i), q, ["x"], "nq") for i, q in enumerate([
     "who wrote the song hey jude", "when did the berlin wall fall", "what is the capital of australia"])]
 
 
+def short_config():
+    """The paper's K, D, N, S, B with short generations (a tiny model's noise needs no more)."""
+    return beamsearchqa_config("nq", overrides={"answer_max_tokens": 8, "ask_max_tokens": 24,
+                                                "summary_max_tokens": 12, "score_max_tokens": 4})
+
+
 def test_engine_and_oracle_take_the_same_path_on_noise(tiny):
     hf, ours = tiny
-    cfg = beamsearchqa_config("nq", overrides={"answer_max_tokens": 8, "ask_max_tokens": 24,
-                                               "summary_max_tokens": 12, "score_max_tokens": 4})
+    cfg = short_config()
     tok = CharTok()
     eng = Engine(ours, tok, kv_cache_gb=0.05, max_batch=16)
     policy = BeamSearchQA(cfg, tok)
@@ -90,8 +95,7 @@ class SameDocs(ListRetriever):
 
 def test_repeated_summaries_are_generated_once_and_decide_as_the_oracle(tiny):
     hf, ours = tiny
-    cfg = beamsearchqa_config("nq", overrides={"answer_max_tokens": 8, "ask_max_tokens": 24,
-                                               "summary_max_tokens": 12, "score_max_tokens": 4})
+    cfg = short_config()
     tok = CharTok()
     eng = Engine(ours, tok, kv_cache_gb=0.05, max_batch=16)
     sched = Scheduler(eng, SameDocs(), BeamSearchQA(cfg, tok), max_inflight=3)
