@@ -39,6 +39,7 @@ DATA = {
 }
 CORPUS = SHARED / "corpus" / "wiki_passages.jsonl"
 METHOD = "beamsearchqa"
+NO_CACHE = "beamsearchqa-no-prefix-caching"  # the same method on an engine without prefix caching
 
 
 def per_q(results, attr: str) -> float | None:
@@ -104,6 +105,9 @@ def main() -> None:
     ap.add_argument("--report", default="beamsearchqa",
                     help="name of the tables under --results (NAME.md, NAME.json): e.g. a separate speed run")
     ap.add_argument("--note", default="", help="a paragraph put under the title (how and where it was run)")
+    ap.add_argument("--without-prefix-caching", action="store_true",
+                    help="also run BeamSearchQA on the engine with prefix caching off (same questions, batch): its "
+                    "tokens, rate and decisions against the default engine's")
     args = ap.parse_args()
     for b in args.baselines:
         if b not in available():
@@ -118,8 +122,11 @@ def main() -> None:
     rows, speed, parity_rows = [], [], []
     for ds in args.datasets:
         base = Path(args.output) / ds
-        for method in [METHOD, *args.baselines]:
-            out = base / method
+        variants = [(METHOD, METHOD, True)] + [(b, b, True) for b in args.baselines]
+        if args.without_prefix_caching:
+            variants.insert(1, (METHOD, NO_CACHE, False))
+        for method, label, caching in variants:
+            out = base / label
             if args.fresh and not args.report_only:
                 shutil.rmtree(out, ignore_errors=True)
             # a run whose results already cover the questions is kept as it is: rerunning would overwrite its
@@ -128,8 +135,8 @@ def main() -> None:
             if not args.report_only and not done:
                 run(RunOptions(method=method, dataset=ds, data=str(DATA[ds]), corpus=str(CORPUS), output=str(out),
                                config=args.config if method == METHOD else None, limit=args.limit,
-                               batch_size=args.batch_size))
-            rows.append(row_for(method, ds, out))
+                               batch_size=args.batch_size, prefix_caching=caching))
+            rows.append(row_for(label, ds, out))
         if args.oracle_limit > 0:
             orc_dir = base / "oracle"
             opts = RunOptions(method=METHOD, dataset=ds, data=str(DATA[ds]), corpus=str(CORPUS), output=str(orc_dir),
@@ -150,8 +157,14 @@ def main() -> None:
                           "oracle_llm_calls_per_q": o_row["llm_calls_per_q"]})
             eng = read_results(base / METHOD / "results.jsonl")
             rep = compare(eng, orc, method_decisions(METHOD))
-            parity_rows.append({"dataset": ds, "n": rep["n"], "agreement": rep["agreement"],
-                                "answer_agreement": rep.get("answer_agreement"),
+            parity_rows.append({"dataset": ds, "pair": "engine vs oracle", "n": rep["n"],
+                                "agreement": rep["agreement"], "answer_agreement": rep.get("answer_agreement"),
+                                "path_agreement": rep.get("path_agreement")})
+        if args.without_prefix_caching:  # the engine's decisions with and without prefix caching, all questions
+            rep = compare(read_results(base / METHOD / "results.jsonl"),
+                          read_results(base / NO_CACHE / "results.jsonl"), method_decisions(METHOD))
+            parity_rows.append({"dataset": ds, "pair": "engine vs engine without prefix caching", "n": rep["n"],
+                                "agreement": rep["agreement"], "answer_agreement": rep.get("answer_agreement"),
                                 "path_agreement": rep.get("path_agreement")})
 
     cmd = "python " + " ".join([str(Path(sys.argv[0]).relative_to(ROOT)) if Path(sys.argv[0]).is_absolute()
@@ -180,9 +193,11 @@ def main() -> None:
     )
     if speed:
         md += ("\n## BeamSearchQA: engine vs per-question oracle (same run)\n\n"
-               + table(speed, list(speed[0]))
-               + "\n## Decisions: engine vs oracle on the oracle's questions (final answer and chosen path)\n\n"
-               + table(parity_rows, list(parity_rows[0])))
+               + table(speed, list(speed[0])))
+    if parity_rows:
+        md += ("\n## Decisions compared (final answer and chosen path): engine vs oracle on the oracle's questions"
+               + (", engine vs engine without prefix caching on all" if args.without_prefix_caching else "")
+               + "\n\n" + table(parity_rows, list(parity_rows[0])))
     (res / f"{args.report}.md").write_text(md)
     (res / f"{args.report}.json").write_text(json.dumps({"rows": rows, "speed": speed, "parity": parity_rows,
                                                        "device": device, "command": cmd}, indent=2))

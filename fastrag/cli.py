@@ -27,6 +27,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=32, help="questions in flight (decode batch)")
     p.add_argument("--signals", help="signal backend (torch | cpp); default env FASTRAG_SIGNALS_BACKEND or torch")
     p.add_argument("--kv-cache-gb", type=float, default=8.0, help="KV cache pool size")
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="do not share the KV of prompt blocks another sequence already computed")
     p.add_argument("--threads", type=int, help="torch CPU threads")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0 (default): greedy; > 0: sample inside the fused signal kernel (run only; parity is greedy)")
@@ -98,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         opts = RunOptions(method=args.method, dataset=args.dataset, data=args.data, corpus=args.corpus,
                           output=args.output, model=args.model, config=args.config, limit=args.limit,
                           batch_size=args.batch_size, signals=args.signals, kv_cache_gb=args.kv_cache_gb,
-                          threads=args.threads, progress=not args.no_progress, retriever=args.retriever,
+                          prefix_caching=not args.no_prefix_caching, threads=args.threads, progress=not args.no_progress, retriever=args.retriever,
                           temperature=args.temperature, top_p=args.top_p, seed=args.seed)
         if args.cmd == "parity" and args.temperature > 0:
             raise ValueError("--temperature: parity compares greedy decoding with the per-question oracle; "

@@ -30,7 +30,7 @@ def _shard_worker(opts: RunOptions, device: str | None) -> dict:
     Path(opts.output).mkdir(parents=True, exist_ok=True)
     (Path(opts.output) / "worker.pid").write_text(str(os.getpid()))
     engine = build_engine(opts.model, opts.batch_size, opts.signals, opts.kv_cache_gb, device=device,
-                          sampling=sampling_of(opts))
+                          sampling=sampling_of(opts), prefix_caching=opts.prefix_caching)
     return run(opts, engine=engine)
 
 

@@ -2,7 +2,8 @@
 
 A sequence (`SeqState`) keeps its KV between the generations of one question: a new prompt is tokenised whole
 (exactly what a per-question implementation feeds the model), matched against the shared demo prefix and then
-against the sequence's own cached tokens (longest common prefix), and only the rest is prefilled.
+against the sequence's own cached tokens (longest common prefix), then against the prefix cache (full blocks
+that any sequence computed for the same tokens), and only the rest is prefilled.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fastrag.cache.kv import BlockTable, KVPool, OutOfBlocks, SharedPrefix, block_table_tensor, blocks_needed
+from fastrag.cache.kv import (BlockTable, KVPool, OutOfBlocks, SharedPrefix, block_table_tensor, blocks_needed,
+                              chain_keys)
 from fastrag.cuda_graphs import DecodeGraphs
 from fastrag.model.llama import AttnBatch, LlamaModel, PrefixGroup
 from fastrag.signals import get_backend
@@ -81,6 +83,10 @@ class SeqState:
     track_from: int | None = None
     amax: torch.Tensor | None = None
     sample_key: int = 0  # sampling: the key of the current generation (token t draws with sampling_key(.., t))
+    # prefix cache: content keys of the full blocks of the prompt's own tokens (kv.chain_keys), and how many of
+    # them a lookup may adopt (a generation prefills at least one token; tracked tokens are fed by decode steps)
+    keys: list = field(default_factory=list)
+    adoptable: int = 0
 
     @property
     def base(self) -> int:
@@ -95,7 +101,8 @@ class SeqState:
 class Engine:
     def __init__(self, model: LlamaModel, tokenizer, *, block_size: int = 16, kv_cache_gb: float = 4.0,
                  max_batch: int = 64, max_prefill_tokens: int = 4096, sampling: SamplingParams | None = None,
-                 signals: str | None = None, mix_prefill: bool = False, cuda_graphs: bool | None = None):
+                 signals: str | None = None, mix_prefill: bool = False, cuda_graphs: bool | None = None,
+                 prefix_caching: bool = True):
         self.model, self.tok = model, tokenizer
         c = model.c
         p = next(model.parameters())
@@ -108,6 +115,9 @@ class Engine:
         # Off by default: in the 100-question two-dataset DRAGIN run it measured 789 s against 729 s with batches
         # split by prefix (one run each; benchmarks/results/e2e_cpu.md)
         self.mix_prefill = mix_prefill
+        # prefix caching (kv.py): a prompt's full blocks that some sequence already computed are shared, not
+        # prefilled again
+        self.prefix_caching = prefix_caching
         self.sampling = sampling or SamplingParams()
         self.gen = torch.Generator(device="cpu").manual_seed(self.sampling.seed)
         self.signals = get_backend(signals)
@@ -120,7 +130,7 @@ class Engine:
         self._starts: dict[int, int] = {}  # id(prefix) -> first slot when its slots are consecutive, else -1
         self.live: dict[int, SeqState] = {}  # sequences that may hold blocks
         self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "prefix_hit_tokens": 0, "own_hit_tokens": 0,
-                      "decode_steps": 0, "prefill_calls": 0}
+                      "decode_steps": 0, "prefill_calls": 0, "cached_hit_tokens": 0}
         # decode steps replayed from CUDA graphs (fastrag/cuda_graphs.py): on by default on a GPU,
         # FASTRAG_CUDA_GRAPHS=0 turns them off; cuda_graphs=True on a CPU runs the same static-buffer protocol
         # without CUDA (emulated; how the tests check it)
@@ -224,10 +234,19 @@ class Engine:
         while lcp < limit and own_prev[lcp] == own_new[lcp]:
             lcp += 1
         s.table.truncate(lcp)
+        lcp = s.table.num_tokens  # one less block when the cut fell inside a block shared with another sequence
         self.stats["own_hit_tokens"] += lcp
         s.tokens = list(prompt_ids)
         s.pending_prompt = prompt_ids[base + lcp:]
         s.max_new = max_new_tokens
+        bs = self.pool.block_size
+        if self.prefix_caching:
+            own = len(prompt_ids) - 1 if track_from is None else min(len(prompt_ids) - 1, track_from)
+            s.adoptable = max(own - base, 0) // bs
+            root = pre.key if pre is not None else b""
+            s.keys = chain_keys(root, prompt_ids[base:], bs)
+        else:
+            s.keys, s.adoptable = [], 0
         if self.sampling.temperature > 0:
             s.sample_key = sample_key if sample_key is not None else \
                 int(torch.randint(0, 2**62, (1,), generator=self.gen))
@@ -246,7 +265,33 @@ class Engine:
             s.pending_prompt = prompt_ids[base + lcp: max(track_from, base + lcp)]
         else:
             s.track_from = s.amax = None
+        self._adopt_cached(s)
         self.waiting.append(s)
+
+    def _adopt_cached(self, s: SeqState) -> bool:
+        """Replace the sequence's own cache by the cached blocks of its prompt when they hold more of it; the
+        prompt still to prefill shrinks to match. Returns whether it did."""
+        bs = self.pool.block_size
+        have = s.table.num_tokens // bs
+        if s.adoptable <= have:
+            return False
+        hit = self.pool.lookup(s.keys[: s.adoptable])
+        if len(hit) <= have:
+            return False
+        self.pool.share(hit)  # before the own blocks go: they may be among the hits
+        s.table.free()
+        s.table.blocks, s.table.num_tokens = hit, len(hit) * bs
+        self.stats["cached_hit_tokens"] += (len(hit) - have) * bs
+        end = len(s.tokens) if s.track_from is None else max(s.track_from, s.computed)
+        s.pending_prompt = s.tokens[s.computed: end]
+        s.out.prefilled = len(s.tokens) - s.computed
+        return True
+
+    def _register(self, s: SeqState, before: int) -> None:
+        """Name the prompt blocks this prefill completed (own tokens `before` -> now) in the prefix cache."""
+        bs = self.pool.block_size
+        for j in range(before // bs, min(s.table.num_tokens // bs, len(s.keys))):
+            self.pool.register(s.table.blocks[j], s.keys[j])
 
     @property
     def has_work(self) -> bool:
@@ -263,12 +308,24 @@ class Engine:
         if self.waiting:
             self._admit_fed()
         if self.waiting:
+            if self.prefix_caching:  # blocks computed since a sequence started (by the last step's prefill)
+                for s in self.waiting:
+                    if s.pending_prompt:
+                        self._adopt_cached(s)
             group, budget = [], self.max_prefill_tokens
+            computing: set[bytes] = set()  # content keys of the blocks the group's prefill completes
+            bs = self.pool.block_size
             # (sequences with nothing to prefill, left by _admit_fed for lack of room, go last and wait)
             self.waiting.sort(key=lambda s: (not s.pending_prompt, s.prefix is None, len(s.pending_prompt)))
-            while self.waiting and self.waiting[0].pending_prompt and len(self.running) + len(group) < self.max_batch:
-                s = self.waiting[0]
+            i = 0
+            while i < len(self.waiting) and self.waiting[i].pending_prompt \
+                    and len(self.running) + len(group) < self.max_batch:
+                s = self.waiting[i]
                 n = len(s.pending_prompt)
+                nxt = s.table.num_tokens // bs
+                if computing and nxt < s.adoptable and s.keys[nxt] in computing:
+                    i += 1  # its next block is being computed for another sequence: it shares it next step
+                    continue
                 if group and s.prefix is not group[0].prefix and not self.mix_prefill:
                     break
                 # the token budget counts real tokens: a batch of very different lengths runs packed (no padding)
@@ -284,7 +341,9 @@ class Engine:
                                           f"cannot hold one sequence of {s.computed + n + s.max_new} tokens; "
                                           "raise --kv-cache-gb") from None
                     continue
-                group.append(self.waiting.pop(0))
+                group.append(self.waiting.pop(i))
+                end = min(s.computed + n - s.base, len(s.keys) * bs) // bs
+                computing.update(s.keys[nxt:end])
             if group:
                 logits = self._prefill([(s, s.pending_prompt) for s in group], want_logits=True)
                 for s, row in zip(group, logits):
@@ -416,6 +475,8 @@ class Engine:
             self._track(items, tracked, batch)
         for s, ids in items:
             s.table.num_tokens += len(ids)
+            if s.keys and not decode:
+                self._register(s, s.table.num_tokens - len(ids))
         self.stats["prefill_tokens"] += sum(len(ids) for _, ids in items)
         self.stats["prefill_calls"] += 1
         return logits

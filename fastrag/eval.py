@@ -37,6 +37,9 @@ class RunOptions:
     batch_size: int = 32
     signals: str | None = None
     kv_cache_gb: float = 8.0
+    # share the KV of full prompt blocks any sequence already computed (fastrag/cache/kv.py); off: every prompt
+    # prefills all but the shared demos and its own sequence's cached tokens
+    prefix_caching: bool = True
     threads: int | None = None
     progress: bool = True
     retriever: str = "bm25"  # bm25 | dense | elasticsearch (fastrag.retrieval.RETRIEVERS)
@@ -122,7 +125,8 @@ def sampling_of(opts: RunOptions):
 
 
 def build_engine(model: str, batch_size: int, signals: str | None = None, kv_cache_gb: float = 8.0,
-                 device: str | None = None, dtype: torch.dtype | None = None, sampling=None):
+                 device: str | None = None, dtype: torch.dtype | None = None, sampling=None,
+                 prefix_caching: bool = True):
     """sampling: fastrag.engine.SamplingParams (None: greedy)."""
     from fastrag.engine import Engine
     from fastrag.model.llama import LlamaModel
@@ -132,7 +136,8 @@ def build_engine(model: str, batch_size: int, signals: str | None = None, kv_cac
     dtype = dtype or (torch.bfloat16 if device == "cuda" else torch.float32)
     tok = load_tokenizer(model)
     m = LlamaModel.from_pretrained(resolve_model(model), dtype=dtype, device=device)
-    return Engine(m, tok, max_batch=batch_size, kv_cache_gb=kv_cache_gb, signals=signals, sampling=sampling)
+    return Engine(m, tok, max_batch=batch_size, kv_cache_gb=kv_cache_gb, signals=signals, sampling=sampling,
+                  prefix_caching=prefix_caching)
 
 
 def make_policy(method: str, cfg, tokenizer):
@@ -225,8 +230,8 @@ def run_many(runs: list[RunOptions], engine=None, retriever=None) -> list[dict]:
         raise ValueError("run_many: no runs given")
     first = runs[0]
     for o in runs[1:]:
-        for f in ("model", "corpus", "retriever", "batch_size", "signals", "kv_cache_gb", "temperature", "top_p",
-                  "seed"):
+        for f in ("model", "corpus", "retriever", "batch_size", "signals", "kv_cache_gb", "prefix_caching",
+                  "temperature", "top_p", "seed"):
             if getattr(o, f) != getattr(first, f):
                 raise ValueError(f"run_many: runs must share --{f.replace('_', '-')}: {getattr(first, f)!r} "
                                  f"({first.dataset}) vs {getattr(o, f)!r} ({o.dataset})")
@@ -255,7 +260,7 @@ def run_many(runs: list[RunOptions], engine=None, retriever=None) -> list[dict]:
     tok0 = 0
     if any(p[4] for p in plans):
         engine = engine or build_engine(first.model, first.batch_size, first.signals, first.kv_cache_gb,
-                                        sampling=sampling_of(first))
+                                        sampling=sampling_of(first), prefix_caching=first.prefix_caching)
         retriever = retriever or make_retriever(first.retriever, corpus_path=first.corpus)
         policies = [make_policy(o.method, cfg, engine.tok) for o, cfg, *_ in plans]
         for pol in policies:

@@ -4,10 +4,22 @@ k/v pools: per layer `[H_kv, num_blocks * block_size, D]` (per kv head, so a gat
 slot `s = block * block_size + offset`.
 A shared prefix (the few-shot demos) owns whole blocks only, so no sequence ever writes into a shared block
 and no copy-on-write is needed; the tail of the prefix that does not fill a block is each sequence's own.
+
+Prefix caching: a full block of a sequence's own tokens can be registered under a key naming its content (the
+tokens before it and its own, `chain_keys`). When its last holder releases it, the block keeps that content and
+stays findable until the pool needs it for something else (free blocks holding nothing are handed out first,
+then cached ones, least recently released first). A later sequence whose tokens start the same way shares the
+registered blocks (`lookup`, `share`) and prefills only the rest: one-shot prompts of one question that repeat a
+stem or a retrieved passage, two sequences started together. Shared blocks are full and never written: a
+sequence writes only past its last full shared block, and `BlockTable.truncate` drops a shared block it would
+cut into instead of overwriting it.
 """
 
 from __future__ import annotations
 
+import hashlib
+from array import array
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -33,19 +45,69 @@ class KVPool:
         self._zeroed = [False] * num_blocks
         self._zero_fresh([0])  # block 0 also pads short rows of a batch's block table
         self.refcount = [0] * num_blocks
-        self._free = list(range(num_blocks - 1, -1, -1))  # stack: low block ids first
+        self._free = list(range(num_blocks - 1, -1, -1))  # stack of blocks holding nothing: low block ids first
+        # prefix cache: content key -> block, block -> its key, and the unheld cached blocks in release order
+        self._by_key: dict[bytes, int] = {}
+        self._key_of: dict[int, bytes] = {}
+        self._idle: OrderedDict[int, None] = OrderedDict()
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks a new allocation can take (those holding nothing, and cached blocks no sequence holds)."""
+        return len(self._free) + len(self._idle)
+
+    @property
+    def num_cached(self) -> int:
+        """Registered blocks (held or not) that a lookup can find."""
+        return len(self._by_key)
 
     def allocate(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise OutOfBlocks(f"need {n} KV blocks, {len(self._free)} free of {self.num_blocks}")
-        out = [self._free.pop() for _ in range(n)]
+        if n > self.num_free:
+            raise OutOfBlocks(f"need {n} KV blocks, {self.num_free} free of {self.num_blocks}")
+        out = []
+        for _ in range(n):
+            if self._free:
+                out.append(self._free.pop())
+            else:  # reuse the least recently released cached block: its content is forgotten
+                b, _ = self._idle.popitem(last=False)
+                self.unregister(b)
+                out.append(b)
         for b in out:
             self.refcount[b] = 1
         self._zero_fresh(out)
+        return out
+
+    # ------------------------------------------------------------------ prefix cache
+    def register(self, block: int, key: bytes) -> None:
+        """Name a held, full block's content. A key another block already holds keeps that block (the first copy
+        stays the one lookups find); a block re-registered under a new key forgets the old one."""
+        assert self.refcount[block] > 0, f"registering free block {block}"
+        if self._key_of.get(block) == key or key in self._by_key:
+            return
+        self.unregister(block)
+        self._by_key[key] = block
+        self._key_of[block] = key
+
+    def unregister(self, block: int) -> None:
+        """Forget a block's content (it is about to be overwritten)."""
+        key = self._key_of.pop(block, None)
+        if key is not None:
+            del self._by_key[key]
+        if self._idle.pop(block, 0) is None:  # an unheld cached block now holds nothing findable
+            self._free.append(block)
+
+    def is_registered(self, block: int) -> bool:
+        return block in self._key_of
+
+    def lookup(self, keys: list[bytes]) -> list[int]:
+        """The blocks of the longest run keys[0], keys[1], ... that the cache holds (not yet shared: pass them to
+        `share` to hold them)."""
+        out = []
+        for k in keys:
+            b = self._by_key.get(k)
+            if b is None:
+                break
+            out.append(b)
         return out
 
     def _zero_fresh(self, blocks: list[int]) -> None:
@@ -58,8 +120,11 @@ class KVPool:
                 self._zeroed[b] = True
 
     def share(self, blocks: list[int]) -> None:
+        """Hold blocks once more: blocks in use, or cached blocks no sequence holds (found by `lookup`)."""
         for b in blocks:
-            assert self.refcount[b] > 0, f"sharing free block {b}"
+            if self.refcount[b] == 0:
+                assert b in self._idle, f"sharing free block {b}"
+                del self._idle[b]
             self.refcount[b] += 1
 
     def release(self, blocks: list[int]) -> None:
@@ -67,7 +132,21 @@ class KVPool:
             assert self.refcount[b] > 0, f"double free of block {b}"
             self.refcount[b] -= 1
             if self.refcount[b] == 0:
-                self._free.append(b)
+                if b in self._key_of:  # keeps its content for later lookups until the pool needs the block
+                    self._idle[b] = None
+                else:
+                    self._free.append(b)
+
+
+def chain_keys(root: bytes, tokens: list[int], block_size: int) -> list[bytes]:
+    """Content keys of the full blocks of `tokens` (positions after what `root` names): key j hashes key j-1 (root
+    for j = 0) with block j's token ids, so equal keys mean equal tokens from the root through that block."""
+    out, prev = [], root
+    for j in range(len(tokens) // block_size):
+        blk = array("q", tokens[j * block_size: (j + 1) * block_size]).tobytes()
+        prev = hashlib.blake2b(prev + blk, digest_size=16).digest()
+        out.append(prev)
+    return out
 
 
 def blocks_needed(ctx: list[tuple[list[int], int]], block_size: int) -> int:
@@ -110,13 +189,24 @@ class BlockTable:
             self.blocks += self.pool.allocate(need)
 
     def truncate(self, n: int) -> None:
-        """Keep the first n held tokens; free the blocks past them."""
+        """Keep the first n held tokens; free the blocks past them.
+
+        The block the cut falls inside is written again by what follows: when another sequence holds it too, it
+        is given up as well (the kept tokens end at the block before: check `num_tokens`); when it is cached,
+        its content key is forgotten."""
         bs = self.pool.block_size
+        n = min(n, self.num_tokens)
+        if n % bs and n // bs < len(self.blocks):
+            b = self.blocks[n // bs]
+            if self.pool.refcount[b] > 1:
+                n -= n % bs
+            else:
+                self.pool.unregister(b)
         keep = -(-n // bs)
         if keep < len(self.blocks):
             self.pool.release(self.blocks[keep:])
             del self.blocks[keep:]
-        self.num_tokens = min(self.num_tokens, n)
+        self.num_tokens = n
 
     def free(self) -> None:
         self.truncate(0)
@@ -129,6 +219,11 @@ class SharedPrefix:
     token_ids: list[int]  # exactly the block-aligned tokens whose KV is held
     blocks: list[int]
     slots: torch.Tensor  # [P] pool slots, P = len(token_ids)
+    key: bytes = b""  # names the prefix's tokens: the root of the content keys of the blocks that follow it
+
+    def __post_init__(self):
+        if not self.key:
+            self.key = hashlib.blake2b(array("q", self.token_ids).tobytes(), digest_size=16).digest()
 
     @property
     def start(self) -> int:
