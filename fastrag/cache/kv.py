@@ -96,9 +96,6 @@ class KVPool:
         if self._idle.pop(block, 0) is None:  # an unheld cached block now holds nothing findable
             self._free.append(block)
 
-    def is_registered(self, block: int) -> bool:
-        return block in self._key_of
-
     def lookup(self, keys: list[bytes]) -> list[int]:
         """The blocks of the longest run keys[0], keys[1], ... that the cache holds (not yet shared: pass them to
         `share` to hold them)."""
