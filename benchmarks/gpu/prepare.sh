@@ -31,6 +31,7 @@ rm -rf "$C/wheels" "$C/site"
 tar cJf "$C/data.tar.xz" -C "$SHARED" hotpotqa 2wikimultihopqa strategyqa corpus
 python -c "import sys; from fastrag.model.loading import load_tokenizer; load_tokenizer('smollm2').save_pretrained(sys.argv[1])" \
     "$C/tokenizer"
+mkdir -p "$ROOT/.git/info"
 EXCL="$ROOT/.git/info/exclude"
 grep -qx '/.gpu_carry/' "$EXCL" 2>/dev/null || echo '/.gpu_carry/' >> "$EXCL"
 du -sh "$C" "$C"/*
