@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import gc
 import sys
 from pathlib import Path
 
@@ -148,7 +149,9 @@ def main() -> None:
                          backend=eng.signals.name, attn=attn_impl, eager_ms=t_eager * 1e3,
                          graphs="yes" if replays else "no"))
         print(rows[-1], flush=True)
-        del model, eng, seqs
+        # the step closures and the graph runner hold the engine (and its KV pool): drop them all before the next cell
+        del model, eng, seqs, plain, fused, fused_attn, graphs
+        gc.collect()
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     tag = "gpu" if dev.type == "cuda" else "cpu"

@@ -25,9 +25,14 @@ __device__ __forceinline__ void push(State& st, float y, float score, int32_t i)
   }
   if (y == kNegInf) return;  // masked: 0 * ln 0 = 0
   if (y > st.m) {  // one exp per element: rescale the state, the new element weighs e^0 = 1
-    const float r = st.s > 0.f ? __expf(st.m - y) : 0.f;
-    st.u = r * (st.u + (st.m - y) * st.s);
-    st.s = r * st.s + 1.f;
+    if (st.s > 0.f) {
+      const float r = __expf(st.m - y);
+      st.u = r * (st.u + (st.m - y) * st.s);
+      st.s = r * st.s + 1.f;
+    } else {  // the first unmasked element: m was -inf, and (-inf) * 0 would make u NaN
+      st.u = 0.f;
+      st.s = 1.f;
+    }
     st.m = y;
   } else {
     const float d = y - st.m;

@@ -167,7 +167,7 @@ def _token_signals_top_p_kernel(
     prefix = tl.zeros([], tl.int64)
     above = tl.zeros([], tl.float32)
     for lvl in tl.static_range(8):
-        shift: tl.constexpr = 28 - 4 * lvl
+        shift = 28 - 4 * lvl  # constexpr: lvl is a static_range index
         hist = tl.zeros([16], tl.float32)
         for c0 in range(0, V, BLOCK_V):
             o_v = c0 + o_v0

@@ -448,6 +448,8 @@ DECODE_BAD = [
 @pytest.mark.parametrize("backend,device", KERNEL_BACKENDS)
 @pytest.mark.parametrize("name,bad", DECODE_BAD, ids=[f"{n}-{i}" for i, (n, _) in enumerate(DECODE_BAD)])
 def test_decode_signals_rejects(backend, device, name, bad):
+    if device != "cpu" and name == "chosen":
+        pytest.skip("value checks read tensor contents: CPU only (GPU kernels clamp chosen into the vocabulary)")
     kw = _decode_args() | bad
     kw = {k: (v.to(device) if isinstance(v, torch.Tensor) and v.device.type != "meta" else v) for k, v in kw.items()}
     logits = kw.pop("logits")
