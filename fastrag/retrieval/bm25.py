@@ -29,6 +29,7 @@ import logging
 import mmap
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -143,6 +144,13 @@ class BM25Retriever(Retriever):
         tie_breaker: float = 0.5,
         show_progress: bool = True,
     ):
+        # bm25s probes JAX at import (a top-k on a tiny array) when JAX is installed. On a GPU machine that probe
+        # would start XLA there, and XLA takes 75% of the GPU's memory up front, leaving the engine's KV cache none.
+        # fastrag never uses bm25s' JAX top-k (scores are computed exactly here), so the probe runs on the CPU.
+        # A process that already set these variables, or already started JAX, keeps its own settings.
+        if "jax" not in sys.modules:
+            os.environ.setdefault("JAX_PLATFORMS", "cpu")
+            os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
         import bm25s
         import Stemmer
 
