@@ -154,6 +154,35 @@ def test_index_persisted_next_to_corpus_and_reloaded(corpus):
     assert BM25Retriever(corpus, k1=0.9, show_progress=False).built
 
 
+def test_concurrent_builds_wait_and_reuse(corpus):
+    """A second process that finds no index while another builds it waits for the build lock, then takes the
+    finished index instead of rebuilding over it (two benchmarks started together once deleted each other's files).
+    Here a thread plays the second process while this test holds the lock."""
+    import threading
+
+    from fastrag.retrieval.bm25 import _build_lock, build_in_first_writable
+
+    r1 = BM25Retriever(corpus, show_progress=False)
+    d = r1.index_dir
+    manifest = json.loads((d / "manifest.json").read_text())
+    manifest.pop("n_docs")
+    saved = (d / "manifest.json").read_text()
+    (d / "manifest.json").unlink()  # as if the first process were still building
+    calls, out = [], []
+    with _build_lock(d):
+        t = threading.Thread(target=lambda: out.append(build_in_first_writable([d], calls.append, "BM25", manifest)))
+        t.start()
+        time.sleep(0.5)
+        assert t.is_alive() and not calls  # blocked on the lock, not building
+        (d / "manifest.json").write_text(saved)  # the first process finishes
+    t.join(10)
+    assert out == [d] and not calls  # took the finished index
+    assert BM25Retriever(corpus, show_progress=False).search(QUERIES, 5) == r1.search(QUERIES, 5)
+    # with no finished index behind the lock, the waiting process builds
+    (d / "manifest.json").unlink()
+    assert build_in_first_writable([d], calls.append, "BM25", manifest) == d and calls == [d]
+
+
 def test_corpus_change_reindexes(corpus):
     r1 = BM25Retriever(corpus, show_progress=False)
     assert not any(d.id == "new" for d in r1.search(["zeppelin"], 3)[0])

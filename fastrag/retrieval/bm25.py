@@ -23,6 +23,7 @@ folder is read-only): `title/` and `text/` (bm25s indexes, loaded with mmap), `d
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -70,20 +71,46 @@ def _read_manifest(d: Path) -> dict | None:
     return m
 
 
-def build_in_first_writable(candidates: list[Path], index, what: str) -> Path:
+@contextlib.contextmanager
+def _build_lock(d: Path):
+    """Exclusive lock on index folder d (a `.lock` file in it) while one process builds there: two processes that
+    open the same corpus at once (two benchmarks started together, ray workers) would otherwise write and delete
+    each other's files. Where fcntl is missing (Windows) builds are not serialised."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not on Linux/macOS
+        yield
+        return
+    with open(d / ".lock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def build_in_first_writable(candidates: list[Path], index, what: str, manifest: dict | None = None) -> Path:
     """Build an index (`index(folder)`) in the first candidate folder that can be written; returns the folder.
-    A folder's old manifest is removed first, so a half-rebuilt index is never trusted."""
+    The build holds the folder's lock. A process that waited for it takes the index another one finished meanwhile
+    (its manifest equals `manifest`) instead of building again. A folder's old manifest is removed first, so a
+    half-rebuilt index is never trusted."""
     errors = []
     for d in candidates:
+        held = contextlib.ExitStack()
         try:
             if not _writable(d):
                 raise PermissionError(f"{d} is (inside) a read-only folder")
             d.mkdir(parents=True, exist_ok=True)
-            (d / "manifest.json").unlink(missing_ok=True)
+            held.enter_context(_build_lock(d))
         except OSError as e:
+            held.close()
             errors.append(f"{d}: {e}")
             continue
-        index(d)
+        with held:
+            if manifest is not None and _read_manifest(d) == manifest:
+                return d
+            (d / "manifest.json").unlink(missing_ok=True)
+            index(d)
         return d
     raise OSError(f"no writable folder for the {what} index: " + "; ".join(errors))
 
@@ -207,7 +234,7 @@ class BM25Retriever(Retriever):
         ]
 
     def _build(self, candidates: list[Path], manifest: dict) -> Path:
-        return build_in_first_writable(candidates, lambda d: self._index(d, manifest), "BM25")
+        return build_in_first_writable(candidates, lambda d: self._index(d, manifest), "BM25", manifest)
 
     def _index(self, d: Path, manifest: dict) -> None:
         log.info("indexing %s into %s", self.corpus_path, d)

@@ -117,7 +117,7 @@ class DenseRetriever(Retriever):
                 _cache_root() / "indexes" / f"{self.corpus_path.stem}-dense-{key}"]
 
     def _build(self, candidates: list[Path], manifest: dict) -> Path:
-        return build_in_first_writable(candidates, lambda d: self._index(d, manifest), "dense")
+        return build_in_first_writable(candidates, lambda d: self._index(d, manifest), "dense", manifest)
 
     def _index(self, d: Path, manifest: dict) -> None:
         log.info("encoding %s into %s", self.corpus_path, d)
