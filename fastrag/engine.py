@@ -9,6 +9,7 @@ that any sequence computed for the same tokens), and only the rest is prefilled.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -129,8 +130,11 @@ class Engine:
         self.prefixes: list[SharedPrefix] = []  # shared prefixes (one per method/dataset prompt family)
         self._starts: dict[int, int] = {}  # id(prefix) -> first slot when its slots are consecutive, else -1
         self.live: dict[int, SeqState] = {}  # sequences that may hold blocks
+        # counters, plus host seconds spent in step()'s prefill and decode parts (each ends in a host copy, so on
+        # a GPU they include the device's time: where a run's time goes, beside the scheduler's method time)
         self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "prefix_hit_tokens": 0, "own_hit_tokens": 0,
-                      "decode_steps": 0, "prefill_calls": 0, "cached_hit_tokens": 0}
+                      "decode_steps": 0, "prefill_calls": 0, "cached_hit_tokens": 0, "prefill_s": 0.0,
+                      "decode_s": 0.0}
         # decode steps replayed from CUDA graphs (fastrag/cuda_graphs.py): on by default on a GPU,
         # FASTRAG_CUDA_GRAPHS=0 turns them off; cuda_graphs=True on a CPU runs the same static-buffer protocol
         # without CUDA (emulated; how the tests check it)
@@ -305,6 +309,7 @@ class Engine:
         Returns the sequences whose generation finished in this step (their `out` is complete).
         """
         finished: list[SeqState] = []
+        t0 = time.perf_counter()
         if self.waiting:
             self._admit_fed()
         if self.waiting:
@@ -354,6 +359,8 @@ class Engine:
                         finished.append(s)
                     else:
                         self.running.append(s)
+        t1 = time.perf_counter()
+        self.stats["prefill_s"] += t1 - t0
         if self.running:
             batch = self.running[: self.max_batch]
             logits = self._decode(batch)
@@ -367,6 +374,7 @@ class Engine:
                     done[i] = d
             self.running = [s for s, d in zip(batch, done) if not d] + self.running[self.max_batch:]
             finished += [s for s, d in zip(batch, done) if d]
+            self.stats["decode_s"] += time.perf_counter() - t1
         for s in finished:
             if s.amax is not None:
                 s.out.attn = s.amax[:, : len(s.tokens) - s.track_from].mean(0).tolist()

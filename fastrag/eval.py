@@ -322,6 +322,9 @@ def run_many(runs: list[RunOptions], engine=None, retriever=None) -> list[dict]:
                                     "mean_batch_size": sum(b) / len(b) if b else None,
                                     "seconds": sched.search_seconds,
                                     "seconds_per_batch": sched.search_seconds / len(b) if b else None}
+            # where the wall time went (host seconds; engine = prefill_s + decode_s of "engine" above, plus the
+            # step's bookkeeping); retrieval runs in a worker thread, beside these
+            metrics["step_seconds"] = dict(sched.step_seconds)
         (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
         out_metrics.append(metrics)
     return out_metrics

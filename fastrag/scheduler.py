@@ -137,6 +137,9 @@ class Scheduler:
         self.max_inflight = max_inflight
         self.search_batches: list[int] = []
         self.search_seconds = 0.0
+        # host seconds of step() by part: the engine's step, batched attention passes, and the rest (the methods'
+        # own logic: sentence splitting, thresholds, query building, prompt assembly)
+        self.step_seconds = {"engine": 0.0, "attention_passes": 0.0, "methods_and_other": 0.0}
         self._todo: deque[Ticket] = deque()
         self._live: dict[int, _Live] = {}
         self._by_seq: dict[int, tuple[_Live, int | None]] = {}  # id(seq) -> (question, Parallel part or None)
@@ -208,6 +211,8 @@ class Scheduler:
     def step(self) -> bool:
         """Admit questions up to max_inflight, serve one round of batched requests (attention passes, a retrieval
         batch, one engine step). Returns whether anything progressed."""
+        t0 = time.perf_counter()
+        t_eng = t_attn = 0.0
         while self._todo and len(self._live) < self.max_inflight:
             t = self._todo.popleft()
             lv = _Live(t.example, t.policy(t.example), {}, time.perf_counter(), t.on_result, t.on_event)
@@ -225,7 +230,9 @@ class Scheduler:
         for kind, cls in (("colmax", AttnColmax), ("rows", AttnRows)):
             items = self._take(cls)
             if items:
+                ta = time.perf_counter()
                 res = self.engine.attention_passes([r.ids for _, _, r in items], kind)
+                t_attn += time.perf_counter() - ta
                 for (lv, i, _), r in zip(items, res):
                     self._deliver(lv, i, r)
                 progressed = True
@@ -249,7 +256,10 @@ class Scheduler:
                 self._deliver(lv, i, d)
             progressed = True
         if self.engine.has_work:
-            for seq in self.engine.step():
+            te = time.perf_counter()
+            finished = self.engine.step()
+            t_eng = time.perf_counter() - te
+            for seq in finished:
                 hit = self._by_seq.get(id(seq))
                 if hit is None:  # its question ended while it ran
                     continue
@@ -267,6 +277,10 @@ class Scheduler:
                 for j in waiting:
                     self._deliver(lv, j, _reused(out))
             progressed = True
+        sec = self.step_seconds
+        sec["engine"] += t_eng
+        sec["attention_passes"] += t_attn
+        sec["methods_and_other"] += time.perf_counter() - t0 - t_eng - t_attn
         if not progressed and self._live and self._search is None:
             stuck = [type(lv.request).__name__ for lv in self._live.values()]
             raise RuntimeError(f"scheduler made no progress; pending requests: {stuck}")

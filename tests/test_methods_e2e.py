@@ -39,6 +39,12 @@ def test_flare_runs_end_to_end_with_counters(tmp_path):
     assert m["retrieval"]["queries"] == sum(r["counters"]["searches"] for r in recs)
     assert m["retrieval"]["max_batch_size"] >= 1 and m["retrieval"]["seconds"] >= 0
     assert m["engine"]["prefix_hit_tokens"] > 0 and m["reused_prompt_tokens_per_question"] > 0
+    # where the time went: the engine's prefill and decode parts, and the scheduler's step by part
+    assert m["engine"]["prefill_s"] > 0 and m["engine"]["decode_s"] > 0
+    st = m["step_seconds"]
+    assert set(st) == {"engine", "attention_passes", "methods_and_other"} and min(st.values()) >= 0
+    assert st["engine"] >= m["engine"]["prefill_s"] + m["engine"]["decode_s"] > 0
+    assert st["methods_and_other"] > 0 and sum(st.values()) <= m["wall_s"] * 1.01
 
 
 def test_unknown_method_and_bad_option_are_clear_errors(tmp_path):

@@ -105,6 +105,9 @@ except RuntimeError as e:
             stage e2e $PY benchmarks/bench_e2e.py --model "$MODEL" --data-dir /tmp/fastrag_data \
                 --limit "${E2E_LIMIT:-64}" --batch-size "${E2E_BATCH:-128}" --oracle-limit "${E2E_ORACLE_LIMIT:-3}" \
                 --tuned-oracle-limit "${E2E_TUNED_LIMIT:-6}" --output /tmp/fastrag_runs/bench_e2e
+            for f in /tmp/fastrag_runs/bench_e2e/*/engine/metrics.json; do  # also when the oracle part was cut short
+                [ -f "$f" ] && cp "$f" "$OUT/results/e2e_engine_$(basename "$(dirname "$(dirname "$f")")").json"
+            done
             ;;
         *) echo "unknown stage $st (tests, kernels, decode, model, e2e)"; exit 2 ;;
     esac
