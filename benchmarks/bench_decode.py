@@ -90,6 +90,40 @@ def main() -> None:
     n_weights = (2 * shape["vocab_size"] * shape["hidden_size"] + shape["num_hidden_layers"] * (
         2 * shape["hidden_size"] ** 2 + 2 * shape["hidden_size"] * shape["num_key_value_heads"] * hd
         + 3 * shape["hidden_size"] * shape["intermediate_size"]))
+
+    def write() -> Path:  # after every cell: a run cut short still leaves the cells it measured
+        tag = "gpu" if dev.type == "cuda" else "cpu"
+        out = ROOT / "benchmarks" / "results" / f"{args.name or 'decode_' + tag}.md"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        lines = [f"# Decode step with and without fused signals ({tag})", "",
+                 f"- device: {device_name(dev)}; date {dt.date.today().isoformat()}; torch {torch.__version__}",
+                 f"- model: {label} shape, random {str(dtype).split('.')[-1]} weights; context (tokens per sequence) "
+                 "per row",
+                 f"- measured copy bandwidth {bw / 1e9:.1f} GB/s; roofline = (weights + KV read) / bandwidth",
+                 f"- command: `python benchmarks/bench_decode.py {' '.join(sys.argv[1:])}`",
+                 "- plain = forward + argmax + host copy of the tokens; signals = forward + fused decode_signals + one "
+                 "host copy of (token, entropy, logprob); plain_again = plain timed a second time (the noise floor); "
+                 f"signals+attn = signals plus, for every sequence, the in-context attention statistics of its last "
+                 f"{args.span} tokens (last layer's queries and the decode attention's row log-sum-exp through "
+                 "the fused attn_decode_update: DRAGIN streaming's a_i)",
+                 *([] if dev.type == "cuda" else
+                   ["- CPU run with a small model shape (the 7B shape needs a GPU): GPU not measured"]),
+                 "- graphs: whether the timed steps replayed CUDA graphs (fastrag/cuda_graphs.py; on by default on a GPU); "
+                 "eager = the plain step with graphs off, launched kernel by kernel",
+                 "", "| ctx | B | plain ms | plain again ms | eager ms | signals ms | overhead | signals+attn ms | "
+                 "overhead | roofline ms | plain / roofline | graphs | signals backend | decode attention |",
+                 "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            if "skipped" in r:
+                lines.append(f"| {r['ctx']} | {r['B']} | not run: {r['skipped']} |" + " |" * 11)
+                continue
+            lines.append(f"| {r['ctx']} | {r['B']} | {r['plain_ms']:.2f} | {r['plain_again_ms']:.2f} | "
+                         f"{r['eager_ms']:.2f} | {r['signals_ms']:.2f} | {r['overhead']:+.1%} | {r['attn_ms']:.2f} | "
+                         f"{r['overhead_attn']:+.1%} | {r['roofline_ms']:.2f} | {r['x_roofline']:.2f} | {r['graphs']} | "
+                         f"{r['backend']} | {r['attn']} |")
+        out.write_text("\n".join(lines) + "\n")
+        return out
+
     for ctx, B in [(c, b) for c in ctxs for b in batches]:
         need = (n_weights + 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * hd * (ctx + 64) * B
                 ) * dtype.itemsize
@@ -97,6 +131,7 @@ def main() -> None:
         if free is not None and need > 0.9 * free:
             rows.append(dict(B=B, ctx=ctx, skipped=f"needs {need / 2**30:.0f} GiB, {free / 2**30:.0f} GiB free"))
             print(rows[-1], flush=True)
+            write()
             continue
         model, eng, seqs = build(shape, dtype, dev, B, ctx, None)
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -149,42 +184,13 @@ def main() -> None:
                          backend=eng.signals.name, attn=attn_impl, eager_ms=t_eager * 1e3,
                          graphs="yes" if replays else "no"))
         print(rows[-1], flush=True)
+        write()
         # the step closures and the graph runner hold the engine (and its KV pool): drop them all before the next cell
         del model, eng, seqs, plain, fused, fused_attn, graphs
         gc.collect()
         if dev.type == "cuda":
             torch.cuda.empty_cache()
-    tag = "gpu" if dev.type == "cuda" else "cpu"
-    out = ROOT / "benchmarks" / "results" / f"{args.name or 'decode_' + tag}.md"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    lines = [f"# Decode step with and without fused signals ({tag})", "",
-             f"- device: {device_name(dev)}; date {dt.date.today().isoformat()}; torch {torch.__version__}",
-             f"- model: {label} shape, random {str(dtype).split('.')[-1]} weights; context (tokens per sequence) "
-             "per row",
-             f"- measured copy bandwidth {bw / 1e9:.1f} GB/s; roofline = (weights + KV read) / bandwidth",
-             f"- command: `python benchmarks/bench_decode.py {' '.join(sys.argv[1:])}`",
-             "- plain = forward + argmax + host copy of the tokens; signals = forward + fused decode_signals + one "
-             "host copy of (token, entropy, logprob); plain_again = plain timed a second time (the noise floor); "
-             f"signals+attn = signals plus, for every sequence, the in-context attention statistics of its last "
-             f"{args.span} tokens (last layer's queries and the decode attention's row log-sum-exp through "
-             "the fused attn_decode_update: DRAGIN streaming's a_i)",
-             *([] if dev.type == "cuda" else
-               ["- CPU run with a small model shape (the 7B shape needs a GPU): GPU not measured"]),
-             "- graphs: whether the timed steps replayed CUDA graphs (fastrag/cuda_graphs.py; on by default on a GPU); "
-             "eager = the plain step with graphs off, launched kernel by kernel",
-             "", "| ctx | B | plain ms | plain again ms | eager ms | signals ms | overhead | signals+attn ms | "
-             "overhead | roofline ms | plain / roofline | graphs | signals backend | decode attention |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        if "skipped" in r:
-            lines.append(f"| {r['ctx']} | {r['B']} | not run: {r['skipped']} |" + " |" * 11)
-            continue
-        lines.append(f"| {r['ctx']} | {r['B']} | {r['plain_ms']:.2f} | {r['plain_again_ms']:.2f} | "
-                     f"{r['eager_ms']:.2f} | {r['signals_ms']:.2f} | {r['overhead']:+.1%} | {r['attn_ms']:.2f} | "
-                     f"{r['overhead_attn']:+.1%} | {r['roofline_ms']:.2f} | {r['x_roofline']:.2f} | {r['graphs']} | "
-                     f"{r['backend']} | {r['attn']} |")
-    out.write_text("\n".join(lines) + "\n")
-    print(f"wrote {out}")
+    print(f"wrote {write()}")
 
 
 if __name__ == "__main__":
