@@ -37,7 +37,8 @@ torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')"
     tar xJf "$C/site.tar.xz" -C "$SITE"
     tar xJf "$C/data.tar.xz" -C /tmp/fastrag_data
     # the GPU image's torch/transformers/triton stay; the extension is built against that torch (CUDA kernels too)
-    $PY -m pip install --no-deps --no-build-isolation --no-index -e . || return 1
+    # -v: the compile and link commands go to setup.log (what the diag stage reads them against)
+    $PY -m pip install -v --no-deps --no-build-isolation --no-index -e . || return 1
     $PY -c "import fastrag._C as C; print('fastrag._C built; CUDA kernels:', hasattr(C, 'decode_signals_cuda'))"
     touch /tmp/fastrag_setup_done
 }
@@ -69,7 +70,8 @@ for st in "$@"; do
         diag)
             stage diag bash -c "c++ --version | head -1; nvcc --version | tail -2; env | grep -i -E 'flags|^cc=|^cxx=' ; \
 ldd fastrag/_C*.so | grep -E 'std|gcc|gomp'; echo libstdc++ symbols defined in _C: \$(nm -C --defined-only fastrag/_C*.so \
-| grep -c -E 'std::locale::|std::ios_base::Init'); $PY -c \"import torch; \
+| grep -c -E 'std::locale::|std::ios_base::Init'); $PY -c \"import sysconfig as s; print({k: s.get_config_var(k) \
+for k in ('CC', 'CXX', 'LDSHARED', 'LDCXXSHARED', 'LDFLAGS', 'CFLAGS')})\"; $PY -c \"import torch; \
 print('torch pybind11', {a: getattr(torch._C, a) for a in dir(torch._C) if 'PYBIND11' in a}, \
 'cxx11 abi', torch.compiled_with_cxx11_abi())\"; timeout 120 cuda-gdb -q -batch -ex run -ex bt --args $PY -c \"\
 import torch, fastrag._C as C
