@@ -60,8 +60,10 @@ stage() {
     return $rc
 }
 
+T0=$(mktemp)  # only tables this call wrote come back (the device tool returns at most 8 files)
 copy_results() {
-    cp benchmarks/results/*gpu* benchmarks/results/*cuda* "$OUT/results/" 2>/dev/null || true
+    find benchmarks/results -maxdepth 1 -type f -newer "$T0" \( -name '*gpu*' -o -name '*cuda*' \) \
+        -exec cp {} "$OUT/results/" \;
 }
 
 stage setup setup || { echo "setup failed: see $OUT/logs/setup.log"; exit 1; }
