@@ -73,6 +73,12 @@ def _all_runs_rate(m: dict, n: int) -> float | None:
     return ar.get("questions_per_s") if ar.get("computed") == n else None
 
 
+def shown(path: str) -> str:
+    """`path` relative to the repository when it lies inside it (tables do not name this machine's folders)."""
+    p = Path(path).resolve()
+    return str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else str(path)
+
+
 def fmt(v) -> str:
     if v is None:
         return "—"
@@ -98,13 +104,23 @@ def main() -> None:
                     help="registered baseline methods to run beside BeamSearchQA (`fastrag methods`)")
     ap.add_argument("--config", help="BeamSearchQA config JSON (K, D, N, S, B, max tokens); default: the paper's")
     ap.add_argument("--batch-size", type=int, default=32)
-    ap.add_argument("--output", default=str(ROOT / "runs" / "bench_beamsearchqa"))
+    ap.add_argument("--output", default=str(ROOT / "benchmarks" / "results" / "raw" / "bench_beamsearchqa"),
+                    help="run directories (resumable); the default is tracked by git so that partial runs survive "
+                    "a change of machine")
     ap.add_argument("--results", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--fresh", action="store_true", help="delete earlier engine results under --output first")
     ap.add_argument("--report-only", action="store_true", help="compute nothing: tables from --output")
     ap.add_argument("--report", default="beamsearchqa",
                     help="name of the tables under --results (NAME.md, NAME.json): e.g. a separate speed run")
     ap.add_argument("--note", default="", help="a paragraph put under the title (how and where it was run)")
+    ap.add_argument("--phases", nargs="+", default=["engine", "oracle", "report"],
+                    choices=["engine", "oracle", "report"],
+                    help="what this invocation does: the engine runs, the oracle runs, the tables; e.g. the engine "
+                    "and the oracle in two processes side by side (one core each), then `--phases report`")
+    ap.add_argument("--carry", nargs="*", default=[], metavar="DATASET",
+                    help="datasets whose rows are taken from the existing tables (--results/--report .json) "
+                    "instead of from --output, e.g. when their run directories are not on this machine; the "
+                    "tables say which rows were carried")
     ap.add_argument("--without-prefix-caching", action="store_true",
                     help="also run BeamSearchQA on the engine with prefix caching off (same questions, batch): its "
                     "tokens, rate and decisions against the default engine's")
@@ -115,12 +131,28 @@ def main() -> None:
                      "pass --baselines with registered names, or none")
     if args.oracle_limit > args.limit:
         sys.exit("--oracle-limit must not exceed --limit")
+    if args.report_only:
+        args.phases = ["report"]
+    previous = {}
+    if args.carry:
+        prev_path = Path(args.results) / f"{args.report}.json"
+        if not prev_path.exists():
+            sys.exit(f"--carry needs the earlier tables in {prev_path}, which do not exist")
+        previous = json.loads(prev_path.read_text())
+        for ds in args.carry:
+            if not any(r["dataset"] == ds for r in previous.get("rows", [])):
+                sys.exit(f"--carry {ds}: {prev_path} has no rows for that dataset")
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else \
         f"CPU {platform.processor() or platform.machine()} x{torch.get_num_threads()} threads"
     t_start = time.perf_counter()
     rows, speed, parity_rows = [], [], []
     for ds in args.datasets:
+        if ds in args.carry:
+            rows += [r for r in previous["rows"] if r["dataset"] == ds]
+            speed += [r for r in previous.get("speed", []) if r["dataset"] == ds]
+            parity_rows += [r for r in previous.get("parity", []) if r["dataset"] == ds]
+            continue
         base = Path(args.output) / ds
         variants = [(METHOD, METHOD, True)] + [(b, b, True) for b in args.baselines]
         if args.without_prefix_caching:
@@ -132,19 +164,22 @@ def main() -> None:
             # a run whose results already cover the questions is kept as it is: rerunning would overwrite its
             # metrics.json (and the rate measured there) with a run that computed nothing
             done = len(read_results(out / "results.jsonl")) >= args.limit and (out / "metrics.json").exists()
-            if not args.report_only and not done:
+            if "engine" in args.phases and not done:
                 run(RunOptions(method=method, dataset=ds, data=str(DATA[ds]), corpus=str(CORPUS), output=str(out),
                                config=args.config if method == METHOD else None, limit=args.limit,
                                batch_size=args.batch_size, prefix_caching=caching))
-            rows.append(row_for(label, ds, out))
-        if args.oracle_limit > 0:
+            if "report" in args.phases:
+                rows.append(row_for(label, ds, out))
+        if args.oracle_limit > 0 and "oracle" in args.phases:
             orc_dir = base / "oracle"
             opts = RunOptions(method=METHOD, dataset=ds, data=str(DATA[ds]), corpus=str(CORPUS), output=str(orc_dir),
                               config=args.config, limit=args.oracle_limit, batch_size=args.batch_size)
-            if args.report_only:
-                orc = read_results(orc_dir / "results.jsonl")
-            else:
-                orc, _, _ = run_oracle(opts, orc_dir)
+            run_oracle(opts, orc_dir)
+        if "report" not in args.phases:
+            continue
+        if args.oracle_limit > 0:
+            orc_dir = base / "oracle"
+            orc = read_results(orc_dir / "results.jsonl")
             o_row = row_for(METHOD, ds, orc_dir, who="oracle")
             e_row = next(r for r in rows if r["dataset"] == ds and r["method"] == METHOD)
             e_rate, o_rate = e_row["questions_per_s"], o_row["questions_per_s"]
@@ -167,6 +202,17 @@ def main() -> None:
                                 "agreement": rep["agreement"], "answer_agreement": rep.get("answer_agreement"),
                                 "path_agreement": rep.get("path_agreement")})
 
+    if "report" not in args.phases:
+        return
+    oracle_pairs = [r for r in parity_rows if r["pair"] == "engine vs oracle" and r["n"]]
+    if len(oracle_pairs) > 1:  # every dataset's questions together: agreements weighted by their counts
+        n_all = sum(r["n"] for r in oracle_pairs)
+
+        def pooled(key):
+            vals = [(r[key], r["n"]) for r in oracle_pairs if r.get(key) is not None]
+            return sum(v * n for v, n in vals) / sum(n for _, n in vals) if vals else None
+        parity_rows.append({"dataset": "all", "pair": "engine vs oracle", "n": n_all, "agreement": pooled("agreement"),
+                            "answer_agreement": pooled("answer_agreement"), "path_agreement": pooled("path_agreement")})
     cmd = "python " + " ".join([str(Path(sys.argv[0]).relative_to(ROOT)) if Path(sys.argv[0]).is_absolute()
                                 else sys.argv[0], *sys.argv[1:]])
     cfg = get_method(METHOD).make_config("nq", args.config)
@@ -183,8 +229,12 @@ def main() -> None:
         f"B={cfg.beam_size}; max new tokens answer/ask/summary/score = {cfg.answer_max_tokens}/{cfg.ask_max_tokens}/"
         f"{cfg.summary_max_tokens}/{cfg.score_max_tokens}\n"
         f"- engine batch {args.batch_size}; oracle on the first {args.oracle_limit} questions of each dataset\n"
-        + (f"- report only: tables from the results in {args.output} (datasets: {', '.join(args.datasets)})\n"
-           if args.report_only else f"- wall time of this benchmark: {time.perf_counter() - t_start:.0f} s\n")
+        + (f"- report only: tables from the results in {shown(args.output)} (datasets: "
+           f"{', '.join(d for d in args.datasets if d not in args.carry)})\n"
+           if args.phases == ["report"] else f"- wall time of this benchmark: {time.perf_counter() - t_start:.0f} s\n")
+        + (f"- rows carried from the earlier tables (`{previous.get('command', '?')}`, on {previous.get('device', '?')}"
+           f"{', ' + previous['date'] if previous.get('date') else ''}): {', '.join(args.carry)}\n"
+           if args.carry else "")
         + f"- command: `{cmd}`\n\n"
         "## Accuracy and cost (engine)\n\n"
         + table(rows, ["dataset", "method", "n", "errors", "em", "f1", "llm_calls_per_q", "retrievals_per_q",
@@ -200,7 +250,10 @@ def main() -> None:
                + "\n\n" + table(parity_rows, list(parity_rows[0])))
     (res / f"{args.report}.md").write_text(md)
     (res / f"{args.report}.json").write_text(json.dumps({"rows": rows, "speed": speed, "parity": parity_rows,
-                                                       "device": device, "command": cmd}, indent=2))
+                                                       "device": device, "command": cmd,
+                                                       "date": dt.date.today().isoformat(),
+                                                       "carried": {d: previous.get("command") for d in args.carry}},
+                                                      indent=2))
     print(md)
 
 

@@ -51,10 +51,15 @@ def paired_diff(a: list[float], b: list[float], n_boot: int = 2000, seed: int = 
 
 def complete(out: Path, ds: str, limit: int) -> bool:
     """The run in `out` already covers every question (its metrics.json is kept: a rerun would time nothing)."""
+    m = out / "metrics.json"
+    return m.exists() and json.loads(m.read_text())["n"] >= wanted(ds, limit)
+
+
+def wanted(ds: str, limit: int) -> int:
+    """How many questions a complete run of `ds` holds (the dataset may have fewer than --limit)."""
     from fastrag.data.datasets import load_examples
 
-    m = out / "metrics.json"
-    return m.exists() and json.loads(m.read_text())["n"] >= len(load_examples(ds, DATA[ds], limit=limit))
+    return len(load_examples(ds, DATA[ds], limit=limit))
 
 
 def rate(mt: dict) -> str:
@@ -79,22 +84,43 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--kv-cache-gb", type=float, default=2.0, help="KV pool (the engine allocates it up front)")
-    ap.add_argument("--output", default=str(ROOT / "runs" / "bench_methods"))
+    ap.add_argument("--output", default=str(ROOT / "benchmarks" / "results" / "raw" / "bench_methods"),
+                    help="run directories (resumable); the default is tracked by git so that partial runs survive "
+                    "a change of machine")
     ap.add_argument("--results", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--report-only", action="store_true", help="compute nothing; tabulate what --output holds")
     ap.add_argument("--name", default="methods", help="result file stem under --results (default: methods)")
     ap.add_argument("--note", default="", help="a line added under the table's header (e.g. how it was run)")
+    ap.add_argument("--carry", action="store_true",
+                    help="runs whose directories are not under --output are taken, complete, from the existing "
+                    "--results/--name .json (e.g. measured on another machine or in an earlier checkout) instead of "
+                    "being recomputed; the table marks them")
     args = ap.parse_args()
+    previous, prev_streaming = {}, []
+    if args.carry:
+        prev_path = Path(args.results) / f"{args.name}.json"
+        if not prev_path.exists():
+            sys.exit(f"--carry needs the earlier results in {prev_path}, which do not exist")
+        prev = json.loads(prev_path.read_text())
+        # the older layout was the runs alone, keyed "dataset/method"
+        previous = prev.get("runs", {}) if "runs" in prev else {k: v for k, v in prev.items() if "/" in k}
+        prev_streaming = prev.get("streaming", [])
 
     from fastrag.retrieval.bm25 import BM25Retriever
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else \
         f"CPU {platform.processor() or platform.machine()} x{torch.get_num_threads()} threads"
     eng = ret = None
-    rows, metrics = [], {}
+    rows, metrics, carried = [], {}, set()
     for ds in args.datasets:
         for m in args.methods:
             out = Path(args.output) / ds / m
+            old = previous.get(f"{ds}/{m}")
+            if not (out / "metrics.json").exists() and old and old["n"] >= wanted(ds, args.limit):
+                metrics[(ds, m)] = old
+                rows.append((ds, m, old))
+                carried.add((ds, m))
+                continue
             if not args.report_only and not complete(out, ds, args.limit):
                 if eng is None:
                     eng = build_engine(args.model, args.batch_size, kv_cache_gb=args.kv_cache_gb)
@@ -117,36 +143,49 @@ def main() -> None:
              "q/s is the rate over every run that computed the results (metrics.json all_runs: questions over the "
              "seconds each run spent computing, a run killed part-way included); where earlier runs left no "
              "record, the rate of the last run alone, with the questions it computed in brackets.",
-             *(["", args.note] if args.note else []), "",
+             *(["", args.note] if args.note else []),
+             *(["", "† carried complete from the earlier results file (their run directories are not in this "
+                "checkout): " + ", ".join(f"{d}/{m}" for d, m, _ in rows if (d, m) in carried) + "."] if carried else []), "",
              "| dataset | method | n | EM | F1 / acc | retrievals/q | prefilled/q | decoded/q | q/s | errors |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for ds, m, mt in rows:
         score = mt["accuracy"] if ds == "strategyqa" else mt["f1"]
-        lines.append(f"| {ds} | {m} | {mt['n']} | {fmt(mt['em'])} | {fmt(score)} | "
+        lines.append(f"| {ds} | {m}{' †' if (ds, m) in carried else ''} | {mt['n']} | {fmt(mt['em'])} | {fmt(score)} | "
                      f"{fmt(mt['retrievals_per_question'], 2)} | {fmt(mt['prefill_tokens_per_question'], 0)} | "
                      f"{fmt(mt['decode_tokens_per_question'], 0)} | {rate(mt)} | {mt['errors']} |")
     lines += ["", "## Streaming DRAGIN vs reference DRAGIN (same questions)", "",
               "| dataset | questions | decoded/q reference | decoded/q streaming | ratio | EM diff [95% CI] | "
               "F1 diff [95% CI] |",
               "|---|---|---|---|---|---|---|"]
+    streaming = []
     for ds in args.datasets:
         a_dir, b_dir = Path(args.output) / ds / "dragin", Path(args.output) / ds / "dragin-streaming"
         a = {r.qid: r for r in read_results(a_dir / "results.jsonl") if r.error is None}
         b = {r.qid: r for r in read_results(b_dir / "results.jsonl") if r.error is None}
         common = [q for q in a if q in b]
         if not common:
+            old = next((r for r in prev_streaming if r["dataset"] == ds), None)
+            if old is not None and (ds, "dragin") in carried and (ds, "dragin-streaming") in carried:
+                streaming.append(old)
+                lines.append(f"| {ds} † | {old['questions']} | {old['decoded_reference']:.1f} | "
+                             f"{old['decoded_streaming']:.1f} | {old['ratio']:.3f} | {old['em_diff'][0]:+.3f} "
+                             f"[{old['em_diff'][1]:+.3f}, {old['em_diff'][2]:+.3f}] | {old['f1_diff'][0]:+.3f} "
+                             f"[{old['f1_diff'][1]:+.3f}, {old['f1_diff'][2]:+.3f}] |")
             continue
         da = sum(a[q].decode_tokens for q in common) / len(common)
         db = sum(b[q].decode_tokens for q in common) / len(common)
         key = "accuracy" if ds == "strategyqa" else "f1"
         em = paired_diff([a[q].metrics["em"] for q in common], [b[q].metrics["em"] for q in common])
         f1 = paired_diff([a[q].metrics[key] for q in common], [b[q].metrics[key] for q in common])
+        streaming.append({"dataset": ds, "questions": len(common), "decoded_reference": da, "decoded_streaming": db,
+                          "ratio": db / da, "em_diff": list(em), "f1_diff": list(f1)})
         lines.append(f"| {ds} | {len(common)} | {da:.1f} | {db:.1f} | {db / da:.3f} | {em[0]:+.3f} [{em[1]:+.3f}, {em[2]:+.3f}] | "
                      f"{f1[0]:+.3f} [{f1[1]:+.3f}, {f1[2]:+.3f}] |")
     res = Path(args.results)
     res.mkdir(parents=True, exist_ok=True)
     (res / f"{args.name}.md").write_text("\n".join(lines) + "\n")
-    (res / f"{args.name}.json").write_text(json.dumps({f"{d}/{m}": v for (d, m), v in metrics.items()}, indent=2))
+    (res / f"{args.name}.json").write_text(json.dumps({"runs": {f"{d}/{m}": v for (d, m), v in metrics.items()},
+                                                        "streaming": streaming}, indent=2))
     print("\n".join(lines))
 
 

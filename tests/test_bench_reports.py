@@ -1,0 +1,111 @@
+"""The benchmark reports keep earlier measurements honest when their run directories are gone: rows carried from
+the committed tables are marked as such, a run directory on disk wins over a carried row, pooled agreement is
+weighted by question counts, and a carry that names what the tables do not hold is refused with a message.
+
+No model runs: the scripts are driven in report mode over hand-made tables and run directories.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def load(name: str):
+    spec = importlib.util.spec_from_file_location(f"_bench_{name}", BENCH / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def metrics(n: int, em: float, f1: float, qps: float) -> dict:
+    return {"n": n, "errors": 0, "em": em, "f1": f1, "accuracy": None, "questions_per_s": qps,
+            "retrievals_per_question": 1.5, "prefill_tokens_per_question": 400.0, "decode_tokens_per_question": 60.0,
+            "computed_this_run": n, "all_runs": {"computed": n, "questions_per_s": qps}}
+
+
+def test_methods_report_carries_marks_and_prefers_disk(tmp_path, monkeypatch, capsys):
+    bm = load("bench_methods")
+    monkeypatch.setattr(bm, "wanted", lambda ds, limit: limit)  # no dataset files needed
+    res, out = tmp_path / "res", tmp_path / "out"
+    res.mkdir()
+    prev_runs = {"hotpotqa/wo-rag": metrics(200, 0.25, 0.5, 0.75),
+                 "hotpotqa/sr-rag": metrics(200, 0.125, 0.25, 0.5),
+                 "hotpotqa/fl-rag": metrics(150, 0.5, 0.5, 0.5)}  # incomplete: never carried
+    # the older layout (runs keyed "dataset/method" at the top level) is still read
+    (res / "methods.json").write_text(json.dumps(prev_runs))
+    disk = out / "hotpotqa" / "sr-rag"
+    disk.mkdir(parents=True)
+    (disk / "metrics.json").write_text(json.dumps(metrics(200, 0.375, 0.625, 0.25)))
+    monkeypatch.setattr(sys, "argv", ["bench_methods.py", "--report-only", "--carry", "--datasets", "hotpotqa",
+                                      "--methods", "wo-rag", "sr-rag", "fl-rag", "--output", str(out),
+                                      "--results", str(res), "--limit", "200"])
+    bm.main()
+    md = (res / "methods.md").read_text()
+    assert "| hotpotqa | wo-rag † | 200 | 0.250 | 0.500 |" in md
+    assert "| hotpotqa | sr-rag | 200 | 0.375 | 0.625 |" in md  # the run directory wins
+    assert "fl-rag" not in md.split("## Streaming")[0].split("|---|")[-1]  # incomplete and not on disk: no row
+    assert "checkout): hotpotqa/wo-rag." in md
+    new = json.loads((res / "methods.json").read_text())
+    assert set(new["runs"]) == {"hotpotqa/wo-rag", "hotpotqa/sr-rag"}
+    assert new["runs"]["hotpotqa/sr-rag"]["em"] == 0.375
+
+
+def test_methods_carry_needs_the_earlier_file(tmp_path, monkeypatch):
+    bm = load("bench_methods")
+    monkeypatch.setattr(sys, "argv", ["bench_methods.py", "--report-only", "--carry", "--results",
+                                      str(tmp_path / "none")])
+    with pytest.raises(SystemExit, match="methods.json"):
+        bm.main()
+
+
+def bsqa_tables(path: Path) -> None:
+    rows = []
+    for ds, f1 in (("nq", 0.25), ("webq", 0.5)):
+        rows += [{"dataset": ds, "method": m, "side": "engine", "n": 200, "errors": 0, "em": 0.0, "f1": f1,
+                  "llm_calls_per_q": 17.0, "retrievals_per_q": 4.0, "prefill_tok_per_q": 3000.0,
+                  "decode_tok_per_q": 500.0, "reused_calls_per_q": 0.0, "questions_per_s": 0.05}
+                 for m in ("beamsearchqa", "wo-rag")]
+    speed = [{"dataset": ds, "engine_n": 200, "oracle_n": n, "engine_q_per_s": 0.05, "oracle_q_per_s": 0.01,
+              "speedup": 5.0} for ds, n in (("nq", 30), ("webq", 10))]
+    parity = [{"dataset": "nq", "pair": "engine vs oracle", "n": 30, "agreement": 1.0, "answer_agreement": 1.0,
+               "path_agreement": 1.0},
+              {"dataset": "webq", "pair": "engine vs oracle", "n": 10, "agreement": 0.6, "answer_agreement": 0.8,
+               "path_agreement": 0.6}]
+    path.write_text(json.dumps({"rows": rows, "speed": speed, "parity": parity, "device": "CPU test",
+                                "command": "python benchmarks/bench_beamsearchqa.py --earlier"}))
+
+
+def test_beamsearchqa_report_carries_and_pools_agreement(tmp_path, monkeypatch):
+    bq = load("bench_beamsearchqa")
+    res = tmp_path / "res"
+    res.mkdir()
+    bsqa_tables(res / "beamsearchqa.json")
+    monkeypatch.setattr(sys, "argv", ["bench_beamsearchqa.py", "--phases", "report", "--datasets", "nq", "webq",
+                                      "--carry", "nq", "webq", "--baselines", "wo-rag", "--oracle-limit", "34",
+                                      "--output", str(tmp_path / "out"), "--results", str(res)])
+    bq.main()
+    md = (res / "beamsearchqa.md").read_text()
+    assert "rows carried from the earlier tables (`python benchmarks/bench_beamsearchqa.py --earlier`" in md
+    assert md.count("| nq | beamsearchqa | 200 |") == 1 and md.count("| webq | wo-rag | 200 |") == 1
+    pooled = json.loads((res / "beamsearchqa.json").read_text())["parity"][-1]
+    assert pooled["dataset"] == "all" and pooled["n"] == 40
+    assert pooled["agreement"] == pytest.approx((30 * 1.0 + 10 * 0.6) / 40)
+    assert pooled["answer_agreement"] == pytest.approx((30 * 1.0 + 10 * 0.8) / 40)
+
+
+def test_beamsearchqa_carry_of_a_dataset_the_tables_lack(tmp_path, monkeypatch):
+    bq = load("bench_beamsearchqa")
+    res = tmp_path / "res"
+    res.mkdir()
+    bsqa_tables(res / "beamsearchqa.json")
+    monkeypatch.setattr(sys, "argv", ["bench_beamsearchqa.py", "--phases", "report", "--datasets", "hotpotqa",
+                                      "--carry", "hotpotqa", "--results", str(res)])
+    with pytest.raises(SystemExit, match="hotpotqa"):
+        bq.main()
