@@ -204,6 +204,13 @@ def main() -> None:
 
     if "report" not in args.phases:
         return
+    timed = [r for r in speed if r.get("engine_q_per_s") and r.get("oracle_q_per_s")]
+    if len(timed) > 1:  # every dataset together: all questions over all the seconds they took, on each side
+        e_n, o_n = sum(r["engine_n"] for r in timed), sum(r["oracle_n"] for r in timed)
+        e_rate = e_n / sum(r["engine_n"] / r["engine_q_per_s"] for r in timed)
+        o_rate = o_n / sum(r["oracle_n"] / r["oracle_q_per_s"] for r in timed)
+        speed.append({"dataset": "all", "engine_n": e_n, "oracle_n": o_n, "engine_q_per_s": e_rate,
+                      "oracle_q_per_s": o_rate, "speedup": e_rate / o_rate})
     oracle_pairs = [r for r in parity_rows if r["pair"] == "engine vs oracle" and r["n"]]
     if len(oracle_pairs) > 1:  # every dataset's questions together: agreements weighted by their counts
         n_all = sum(r["n"] for r in oracle_pairs)
@@ -232,7 +239,7 @@ def main() -> None:
         + (f"- report only: tables from the results in {shown(args.output)} (datasets: "
            f"{', '.join(d for d in args.datasets if d not in args.carry)})\n"
            if args.phases == ["report"] else f"- wall time of this benchmark: {time.perf_counter() - t_start:.0f} s\n")
-        + (f"- rows carried from the earlier tables (`{previous.get('command', '?')}`, on {previous.get('device', '?')}"
+        + (f"- rows carried from the earlier tables (`{previous.get('command', '?').split(' --note')[0]}`, on {previous.get('device', '?')}"
            f"{', ' + previous['date'] if previous.get('date') else ''}): {', '.join(args.carry)}\n"
            if args.carry else "")
         + f"- command: `{cmd}`\n\n"

@@ -72,8 +72,8 @@ def bsqa_tables(path: Path) -> None:
                   "llm_calls_per_q": 17.0, "retrievals_per_q": 4.0, "prefill_tok_per_q": 3000.0,
                   "decode_tok_per_q": 500.0, "reused_calls_per_q": 0.0, "questions_per_s": 0.05}
                  for m in ("beamsearchqa", "wo-rag")]
-    speed = [{"dataset": ds, "engine_n": 200, "oracle_n": n, "engine_q_per_s": 0.05, "oracle_q_per_s": 0.01,
-              "speedup": 5.0} for ds, n in (("nq", 30), ("webq", 10))]
+    speed = [{"dataset": ds, "engine_n": 200, "oracle_n": n, "engine_q_per_s": e, "oracle_q_per_s": o,
+              "speedup": e / o} for ds, n, e, o in (("nq", 30, 0.04, 0.01), ("webq", 10, 0.2 / 3, 0.01))]
     parity = [{"dataset": "nq", "pair": "engine vs oracle", "n": 30, "agreement": 1.0, "answer_agreement": 1.0,
                "path_agreement": 1.0},
               {"dataset": "webq", "pair": "engine vs oracle", "n": 10, "agreement": 0.6, "answer_agreement": 0.8,
@@ -94,7 +94,12 @@ def test_beamsearchqa_report_carries_and_pools_agreement(tmp_path, monkeypatch):
     md = (res / "beamsearchqa.md").read_text()
     assert "rows carried from the earlier tables (`python benchmarks/bench_beamsearchqa.py --earlier`" in md
     assert md.count("| nq | beamsearchqa | 200 |") == 1 and md.count("| webq | wo-rag | 200 |") == 1
-    pooled = json.loads((res / "beamsearchqa.json").read_text())["parity"][-1]
+    tables = json.loads((res / "beamsearchqa.json").read_text())
+    # 400 engine questions in 200 / 0.04 + 200 / (0.2 / 3) = 8000 s; 40 oracle ones in 4000 s
+    speed_all = tables["speed"][-1]
+    assert speed_all["dataset"] == "all" and speed_all["oracle_n"] == 40
+    assert speed_all["engine_q_per_s"] == pytest.approx(0.05) and speed_all["speedup"] == pytest.approx(5.0)
+    pooled = tables["parity"][-1]
     assert pooled["dataset"] == "all" and pooled["n"] == 40
     assert pooled["agreement"] == pytest.approx((30 * 1.0 + 10 * 0.6) / 40)
     assert pooled["answer_agreement"] == pytest.approx((30 * 1.0 + 10 * 0.8) / 40)
