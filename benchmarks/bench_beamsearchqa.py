@@ -170,15 +170,14 @@ def main() -> None:
                                batch_size=args.batch_size, prefix_caching=caching))
             if "report" in args.phases:
                 rows.append(row_for(label, ds, out))
+        orc_dir = base / "oracle"
         if args.oracle_limit > 0 and "oracle" in args.phases:
-            orc_dir = base / "oracle"
             opts = RunOptions(method=METHOD, dataset=ds, data=str(DATA[ds]), corpus=str(CORPUS), output=str(orc_dir),
                               config=args.config, limit=args.oracle_limit, batch_size=args.batch_size)
             run_oracle(opts, orc_dir)
         if "report" not in args.phases:
             continue
         if args.oracle_limit > 0:
-            orc_dir = base / "oracle"
             orc = read_results(orc_dir / "results.jsonl")
             o_row = row_for(METHOD, ds, orc_dir, who="oracle")
             e_row = next(r for r in rows if r["dataset"] == ds and r["method"] == METHOD)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import functools
 import json
 import platform
 import random
@@ -55,6 +56,7 @@ def complete(out: Path, ds: str, limit: int) -> bool:
     return m.exists() and json.loads(m.read_text())["n"] >= wanted(ds, limit)
 
 
+@functools.lru_cache(maxsize=None)
 def wanted(ds: str, limit: int) -> int:
     """How many questions a complete run of `ds` holds (the dataset may have fewer than --limit)."""
     from fastrag.data.datasets import load_examples
@@ -164,22 +166,23 @@ def main() -> None:
         b = {r.qid: r for r in read_results(b_dir / "results.jsonl") if r.error is None}
         common = [q for q in a if q in b]
         if not common:
-            old = next((r for r in prev_streaming if r["dataset"] == ds), None)
-            if old is not None and (ds, "dragin") in carried and (ds, "dragin-streaming") in carried:
-                streaming.append(old)
-                lines.append(f"| {ds} † | {old['questions']} | {old['decoded_reference']:.1f} | "
-                             f"{old['decoded_streaming']:.1f} | {old['ratio']:.3f} | {old['em_diff'][0]:+.3f} "
-                             f"[{old['em_diff'][1]:+.3f}, {old['em_diff'][2]:+.3f}] | {old['f1_diff'][0]:+.3f} "
-                             f"[{old['f1_diff'][1]:+.3f}, {old['f1_diff'][2]:+.3f}] |")
-            continue
-        da = sum(a[q].decode_tokens for q in common) / len(common)
-        db = sum(b[q].decode_tokens for q in common) / len(common)
-        key = "accuracy" if ds == "strategyqa" else "f1"
-        em = paired_diff([a[q].metrics["em"] for q in common], [b[q].metrics["em"] for q in common])
-        f1 = paired_diff([a[q].metrics[key] for q in common], [b[q].metrics[key] for q in common])
-        streaming.append({"dataset": ds, "questions": len(common), "decoded_reference": da, "decoded_streaming": db,
-                          "ratio": db / da, "em_diff": list(em), "f1_diff": list(f1)})
-        lines.append(f"| {ds} | {len(common)} | {da:.1f} | {db:.1f} | {db / da:.3f} | {em[0]:+.3f} [{em[1]:+.3f}, {em[2]:+.3f}] | "
+            row = next((r for r in prev_streaming if r["dataset"] == ds), None)
+            if row is None or (ds, "dragin") not in carried or (ds, "dragin-streaming") not in carried:
+                continue
+            mark = " †"
+        else:
+            da = sum(a[q].decode_tokens for q in common) / len(common)
+            db = sum(b[q].decode_tokens for q in common) / len(common)
+            key = "accuracy" if ds == "strategyqa" else "f1"
+            em = paired_diff([a[q].metrics["em"] for q in common], [b[q].metrics["em"] for q in common])
+            f1 = paired_diff([a[q].metrics[key] for q in common], [b[q].metrics[key] for q in common])
+            row = {"dataset": ds, "questions": len(common), "decoded_reference": da, "decoded_streaming": db,
+                   "ratio": db / da, "em_diff": list(em), "f1_diff": list(f1)}
+            mark = ""
+        streaming.append(row)
+        em, f1 = row["em_diff"], row["f1_diff"]
+        lines.append(f"| {ds}{mark} | {row['questions']} | {row['decoded_reference']:.1f} | "
+                     f"{row['decoded_streaming']:.1f} | {row['ratio']:.3f} | {em[0]:+.3f} [{em[1]:+.3f}, {em[2]:+.3f}] | "
                      f"{f1[0]:+.3f} [{f1[1]:+.3f}, {f1[2]:+.3f}] |")
     res = Path(args.results)
     res.mkdir(parents=True, exist_ok=True)
