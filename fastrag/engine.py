@@ -131,10 +131,13 @@ class Engine:
         self._starts: dict[int, int] = {}  # id(prefix) -> first slot when its slots are consecutive, else -1
         self.live: dict[int, SeqState] = {}  # sequences that may hold blocks
         # counters, plus host seconds spent in step()'s prefill and decode parts (each ends in a host copy, so on
-        # a GPU they include the device's time: where a run's time goes, beside the scheduler's method time)
+        # a GPU they include the device's time: where a run's time goes, beside the scheduler's method time).
+        # KV pressure: kv_waits counts, step by step, admissions put off because the pool had too few free
+        # blocks (the sequence waits for running ones to finish); evictions / evicted_tokens count idle sequences
+        # whose own cache was freed to make room (each evicted token is prefilled again when it next runs)
         self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "prefix_hit_tokens": 0, "own_hit_tokens": 0,
                       "decode_steps": 0, "prefill_calls": 0, "cached_hit_tokens": 0, "prefill_s": 0.0,
-                      "decode_s": 0.0}
+                      "decode_s": 0.0, "kv_waits": 0, "evictions": 0, "evicted_tokens": 0}
         # decode steps replayed from CUDA graphs (fastrag/cuda_graphs.py): on by default on a GPU,
         # FASTRAG_CUDA_GRAPHS=0 turns them off; cuda_graphs=True on a CPU runs the same static-buffer protocol
         # without CUDA (emulated; how the tests check it)
@@ -340,6 +343,7 @@ class Engine:
                     s.table.reserve(len(s.tokens) - s.computed + s.max_new)
                 except OutOfBlocks:
                     if group or self.running:
+                        self.stats["kv_waits"] += 1
                         break  # wait for running sequences to finish and free blocks
                     if not self._evict_idle(keep=s):
                         raise OutOfBlocks(f"the KV pool ({self.pool.num_blocks} blocks of {self.pool.block_size}) "
@@ -390,6 +394,7 @@ class Engine:
                 s.table.reserve(len(s.tokens) - s.computed + s.max_new)
             except OutOfBlocks:
                 if self.running:
+                    self.stats["kv_waits"] += 1
                     break  # wait for running sequences to finish and free blocks
                 if not self._evict_idle(keep=s):
                     raise OutOfBlocks(f"the KV pool ({self.pool.num_blocks} blocks of {self.pool.block_size}) "
@@ -407,6 +412,8 @@ class Engine:
         for s in self.live.values():
             if s is keep or id(s) in running or not s.table.blocks:
                 continue
+            self.stats["evictions"] += 1
+            self.stats["evicted_tokens"] += s.table.num_tokens
             s.table.free()
             if s in self.waiting:
                 s.pending_prompt = s.tokens[s.base: s.track_from]  # tracked tokens are fed by decode steps

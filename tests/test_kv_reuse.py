@@ -236,3 +236,64 @@ def test_continuing_without_retrieval_never_reprefills(model, monkeypatch):
         assert r.counters["reused_prompt_tokens"] == sum(n - p for n, p in mine)
     assert min(skipped) == 0, "the first question to start has nothing to share"
     assert eng.stats["prefill_tokens"] - stats0["prefill_tokens"] == sum(p for _, _, p in gens)
+
+
+# ---------------------------------------------------------------------------------------------- a small KV pool
+
+
+def _decode_all(eng, prompts, max_new):
+    seqs = [eng.new_sequence() for _ in prompts]
+    for s, p in zip(seqs, prompts):
+        eng.start(s, p, max_new)
+    finish(eng)
+    return seqs
+
+
+def test_a_full_pool_defers_admission_and_decodes_the_same_tokens(model):
+    """Two prompts that cannot hold their blocks at once (8-block pool, 5 blocks each): the second waits while the
+    first decodes (kv_waits counts the steps), then takes the blocks of the first, idle once finished (an
+    eviction), and both decode what a roomy pool decodes."""
+    tok = WordTok()
+    prompts = [tok.encode("Q: " + "".join(WORDS[i:i + 12]) * 5) for i in (0, 5)]
+    assert all(60 <= len(p) <= 72 for p in prompts), [len(p) for p in prompts]
+    roomy = _decode_all(engine(model), prompts, 8)
+    small = engine(model, blocks=8)
+    assert small.pool.num_blocks == 8
+    tight = _decode_all(small, prompts, 8)
+    assert [s.out.ids for s in tight] == [s.out.ids for s in roomy]
+    assert small.stats["kv_waits"] >= 1 and small.stats["evictions"] == 1
+    assert not tight[0].table.blocks and small.stats["evicted_tokens"] >= len(prompts[0])
+    roomy_eng = engine(model)
+    _decode_all(roomy_eng, prompts, 8)
+    assert (roomy_eng.stats["kv_waits"], roomy_eng.stats["evictions"], roomy_eng.stats["evicted_tokens"]) == (0, 0, 0)
+
+
+def test_an_idle_sequence_is_evicted_for_room_and_prefilled_again(model):
+    """A question's idle sequence (between two generations) gives its blocks to a prompt that needs them when
+    nothing is running; its next generation prefills its whole prompt again and decodes what it would have."""
+    tok = WordTok()
+    a_prompt = tok.encode("Q: " + "".join(WORDS[:10]))
+    b_prompt = tok.encode("R: " + "".join(WORDS[3:15]) * 8)  # 7 of the 8 blocks
+
+    def run(eng):
+        a, b = eng.new_sequence(), eng.new_sequence()
+        eng.start(a, a_prompt, 6)
+        finish(eng)
+        held = a.table.num_tokens
+        eng.start(b, b_prompt, 6)
+        finish(eng)
+        held += b.table.num_tokens
+        more = a.tokens + tok.encode(" Stop.")
+        eng.start(a, more, 6)
+        prefilled = a.out.prefilled
+        finish(eng)
+        return a.out.ids, b.out.ids, held, prefilled, len(more)
+
+    want_a, want_b, _, roomy_prefill, n_more = run(engine(model))
+    small = engine(model, blocks=8)
+    got_a, got_b, held, prefilled, _ = run(small)
+    assert (got_a, got_b) == (want_a, want_b)
+    # a gives its blocks to b, then b (idle once finished) gives them back to a's continuation
+    assert small.stats["evictions"] == 2 and small.stats["evicted_tokens"] == held > 0
+    assert roomy_prefill < n_more  # with room, the continuation reuses a's own cache ...
+    assert prefilled == n_more  # ... evicted, it prefills all of it again
