@@ -225,6 +225,15 @@ class Engine:
             raise ValueError(f"prompt of {len(prompt_ids)} tokens + {max_new_tokens} new exceeds the model "
                              f"context of {self.max_context} tokens")
         pre = max((p for p in self.prefixes if p.matches(prompt_ids)), key=lambda p: p.length, default=None)
+        # a sequence that could not hold its blocks even alone in the pool would wait forever: refuse it here, so
+        # the caller (the scheduler: this question only) gets the error, not the whole run at a later step
+        own = len(prompt_ids) - (pre.length if pre is not None else 0) + max_new_tokens
+        room = self.pool.num_blocks - self._pinned_blocks()
+        if -(-own // self.pool.block_size) > room:
+            raise ValueError(f"a sequence of {own} tokens after its shared prefix ({len(prompt_ids)} prompt + "
+                             f"{max_new_tokens} new) needs more than the {room} KV blocks of "
+                             f"{self.pool.block_size} tokens the pool can ever give one sequence "
+                             f"({self.pool.num_blocks} in all); raise --kv-cache-gb")
         if pre is not s.prefix:  # prefix changes: the own cache is relative to the old base, drop it
             self._drop_cache(s)
             if pre is not None:
@@ -274,6 +283,10 @@ class Engine:
             s.track_from = s.amax = None
         self._adopt_cached(s)
         self.waiting.append(s)
+
+    def _pinned_blocks(self) -> int:
+        """Blocks no sequence can ever get: the shared prefixes' and the CUDA graphs' scratch block."""
+        return sum(len(p.blocks) for p in self.prefixes) + (self.graphs is not None)
 
     def _adopt_cached(self, s: SeqState) -> bool:
         """Replace the sequence's own cache by the cached blocks of its prompt when they hold more of it; the

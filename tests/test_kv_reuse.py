@@ -297,3 +297,22 @@ def test_an_idle_sequence_is_evicted_for_room_and_prefilled_again(model):
     assert small.stats["evictions"] == 2 and small.stats["evicted_tokens"] == held > 0
     assert roomy_prefill < n_more  # with room, the continuation reuses a's own cache ...
     assert prefilled == n_more  # ... evicted, it prefills all of it again
+
+
+def test_a_sequence_the_pool_can_never_hold_is_refused_at_start(model):
+    """Room for one sequence = the pool less the shared prefixes' blocks: a generation that needs more is refused
+    when it starts (ValueError naming the sizes and the fix), one that needs exactly that much runs."""
+    tok = WordTok()
+    eng = engine(model, blocks=8)
+    prefix_text = "".join(WORDS[:16]) * 2  # 32 word tokens: two blocks
+    pre = eng.set_prefix(prefix_text)
+    assert pre is not None and len(pre.blocks) == 2
+    body = tok.encode(prefix_text + "Q:" + "".join(WORDS[2:12]) * 9)  # 32 + 92 prompt tokens
+    too_long = eng.new_sequence()
+    with pytest.raises(ValueError, match=r"needs more than the 6 KV blocks .* raise --kv-cache-gb"):
+        eng.start(too_long, body, 5)  # 92 + 5 own tokens: 7 blocks of 16
+    assert not eng.waiting and not too_long.table.blocks
+    fits = eng.new_sequence()
+    eng.start(fits, body, 4)  # 96 own tokens: 6 blocks
+    finish(eng)
+    assert len(fits.out.ids) == 4

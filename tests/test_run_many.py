@@ -87,3 +87,30 @@ def test_run_history_totals(tmp_path):
     assert got["runs"] == 1 and got["computed"] == 5
     _write_progress(tmp_path, 15, 50.0)
     assert _close_progress(tmp_path) == {"runs": 2, "computed": 20, "wall_s": 100.0, "questions_per_s": 0.2}
+
+
+def test_a_small_kv_pool_evicts_and_fails_only_what_cannot_fit(tmp_path, short_cfg):
+    """DRAGIN with a KV pool far too small for its batch: sequences wait for blocks, idle ones are evicted and
+    prefilled again, and the decisions equal a roomy pool's. With a pool that cannot hold one question's retrieval
+    prompt even alone, that question fails with an error naming the fix; the run goes on and the others match."""
+    from fastrag.retrieval.bm25 import BM25Retriever
+
+    ret = BM25Retriever(str(CORPUS))
+
+    def go(gb, out):
+        eng = build_engine("smollm2", batch_size=4, kv_cache_gb=gb, device="cpu")
+        m = run(RunOptions(method="dragin", dataset="hotpotqa", data=str(DATA), corpus=str(CORPUS),
+                           output=str(tmp_path / out), config=short_cfg, limit=3, batch_size=4, kv_cache_gb=gb,
+                           progress=False), engine=eng, retriever=ret)
+        return m, decisions(tmp_path / out)
+
+    roomy_m, roomy = go(1.0, "roomy")
+    assert roomy_m["errors"] == 0 and roomy_m["engine"]["evictions"] == 0 and roomy_m["retrievals_per_question"] > 0
+    tight_m, tight = go(0.05, "tight")  # 72 blocks of 16 tokens, 34 of them the demos
+    assert tight_m["errors"] == 0 and tight == roomy
+    assert tight_m["engine"]["kv_waits"] > 0 and tight_m["engine"]["evictions"] > 0
+    small_m, small = go(0.045, "small")  # 65 blocks: 31 for a question's own tokens
+    failed = {q for q, d in small.items() if d[2] is not None}
+    assert 0 < len(failed) < 3 and small_m["n"] == 3
+    assert all("raise --kv-cache-gb" in small[q][2] for q in failed)
+    assert all(small[q] == roomy[q] for q in small if q not in failed)
