@@ -64,6 +64,19 @@ def wanted(ds: str, limit: int) -> int:
     return len(load_examples(ds, DATA[ds], limit=limit))
 
 
+@functools.lru_cache(maxsize=None)
+def majority(ds: str, limit: int) -> tuple[str, float]:
+    """The most common gold answer of the dataset's first `limit` questions and the accuracy of always giving it
+    (the floor a yes/no dataset's accuracy must be read against)."""
+    from collections import Counter
+
+    from fastrag.data.datasets import load_examples
+
+    golds = Counter(ex.answers[0].strip().lower() for ex in load_examples(ds, DATA[ds], limit=limit) if ex.answers)
+    label, count = golds.most_common(1)[0]
+    return label, count / sum(golds.values())
+
+
 def rate(mt: dict) -> str:
     """Questions/s over all runs when their history covers every question, else the last run's (and its count)."""
     ar = mt.get("all_runs") or {}
@@ -155,6 +168,10 @@ def main() -> None:
         lines.append(f"| {ds} | {m}{' †' if (ds, m) in carried else ''} | {mt['n']} | {fmt(mt['em'])} | {fmt(score)} | "
                      f"{fmt(mt['retrievals_per_question'], 2)} | {fmt(mt['prefill_tokens_per_question'], 0)} | "
                      f"{fmt(mt['decode_tokens_per_question'], 0)} | {rate(mt)} | {mt['errors']} |")
+    if any(ds == "strategyqa" for ds, _, _ in rows):
+        label, acc = majority("strategyqa", args.limit)
+        lines += ["", f"StrategyQA is yes/no: always answering \"{label}\" (the majority label of these "
+                  f"{wanted('strategyqa', args.limit)} questions) scores {acc:.3f}."]
     lines += ["", "## Streaming DRAGIN vs reference DRAGIN (same questions)", "",
               "| dataset | questions | decoded/q reference | decoded/q streaming | ratio | EM diff [95% CI] | "
               "F1 diff [95% CI] |",

@@ -114,3 +114,17 @@ def test_beamsearchqa_carry_of_a_dataset_the_tables_lack(tmp_path, monkeypatch):
                                       "--carry", "hotpotqa", "--results", str(res)])
     with pytest.raises(SystemExit, match="hotpotqa"):
         bq.main()
+
+
+def test_methods_majority_label_floor(tmp_path, monkeypatch):
+    """The yes/no floor printed under the methods table: the most common gold label of the first --limit
+    questions and the accuracy of always answering it."""
+    bm = load("bench_methods")
+    bm.majority.cache_clear()
+    f = tmp_path / "sqa.json"
+    answers = [False, False, True, True, True]
+    f.write_text(json.dumps([{"qid": f"q{i}", "question": f"Is {i} odd?", "answer": a} for i, a in enumerate(answers)]))
+    monkeypatch.setitem(bm.DATA, "strategyqa", f)
+    assert bm.majority("strategyqa", 5) == ("yes", 0.6)
+    assert bm.majority("strategyqa", 2) == ("no", 1.0)
+    bm.majority.cache_clear()
