@@ -279,8 +279,9 @@ def test_small_kv_pool_waits_and_evicts_instead_of_failing():
     tight, n, most_tight = run(8, 8)  # the pool minimum: 8 blocks, 1 for the prefix; 4 sequences need 12
     assert n == 8 and most_roomy == 4 and most_tight == 2  # at most two fit at once: the others waited
     assert tight == roomy
-    with pytest.raises(Exception, match="cannot hold one sequence"):
-        eng = Engine(m, Tok(), kv_cache_gb=8 * per_block / 2**30)
-        s = eng.new_sequence()
+    # a sequence larger than the whole pool is refused when it starts, with the sizes and the fix in the message
+    eng = Engine(m, Tok(), kv_cache_gb=8 * per_block / 2**30)
+    s = eng.new_sequence()
+    with pytest.raises(ValueError, match=r"137 tokens .* 8 KV blocks .* raise --kv-cache-gb"):
         eng.start(s, list(range(1, 40)) * 3, 20)
-        eng.step()
+    assert not eng.has_work
