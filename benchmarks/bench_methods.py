@@ -57,22 +57,24 @@ def complete(out: Path, ds: str, limit: int) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def wanted(ds: str, limit: int) -> int:
-    """How many questions a complete run of `ds` holds (the dataset may have fewer than --limit)."""
+def examples(ds: str, limit: int) -> tuple:
+    """The dataset's first `limit` questions, read once per report."""
     from fastrag.data.datasets import load_examples
 
-    return len(load_examples(ds, DATA[ds], limit=limit))
+    return tuple(load_examples(ds, DATA[ds], limit=limit))
 
 
-@functools.lru_cache(maxsize=None)
+def wanted(ds: str, limit: int) -> int:
+    """How many questions a complete run of `ds` holds (the dataset may have fewer than --limit)."""
+    return len(examples(ds, limit))
+
+
 def majority(ds: str, limit: int) -> tuple[str, float]:
     """The most common gold answer of the dataset's first `limit` questions and the accuracy of always giving it
     (the floor a yes/no dataset's accuracy must be read against)."""
     from collections import Counter
 
-    from fastrag.data.datasets import load_examples
-
-    golds = Counter(ex.answers[0].strip().lower() for ex in load_examples(ds, DATA[ds], limit=limit) if ex.answers)
+    golds = Counter(ex.answers[0].strip().lower() for ex in examples(ds, limit) if ex.answers)
     label, count = golds.most_common(1)[0]
     return label, count / sum(golds.values())
 

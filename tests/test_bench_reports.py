@@ -120,11 +120,11 @@ def test_methods_majority_label_floor(tmp_path, monkeypatch):
     """The yes/no floor printed under the methods table: the most common gold label of the first --limit
     questions and the accuracy of always answering it."""
     bm = load("bench_methods")
-    bm.majority.cache_clear()
+    bm.examples.cache_clear()
     f = tmp_path / "sqa.json"
     answers = [False, False, True, True, True]
     f.write_text(json.dumps([{"qid": f"q{i}", "question": f"Is {i} odd?", "answer": a} for i, a in enumerate(answers)]))
     monkeypatch.setitem(bm.DATA, "strategyqa", f)
     assert bm.majority("strategyqa", 5) == ("yes", 0.6)
     assert bm.majority("strategyqa", 2) == ("no", 1.0)
-    bm.majority.cache_clear()
+    bm.examples.cache_clear()
