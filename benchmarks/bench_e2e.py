@@ -75,6 +75,31 @@ def row(name, eng, orc, rep) -> dict:
     }
 
 
+def floor_rows(names: list[str], metrics: list[dict], joint: bool, figures) -> list[dict]:
+    """Engine wall and phase seconds against the device floor of its model work (fastrag.perf): one row for a joint
+    run (one engine), one per dataset for separate runs. Runs whose metrics predate the counters are left out."""
+    from fastrag.perf import floor
+
+    items = [("all", metrics[0])] if joint else list(zip(names, metrics))
+    rows = []
+    for name, m in items:
+        st, costs = m.get("engine") or {}, m.get("model_costs")
+        if costs is None or "decode_ctx_tokens" not in st or not st.get("decode_steps"):
+            continue
+        f = floor(st, costs, figures)
+        wall = m["joint"]["wall_s"] if joint else m["wall_s"]
+        sec = m.get("step_seconds") or {}
+        rows.append({"run": name, "engine_wall_s": wall, "floor_s": f["total_s"],
+                     "wall_over_floor": wall / f["total_s"] if f["total_s"] > 0 else None,
+                     "prefill_and_passes_s": st["prefill_s"] + (sec.get("attention_passes") or 0.0),
+                     "prefill_floor_s": f["prefill_s"],
+                     "decode_s": st["decode_s"], "decode_floor_s": f["decode_s"], "decode_bound": f["decode_bound"],
+                     "methods_and_other_s": sec.get("methods_and_other"),
+                     "decode_steps": st["decode_steps"], "mean_decode_batch": st["decode_tokens"] / st["decode_steps"],
+                     "kv_waits": st.get("kv_waits"), "evictions": st.get("evictions")})
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--datasets", nargs="+", default=["hotpotqa", "2wikimultihopqa"])
@@ -108,6 +133,14 @@ def main() -> None:
                            output=str(outs[ds] / "engine"), limit=args.limit, batch_size=args.batch_size,
                            model=args.model)
             for ds in args.datasets}
+    from fastrag.perf import measure_device
+
+    # the device's own figures for the floor of the engine's work, measured before anything else runs
+    figures = measure_device("cuda" if torch.cuda.is_available() else "cpu",
+                             torch.bfloat16 if torch.cuda.is_available() else torch.float32)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    print("device figures:", json.dumps(figures.as_dict()), flush=True)
     if not (args.report_only or args.keep_engine):
         for ds in args.datasets:
             shutil.rmtree(outs[ds] / "engine", ignore_errors=True)
@@ -121,6 +154,8 @@ def main() -> None:
             keep = ("n", "questions_per_s", "wall_s", "prefill_tokens_per_question", "decode_tokens_per_question",
                     "retrievals_per_question", "joint", "engine", "step_seconds", "retrieval")
             print(f"engine {ds}:", json.dumps({k: m.get(k) for k in keep}), flush=True)
+            for r in floor_rows([ds], [m], "joint" in m, figures):
+                print(f"engine {ds} vs device floor:", json.dumps(r), flush=True)
     rows, reports = [], {}
     eng_all, orc_all = [], []
     for ds in args.datasets:
@@ -142,10 +177,12 @@ def main() -> None:
     # their sum) against the oracle's per-question times
     metrics = [json.loads((outs[ds] / "engine" / "metrics.json").read_text()) for ds in args.datasets]
     joint = metrics[0].get("joint")
-    if joint is not None and all(m.get("joint", {}).get("wall_s") == joint["wall_s"] for m in metrics):
+    is_joint = joint is not None and all(m.get("joint", {}).get("wall_s") == joint["wall_s"] for m in metrics)
+    if is_joint:
         e_wall = joint["wall_s"]
     else:
         e_wall = sum(m["wall_s"] for m in metrics)
+    f_rows = floor_rows(list(args.datasets), metrics, is_joint, figures)
     n_e = sum(m["computed_this_run"] for m in metrics)
     rep_all = compare(eng_all, orc_all, method_decisions("dragin"))
     rep_all.update({"engine_questions_per_s": n_e / e_wall if e_wall > 0 else None,
@@ -194,8 +231,22 @@ def main() -> None:
                   "all datasets\n\n| " + " | ".join(cols) + " |\n|" + "---|" * len(cols) + "\n")
         for r in tuned_rows:
             table += "| " + " | ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in r.values()) + " |\n"
+    if f_rows:
+        cols = list(f_rows[0])
+        table += ("\n## Engine time against its device floor\n\n"
+                  f"Floor: the least time the engine's counted model work (decode steps, KV entries read, tokens "
+                  f"prefilled) takes at this device's measured copy bandwidth "
+                  f"({figures.copy_bytes_per_s / 1e9:.1f} GB/s) and {figures.dtype} matmul rate "
+                  f"({figures.matmul_flops_per_s / 1e12:.2f} TFLOP/s) (fastrag/perf.py). prefill_and_passes_s / decode_s: the "
+                  "engine's host seconds in each phase (device time included: each ends in a host copy; DRAGIN's "
+                  "attention passes count as prefill work).\n\n| "
+                  + " | ".join(cols) + " |\n|" + "---|" * len(cols) + "\n")
+        for r in f_rows:
+            table += "| " + " | ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in r.values()) + " |\n"
     (res / f"e2e_{tag}.md").write_text(head + table)
-    (res / f"e2e_{tag}.json").write_text(json.dumps({"rows": rows, "parity": reports, "device": device}, indent=2))
+    (res / f"e2e_{tag}.json").write_text(json.dumps({"rows": rows, "parity": reports, "device": device,
+                                                     "floor": f_rows, "device_figures": figures.as_dict()},
+                                                    indent=2))
     print(head + table)
 
 

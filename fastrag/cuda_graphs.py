@@ -11,9 +11,13 @@ with Bb the batch rounded up to a bucket and NBb the longest own context (in blo
 padding: token 0 at position 0, written to a scratch block that no sequence owns and attending to that one key,
 so they stay finite and never touch a sequence's cache; their logits are dropped. The shared prefix is part of the
 graph (its consecutive slots are a fixed view of the pool, or its slot tensor is kept alive by the graph), so each
-prefix gets its own graphs; batches that mix prefixes (BeamSearchQA's prompt families) decode eagerly. Graphs are
-always captured with the last layer's queries and row log-sum-exp as outputs, so steps that track DRAGIN's
-attention statistics replay the same graph.
+prefix gets its own graphs. A batch that mixes prefixes (two datasets run together, BeamSearchQA's prompt
+families) replays a graph of its set of prefixes (up to MAX_PREFIXES) when the model decodes mixed batches in one
+forward (`LlamaModel.mixes_prefixes`): one more static buffer, `member [K, Bb]`, says which rows start with which
+prefix; each prefix's GEMM runs over every row (its keys and values are read once either way) and only its rows
+merge the result, so the graph's shapes do not depend on how the rows split. Graphs are always captured with the
+last layer's queries and row log-sum-exp as outputs, so steps that track DRAGIN's attention statistics replay the
+same graph.
 
 `emulate=True` (CPU, tests) runs the same protocol without CUDA: the AttnBatch and buffers are built once at
 "capture" and every "replay" re-runs the forward on them, so a step that depended on anything but the static
@@ -29,7 +33,10 @@ from dataclasses import dataclass
 import torch
 
 from fastrag.cache.kv import block_table_tensor, blocks_needed
-from fastrag.model.llama import AttnBatch
+from fastrag.model.llama import AttnBatch, PrefixGroup
+
+# prefixes one decode graph may mix: each adds a GEMM over every row of the batch
+MAX_PREFIXES = 4
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -55,6 +62,7 @@ class _Graph:
     ctx_blocks: torch.Tensor  # [Bb, NBb]
     ctx_lens: torch.Tensor  # [Bb]
     batch: AttnBatch  # built once on the buffers above
+    member: torch.Tensor | None = None  # [K, Bb] bool: row b starts with prefix k (graphs of several prefixes)
     logits: torch.Tensor | None = None  # [Bb, V], the graph's output
     graph: object = None  # torch.cuda.CUDAGraph (None when emulated)
 
@@ -90,9 +98,13 @@ class DecodeGraphs:
         return next(b for b in self.buckets if b >= B), _pow2(max(NB, 1))
 
     def run(self, ids: list[int], positions: list[int], write_slots: list[int],
-            ctx: list[tuple[list[int], int]], prefix, prefix_start: int = -1) -> tuple[torch.Tensor, AttnBatch] | None:
+            ctx: list[tuple[list[int], int]], prefix, prefix_start: int = -1,
+            row_prefix: list[int] | None = None) -> tuple[torch.Tensor, AttnBatch] | None:
         """One decode step: per sequence its fed token, position, write slot and (blocks, context entries); the
         shared prefix all of them start with (None: none) and its first slot when its slots are consecutive.
+        A batch of several prefixes passes `prefix` as a list of (prefix, first slot or -1) and `row_prefix`, per
+        sequence the index in that list of its prefix (-1: none); the model must decode mixed batches in one
+        forward (`mixes_prefixes`).
 
         Returns (logits [B, V] float32, the step's AttnBatch with last_layer filled, rows >= B padding) or None
         when this step cannot replay a graph (the caller decodes eagerly).
@@ -107,11 +119,14 @@ class DecodeGraphs:
             self.stats["eager_steps"] += 1
             return None
         Bb, NBb = bk
-        if prefix is None:
-            pkey = None
-        else:  # a consecutive prefix is a fixed view of the pool; a gathered one is read through its slot tensor
-            # (g.batch keeps the slot tensor alive, so its id is not reused while the graph exists)
-            pkey = (prefix.length, prefix_start) if prefix_start >= 0 else (prefix.length, "slots", id(prefix.slots))
+        mixed = row_prefix is not None
+        if mixed:
+            if len(prefix) > MAX_PREFIXES or not self.model.mixes_prefixes:
+                self.stats["eager_steps"] += 1
+                return None
+            pkey = ("mixed", *(_pkey(p, st) for p, st in prefix))
+        else:
+            pkey = _pkey(prefix, prefix_start)
         key = (Bb, NBb, pkey)
         g = self.graphs.get(key)
         if g is None:
@@ -119,7 +134,7 @@ class DecodeGraphs:
                 self.stats["eager_steps"] += 1
                 return None
             try:
-                g = self._capture(Bb, NBb, prefix, prefix_start)
+                g = self._capture(Bb, NBb, prefix, prefix_start, mixed)
             except Exception as e:  # noqa: BLE001  (any capture failure: this step decodes eagerly)
                 self.failures += 1
                 why = f"{type(e).__name__}: {e}"
@@ -140,8 +155,15 @@ class DecodeGraphs:
         pos_h[:B, 0] = torch.tensor(positions, dtype=torch.long)
         write_h[:B] = torch.tensor(write_slots, dtype=torch.long)
         tab_h, lens_h = block_table_tensor(ctx, bs, Bb, NBb, fill=self.scratch_block)
-        for dst, src in ((g.ids, ids_h), (g.positions, pos_h), (g.write_slots, write_h), (g.ctx_blocks, tab_h),
-                         (g.ctx_lens, lens_h)):
+        bufs = [(g.ids, ids_h), (g.positions, pos_h), (g.write_slots, write_h), (g.ctx_blocks, tab_h),
+                (g.ctx_lens, lens_h)]
+        if mixed:
+            mem_h = torch.zeros(g.member.shape, dtype=torch.bool)
+            rp = torch.tensor(row_prefix, dtype=torch.long)
+            real = (rp >= 0).nonzero().squeeze(-1)
+            mem_h[rp[real], real] = True
+            bufs.append((g.member, mem_h))
+        for dst, src in bufs:
             dst.copy_(src.pin_memory() if dst.is_cuda else src, non_blocking=dst.is_cuda)
         if self.emulate:
             g.logits = self._forward(g)
@@ -153,9 +175,13 @@ class DecodeGraphs:
     def _forward(self, g: _Graph) -> torch.Tensor:
         return self.model(g.ids, g.batch, self.pool.k, self.pool.v, logits_index=self._all_rows[: g.ids.shape[0]])
 
-    def _capture(self, Bb: int, NBb: int, prefix, prefix_start: int) -> _Graph:
+    def _capture(self, Bb: int, NBb: int, prefix, prefix_start: int, mixed: bool = False) -> _Graph:
         d = self.device
         bs = self.pool.block_size
+        if mixed:  # every prefix of the set as a group over all rows, its rows named by the member buffer
+            member = torch.zeros(len(prefix), Bb, dtype=torch.bool, device=d)
+            groups = [PrefixGroup(None, p.length, p.slots, st, member=member[k]) for k, (p, st) in enumerate(prefix)]
+            prefix, prefix_start = None, -1
         g = _Graph(
             ids=torch.zeros(Bb, 1, dtype=torch.long, device=d),
             positions=torch.zeros(Bb, 1, dtype=torch.long, device=d),
@@ -171,6 +197,8 @@ class DecodeGraphs:
             ctx_blocks=g.ctx_blocks, ctx_lens=g.ctx_lens, block_size=bs,
             prefix_start=prefix_start if prefix is not None else -1, last_layer={},
         )
+        if mixed:
+            g.member, g.batch.prefix_groups = member, groups
         self.stats["captures"] += 1
         if self.emulate:
             return g
@@ -188,3 +216,12 @@ class DecodeGraphs:
             g.logits = self._forward(g)
         g.graph = graph
         return g
+
+
+def _pkey(prefix, start: int):
+    """What a graph's reading of one shared prefix depends on: a consecutive prefix is a fixed view of the pool; a
+    gathered one is read through its slot tensor (the graph's AttnBatch keeps that tensor alive, so its id is not
+    reused while the graph exists)."""
+    if prefix is None:
+        return None
+    return (prefix.length, start) if start >= 0 else (prefix.length, "slots", id(prefix.slots))

@@ -132,12 +132,16 @@ class Engine:
         self.live: dict[int, SeqState] = {}  # sequences that may hold blocks
         # counters, plus host seconds spent in step()'s prefill and decode parts (each ends in a host copy, so on
         # a GPU they include the device's time: where a run's time goes, beside the scheduler's method time).
+        # Attention reads (fastrag/perf.py's floor): decode_ctx_tokens / decode_prefix_tokens are the own and the
+        # shared-prefix KV entries decode steps read (a prefix once per step for all its sequences);
+        # prefill_ctx_tokens sums, over prefilled tokens (attention passes too), the entries each attends to.
         # KV pressure: kv_waits counts, step by step, admissions put off because the pool had too few free
         # blocks (the sequence waits for running ones to finish); evictions / evicted_tokens count idle sequences
         # whose own cache was freed to make room (each evicted token is prefilled again when it next runs)
         self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "prefix_hit_tokens": 0, "own_hit_tokens": 0,
                       "decode_steps": 0, "prefill_calls": 0, "cached_hit_tokens": 0, "prefill_s": 0.0,
-                      "decode_s": 0.0, "kv_waits": 0, "evictions": 0, "evicted_tokens": 0}
+                      "decode_s": 0.0, "kv_waits": 0, "evictions": 0, "evicted_tokens": 0,
+                      "decode_ctx_tokens": 0, "decode_prefix_tokens": 0, "prefill_ctx_tokens": 0}
         # decode steps replayed from CUDA graphs (fastrag/cuda_graphs.py): on by default on a GPU,
         # FASTRAG_CUDA_GRAPHS=0 turns them off; cuda_graphs=True on a CPU runs the same static-buffer protocol
         # without CUDA (emulated; how the tests check it)
@@ -502,9 +506,12 @@ class Engine:
         if decode and tracked:
             self._track(items, tracked, batch)
         for s, ids in items:
-            s.table.num_tokens += len(ids)
-            if s.keys and not decode:
-                self._register(s, s.table.num_tokens - len(ids))
+            n0, n = s.table.num_tokens, len(ids)
+            s.table.num_tokens += n
+            if not decode:
+                self.stats["prefill_ctx_tokens"] += n * (s.base + n0) + n * (n + 1) // 2
+                if s.keys:
+                    self._register(s, n0)
         self.stats["prefill_tokens"] += sum(len(ids) for _, ids in items)
         self.stats["prefill_calls"] += 1
         return logits
@@ -516,7 +523,9 @@ class Engine:
             groups.setdefault(id(s.prefix), []).append(i)
         self.stats["decode_tokens"] += len(seqs)
         self.stats["decode_steps"] += 1
-        if self.graphs is not None and len(groups) == 1:
+        self.stats["decode_ctx_tokens"] += sum(s.table.num_tokens for s in seqs) + len(seqs)
+        self.stats["decode_prefix_tokens"] += sum({id(s.prefix): s.prefix.length for s in seqs if s.prefix}.values())
+        if self.graphs is not None and (len(groups) == 1 or self.model.mixes_prefixes):
             logits = self._decode_graphed(seqs)
             if logits is not None:
                 return logits
@@ -537,7 +546,8 @@ class Engine:
         return logits
 
     def _decode_graphed(self, seqs: list[SeqState]) -> torch.Tensor | None:
-        """_decode for sequences of one shared prefix through a replayed graph; None: decode eagerly instead."""
+        """_decode through a replayed graph (sequences of one shared prefix, or of several on a model that mixes
+        prefixes in one forward); None: decode eagerly instead."""
         ids, pos, write, ctx = [], [], [], []
         for s in seqs:
             s.table.reserve(1)
@@ -547,7 +557,13 @@ class Engine:
             write.append(s.table.slots(n0, n0 + 1)[0])
             ctx.append((s.table.blocks, n0 + 1))
         prefix = seqs[0].prefix
-        res = self.graphs.run(ids, pos, write, ctx, prefix, self._starts.get(id(prefix), -1) if prefix else -1)
+        if all(s.prefix is prefix for s in seqs):
+            res = self.graphs.run(ids, pos, write, ctx, prefix, self._starts.get(id(prefix), -1) if prefix else -1)
+        else:  # several prefixes: a graph of their set, in a fixed order (rows of no prefix: -1)
+            order = sorted({id(s.prefix): s.prefix for s in seqs if s.prefix is not None}.values(), key=id)
+            where = {id(p): k for k, p in enumerate(order)}
+            res = self.graphs.run(ids, pos, write, ctx, [(p, self._starts.get(id(p), -1)) for p in order],
+                                  row_prefix=[where.get(id(s.prefix), -1) for s in seqs])
         if res is None:
             return None
         logits, batch = res
@@ -644,5 +660,6 @@ class Engine:
                     n = len(seqs[k])
                     out[k] = r[b, :n, :n].double()
             self.stats["prefill_tokens"] += int(lens.sum())
+            self.stats["prefill_ctx_tokens"] += sum(len(seqs[k]) * (len(seqs[k]) + 1) // 2 for k in idx)
             i = j
         return out

@@ -315,6 +315,11 @@ def run_many(runs: list[RunOptions], engine=None, retriever=None) -> list[dict]:
         metrics["sampling"] = {"temperature": sp.temperature, "top_p": sp.top_p, "seed": sp.seed}
         if engine is not None:
             metrics["engine"] = dict(engine.stats)
+            from fastrag.model.llama import LlamaModel
+            from fastrag.perf import model_costs
+
+            if isinstance(getattr(engine, "model", None), LlamaModel):  # for the device floor (fastrag.perf)
+                metrics["model_costs"] = model_costs(engine.model)
         metrics["all_runs"] = _close_progress(out)
         if sched is not None:  # retrieval batches of this run: how many queries went to the retriever together
             b = sched.search_batches

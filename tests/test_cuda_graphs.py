@@ -152,9 +152,49 @@ def test_padding_rows_never_touch_a_sequence_cache():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
-def test_mixed_prefix_batches_decode_eagerly():
-    """A batch of sequences of two prefixes has no graph: it decodes eagerly, with the tokens of an engine
-    without graphs."""
+@pytest.mark.parametrize("track", [False, True])
+@pytest.mark.parametrize("native", [True, False])
+def test_mixed_prefix_batches_replay_graphs_like_eager(native, track):
+    """A batch of sequences of two prefixes and of none replays a graph of that set of prefixes (with a model that
+    decodes mixed batches in one forward) and gives the tokens, log-probabilities, entropies and tracked attention
+    of an engine without graphs. The torch cascade path (no paged kernel) decodes each family in its own forward:
+    those steps stay eager."""
+    pb = list(range(50, 82))
+    prompts = [PREFIX + [1, 2, 3], pb + [4, 5], PREFIX + [9, 6], pb + [7, 7, 7, 7], [3, 1, 4, 1, 5], PREFIX + [8] * 20]
+
+    def run(graphs):
+        eng = _engine(graphs, native)
+        eng.set_prefix(" ".join(map(str, PREFIX)))
+        eng.set_prefix(" ".join(map(str, pb)))
+        seqs = [eng.new_sequence() for _ in prompts]
+        for s, p, n in zip(seqs, prompts, (8, 12, 5, 9, 11, 7)):
+            eng.start(s, p, n, track_from=len(p) - 2 if track else None)
+        mixed = 0
+        while eng.has_work:
+            mixed += len({id(s.prefix) for s in eng.running}) > 1 and not eng.waiting
+            eng.step()
+        return [(s.out.ids, s.out.logprob, s.out.entropy, s.out.attn) for s in seqs], eng, mixed
+
+    want, plain, _ = run(False)
+    got, eng, mixed = run(True)
+    _same(got, want)
+    assert [x[0] for x in got] == [x[0] for x in want] and all(len(x[0]) > 0 for x in got)
+    assert mixed > 0
+    st = eng.graphs.stats
+    if eng.model.mixes_prefixes:
+        assert st["replays"] == eng.stats["decode_steps"] and st["eager_steps"] == 0
+        assert any(k[2] is not None and k[2][0] == "mixed" for k in eng.graphs.graphs)
+    else:
+        assert st["replays"] <= eng.stats["decode_steps"] - mixed
+        assert not any(k[2] is not None and k[2][0] == "mixed" for k in eng.graphs.graphs)
+    assert eng.stats["decode_steps"] == plain.stats["decode_steps"]
+
+
+def test_mixed_graph_over_more_prefixes_than_its_cap_decodes_eagerly(monkeypatch):
+    """A batch of more prefixes than one graph may mix decodes eagerly (and still gives eager tokens)."""
+    import fastrag.cuda_graphs as cg
+
+    monkeypatch.setattr(cg, "MAX_PREFIXES", 1)
     pb = list(range(50, 82))
     prompts = [PREFIX + [1, 2, 3], pb + [4, 5], PREFIX + [9], pb + [7, 7, 7, 7]]
 
@@ -165,17 +205,61 @@ def test_mixed_prefix_batches_decode_eagerly():
         seqs = [eng.new_sequence() for _ in prompts]
         for s, p in zip(seqs, prompts):
             eng.start(s, p, 8)
-        mixed = 0
         while eng.has_work:
             eng.step()
-            mixed += len({id(s.prefix) for s in eng.running}) > 1 and not eng.waiting
-        return [s.out.ids for s in seqs], eng, mixed
+        return [s.out.ids for s in seqs], eng
 
-    want, _, _ = run(False)
-    got, eng, mixed = run(True)
+    want, _ = run(False)
+    got, eng = run(True)
     assert got == want
-    if eng.model.mixes_prefixes:  # (the torch path decodes each family in its own forward, never through graphs)
-        assert mixed > 0 and eng.graphs.stats["replays"] <= eng.stats["decode_steps"] - mixed
+    assert eng.graphs.stats["eager_steps"] > 0
+    assert not any(k[2] is not None and k[2][0] == "mixed" for k in eng.graphs.graphs)
+
+
+def test_prefix_group_members_equal_row_groups():
+    """The graph form of a mixed decode batch (every prefix's GEMM over all rows, merged where `member`) gives the
+    output and row log-sum-exp of the eager form (each prefix's GEMM over its own rows), rows of no prefix too;
+    fresh random queries and cache contents."""
+    from fastrag.model.llama import AttnBatch, PrefixGroup
+
+    m = LlamaModel.from_hf_config(LlamaConfig(**CFG), seed=5, device=DEV)
+    if m.paged_decode_op(torch.device(DEV), torch.float32) is None:
+        pytest.skip("no paged decode kernel for float32 on this device: mixed batches decode per family here")
+    g = torch.Generator(device="cpu").manual_seed(11)
+    H, Hkv, D, bs, nblk = 6, 2, 8, 16, 12
+    kp = torch.randn(Hkv, nblk * bs, D, generator=g).to(DEV)
+    vp = torch.randn(Hkv, nblk * bs, D, generator=g).to(DEV)
+    B = 7
+    q = torch.randn(B, H, D, generator=g).to(DEV)
+    which = [0, 1, -1, 0, 1, 1, -1]  # prefix of each row (-1: none)
+    pre = [(32, 0), (20, -1)]  # prefix 0: consecutive slots 0..31; prefix 1: gathered slots
+    slots = [torch.arange(32), torch.randperm(nblk * bs, generator=g)[:20]]
+    ctx = torch.tensor([[2 + b % 3, 3 + b % 5] for b in range(B)]).to(DEV)
+    lens = torch.tensor([5 + 3 * b for b in range(B)]).to(DEV)
+    base = dict(write_slots=torch.zeros(B, dtype=torch.long, device=DEV),
+                valid=torch.ones(B, 1, dtype=torch.bool, device=DEV),
+                positions=torch.zeros(B, 1, dtype=torch.long, device=DEV), prefix_len=0,
+                prefix_slots=torch.zeros(0, dtype=torch.long, device=DEV), ctx_blocks=ctx, ctx_lens=lens,
+                block_size=bs)
+    rows = [torch.tensor([b for b in range(B) if which[b] == k]).to(DEV) for k in range(2)]
+    eager = AttnBatch(**base, prefix_groups=[PrefixGroup(rows[k], pre[k][0], slots[k].to(DEV), pre[k][1])
+                                             for k in range(2)])
+    member = torch.tensor([[w == k for w in which] for k in range(2)]).to(DEV)
+    graph = AttnBatch(**base, prefix_groups=[PrefixGroup(None, pre[k][0], slots[k].to(DEV), pre[k][1],
+                                                         member=member[k]) for k in range(2)])
+    o_want, l_want = m._decode_native(q, eager, kp, vp, want_lse=True)
+    o_got = torch.full_like(o_want, float("nan"))
+    l_got = torch.full_like(l_want, float("nan"))
+    o, lse = m._decode_native(q, graph, kp, vp, want_lse=True)
+    o_got.copy_(o)
+    l_got.copy_(lse)
+    torch.testing.assert_close(o_got, o_want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(l_got, l_want, rtol=1e-5, atol=1e-5)
+    alone = AttnBatch(**base)  # rows of no prefix: their own context only, exactly
+    o_own, l_own = m._decode_native(q, alone, kp, vp, want_lse=True)
+    none = [b for b in range(B) if which[b] < 0]
+    assert torch.equal(o_got[none], o_own[none]) and torch.equal(l_got[none], l_own[none])
+    assert not torch.allclose(o_got[0], o_own[0])  # a prefix row did take its prefix in
 
 
 def test_failed_capture_warns_and_decodes_eagerly(monkeypatch):

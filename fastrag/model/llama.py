@@ -135,6 +135,10 @@ class PrefixGroup:
     length: int
     slots: torch.Tensor  # [P] pool slots
     start: int = -1  # first slot when consecutive, else -1
+    # with rows None: [B] bool, which rows start with this prefix (the others are left as they are). The shape
+    # does not depend on how many rows a prefix has, so a decode step of several prefixes can be a CUDA graph
+    # (fastrag/cuda_graphs.py): the prefix's GEMM runs over every row and only its rows merge the result.
+    member: torch.Tensor | None = None
 
 
 class RMSNorm(nn.Module):
@@ -482,6 +486,7 @@ class LlamaModel(nn.Module):
                 kpre, vpre = kp.index_select(1, g.slots), vp.index_select(1, g.slots)
             qg = q if g.rows is None else q.index_select(0, g.rows)
             n = qg.shape[0]
+            member = None if g.member is None else g.member.view(n, 1, 1)
             qh = qg.reshape(n, Hkv, G, D).transpose(0, 1).reshape(Hkv, n * G, D)
             # softmax and merge in float32 (no-ops for the fp32 CPU path); the GEMMs stay in the model's dtype
             s = torch.matmul(qh, kpre.transpose(1, 2)).float().mul_(self.scale)  # [Hkv, n*G, P]
@@ -493,6 +498,8 @@ class LlamaModel(nn.Module):
             o_pre = o_pre.view(Hkv, n, G, D).transpose(0, 1).reshape(n, H, D)
             o_own = (o if g.rows is None else o.index_select(0, g.rows)).float()
             l_own = (lse if g.rows is None else lse.index_select(0, g.rows)).unsqueeze(-1)
+            if member is not None:  # other rows: weight 0 on this prefix, so their output comes through exactly
+                l_pre = l_pre.masked_fill(~member, float("-inf"))
             m = torch.maximum(l_pre, l_own)
             w_pre, w_own = (l_pre - m).exp_(), (l_own - m).exp_()
             merged = (o_pre * w_pre + o_own * w_own).div_(w_pre + w_own).to(q.dtype)
@@ -502,7 +509,10 @@ class LlamaModel(nn.Module):
                 o = o.index_copy(0, g.rows, merged)
             if want_lse:
                 tot = (m + (w_pre + w_own).log()).squeeze(-1)
-                lse_all = tot if g.rows is None else lse_all.index_copy(0, g.rows, tot)
+                if member is not None:
+                    lse_all = torch.where(member.view(n, 1), tot, lse_all)
+                else:
+                    lse_all = tot if g.rows is None else lse_all.index_copy(0, g.rows, tot)
         return (o, lse_all) if want_lse else o
 
     def _attend(self, q, b: AttnBatch, kp, vp, mask_ctx, want_lse: bool = False):

@@ -1,0 +1,173 @@
+"""The least time a run's model work can take on its device: the floor that engine timings are read against.
+
+The engine counts its work as it goes (`Engine.stats`): decode steps, tokens decoded and prefilled, and how many
+KV entries the decode and prefill attention read. With the model's sizes (`model_costs`) and two figures measured
+on the device (`measure_device`: copy bandwidth, matrix-multiply rate) that work has a lower bound on its time:
+
+- a decode step reads every weight once (the embedding table excepted: it reads one row per token) plus the KV of
+  every context entry its attention covers (a shared prefix once per step for all its sequences, each sequence's
+  own entries once), and does 2 FLOPs per weight per token;
+- a prefill (and an attention pass of DRAGIN's RIND/QFS, which the engine counts as prefill) does 2 FLOPs per
+  weight per token, the LM head left out (it runs for one row per sequence, not per token), plus
+  4 x heads x head_dim per layer per (token, context entry) of attention, and reads the weights once per call.
+
+Each phase costs at least max(bytes / bandwidth, FLOPs / matmul rate); prefill and decode run one after the
+other, so the run's floor is the sum of the two. It leaves out everything that is not the model (sampling, the
+methods' own logic, retrieval), so `engine wall / floor` says how far the whole run is from what the device could
+do with the same model work, and the phase seconds the engine records say which part holds it back.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+
+@dataclass
+class DeviceFigures:
+    device: str
+    dtype: str
+    copy_bytes_per_s: float  # a large device copy, bytes read + bytes written per second
+    matmul_flops_per_s: float  # a large square matrix multiply in the model's dtype
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _median_time(fn, dev: torch.device, reps: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        t = time.perf_counter()
+        fn()
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def measure_device(device: str | torch.device, dtype: torch.dtype, copy_bytes: int | None = None,
+                   matmul_n: int | None = None, reps: int = 5) -> DeviceFigures:
+    """Median copy bandwidth and matmul rate of this device (sizes large enough to leave the caches: 1 GiB and
+    n = 8192 on a GPU, 256 MiB and n = 2048 on a CPU unless given)."""
+    dev = torch.device(device)
+    gpu = dev.type == "cuda"
+    nbytes = copy_bytes or ((1 << 30) if gpu else (1 << 28))
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=dev).uniform_()
+    dst = torch.empty_like(src)
+    t_copy = _median_time(lambda: dst.copy_(src), dev, reps)
+    del src, dst
+    n = matmul_n or (8192 if gpu else 2048)
+    a = torch.randn(n, n, device=dev).to(dtype)
+    b = torch.randn(n, n, device=dev).to(dtype)
+    t_mm = _median_time(lambda: torch.matmul(a, b), dev, reps)
+    name = torch.cuda.get_device_name(dev) if gpu else f"CPU x{torch.get_num_threads()} threads"
+    return DeviceFigures(device=name, dtype=str(dtype).removeprefix("torch."),
+                         copy_bytes_per_s=2 * nbytes / t_copy, matmul_flops_per_s=2 * n ** 3 / t_mm)
+
+
+def model_costs(model) -> dict:
+    """Sizes of a fastrag LlamaModel that set the floor (see the module doc)."""
+    c = model.c
+    p = next(model.parameters())
+    elt = p.element_size()
+    embed = model.embed.weight
+    params = sum(x.numel() for x in model.parameters())
+    tied = model.lm_head.weight is embed
+    # weights a decode step streams: all but the embedding table (a tied table is read whole as the LM head)
+    step_params = params - (0 if tied else embed.numel())
+    matrix_params = sum(x.numel() for x in model.parameters() if x.dim() == 2) - (0 if tied else embed.numel())
+    return {"weight_bytes_per_step": step_params * elt, "matmul_params": matrix_params,
+            "lm_head_params": model.lm_head.weight.numel(),
+            "kv_bytes_per_token": 2 * c.num_layers * c.num_kv_heads * c.head_dim * elt,
+            "attn_flops_per_entry": 4 * c.num_layers * c.num_heads * c.head_dim, "dtype_bytes": elt}
+
+
+def floor(stats: dict, costs: dict, dev: DeviceFigures | dict) -> dict:
+    """Lower bounds (seconds) on the device time of the work counted in `stats` (Engine.stats)."""
+    d = dev.as_dict() if isinstance(dev, DeviceFigures) else dev
+    bw, rate = d["copy_bytes_per_s"], d["matmul_flops_per_s"]
+    w, kv = costs["weight_bytes_per_step"], costs["kv_bytes_per_token"]
+    dec_bytes = stats["decode_steps"] * w + (stats["decode_ctx_tokens"] + stats["decode_prefix_tokens"]) * kv
+    dec_flops = 2 * costs["matmul_params"] * stats["decode_tokens"] \
+        + costs["attn_flops_per_entry"] * (stats["decode_ctx_tokens"] + stats["decode_prefix_tokens"])
+    pre_bytes = stats["prefill_calls"] * w + stats["prefill_tokens"] * kv
+    pre_flops = 2 * (costs["matmul_params"] - costs["lm_head_params"]) * stats["prefill_tokens"] \
+        + costs["attn_flops_per_entry"] * stats["prefill_ctx_tokens"]
+    dec = max(dec_bytes / bw, dec_flops / rate)
+    pre = max(pre_bytes / bw, pre_flops / rate)
+    return {"decode_s": dec, "prefill_s": pre, "total_s": dec + pre,
+            "decode_bound": "bandwidth" if dec_bytes / bw >= dec_flops / rate else "compute",
+            "prefill_bound": "bandwidth" if pre_bytes / bw >= pre_flops / rate else "compute",
+            "decode_bytes": dec_bytes, "decode_flops": dec_flops, "prefill_bytes": pre_bytes,
+            "prefill_flops": pre_flops}
+
+
+def report(run_dirs: list[str], figures: DeviceFigures) -> list[dict]:
+    """Per run directory (its metrics.json from `fastrag run`): wall and phase seconds against the floor."""
+    import json
+    from pathlib import Path
+
+    rows = []
+    for d in run_dirs:
+        path = Path(d) / "metrics.json"
+        if not path.exists():
+            raise FileNotFoundError(f"{path}: no metrics.json (a run directory of `fastrag run` holds one)")
+        m = json.loads(path.read_text())
+        st, costs = m.get("engine") or {}, m.get("model_costs")
+        missing = [k for k in ("decode_ctx_tokens", "decode_prefix_tokens", "prefill_ctx_tokens") if k not in st]
+        if costs is None or missing:
+            raise ValueError(f"{path}: field {'model_costs' if costs is None else 'engine.' + missing[0]} is "
+                             "missing (written by fastrag runs since the device floor was added; rerun it)")
+        f = floor(st, costs, figures)
+        wall = (m.get("joint") or {}).get("wall_s", m["wall_s"])
+        rows.append({"run": f"{m['method']}/{m['dataset']}", "questions": m.get("computed_this_run"),
+                     "wall_s": wall, "floor_s": f["total_s"], "wall_over_floor": wall / f["total_s"],
+                     # the attention passes are prefill work in the counters; their seconds are the scheduler's
+                     "prefill_and_passes_s": st["prefill_s"] + (m.get("step_seconds") or {}).get("attention_passes", 0.0),
+                     "prefill_floor_s": f["prefill_s"], "prefill_bound": f["prefill_bound"],
+                     "decode_s": st["decode_s"], "decode_floor_s": f["decode_s"], "decode_bound": f["decode_bound"],
+                     "decode_steps": st["decode_steps"],
+                     "mean_decode_batch": st["decode_tokens"] / st["decode_steps"] if st["decode_steps"] else None,
+                     "methods_and_other_s": (m.get("step_seconds") or {}).get("methods_and_other")})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+    import datetime as dt
+    import sys
+    from pathlib import Path
+
+    ap = argparse.ArgumentParser(description="Engine runs against the device floor of their model work "
+                                             "(figures measured on this machine now: run it where the runs ran)")
+    ap.add_argument("runs", nargs="+", help="run directories of `fastrag run` (each holds metrics.json)")
+    ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                    help="matmul dtype of the rate (default: bfloat16 on a GPU, float32 on a CPU)")
+    ap.add_argument("--output", default=None, help="also write the table to this markdown file")
+    args = ap.parse_args(argv)
+    gpu = torch.cuda.is_available()
+    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if gpu else torch.float32)
+    figures = measure_device("cuda" if gpu else "cpu", dtype)
+    rows = report(args.runs, figures)
+    cols = list(rows[0])
+    text = (f"- date: {dt.date.today().isoformat()}\n- device: {figures.device}, torch {torch.__version__}\n"
+            f"- measured: copy {figures.copy_bytes_per_s / 1e9:.1f} GB/s (read + write), {figures.dtype} matmul "
+            f"{figures.matmul_flops_per_s / 1e9:.1f} GFLOP/s\n"
+            f"- command: `python -m fastrag.perf {' '.join(sys.argv[1:] if argv is None else argv)}`\n\n"
+            "| " + " | ".join(cols) + " |\n|" + "---|" * len(cols) + "\n")
+    for r in rows:
+        text += "| " + " | ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in r.values()) + " |\n"
+    print(text)
+    if args.output:
+        Path(args.output).write_text(text)
+
+
+if __name__ == "__main__":
+    main()
