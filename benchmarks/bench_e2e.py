@@ -152,7 +152,7 @@ def main() -> None:
         for ds in args.datasets:  # in the log at once: a run cut short still says where the engine's time went
             m = json.loads((outs[ds] / "engine" / "metrics.json").read_text())
             keep = ("n", "questions_per_s", "wall_s", "prefill_tokens_per_question", "decode_tokens_per_question",
-                    "retrievals_per_question", "joint", "engine", "step_seconds", "retrieval")
+                    "retrievals_per_question", "joint", "engine", "step_seconds", "retrieval", "cuda_graphs")
             print(f"engine {ds}:", json.dumps({k: m.get(k) for k in keep}), flush=True)
             for r in floor_rows([ds], [m], "joint" in m, figures):
                 print(f"engine {ds} vs device floor:", json.dumps(r), flush=True)

@@ -320,6 +320,10 @@ def run_many(runs: list[RunOptions], engine=None, retriever=None) -> list[dict]:
 
             if isinstance(getattr(engine, "model", None), LlamaModel):  # for the device floor (fastrag.perf)
                 metrics["model_costs"] = model_costs(engine.model)
+            graphs = getattr(engine, "graphs", None)
+            if graphs is not None:  # decode steps replayed vs launched eagerly, graphs captured
+                metrics["cuda_graphs"] = dict(graphs.stats) | {"graphs": len(graphs.graphs),
+                                                               "disabled": graphs.disabled}
         metrics["all_runs"] = _close_progress(out)
         if sched is not None:  # retrieval batches of this run: how many queries went to the retriever together
             b = sched.search_batches

@@ -58,6 +58,19 @@ def test_joint_run_equals_separate_runs(tmp_path, short_cfg):
     # a rerun resumes both: nothing computed again
     again = run_many([mk("hotpotqa", "joint_h"), mk("2wikimultihopqa", "joint_w")], engine=eng, retriever=ret)
     assert [m["computed_this_run"] for m in again] == [0, 0]
+    # decode steps through (emulated) CUDA graphs, those mixing the two prefixes too: the same decisions, every
+    # step replayed, the counts in metrics.json
+    from fastrag.cuda_graphs import DecodeGraphs
+
+    geng = build_engine("smollm2", batch_size=8, kv_cache_gb=1.0, device="cpu")
+    geng.graphs = DecodeGraphs(geng.model, geng.pool, geng.max_batch, emulate=True)
+    gm = run_many([mk("hotpotqa", "graph_h"), mk("2wikimultihopqa", "graph_w")], engine=geng, retriever=ret)
+    for a, b in (("sep_h", "graph_h"), ("sep_w", "graph_w")):
+        assert decisions(tmp_path / a) == decisions(tmp_path / b)
+    g = gm[0]["cuda_graphs"]
+    assert g["replays"] == gm[0]["engine"]["decode_steps"] > 0 and g["eager_steps"] == 0
+    assert any(k[2] is not None and k[2][0] == "mixed" for k in geng.graphs.graphs)
+    assert g["graphs"] == len(geng.graphs.graphs) and g["disabled"] is None
 
 
 def test_runs_must_share_the_engine_settings(tmp_path):
