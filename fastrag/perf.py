@@ -95,6 +95,8 @@ def floor(stats: dict, costs: dict, dev: DeviceFigures | dict) -> dict:
     bw, rate = d["copy_bytes_per_s"], d["matmul_flops_per_s"]
     w, kv = costs["weight_bytes_per_step"], costs["kv_bytes_per_token"]
     dec_bytes = stats["decode_steps"] * w + (stats["decode_ctx_tokens"] + stats["decode_prefix_tokens"]) * kv
+    # (a prefix's attention FLOPs are counted once per step, not per sequence: still a lower bound, and small next
+    # to the 2 FLOPs per weight per token)
     dec_flops = 2 * costs["matmul_params"] * stats["decode_tokens"] \
         + costs["attn_flops_per_entry"] * (stats["decode_ctx_tokens"] + stats["decode_prefix_tokens"])
     pre_bytes = stats["prefill_calls"] * w + stats["prefill_tokens"] * kv
