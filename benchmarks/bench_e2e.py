@@ -78,25 +78,17 @@ def row(name, eng, orc, rep) -> dict:
 def floor_rows(names: list[str], metrics: list[dict], joint: bool, figures) -> list[dict]:
     """Engine wall and phase seconds against the device floor of its model work (fastrag.perf): one row for a joint
     run (one engine), one per dataset for separate runs. Runs whose metrics predate the counters are left out."""
-    from fastrag.perf import floor
+    from fastrag.perf import floor, missing_field, phases
 
     items = [("all", metrics[0])] if joint else list(zip(names, metrics))
     rows = []
     for name, m in items:
-        st, costs = m.get("engine") or {}, m.get("model_costs")
-        if costs is None or "decode_ctx_tokens" not in st or not st.get("decode_steps"):
+        if missing_field(m) is not None or not m["engine"].get("decode_steps"):
             continue
-        f = floor(st, costs, figures)
+        f = floor(m["engine"], m["model_costs"], figures)
         wall = m["joint"]["wall_s"] if joint else m["wall_s"]
-        sec = m.get("step_seconds") or {}
         rows.append({"run": name, "engine_wall_s": wall, "floor_s": f["total_s"],
-                     "wall_over_floor": wall / f["total_s"] if f["total_s"] > 0 else None,
-                     "prefill_and_passes_s": st["prefill_s"] + (sec.get("attention_passes") or 0.0),
-                     "prefill_floor_s": f["prefill_s"],
-                     "decode_s": st["decode_s"], "decode_floor_s": f["decode_s"], "decode_bound": f["decode_bound"],
-                     "methods_and_other_s": sec.get("methods_and_other"),
-                     "decode_steps": st["decode_steps"], "mean_decode_batch": st["decode_tokens"] / st["decode_steps"],
-                     "kv_waits": st.get("kv_waits"), "evictions": st.get("evictions")})
+                     "wall_over_floor": wall / f["total_s"] if f["total_s"] > 0 else None} | phases(m, f))
     return rows
 
 

@@ -523,10 +523,11 @@ class Engine:
             groups.setdefault(id(s.prefix), []).append(i)
         self.stats["decode_tokens"] += len(seqs)
         self.stats["decode_steps"] += 1
+        heads = [seqs[idx[0]].prefix for idx in groups.values()]  # each group's prefix (None: no prefix)
         self.stats["decode_ctx_tokens"] += sum(s.table.num_tokens for s in seqs) + len(seqs)
-        self.stats["decode_prefix_tokens"] += sum({id(s.prefix): s.prefix.length for s in seqs if s.prefix}.values())
+        self.stats["decode_prefix_tokens"] += sum(p.length for p in heads if p is not None)
         if self.graphs is not None and (len(groups) == 1 or self.model.mixes_prefixes):
-            logits = self._decode_graphed(seqs)
+            logits = self._decode_graphed(seqs, heads)
             if logits is not None:
                 return logits
         if len(groups) == 1 or self.model.mixes_prefixes:
@@ -545,9 +546,10 @@ class Engine:
         self.stats["prefill_calls"] -= 1
         return logits
 
-    def _decode_graphed(self, seqs: list[SeqState]) -> torch.Tensor | None:
+    def _decode_graphed(self, seqs: list[SeqState], heads: list) -> torch.Tensor | None:
         """_decode through a replayed graph (sequences of one shared prefix, or of several on a model that mixes
-        prefixes in one forward); None: decode eagerly instead."""
+        prefixes in one forward; heads: the distinct prefixes of seqs, None for no prefix); None: decode eagerly
+        instead."""
         ids, pos, write, ctx = [], [], [], []
         for s in seqs:
             s.table.reserve(1)
@@ -556,11 +558,11 @@ class Engine:
             pos.append(s.base + n0)
             write.append(s.table.slots(n0, n0 + 1)[0])
             ctx.append((s.table.blocks, n0 + 1))
-        prefix = seqs[0].prefix
-        if all(s.prefix is prefix for s in seqs):
+        if len(heads) == 1:
+            prefix = heads[0]
             res = self.graphs.run(ids, pos, write, ctx, prefix, self._starts.get(id(prefix), -1) if prefix else -1)
         else:  # several prefixes: a graph of their set, in a fixed order (rows of no prefix: -1)
-            order = sorted({id(s.prefix): s.prefix for s in seqs if s.prefix is not None}.values(), key=id)
+            order = sorted((p for p in heads if p is not None), key=id)
             where = {id(p): k for k, p in enumerate(order)}
             res = self.graphs.run(ids, pos, write, ctx, [(p, self._starts.get(id(p), -1)) for p in order],
                                   row_prefix=[where.get(id(s.prefix), -1) for s in seqs])

@@ -111,6 +111,31 @@ def floor(stats: dict, costs: dict, dev: DeviceFigures | dict) -> dict:
             "prefill_flops": pre_flops}
 
 
+COUNTERS = ("decode_ctx_tokens", "decode_prefix_tokens", "prefill_ctx_tokens")
+
+
+def missing_field(m: dict) -> str | None:
+    """The first field a run's metrics.json lacks for its floor (runs from before the counters), else None."""
+    if m.get("model_costs") is None:
+        return "model_costs"
+    st = m.get("engine") or {}
+    return next((f"engine.{k}" for k in COUNTERS if k not in st), None)
+
+
+def phases(m: dict, f: dict) -> dict:
+    """A run's phase seconds beside their floors `f` (from `floor`), and what its engine did."""
+    st, sec = m["engine"], m.get("step_seconds") or {}
+    return {
+        # the attention passes are prefill work in the counters; their seconds are the scheduler's
+        "prefill_and_passes_s": st["prefill_s"] + sec.get("attention_passes", 0.0),
+        "prefill_floor_s": f["prefill_s"], "prefill_bound": f["prefill_bound"],
+        "decode_s": st["decode_s"], "decode_floor_s": f["decode_s"], "decode_bound": f["decode_bound"],
+        "decode_steps": st["decode_steps"],
+        "mean_decode_batch": st["decode_tokens"] / st["decode_steps"] if st["decode_steps"] else None,
+        "methods_and_other_s": sec.get("methods_and_other"),
+        "kv_waits": st.get("kv_waits"), "evictions": st.get("evictions")}
+
+
 def report(run_dirs: list[str], figures: DeviceFigures) -> list[dict]:
     """Per run directory (its metrics.json from `fastrag run`): wall and phase seconds against the floor."""
     import json
@@ -122,22 +147,15 @@ def report(run_dirs: list[str], figures: DeviceFigures) -> list[dict]:
         if not path.exists():
             raise FileNotFoundError(f"{path}: no metrics.json (a run directory of `fastrag run` holds one)")
         m = json.loads(path.read_text())
-        st, costs = m.get("engine") or {}, m.get("model_costs")
-        missing = [k for k in ("decode_ctx_tokens", "decode_prefix_tokens", "prefill_ctx_tokens") if k not in st]
-        if costs is None or missing:
-            raise ValueError(f"{path}: field {'model_costs' if costs is None else 'engine.' + missing[0]} is "
-                             "missing (written by fastrag runs since the device floor was added; rerun it)")
-        f = floor(st, costs, figures)
+        miss = missing_field(m)
+        if miss is not None:
+            raise ValueError(f"{path}: field {miss} is missing (written by fastrag runs since the device floor "
+                             "was added; rerun it)")
+        f = floor(m["engine"], m["model_costs"], figures)
         wall = (m.get("joint") or {}).get("wall_s", m["wall_s"])
         rows.append({"run": f"{m['method']}/{m['dataset']}", "questions": m.get("computed_this_run"),
-                     "wall_s": wall, "floor_s": f["total_s"], "wall_over_floor": wall / f["total_s"],
-                     # the attention passes are prefill work in the counters; their seconds are the scheduler's
-                     "prefill_and_passes_s": st["prefill_s"] + (m.get("step_seconds") or {}).get("attention_passes", 0.0),
-                     "prefill_floor_s": f["prefill_s"], "prefill_bound": f["prefill_bound"],
-                     "decode_s": st["decode_s"], "decode_floor_s": f["decode_s"], "decode_bound": f["decode_bound"],
-                     "decode_steps": st["decode_steps"],
-                     "mean_decode_batch": st["decode_tokens"] / st["decode_steps"] if st["decode_steps"] else None,
-                     "methods_and_other_s": (m.get("step_seconds") or {}).get("methods_and_other")})
+                     "wall_s": wall, "floor_s": f["total_s"], "wall_over_floor": wall / f["total_s"]}
+                    | phases(m, f))
     return rows
 
 
