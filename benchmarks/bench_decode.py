@@ -110,14 +110,20 @@ def main() -> None:
                    ["- CPU run with a small model shape (the 7B shape needs a GPU): GPU not measured"]),
                  "- graphs: whether the timed steps replayed CUDA graphs (fastrag/cuda_graphs.py; on by default on a GPU); "
                  "eager = the plain step with graphs off, launched kernel by kernel",
-                 "", "| ctx | B | plain ms | plain again ms | eager ms | signals ms | overhead | signals+attn ms | "
-                 "overhead | roofline ms | plain / roofline | graphs | signals backend | decode attention |",
-                 "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                 "- unfused layers = the plain step with each layer's residual adds, RMSNorms, rotary embedding, KV "
+                 "write and SiLU product (and a shared prefix's softmax and merge; these sequences have none) as "
+                 "torch's separate kernels instead of the fused launches of kernels/fused_decode.py "
+                 "(FASTRAG_FUSED_DECODE; on by default for CUDA tensors); '-': fused kernels not in use on this device",
+                 "", "| ctx | B | plain ms | plain again ms | unfused layers ms | eager ms | signals ms | overhead | "
+                 "signals+attn ms | overhead | roofline ms | plain / roofline | graphs | signals backend | "
+                 "decode attention |",
+                 "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             if "skipped" in r:
-                lines.append(f"| {r['ctx']} | {r['B']} | not run: {r['skipped']} |" + " |" * 11)
+                lines.append(f"| {r['ctx']} | {r['B']} | not run: {r['skipped']} |" + " |" * 12)
                 continue
-            lines.append(f"| {r['ctx']} | {r['B']} | {r['plain_ms']:.2f} | {r['plain_again_ms']:.2f} | "
+            unfused = "-" if r["unfused_ms"] is None else f"{r['unfused_ms']:.2f}"
+            lines.append(f"| {r['ctx']} | {r['B']} | {r['plain_ms']:.2f} | {r['plain_again_ms']:.2f} | {unfused} | "
                          f"{r['eager_ms']:.2f} | {r['signals_ms']:.2f} | {r['overhead']:+.1%} | {r['attn_ms']:.2f} | "
                          f"{r['overhead_attn']:+.1%} | {r['roofline_ms']:.2f} | {r['x_roofline']:.2f} | {r['graphs']} | "
                          f"{r['backend']} | {r['attn']} |")
@@ -171,6 +177,17 @@ def main() -> None:
             t_fused = timeit(fused, dev, reps, warmup=2)
             t_attn = timeit(fused_attn, dev, reps, warmup=2)
             t_plain2 = timeit(plain, dev, reps, warmup=1)  # timing spread: the same version twice
+            # the same step with the per-layer small operations unfused (torch's separate kernels); the graphs
+            # captured so far hold the fused kernels, so they are dropped and captured again each way
+            fused_layers, t_unfused = model.fused_decode, None
+            if model.uses_fused_decode(dev):
+                model.fused_decode = None
+                if eng.graphs is not None:
+                    eng.graphs.graphs.clear()
+                t_unfused = timeit(plain, dev, reps, warmup=2)
+                model.fused_decode = fused_layers
+                if eng.graphs is not None:
+                    eng.graphs.graphs.clear()
             graphs, eng.graphs = eng.graphs, None  # the same step launched kernel by kernel
             t_eager = timeit(plain, dev, reps, warmup=1)
             eng.graphs = graphs
@@ -182,7 +199,8 @@ def main() -> None:
                          overhead=(t_fused - t_plain) / t_plain, attn_ms=t_attn * 1e3,
                          overhead_attn=(t_attn - t_plain) / t_plain, roofline_ms=roof * 1e3, x_roofline=t_plain / roof,
                          backend=eng.signals.name, attn=attn_impl, eager_ms=t_eager * 1e3,
-                         graphs="yes" if replays else "no"))
+                         graphs="yes" if replays else "no",
+                         unfused_ms=None if t_unfused is None else t_unfused * 1e3))
         print(rows[-1], flush=True)
         write()
         # the step closures and the graph runner hold the engine (and its KV pool): drop them all before the next cell

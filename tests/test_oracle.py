@@ -156,14 +156,19 @@ def test_join_drops_empty_parts():
 # ---------------------------------------------------------------------------------------------- real run
 
 
-def _first_hotpot_question():
-    rec = json.loads(HOTPOT.open().readline())
-    return rec["question_id"], rec["question_text"], rec["answers_objects"][0]["spans"]
+def _hotpot_questions(n: int):
+    with HOTPOT.open() as f:
+        for _, line in zip(range(n), f):
+            rec = json.loads(line)
+            yield rec["question_id"], rec["question_text"], rec["answers_objects"][0]["spans"]
 
 
 @pytest.mark.slow  # minutes on a shared 2-core machine (5 min measured under load 4)
 @pytest.mark.skipif(not (CORPUS.exists() and HOTPOT.exists()), reason="shared data not available")
 def test_real_question_structural_invariants():
+    """Real SmolLM2, BM25 and HotpotQA questions, in file order until one has retrieved (at most 6): every run's
+    rounds are consistent. A model may well end its first generation at once (the run's text is then empty and the
+    answer comes from the forced "So the answer is" step): no question is assumed to retrieve."""
     from fastrag.config import DraginConfig
     from fastrag.model.loading import load_hf_model, load_tokenizer
     from fastrag.oracle import DraginOracle
@@ -187,24 +192,30 @@ def test_real_question_structural_invariants():
         return g
 
     oracle.generate = spy
-    qid, question, gold = _first_hotpot_question()
-    t0 = time.perf_counter()
-    res = oracle.run(qid, question, gold)
-    print(f"\noracle: {time.perf_counter() - t0:.1f}s, {len(res.rounds)} rounds, {res.retrievals} retrievals")
-
     ids = {json.loads(line)["id"] for line in CORPUS.open()}
-    assert res.error is None and res.qid == qid and res.rounds
-    assert res.text and len(res.text) > 0
-    assert res.prefill_tokens > 0 and res.decode_tokens > 0 and res.wall_s > 0
-    assert isinstance(res.prediction, str)
-    for r in res.rounds:
-        if r.query is None:
-            assert r.trigger_sentence is None and not r.doc_ids and not r.hit_words
-            continue
-        assert r.trigger_sentence and any(r.trigger_sentence in g for g in generated)
-        assert r.query.strip() and len(tok.encode(r.query)) <= 64
-        assert len(r.doc_ids) == cfg.retrieve_topk and set(r.doc_ids) <= ids
-        assert all(w in r.trigger_sentence for w in r.hit_words)
+    retrieved = 0
+    for qid, question, gold in _hotpot_questions(6):
+        generated.clear()
+        t0 = time.perf_counter()
+        res = oracle.run(qid, question, gold)
+        print(f"\noracle {qid}: {time.perf_counter() - t0:.1f}s, {len(res.rounds)} rounds, "
+              f"{res.retrievals} retrievals")
+        assert res.error is None and res.qid == qid and res.rounds
+        assert isinstance(res.text, str) and isinstance(res.prediction, str) and res.prediction.strip()
+        assert res.prefill_tokens > 0 and res.decode_tokens > 0 and res.wall_s > 0
+        assert res.retrievals == sum(r.query is not None for r in res.rounds)
+        for r in res.rounds:
+            if r.query is None:
+                assert r.trigger_sentence is None and not r.doc_ids and not r.hit_words
+                continue
+            assert r.trigger_sentence and any(r.trigger_sentence in g for g in generated)
+            assert r.query.strip() and len(tok.encode(r.query)) <= 64
+            assert len(r.doc_ids) == cfg.retrieve_topk and set(r.doc_ids) <= ids
+            assert all(w in r.trigger_sentence for w in r.hit_words)
+        retrieved += res.retrievals
+        if retrieved:
+            break
+    assert retrieved, "none of the first 6 HotpotQA questions retrieved at threshold 1.2"
 
 
 # ---------------------------------------------------------------------------------------------- tuned recipe

@@ -97,7 +97,7 @@ except RuntimeError as e:
                 --deselect tests/test_model.py::test_prompt_longer_than_context_is_rejected \
                 tests/test_kernels.py tests/test_paged_attention_triton.py tests/test_cuda_graphs.py \
                 tests/test_kernels_engine.py tests/test_attn_tracking.py tests/test_model.py tests/test_kv_reuse.py \
-                tests/test_paged_attention.py tests/test_signals.py tests/test_cache.py
+                tests/test_paged_attention.py tests/test_signals.py tests/test_cache.py tests/test_fused_decode.py
             ;;
         kernels) stage kernels $PY benchmarks/bench_kernels.py ;;
         decode) stage decode $PY benchmarks/bench_decode.py ;;

@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fastrag.model.linear import Linear
+
 
 DECODE_ATTENTION_ENV = "FASTRAG_DECODE_ATTENTION"  # native (default) | triton | torch
 
@@ -57,6 +59,33 @@ def _triton_decode_attention():
     except ImportError:
         return None, False
     return paged_decode_attention_lse, mode == "triton" and INTERPRETED
+
+
+FUSED_DECODE_ENV = "FASTRAG_FUSED_DECODE"  # auto (default: on for CUDA tensors) | 1 | 0
+
+
+def _fused_decode_ops():
+    """(kernels/fused_decode.py, runs on CPU tensors) or (None, False): the decode step's per-layer small operations
+    (residual add + RMSNorm, rotary embedding + KV write, SiLU-gated product) as 4 Triton launches per layer, and a
+    shared prefix's softmax and log-sum-exp merge as 2 (its two GEMMs stay torch.matmul).
+
+    auto: used for CUDA tensors when Triton imports. 1: also for CPU tensors when fastrag.kernels was imported under
+    TRITON_INTERPRET=1 (how CI runs this path without a GPU). 0: torch's separate operations everywhere."""
+    import os
+
+    mode = os.environ.get(FUSED_DECODE_ENV, "auto")
+    if mode not in ("auto", "1", "0"):
+        raise ValueError(f"${FUSED_DECODE_ENV}={mode!r}: expected auto, 1 or 0")
+    if mode == "0" or (mode == "auto" and not torch.cuda.is_available()):
+        return None, False
+    try:
+        from fastrag.kernels import INTERPRETED
+        from fastrag.kernels import fused_decode
+    except ImportError as e:
+        if mode == "1":
+            raise RuntimeError(f"${FUSED_DECODE_ENV}=1 but the Triton kernels do not import: {e}") from e
+        return None, False
+    return fused_decode, mode == "1" and INTERPRETED
 
 
 @dataclass(slots=True)
@@ -161,10 +190,10 @@ class Layer(nn.Module):
         q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.qkv = nn.Linear(c.hidden_size, q + 2 * kv, bias=c.attention_bias)  # fused q/k/v projection
-        self.o = nn.Linear(q, c.hidden_size, bias=False)
-        self.gate_up = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)  # fused gate/up
-        self.down = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+        self.qkv = Linear(c.hidden_size, q + 2 * kv, bias=c.attention_bias)  # fused q/k/v projection
+        self.o = Linear(q, c.hidden_size, bias=False)
+        self.gate_up = Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)  # fused gate/up
+        self.down = Linear(c.intermediate_size, c.hidden_size, bias=False)
 
     def project_qk(self, x, cos, sin):
         """x: [B, T, hidden] -> q [B, H, T, D], k [B, Hkv, T, D] (rotated), v [B, Hkv, T, D]."""
@@ -210,7 +239,7 @@ class LlamaModel(nn.Module):
         self.embed = nn.Embedding(c.vocab_size, c.hidden_size)
         self.layers = nn.ModuleList(Layer(c) for _ in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        self.lm_head = Linear(c.hidden_size, c.vocab_size, bias=False)
         if c.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
@@ -218,6 +247,7 @@ class LlamaModel(nn.Module):
         self.scale = 1.0 / math.sqrt(c.head_dim)
         self.native_decode = _native_decode_attention()
         self.triton_decode, self._triton_on_cpu = _triton_decode_attention()
+        self.fused_decode, self._fused_on_cpu = _fused_decode_ops()
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -301,6 +331,8 @@ class LlamaModel(nn.Module):
         mixed = batch.prefix_groups is not None and not (T == 1 and self.mixes_prefixes)
         if mixed or (T > 1 and B > 1 and int(batch.valid.sum()) < self.pack_below * B * T):
             return self._forward_packed(ids, batch, k_pool, v_pool, logits_index)
+        if T == 1 and self.uses_fused_decode(ids.device):
+            return self._forward_decode_fused(ids, batch, k_pool, v_pool, logits_index)
         x = self.embed(ids)
         cos, sin = self.rope(batch.positions)
         mask_ctx = self._ctx_mask(batch)
@@ -318,6 +350,40 @@ class LlamaModel(nn.Module):
             x = x + layer.o(o.transpose(1, 2).reshape(B, T, -1))
             x = layer.mlp(x)
         x = x.reshape(B * T, -1)
+        if logits_index is None:
+            logits_index = batch.valid.reshape(-1).nonzero().squeeze(-1)
+        return self.lm_head(self.norm(x[logits_index])).float()
+
+    def uses_fused_decode(self, device: torch.device) -> bool:
+        """Whether a decode step on this device runs the fused per-layer kernels (kernels/fused_decode.py)."""
+        return self.fused_decode is not None and (device.type == "cuda" or (device.type == "cpu" and self._fused_on_cpu))
+
+    def _forward_decode_fused(self, ids, batch: AttnBatch, k_pool, v_pool, logits_index=None):
+        """forward() for one new token per row with the small operations fused: per layer, residual add + RMSNorm
+        (twice), rotary embedding of q and k with k and v written straight into the pool, and SiLU-gated product
+        are 4 launches instead of ~30; the GEMMs and the attention are the unfused path's own."""
+        fd, c = self.fused_decode, self.c
+        B = ids.shape[0]
+        x = self.embed(ids[:, 0])  # [B, hidden]
+        cos, sin = self.rope(batch.positions)  # [B, 1, D]
+        cos, sin = cos[:, 0], sin[:, 0]
+        mask_ctx = self._ctx_mask(batch)
+        stats_at = len(self.layers) - 1 if batch.last_layer is not None else -1
+        delta = None
+        for li, layer in enumerate(self.layers):
+            x, h = fd.add_rms_norm(x, delta, layer.input_layernorm.weight, layer.input_layernorm.eps)
+            q = fd.rope_write_kv(layer.qkv(h), cos, sin, batch.write_slots, k_pool[li], v_pool[li],
+                                 c.num_heads, c.num_kv_heads)  # [B, H, D]
+            q4 = q.unsqueeze(2)
+            if li == stats_at:
+                o, lse = self._attend(q4, batch, k_pool[li], v_pool[li], mask_ctx, want_lse=True)
+                batch.last_layer.update(q=q, lse=lse)
+            else:
+                o = self._attend(q4, batch, k_pool[li], v_pool[li], mask_ctx)
+            x, h = fd.add_rms_norm(x, layer.o(o.reshape(B, -1)), layer.post_attention_layernorm.weight,
+                                   layer.post_attention_layernorm.eps)
+            delta = layer.down(fd.silu_mul(layer.gate_up(h)))
+        x = x + delta
         if logits_index is None:
             logits_index = batch.valid.reshape(-1).nonzero().squeeze(-1)
         return self.lm_head(self.norm(x[logits_index])).float()
@@ -479,6 +545,7 @@ class LlamaModel(nn.Module):
         op = self.paged_decode_op(q.device, q.dtype)
         o, lse = op(q, kp, vp, no_prefix, b.ctx_blocks, b.ctx_lens, b.block_size, self.scale)
         lse_all = lse.clone() if want_lse else None
+        fd = self.fused_decode if self.uses_fused_decode(q.device) else None
         for g in groups:
             if g.start >= 0:
                 kpre, vpre = kp[:, g.start: g.start + g.length], vp[:, g.start: g.start + g.length]
@@ -488,6 +555,18 @@ class LlamaModel(nn.Module):
             n = qg.shape[0]
             member = None if g.member is None else g.member.view(n, 1, 1)
             qh = qg.reshape(n, Hkv, G, D).transpose(0, 1).reshape(Hkv, n * G, D)
+            if fd is not None:  # the same arithmetic, with the softmax and the merge as one kernel each
+                e, stat = fd.prefix_softmax(torch.matmul(qh, kpre.transpose(1, 2)), self.scale, vpre.dtype)
+                merged, tot = fd.prefix_merge(torch.matmul(e, vpre), stat,
+                                              o if g.rows is None else o.index_select(0, g.rows),
+                                              lse if g.rows is None else lse.index_select(0, g.rows), g.member)
+                o = merged if g.rows is None else o.index_copy(0, g.rows, merged)
+                if want_lse:
+                    if g.member is not None:
+                        lse_all = torch.where(g.member.view(n, 1), tot, lse_all)
+                    else:
+                        lse_all = tot if g.rows is None else lse_all.index_copy(0, g.rows, tot)
+                continue
             # softmax and merge in float32 (no-ops for the fp32 CPU path); the GEMMs stay in the model's dtype
             s = torch.matmul(qh, kpre.transpose(1, 2)).float().mul_(self.scale)  # [Hkv, n*G, P]
             mx = s.amax(-1, keepdim=True)
