@@ -104,12 +104,15 @@ def _paged_decode_merge_kernel(
 def paged_decode_attention_lse(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                                prefix_slots: torch.Tensor, ctx_blocks: torch.Tensor, ctx_lens: torch.Tensor,
                                block_size: int, scale: float, num_splits: int | None = None,
-                               block_n: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+                               block_n: int = 64, num_warps: int | None = None,
+                               num_stages: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [B, H, D], lse [B, H] f32) of each sequence's query over its own paged context (see the module doc).
 
     q [B, H, D]; k_pool/v_pool [Hkv, num_slots, D] (last dim contiguous, q's dtype); ctx_blocks [B, NB] int;
     ctx_lens [B] int (own keys, the new token's included); prefix_slots must be empty (shared prefixes are merged
-    by the caller). Raises ValueError naming a bad argument.
+    by the caller). num_splits, block_n, num_warps, num_stages: launch settings of the partial kernel (None:
+    the launcher's and Triton's defaults; benchmarks/bench_paged_attention.py sweeps them). Raises ValueError
+    naming a bad argument.
     """
     if prefix_slots.numel():
         raise ValueError("prefix_slots: the Triton paged decode attention covers the own context only; merge "
@@ -156,6 +159,7 @@ def paged_decode_attention_lse(q: torch.Tensor, k_pool: torch.Tensor, v_pool: to
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
         tab.stride(0), float(scale), split_len, nsplit, H,
         G=G, G_PAD=g_pad, D=D, D_PAD=d_pad, BS=block_size, BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
+        **{k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None},
     )
     _paged_decode_merge_kernel[(B, H)](
         acc, ml, out, lse, out.stride(0), out.stride(1), H, nsplit,

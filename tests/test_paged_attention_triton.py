@@ -53,6 +53,24 @@ def test_matches_dense_softmax_on_random_pools(dtype, B, H, Hkv, D, bs, splits, 
     torch.testing.assert_close(lse.cpu().double(), ref_l, **tol, msg=lambda m: f"{m} (seed={seed})")
 
 
+@pytest.mark.parametrize("launch", [dict(num_warps=8), dict(num_stages=2), dict(num_warps=2, num_stages=4)],
+                         ids=str)
+def test_launch_settings_change_nothing_but_speed(launch):
+    """The settings bench_paged_attention.py sweeps give the same attention as the defaults."""
+    g = torch.Generator().manual_seed(random.randrange(2**31))
+    B, H, Hkv, D, bs, nb = 3, 8, 2, 32, 8, 6
+    kp, vp = torch.randn(Hkv, 40 * bs, D, generator=g), torch.randn(Hkv, 40 * bs, D, generator=g)
+    blocks = torch.stack([torch.randperm(40, generator=g)[:nb] for _ in range(B)])
+    lens = torch.randint(1, nb * bs + 1, (B,), generator=g)
+    q = torch.randn(B, H, D, generator=g)
+    args = (q.to(DEV), kp.to(DEV), vp.to(DEV), torch.empty(0, dtype=torch.long), blocks.to(DEV), lens.to(DEV), bs,
+            D ** -0.5)
+    out, lse = paged_decode_attention_lse(*args, **launch)
+    ref_o, ref_l = _dense(q, kp, vp, torch.empty(0, dtype=torch.long), blocks, lens, bs, D ** -0.5, with_lse=True)
+    torch.testing.assert_close(out.cpu().double(), ref_o, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(lse.cpu().double(), ref_l, atol=2e-5, rtol=2e-5)
+
+
 @pytest.mark.parametrize("bad, match", [
     (dict(prefix_slots=torch.tensor([0, 1])), "prefix_slots"),
     (dict(q=torch.zeros(2, 4, 8, dtype=torch.float64)), "dtype"),

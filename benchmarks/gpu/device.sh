@@ -8,7 +8,10 @@
 #   tests     the GPU test suite: kernels (Triton, CUDA) against fastrag/signals/reference.py, the Triton paged
 #             decode attention, CUDA graphs vs eager decoding, engine/model/attention-tracking tests on the GPU
 #   kernels   benchmarks/bench_kernels.py (signal kernels vs torch, GB/s, fraction of the copy bandwidth)
-#   decode    benchmarks/bench_decode.py (Llama-2-7B shape, B 1/16/64/256 x ctx 1k/4k, vs roofline, graphs/eager)
+#   decode    benchmarks/bench_decode.py (Llama-2-7B shape, B 1/16/64/256 x ctx 1k/4k, vs roofline, graphs/eager,
+#             fused per-layer kernels on/off)
+#   attn      benchmarks/bench_paged_attention.py (the Triton paged decode attention alone, one Llama-2-7B layer,
+#             the same cells, launch settings swept, GB/s vs the copy bandwidth)
 #   model     make_random_model.py llama2-7b (E2E_SHAPE) into /tmp (kept while the machine stays warm)
 #   e2e       bench_e2e.py: engine DRAGIN vs the published per-question recipe and the tuned one, on that model
 #             (E2E_LIMIT, E2E_BATCH, E2E_ORACLE_LIMIT, E2E_TUNED_LIMIT override the sizes)
@@ -101,6 +104,7 @@ except RuntimeError as e:
             ;;
         kernels) stage kernels $PY benchmarks/bench_kernels.py ;;
         decode) stage decode $PY benchmarks/bench_decode.py ;;
+        attn) stage attn $PY benchmarks/bench_paged_attention.py ;;
         model)
             [ -f "$MODEL/config.json" ] || stage model $PY benchmarks/make_random_model.py \
                 --shape "$SHAPE" --out "$MODEL" --tokenizer "$C/tokenizer"
