@@ -123,3 +123,18 @@ def test_copies_drop_the_packed_weight_and_rebuild_it():
             assert other._packed is None
             torch.testing.assert_close(other(x), want)
             assert other._packed is not None
+
+
+@needs_onednn
+def test_moving_the_layer_drops_the_copy():
+    lin = _layer(16, 8, True)
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        lin(x)
+        assert lin._packed is not None
+        lin.double()
+        assert lin._packed is None and not lin.uses_onednn(x.double())
+        torch.testing.assert_close(lin(x.double()), F.linear(x.double(), lin.weight, lin.bias))
+        lin.float()
+        torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+        assert lin._packed is not None

@@ -72,6 +72,10 @@ class Linear(nn.Linear):
         b = None if self.bias is None else self.bias.detach()
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed_weight(), b, "none", [], "")
 
+    def _apply(self, fn, recurse=True):  # .to() / .cuda() / .half(): the copy belongs to the old weight
+        self._packed = None
+        return super()._apply(fn, recurse)
+
     def __getstate__(self):  # the packed copy is rebuilt on first use (e.g. after pickling to a ray worker)
         state = super().__getstate__()
         state["_packed"] = None
