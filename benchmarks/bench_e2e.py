@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import gc
 import json
 import platform
 import shutil
@@ -114,6 +115,14 @@ def main() -> None:
                          "oracle results are reused, their per-question times give the oracle's rate)")
     ap.add_argument("--separate-engine-runs", action="store_true",
                     help="one engine job per dataset (default: all datasets' questions in one engine run)")
+    ap.add_argument("--kv-cache-gb", type=float, default=None,
+                    help="the engine's KV pool (default: the engine's own, sized from the device's free memory)")
+    ap.add_argument("--warmup", type=int, default=0,
+                    help="first run the engine on this many questions per dataset (untimed, own output folder): "
+                         "the timed run then starts with the Triton kernels compiled, as a long-running job does")
+    ap.add_argument("--profile", default=None,
+                    help="write a cProfile of the engine run (host time by function) to this file as soon as the "
+                         "engine finishes")
     args = ap.parse_args()
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else \
@@ -123,7 +132,7 @@ def main() -> None:
     opts = {ds: RunOptions(method="dragin", dataset=ds, data=str(data_dir / FILES[ds]),
                            corpus=str(data_dir / "corpus" / "wiki_passages.jsonl"),
                            output=str(outs[ds] / "engine"), limit=args.limit, batch_size=args.batch_size,
-                           model=args.model)
+                           model=args.model, kv_cache_gb=args.kv_cache_gb)
             for ds in args.datasets}
     from fastrag.perf import measure_device
 
@@ -136,18 +145,49 @@ def main() -> None:
     if not (args.report_only or args.keep_engine):
         for ds in args.datasets:
             shutil.rmtree(outs[ds] / "engine", ignore_errors=True)
+        warm_s = None
+        if args.warmup:
+            import time
+
+            t0 = time.perf_counter()
+            warm = [replace(opts[ds], output=str(Path(args.output) / "warmup" / ds), limit=args.warmup)
+                    for ds in args.datasets]
+            for o in warm:
+                shutil.rmtree(o.output, ignore_errors=True)
+            run_many(warm)
+            warm_s = time.perf_counter() - t0
+            gc.collect()  # the warm-up engine's KV pool goes back before the timed engine sizes its own
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            print(f"warm-up: {args.warmup} questions per dataset in {warm_s:.1f} s (not timed)", flush=True)
+        prof = None
+        if args.profile:
+            import cProfile
+
+            prof = cProfile.Profile()
+            prof.enable()
         if args.separate_engine_runs:
             for ds in args.datasets:
                 run(opts[ds])
         else:
             run_many([opts[ds] for ds in args.datasets])
+        if prof is not None:
+            import pstats
+
+            prof.disable()
+            prof.dump_stats(args.profile)
+            pstats.Stats(prof).sort_stats("tottime").print_stats(25)
         for ds in args.datasets:  # in the log at once: a run cut short still says where the engine's time went
             m = json.loads((outs[ds] / "engine" / "metrics.json").read_text())
             keep = ("n", "questions_per_s", "wall_s", "prefill_tokens_per_question", "decode_tokens_per_question",
-                    "retrievals_per_question", "joint", "engine", "step_seconds", "retrieval", "cuda_graphs")
+                    "retrievals_per_question", "joint", "kv_cache_gb", "engine", "step_seconds", "retrieval",
+                    "cuda_graphs")
             print(f"engine {ds}:", json.dumps({k: m.get(k) for k in keep}), flush=True)
             for r in floor_rows([ds], [m], "joint" in m, figures):
                 print(f"engine {ds} vs device floor:", json.dumps(r), flush=True)
+    gc.collect()  # the engine (weights and a KV pool sized to the free memory) goes back before the oracles load
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     rows, reports = [], {}
     eng_all, orc_all = [], []
     for ds in args.datasets:
@@ -212,7 +252,9 @@ def main() -> None:
             f"- settings: DRAGIN paper Table 9 per dataset, greedy; engine batch {args.batch_size}\n"
             f"- engine: {'one run per dataset' if reports['all']['engine_mode'] == 'separate' else 'one joint run over all datasets (per-dataset speed not separable: see the all row)'}; "
             f"engine wall {e_wall:.0f} s for {n_e} questions\n"
-            f"- command: `{cmd}`\n\n")
+            + (f"- warm-up: before the timed run, an untimed engine run over the first {args.warmup} questions "
+               f"of each dataset (Triton kernels compiled)\n" if args.warmup else "")
+            + f"- command: `{cmd}`\n\n")
     cols = list(rows[0])
     table = "| " + " | ".join(cols) + " |\n|" + "---|" * len(cols) + "\n"
     for r in rows:

@@ -26,7 +26,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--limit", type=int, help="first N questions")
     p.add_argument("--batch-size", type=int, default=32, help="questions in flight (decode batch)")
     p.add_argument("--signals", help="signal backend (torch | cpp); default env FASTRAG_SIGNALS_BACKEND or torch")
-    p.add_argument("--kv-cache-gb", type=float, default=8.0, help="KV cache pool size")
+    p.add_argument("--kv-cache-gb", type=float, default=None,
+                   help="KV cache pool size in GB (default: 8 on a CPU; on a GPU 90%% of the memory left free after "
+                        "the model and its activations)")
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="do not share the KV of prompt blocks another sequence already computed")
     p.add_argument("--threads", type=int, help="torch CPU threads")
@@ -64,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("--batch-size", type=int, default=32, help="decode batch (2x this many questions in flight)")
     sp.add_argument("--max-queue", type=int, default=256, help="questions waiting beyond those in flight; then 429")
     sp.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds")
-    sp.add_argument("--kv-cache-gb", type=float, default=8.0)
+    sp.add_argument("--kv-cache-gb", type=float, default=None, help="as for run")
     sp.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; > 0: sampled answers")
     sp.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling with --temperature > 0")
     sp.add_argument("--seed", type=int, default=0)

@@ -91,6 +91,14 @@ class DecodeGraphs:
         self.stats = {"replays": 0, "captures": 0, "eager_steps": 0}
         self._all_rows = torch.arange(self.buckets[-1], device=self.device)  # logits of every row, padding too
 
+    def reset(self) -> None:
+        """Drop every captured graph (e.g. after changing how the model decodes); later steps capture again. The
+        graphs' memory pool goes with them and later captures take a new one: PyTorch's allocator refuses a capture
+        into a private pool whose every graph was destroyed."""
+        self.graphs.clear()
+        if not self.emulate:
+            self.mempool = torch.cuda.graph_pool_handle()
+
     def bucket(self, B: int, NB: int) -> tuple[int, int] | None:
         """(batch bucket, block bucket) for B sequences whose longest context takes NB blocks; None: too big."""
         if B > self.buckets[-1]:

@@ -99,8 +99,45 @@ class SeqState:
         return self.base + self.table.num_tokens
 
 
+CPU_KV_CACHE_GB = 4.0  # the pool on a CPU when none is asked for
+# share of the GPU's memory the engine plans to use in all (weights, KV pool, activations) when sizing its pool
+GPU_MEMORY_FRACTION = 0.8
+
+
+def auto_kv_cache_gb(model: LlamaModel, max_batch: int, max_prefill_tokens: int) -> float:
+    """The KV pool's size (GiB) when none is given. CPU: CPU_KV_CACHE_GB. GPU: GPU_MEMORY_FRACTION of the device's
+    memory, less what is allocated now (the weights), the largest prefill chunk's activations and a full decode
+    batch's logits (both counted in float32, four times over). A fixed 8 GB pool held about ten questions at once
+    for a Llama-2-7B-shaped model (0.5 MiB of KV per token) on an 80 GB H100 (2026-11-24: a mean decode batch of
+    8.7 out of 128). The 20% left over is room for what the sum does not count: CUDA graphs, the allocator's
+    slack, DRAGIN's attention passes; on that H100 a run whose pool left 10 GiB free still ran out of memory in its
+    first prefill (with a float32 model; cause not found), so give kv_cache_gb where the default does not fit."""
+    p = next(model.parameters())
+    if p.device.type != "cuda":
+        return CPU_KV_CACHE_GB
+    import gc
+
+    gc.collect()  # what an engine freed earlier holds goes back to the device first
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(p.device).total_memory
+    used = total - torch.cuda.mem_get_info(p.device)[0]  # the weights, the CUDA context, other processes
+    return kv_room_gb(model.c, total, used, max_batch, max_prefill_tokens, str(p.device))
+
+
+def kv_room_gb(c, total: int, used: int, max_batch: int, max_prefill_tokens: int, where: str = "the GPU") -> float:
+    """auto_kv_cache_gb's arithmetic: GiB of KV pool on a device of `total` bytes with `used` in use."""
+    act = max_prefill_tokens * (4 * c.hidden_size + 2 * c.intermediate_size) * 4 * 4
+    logits = max_batch * c.vocab_size * 4 * 4
+    room = GPU_MEMORY_FRACTION * total - used - act - logits
+    if room <= 2**28:
+        raise ValueError(f"no room for a KV cache on {where}: {used / 2**30:.1f} of {total / 2**30:.1f} GiB in use "
+                         f"with the model loaded, {(act + logits) / 2**30:.1f} GiB wanted for activations; lower the "
+                         "batch size or give kv_cache_gb")
+    return room / 2**30
+
+
 class Engine:
-    def __init__(self, model: LlamaModel, tokenizer, *, block_size: int = 16, kv_cache_gb: float = 4.0,
+    def __init__(self, model: LlamaModel, tokenizer, *, block_size: int = 16, kv_cache_gb: float | None = None,
                  max_batch: int = 64, max_prefill_tokens: int = 4096, sampling: SamplingParams | None = None,
                  signals: str | None = None, mix_prefill: bool = False, cuda_graphs: bool | None = None,
                  prefix_caching: bool = True):
@@ -109,6 +146,11 @@ class Engine:
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         per_block = 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * p.element_size()
+        if kv_cache_gb is None:
+            kv_cache_gb = auto_kv_cache_gb(model, max_batch, max_prefill_tokens)
+        elif kv_cache_gb <= 0:
+            raise ValueError(f"kv_cache_gb must be > 0 (or None: sized from the device's memory), got {kv_cache_gb}")
+        self.kv_cache_gb = kv_cache_gb
         self.pool = KVPool(c.num_layers, max(8, int(kv_cache_gb * 2**30 // per_block)), block_size,
                            c.num_kv_heads, c.head_dim, self.dtype, self.device)
         self.max_batch, self.max_prefill_tokens = max_batch, max_prefill_tokens

@@ -36,7 +36,7 @@ class RunOptions:
     limit: int | None = None
     batch_size: int = 32
     signals: str | None = None
-    kv_cache_gb: float = 8.0
+    kv_cache_gb: float | None = None  # None: 8 GB on a CPU, sized from free memory on a GPU (auto_kv_cache_gb)
     # share the KV of full prompt blocks any sequence already computed (fastrag/cache/kv.py); off: every prompt
     # prefills all but the shared demos and its own sequence's cached tokens
     prefix_caching: bool = True
@@ -124,7 +124,7 @@ def sampling_of(opts: RunOptions):
     return SamplingParams(temperature=opts.temperature, top_p=opts.top_p, seed=opts.seed)
 
 
-def build_engine(model: str, batch_size: int, signals: str | None = None, kv_cache_gb: float = 8.0,
+def build_engine(model: str, batch_size: int, signals: str | None = None, kv_cache_gb: float | None = None,
                  device: str | None = None, dtype: torch.dtype | None = None, sampling=None,
                  prefix_caching: bool = True):
     """sampling: fastrag.engine.SamplingParams (None: greedy)."""
@@ -136,6 +136,8 @@ def build_engine(model: str, batch_size: int, signals: str | None = None, kv_cac
     dtype = dtype or (torch.bfloat16 if device == "cuda" else torch.float32)
     tok = load_tokenizer(model)
     m = LlamaModel.from_pretrained(resolve_model(model), dtype=dtype, device=device)
+    if kv_cache_gb is None and torch.device(device).type == "cpu":
+        kv_cache_gb = 8.0
     return Engine(m, tok, max_batch=batch_size, kv_cache_gb=kv_cache_gb, signals=signals, sampling=sampling,
                   prefix_caching=prefix_caching)
 
@@ -315,6 +317,7 @@ def run_many(runs: list[RunOptions], engine=None, retriever=None) -> list[dict]:
         metrics["sampling"] = {"temperature": sp.temperature, "top_p": sp.top_p, "seed": sp.seed}
         if engine is not None:
             metrics["engine"] = dict(engine.stats)
+            metrics["kv_cache_gb"] = engine.kv_cache_gb
             from fastrag.model.llama import LlamaModel
             from fastrag.perf import model_costs
 

@@ -51,7 +51,9 @@ def _rope_write_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, slot_ptr, q_ptr, k_ptr, v_p
                           stride_kh, stride_ks, stride_vh, stride_vs,
                           H, Hkv, HALF: tl.constexpr, HALF_PAD: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)  # 0..H-1: query heads; H..H+Hkv-1: key heads (the program also copies the value head)
+    # 0..H-1: query heads; H..H+Hkv-1: key heads (the program also copies the value head); int64: a head's offset
+    # in a pool of more than 2**31 elements
+    head = tl.program_id(1).to(tl.int64)
     o = tl.arange(0, HALF_PAD)
     m = o < HALF
     D = 2 * HALF

@@ -29,7 +29,7 @@ def _paged_decode_partial_kernel(
     BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
 ):
     i_b = tl.program_id(0).to(tl.int64)
-    i_kh = tl.program_id(1)
+    i_kh = tl.program_id(1).to(tl.int64)  # int64: a head's offset in a pool of more than 2**31 elements
     i_s = tl.program_id(2)
     n_ctx = tl.load(len_ptr + i_b)
     o_g = tl.arange(0, G_PAD)

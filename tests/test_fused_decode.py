@@ -251,7 +251,7 @@ def test_env_switch(monkeypatch):
     assert llama._fused_decode_ops() == (None, False)
     monkeypatch.setenv(llama.FUSED_DECODE_ENV, "1")
     mod, on_cpu = llama._fused_decode_ops()
-    assert mod is fd and on_cpu == INTERPRETED
+    assert mod._module is fd and mod.add_rms_norm is fd.add_rms_norm and on_cpu == INTERPRETED
     monkeypatch.setenv(llama.FUSED_DECODE_ENV, "yes")
     with pytest.raises(ValueError, match="FASTRAG_FUSED_DECODE='yes'"):
         llama._fused_decode_ops()

@@ -41,7 +41,7 @@ def _tiny_hf(kind: str, tmp_path):
 
 def _forward_all(model: LlamaModel, prompts: list[list[int]], garbage: float | None = None) -> torch.Tensor:
     c = model.c
-    pool = KVPool(c.num_layers, 64, 8, c.num_kv_heads, c.head_dim)
+    pool = KVPool(c.num_layers, 64, 8, c.num_kv_heads, c.head_dim, next(model.parameters()).dtype)
     if garbage is not None:  # stale values in slots no sequence owns (a freed block) must not leak into attention
         for t in pool.k + pool.v:
             t.uniform_(-garbage, garbage)
@@ -83,6 +83,28 @@ def test_tiny_models_match_transformers(kind, tmp_path):
             off += len(p)
             rel = ((mine - ref).abs().max() / ref.abs().max()).item()
             assert rel <= 1e-4, f"{kind}, {len(p)} tokens: relative logit error {rel:.2e}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_loading_in_half_precision_holds_half_precision_weights(dtype, tmp_path):
+    # an HF directory loaded with dtype=bf16 once came back float32 (the meta-device skeleton kept the default
+    # dtype): a GPU engine then ran at twice the weight bytes with a float32 KV cache
+    hf = _tiny_hf("llama3-rope", tmp_path)
+    full = LlamaModel.from_pretrained(tmp_path)
+    half = LlamaModel.from_pretrained(tmp_path, dtype=dtype)
+    assert {p.dtype for p in half.parameters()} == {dtype}
+    assert half.inv_freq.dtype == torch.float32 and torch.equal(half.inv_freq, full.inv_freq)
+    assert sum(p.numel() * p.element_size() for p in half.parameters()) * 2 == \
+        sum(p.numel() * p.element_size() for p in full.parameters())
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 97, (n,), generator=g).tolist() for n in (7, 60)]
+    ref, out = _forward_all(full, prompts), _forward_all(half, prompts)
+    assert out.dtype == torch.float32 and torch.isfinite(out).all()
+    rel = ((out - ref).norm() / ref.norm()).item()
+    assert rel < 3e-2, rel  # half-precision weights and activations, float32 logits
+    with torch.no_grad():  # and the float32 load is still the transformers model's function
+        want = hf(torch.tensor([prompts[1]])).logits[0]
+    torch.testing.assert_close(ref[7:], want, atol=2e-4, rtol=2e-4)  # the logits of all prompts' tokens, packed
 
 
 def test_random_init_from_config_has_real_shapes():
@@ -285,3 +307,33 @@ def test_small_kv_pool_waits_and_evicts_instead_of_failing():
     with pytest.raises(ValueError, match=r"137 tokens .* 8 KV blocks .* raise --kv-cache-gb"):
         eng.start(s, list(range(1, 40)) * 3, 20)
     assert not eng.has_work
+
+
+def test_kv_pool_is_sized_from_the_device_memory_when_not_given():
+    from types import SimpleNamespace
+
+    from fastrag.engine import CPU_KV_CACHE_GB, GPU_MEMORY_FRACTION, Engine, kv_room_gb
+
+    # Llama-2-7B shape on an 80 GB GPU with its bf16 weights loaded: the pool takes the planned share of the device
+    # less the weights and the activation room, about 48 GiB (a fixed 8 GB pool held ten questions at once there)
+    c = SimpleNamespace(hidden_size=4096, intermediate_size=11008, vocab_size=32000)
+    total, used = 80 * 10**9, 14 * 10**9
+    gb = kv_room_gb(c, total, used, max_batch=128, max_prefill_tokens=4096)
+    act = 4096 * (4 * 4096 + 2 * 11008) * 16 + 128 * 32000 * 16
+    assert gb == pytest.approx((GPU_MEMORY_FRACTION * total - used - act) / 2**30)
+    assert 40 < gb < 50
+    # a bigger batch or prefill chunk leaves less; a device that is nearly full is refused, saying what to change
+    assert kv_room_gb(c, total, used, 256, 16384) < gb
+    with pytest.raises(ValueError, match="kv_cache_gb"):
+        kv_room_gb(c, total, int(0.79 * total), 128, 4096)
+    # on a CPU the engine keeps its fixed default; a size given is used as given, a size <= 0 is refused
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, eos_token_id=None)
+    m = LlamaModel.from_hf_config(cfg, seed=0)
+    tok = SimpleNamespace(eos_token_id=None)
+    assert Engine(m, tok).kv_cache_gb == CPU_KV_CACHE_GB
+    assert Engine(m, tok, kv_cache_gb=0.01).kv_cache_gb == 0.01
+    with pytest.raises(ValueError, match="kv_cache_gb must be > 0"):
+        Engine(m, tok, kv_cache_gb=0)

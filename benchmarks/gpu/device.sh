@@ -39,10 +39,17 @@ torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')"
     mkdir -p "$SITE" /tmp/fastrag_data
     tar xJf "$C/site.tar.xz" -C "$SITE"
     tar xJf "$C/data.tar.xz" -C /tmp/fastrag_data
-    # the GPU image's torch/transformers/triton stay; the extension is built against that torch (CUDA kernels too)
+    # the GPU image's torch/transformers/triton stay; the extension is built against that torch (CUDA kernels too).
+    # The image's CXX (/opt/gcc/bin/g++) is not the compiler of the libstdc++ the process loads at run time: an
+    # extension it builds defines parts of libstdc++ itself (138 symbols on 2026-11-24), and formatting the message of
+    # a failing TORCH_CHECK crashed inside them (backtrace in benchmarks/gpu/NOTES.md). The system g++ matches it.
+    if [ -x /usr/bin/g++ ] && [ -x /usr/bin/gcc ]; then export CXX=/usr/bin/g++ CC=/usr/bin/gcc; fi
+    echo "building with CXX=${CXX:-unset} ($(${CXX:-c++} --version | head -1))"
     # -v: the compile and link commands go to setup.log (what the diag stage reads them against)
     $PY -m pip install -v --no-deps --no-build-isolation --no-index -e . || return 1
     $PY -c "import fastrag._C as C; print('fastrag._C built; CUDA kernels:', hasattr(C, 'decode_signals_cuda'))"
+    echo "libstdc++ symbols defined in _C: $(nm -C --defined-only fastrag/_C*.so \
+        | grep -c -E 'std::locale::|std::ios_base::Init')"
     touch /tmp/fastrag_setup_done
 }
 
@@ -103,7 +110,8 @@ except RuntimeError as e:
                 tests/test_paged_attention.py tests/test_signals.py tests/test_cache.py tests/test_fused_decode.py
             ;;
         kernels) stage kernels $PY benchmarks/bench_kernels.py ;;
-        decode) stage decode $PY benchmarks/bench_decode.py ;;
+        # DECODE_ARGS: e.g. "--ctx 4096 --name decode_gpu_4k" (other cells into their own table)
+        decode) stage decode $PY benchmarks/bench_decode.py ${DECODE_ARGS:-} ;;
         attn) stage attn $PY benchmarks/bench_paged_attention.py ;;
         model)
             [ -f "$MODEL/config.json" ] || stage model $PY benchmarks/make_random_model.py \
@@ -112,7 +120,8 @@ except RuntimeError as e:
         e2e)
             stage e2e $PY benchmarks/bench_e2e.py --model "$MODEL" --data-dir /tmp/fastrag_data \
                 --limit "${E2E_LIMIT:-64}" --batch-size "${E2E_BATCH:-128}" --oracle-limit "${E2E_ORACLE_LIMIT:-3}" \
-                --tuned-oracle-limit "${E2E_TUNED_LIMIT:-6}" --output /tmp/fastrag_runs/bench_e2e
+                --tuned-oracle-limit "${E2E_TUNED_LIMIT:-6}" --output /tmp/fastrag_runs/bench_e2e \
+                ${E2E_PROFILE:+--profile "$OUT/results/e2e_engine.prof"} ${E2E_ARGS:-}
             for f in /tmp/fastrag_runs/bench_e2e/*/engine/metrics.json; do  # also when the oracle part was cut short
                 [ -f "$f" ] && cp "$f" "$OUT/results/e2e_engine_$(basename "$(dirname "$(dirname "$f")")").json"
             done

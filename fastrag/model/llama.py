@@ -85,7 +85,32 @@ def _fused_decode_ops():
         if mode == "1":
             raise RuntimeError(f"${FUSED_DECODE_ENV}=1 but the Triton kernels do not import: {e}") from e
         return None, False
-    return fused_decode, mode == "1" and INTERPRETED
+    return _ModuleRef(fused_decode), mode == "1" and INTERPRETED
+
+
+class _ModuleRef:
+    """A module's functions as attributes, copied and pickled by reference (a model that holds a module itself
+    cannot be deep-copied or sent to another process)."""
+
+    def __init__(self, module):
+        self._module = module
+
+    def __getattr__(self, name):
+        if name == "_module":  # not set yet (during unpickling)
+            raise AttributeError(name)
+        return getattr(self._module, name)
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __reduce__(self):
+        return _import_module_ref, (self._module.__name__,)
+
+
+def _import_module_ref(name: str) -> _ModuleRef:
+    import importlib
+
+    return _ModuleRef(importlib.import_module(name))
 
 
 @dataclass(slots=True)
@@ -283,7 +308,11 @@ class LlamaModel(nn.Module):
             for m in model.modules():
                 if isinstance(m, RMSNorm):
                     m.weight.data.fill_(1.0)
-            model.to(dtype)
+        # on "meta" too: from_pretrained allocates the real tensors from these (to_empty), in this dtype. The rotary
+        # frequencies stay float32 (positions x inv_freq in bf16 would be off by whole radians at long positions)
+        inv = model.inv_freq
+        model.to(dtype)
+        model.inv_freq = inv
         return model
 
     def _load_hf_state_dict(self, sd: dict, dtype, device):

@@ -225,7 +225,7 @@ def prometheus_text(m: dict) -> str:
 
 def serve(model: str = "smollm2", corpus: str | None = None, retriever: str = "bm25", host: str = "127.0.0.1",
           port: int = 8000, batch_size: int = 32, max_queue: int = 256, timeout_s: float = 600.0,
-          kv_cache_gb: float = 8.0, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0) -> None:
+          kv_cache_gb: float | None = None, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0) -> None:
     """Serve the HTTP API (create_app). temperature/top_p/seed: the engine's decoding for every request (greedy by
     default); a request's sampling keys come from its id (the client's qid, else its arrival number)."""
     import uvicorn
