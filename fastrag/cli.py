@@ -27,8 +27,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=32, help="questions in flight (decode batch)")
     p.add_argument("--signals", help="signal backend (torch | cpp); default env FASTRAG_SIGNALS_BACKEND or torch")
     p.add_argument("--kv-cache-gb", type=float, default=None,
-                   help="KV cache pool size in GB (default: 8 on a CPU; on a GPU 90%% of the memory left free after "
-                        "the model and its activations)")
+                   help="KV cache pool size in GiB (default: 8 on a CPU; on a GPU 80%% of the device's memory less "
+                        "the model and room for activations)")
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="do not share the KV of prompt blocks another sequence already computed")
     p.add_argument("--threads", type=int, help="torch CPU threads")

@@ -36,7 +36,7 @@ class RunOptions:
     limit: int | None = None
     batch_size: int = 32
     signals: str | None = None
-    kv_cache_gb: float | None = None  # None: 8 GB on a CPU, sized from free memory on a GPU (auto_kv_cache_gb)
+    kv_cache_gb: float | None = None  # None: 8 GiB on a CPU, sized from the device's memory on a GPU (auto_kv_cache_gb)
     # share the KV of full prompt blocks any sequence already computed (fastrag/cache/kv.py); off: every prompt
     # prefills all but the shared demos and its own sequence's cached tokens
     prefix_caching: bool = True
