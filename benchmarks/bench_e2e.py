@@ -23,6 +23,7 @@ import json
 import platform
 import shutil
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -116,7 +117,7 @@ def main() -> None:
     ap.add_argument("--separate-engine-runs", action="store_true",
                     help="one engine job per dataset (default: all datasets' questions in one engine run)")
     ap.add_argument("--kv-cache-gb", type=float, default=None,
-                    help="the engine's KV pool (default: the engine's own, sized from the device's free memory)")
+                    help="the engine's KV pool in GiB (default: the engine's own, sized from the device's memory)")
     ap.add_argument("--warmup", type=int, default=0,
                     help="first run the engine on this many questions per dataset (untimed, own output folder): "
                          "the timed run then starts with the Triton kernels compiled, as a long-running job does")
@@ -145,21 +146,15 @@ def main() -> None:
     if not (args.report_only or args.keep_engine):
         for ds in args.datasets:
             shutil.rmtree(outs[ds] / "engine", ignore_errors=True)
-        warm_s = None
-        if args.warmup:
-            import time
-
+        if args.warmup:  # (the timed engine frees what this one left before sizing its pool: auto_kv_cache_gb)
             t0 = time.perf_counter()
             warm = [replace(opts[ds], output=str(Path(args.output) / "warmup" / ds), limit=args.warmup)
                     for ds in args.datasets]
             for o in warm:
                 shutil.rmtree(o.output, ignore_errors=True)
             run_many(warm)
-            warm_s = time.perf_counter() - t0
-            gc.collect()  # the warm-up engine's KV pool goes back before the timed engine sizes its own
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-            print(f"warm-up: {args.warmup} questions per dataset in {warm_s:.1f} s (not timed)", flush=True)
+            print(f"warm-up: {args.warmup} questions per dataset in {time.perf_counter() - t0:.1f} s (not timed)",
+                  flush=True)
         prof = None
         if args.profile:
             import cProfile
@@ -185,7 +180,7 @@ def main() -> None:
             print(f"engine {ds}:", json.dumps({k: m.get(k) for k in keep}), flush=True)
             for r in floor_rows([ds], [m], "joint" in m, figures):
                 print(f"engine {ds} vs device floor:", json.dumps(r), flush=True)
-    gc.collect()  # the engine (weights and a KV pool sized to the free memory) goes back before the oracles load
+    gc.collect()  # the engine (weights and a KV pool sized to the device) goes back before the oracles load
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     rows, reports = [], {}
