@@ -65,11 +65,25 @@ def report_from(out: Path, eng, orc) -> dict:
     return rep
 
 
+def tok_rate(qps, results, key):
+    """Tokens of one kind per second: questions/s times that kind's tokens per question."""
+    return qps * per_q(results, key) if qps and results else None
+
+
 def row(name, eng, orc, rep) -> dict:
+    """One dataset (or all). With random-initialised weights the engine (bf16) and the oracle (fp32) decode different
+    tokens, so a question may take more or fewer DRAGIN rounds on one side: the tokens per question and per second
+    beside the questions/s say whether both did the same work (speedup_per_decode_token is the ratio of decode
+    tokens/s)."""
     e_qps, o_qps = rep["engine_questions_per_s"], rep["oracle_questions_per_s"]
+    e_dec, o_dec = tok_rate(e_qps, eng, "decode_tokens"), tok_rate(o_qps, orc, "decode_tokens")
     return {
         "dataset": name, "n_engine": len(eng), "n_oracle": len(orc), "n_compared": rep["n"],
         "engine_q_per_s": e_qps, "oracle_q_per_s": o_qps, "speedup": (e_qps / o_qps) if e_qps and o_qps else None,
+        "speedup_per_decode_token": e_dec / o_dec if e_dec and o_dec else None,
+        "engine_prefill_tok_per_s": tok_rate(e_qps, eng, "prefill_tokens"),
+        "oracle_prefill_tok_per_s": tok_rate(o_qps, orc, "prefill_tokens"),
+        "engine_decode_tok_per_s": e_dec, "oracle_decode_tok_per_s": o_dec,
         "engine_prefill_tok_per_q": per_q(eng, "prefill_tokens"), "oracle_prefill_tok_per_q": per_q(orc, "prefill_tokens"),
         "engine_decode_tok_per_q": per_q(eng, "decode_tokens"), "oracle_decode_tok_per_q": per_q(orc, "decode_tokens"),
         "engine_retrievals_per_q": per_q(eng, "retrievals"), "oracle_retrievals_per_q": per_q(orc, "retrievals"),
@@ -118,6 +132,9 @@ def main() -> None:
                     help="one engine job per dataset (default: all datasets' questions in one engine run)")
     ap.add_argument("--kv-cache-gb", type=float, default=None,
                     help="the engine's KV pool in GiB (default: the engine's own, sized from the device's memory)")
+    ap.add_argument("--overlap", choices=("auto", "on", "off"), default="auto",
+                    help="the scheduler runs the methods' own logic while the device decodes the next step (auto: "
+                         "on a GPU); time 'off' beside it to see what the overlap gives")
     ap.add_argument("--warmup", type=int, default=0,
                     help="first run the engine on this many questions per dataset (untimed, own output folder): "
                          "the timed run then starts with the Triton kernels compiled, as a long-running job does")
@@ -133,7 +150,8 @@ def main() -> None:
     opts = {ds: RunOptions(method="dragin", dataset=ds, data=str(data_dir / FILES[ds]),
                            corpus=str(data_dir / "corpus" / "wiki_passages.jsonl"),
                            output=str(outs[ds] / "engine"), limit=args.limit, batch_size=args.batch_size,
-                           model=args.model, kv_cache_gb=args.kv_cache_gb)
+                           model=args.model, kv_cache_gb=args.kv_cache_gb,
+                           overlap={"auto": None, "on": True, "off": False}[args.overlap])
             for ds in args.datasets}
     from fastrag.perf import measure_device
 
@@ -175,8 +193,8 @@ def main() -> None:
         for ds in args.datasets:  # in the log at once: a run cut short still says where the engine's time went
             m = json.loads((outs[ds] / "engine" / "metrics.json").read_text())
             keep = ("n", "questions_per_s", "wall_s", "prefill_tokens_per_question", "decode_tokens_per_question",
-                    "retrievals_per_question", "joint", "kv_cache_gb", "engine", "step_seconds", "retrieval",
-                    "cuda_graphs")
+                    "retrievals_per_question", "joint", "kv_cache_gb", "engine", "step_seconds", "overlap",
+                    "retrieval", "cuda_graphs")
             print(f"engine {ds}:", json.dumps({k: m.get(k) for k in keep}), flush=True)
             for r in floor_rows([ds], [m], "joint" in m, figures):
                 print(f"engine {ds} vs device floor:", json.dumps(r), flush=True)
@@ -224,12 +242,27 @@ def main() -> None:
             tuned_all += read_results(outs[ds] / "oracle-tuned" / "results.jsonl")
         t_rep = compare(eng_all, tuned_all, method_decisions("dragin"))
         e_qps, t_qps, p_qps = rep_all["engine_questions_per_s"], _rate(tuned_all), _rate(orc_all)
+        # the published recipe on the tuned recipe's questions: with random weights the two decode different tokens
+        # (fp32 vs bf16), so their rounds, and hence their work per question, may differ (2026-11-24: 2 questions,
+        # 39.4 s/q tuned vs 12.3 s/q published); the per-token rates say whether either is slower per unit of work
+        qids = {r.qid for r in tuned_all}
+        same = [r for r in orc_all if r.qid in qids]
+        s_qps = _rate(same)
+        e_dec, t_dec = tok_rate(e_qps, eng_all, "decode_tokens"), tok_rate(t_qps, tuned_all, "decode_tokens")
         tuned_rows.append({"n_tuned_oracle": len(tuned_all), "tuned_oracle_q_per_s": t_qps,
                            "published_oracle_q_per_s": p_qps, "engine_q_per_s": e_qps,
                            "engine_vs_tuned": e_qps / t_qps if e_qps and t_qps else None,
                            "engine_vs_published": e_qps / p_qps if e_qps and p_qps else None,
+                           "engine_vs_tuned_per_decode_token": e_dec / t_dec if e_dec and t_dec else None,
+                           "tuned_prefill_tok_per_s": tok_rate(t_qps, tuned_all, "prefill_tokens"),
+                           "tuned_decode_tok_per_s": t_dec,
                            "tuned_prefill_tok_per_q": per_q(tuned_all, "prefill_tokens"),
                            "tuned_decode_tok_per_q": per_q(tuned_all, "decode_tokens"),
+                           "tuned_retrievals_per_q": per_q(tuned_all, "retrievals"),
+                           "n_published_same_questions": len(same), "published_q_per_s_same_questions": s_qps,
+                           "published_decode_tok_per_s_same_questions": tok_rate(s_qps, same, "decode_tokens"),
+                           "published_decode_tok_per_q_same_questions": per_q(same, "decode_tokens"),
+                           "published_retrievals_per_q_same_questions": per_q(same, "retrievals"),
                            "agreement_engine_vs_tuned": t_rep["agreement"]})
         reports["tuned_oracle"] = tuned_rows[0]
     reports["all"] = {k: v for k, v in rep_all.items() if k != "disagreements"} | {
@@ -247,6 +280,8 @@ def main() -> None:
             f"- settings: DRAGIN paper Table 9 per dataset, greedy; engine batch {args.batch_size}\n"
             f"- engine: {'one run per dataset' if reports['all']['engine_mode'] == 'separate' else 'one joint run over all datasets (per-dataset speed not separable: see the all row)'}; "
             f"engine wall {e_wall:.0f} s for {n_e} questions\n"
+            f"- scheduler overlap (the methods' host logic run while the device decodes the next step): "
+            f"{args.overlap if args.overlap != 'auto' else ('on' if torch.cuda.is_available() else 'off')}\n"
             + (f"- warm-up: before the timed run, an untimed engine run over the first {args.warmup} questions "
                f"of each dataset (Triton kernels compiled)\n" if args.warmup else "")
             + f"- command: `{cmd}`\n\n")

@@ -99,6 +99,17 @@ class SeqState:
         return self.base + self.table.num_tokens
 
 
+@dataclass(eq=False)
+class PendingStep:
+    """A launched engine step (`Engine.step_launch`) whose decode results are not yet on the host."""
+
+    finished: list  # sequences the step's prefill already finished (a generation of one token, or an EOS)
+    batch: list = field(default_factory=list)  # the decode batch
+    ready: list = field(default_factory=list)  # rows of batch that sample a token this step
+    sampled: tuple | None = None  # (host tensor [3, len(ready)], CUDA event or None)
+    decode_s: float = 0.0  # host seconds of the launch's decode part
+
+
 CPU_KV_CACHE_GB = 4.0  # the pool on a CPU when none is asked for
 # share of the GPU's memory the engine plans to use in all (weights, KV pool, activations) when sizing its pool
 GPU_MEMORY_FRACTION = 0.8
@@ -370,6 +381,16 @@ class Engine:
 
         Returns the sequences whose generation finished in this step (their `out` is complete).
         """
+        return self.step_finish(self.step_launch())
+
+    @torch.inference_mode()
+    def step_launch(self) -> "PendingStep":
+        """`step()`'s first half: the prefill (which ends in a host copy of its sampled tokens), then the decode
+        step's kernels and the non-blocking copy of its sampled tokens and signals to pinned host memory. On a GPU
+        it returns while the device still runs the decode step, so the caller can do host work (the methods' own
+        logic for sequences that finished earlier) until `step_finish`. Between the two, the caller may start,
+        release or drop other sequences (stream order keeps their blocks safe), but must not launch another step.
+        """
         finished: list[SeqState] = []
         t0 = time.perf_counter()
         if self.waiting:
@@ -414,30 +435,49 @@ class Engine:
                 computing.update(s.keys[nxt:end])
             if group:
                 logits = self._prefill([(s, s.pending_prompt) for s in group], want_logits=True)
-                for s, row in zip(group, logits):
+                for s in group:
                     s.pending_prompt = []
-                    if s.computed < len(s.tokens):  # tracked tokens follow, fed one per decode step
-                        self.running.append(s)
-                    elif self._append(s, row.unsqueeze(0))[0]:
-                        finished.append(s)
-                    else:
-                        self.running.append(s)
+                # the first token of every prefilled generation in one signals call and one host copy (a sequence
+                # with tracked tokens still to feed samples nothing yet: they go in one per decode step)
+                rows = [i for i, s in enumerate(group) if s.computed == len(s.tokens)]
+                done = dict(zip(rows, self._append_batch(
+                    [group[i] for i in rows], logits if len(rows) == len(group) else logits[rows]))) if rows else {}
+                for i, s in enumerate(group):
+                    (finished if done.get(i, False) else self.running).append(s)
         t1 = time.perf_counter()
         self.stats["prefill_s"] += t1 - t0
+        st = PendingStep(finished)
         if self.running:
-            batch = self.running[: self.max_batch]
+            st.batch = batch = self.running[: self.max_batch]
             logits = self._decode(batch)
             # a sequence still feeding the tracked tokens of its prompt samples nothing this step
-            ready = [i for i, s in enumerate(batch) if s.computed == len(s.tokens)]
+            st.ready = [i for i, s in enumerate(batch) if s.computed == len(s.tokens)]
+            if len(st.ready) == len(batch):
+                st.sampled = self._sample_launch(batch, logits)
+            elif st.ready:
+                st.sampled = self._sample_launch([batch[i] for i in st.ready], logits[st.ready])
+            st.decode_s = time.perf_counter() - t1
+        return st
+
+    @torch.inference_mode()
+    def step_finish(self, st: "PendingStep") -> list[SeqState]:
+        """`step()`'s second half: wait for the launched step's host copy, append the sampled tokens, and return the
+        sequences whose generation finished (the prefill's and the decode step's)."""
+        finished = st.finished
+        if st.batch:
+            t1 = time.perf_counter()
+            batch = st.batch
             done = [False] * len(batch)
-            if len(ready) == len(batch):
-                done = self._append_batch(batch, logits)
-            elif ready:
-                for i, d in zip(ready, self._append_batch([batch[i] for i in ready], logits[ready])):
+            if st.sampled is not None:
+                ready = [batch[i] for i in st.ready]
+                for i, d in zip(st.ready, self._sample_finish(ready, st.sampled)):
                     done[i] = d
-            self.running = [s for s, d in zip(batch, done) if not d] + self.running[self.max_batch:]
-            finished += [s for s, d in zip(batch, done) if d]
-            self.stats["decode_s"] += time.perf_counter() - t1
+            # sequences released while the step ran (their question ended) leave the batch for good
+            gone = {id(s) for s in batch}
+            keep = [s for s, d in zip(batch, done) if not d and id(s) in self.live]
+            self.running = keep + [s for s in self.running if id(s) not in gone]
+            finished += [s for s, d in zip(batch, done) if d and id(s) in self.live]
+            self.stats["decode_s"] += st.decode_s + time.perf_counter() - t1
         for s in finished:
             if s.amax is not None:
                 s.out.attn = s.amax[:, : len(s.tokens) - s.track_from].mean(0).tolist()
@@ -481,6 +521,13 @@ class Engine:
         return freed
 
     def _append_batch(self, seqs: list[SeqState], logits: torch.Tensor) -> list[bool]:
+        """Sample one token per row of logits for seqs and append it; returns which generations finished."""
+        return self._sample_finish(seqs, self._sample_launch(seqs, logits))
+
+    def _sample_launch(self, seqs: list[SeqState], logits: torch.Tensor):
+        """Launch the fused decode-signals kernel over logits and the one host copy of its results per step
+        ([3, B] float64: token ids, entropies, log-probabilities; ids < 2^53 are exact). On a GPU the copy goes
+        to pinned memory without waiting: returns (host tensor, CUDA event), the event marking the copy done."""
         # Greedy, temperature and top-p sampling all happen inside the fused decode-signals kernel (argmax, or a
         # Gumbel-max draw over the nucleus keyed per token); entropy and logprob are those of the distribution
         # the token is drawn from (DESIGN.md "Signals").
@@ -491,8 +538,19 @@ class Engine:
                                 dtype=torch.int64)
             keys = self._h2d(keys) if logits.device == self.device else keys.to(logits.device)
         sig = self.signals.decode_signals(logits, temperature=sp.temperature, rng_keys=keys, top_p=sp.top_p)
-        # the one host copy per step: [3, B] (token ids < 2^53 are exact in float64)
-        host = torch.stack([sig.chosen.double(), sig.entropy.double(), sig.logprob.double()]).cpu()
+        dev = torch.stack([sig.chosen.double(), sig.entropy.double(), sig.logprob.double()])
+        if dev.device.type != "cuda":
+            return dev, None
+        host = torch.empty(dev.shape, dtype=dev.dtype, pin_memory=True)
+        host.copy_(dev, non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record()
+        return host, ev
+
+    def _sample_finish(self, seqs: list[SeqState], sampled) -> list[bool]:
+        host, ev = sampled
+        if ev is not None:
+            ev.synchronize()  # the step's one host synchronisation
         chosen, ent, logp = host[0].long().tolist(), host[1].tolist(), host[2].tolist()
         done = []
         for s, t, h, lp in zip(seqs, chosen, ent, logp):
@@ -508,9 +566,6 @@ class Engine:
                 s.on_token(t)
             done.append(len(s.out.ids) >= s.max_new)
         return done
-
-    def _append(self, s: SeqState, logits: torch.Tensor) -> list[bool]:
-        return self._append_batch([s], logits)
 
     def _prefill(self, items: list[tuple[SeqState, list[int]]], want_logits: bool, decode: bool = False):
         """Compute KV for each sequence's new tokens (padded batch). Returns last-token logits [B, V].

@@ -41,6 +41,8 @@ class RunOptions:
     # prefills all but the shared demos and its own sequence's cached tokens
     prefix_caching: bool = True
     threads: int | None = None
+    # the methods' host logic runs while the device decodes the next step (Scheduler.overlap); None: on a GPU
+    overlap: bool | None = None
     progress: bool = True
     retriever: str = "bm25"  # bm25 | dense | elasticsearch (fastrag.retrieval.RETRIEVERS)
     qids: tuple[str, ...] | None = None  # only these questions of the file (a shard of a distributed run)
@@ -291,7 +293,7 @@ def run_many(runs: list[RunOptions], engine=None, retriever=None) -> list[dict]:
             # twice the decode batch in flight: questions waiting on attention passes or retrieval do not
             # leave holes in the decode batch
             sched = Scheduler(engine, retriever, lambda ex: policies[which[id(ex)]](ex),
-                              max_inflight=2 * first.batch_size)
+                              max_inflight=2 * first.batch_size, overlap=first.overlap)
             sched.run(todo, on_result, pass_example=True)
         finally:
             bar.close()
@@ -337,6 +339,7 @@ def run_many(runs: list[RunOptions], engine=None, retriever=None) -> list[dict]:
             # where the wall time went (host seconds; engine = prefill_s + decode_s of "engine" above, plus the
             # step's bookkeeping); retrieval runs in a worker thread, beside these
             metrics["step_seconds"] = dict(sched.step_seconds)
+            metrics["overlap"] = sched.overlap
         (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
         out_metrics.append(metrics)
     return out_metrics

@@ -132,9 +132,18 @@ class Scheduler:
     (`Generation.reused`, nothing prefilled or decoded; `reused_generations` counts them).
     """
 
-    def __init__(self, engine: Engine, retriever, policy: Policy | None = None, max_inflight: int = 64):
+    def __init__(self, engine: Engine, retriever, policy: Policy | None = None, max_inflight: int = 64,
+                 overlap: bool | None = None):
         self.engine, self.retriever, self.policy = engine, retriever, policy
         self.max_inflight = max_inflight
+        # run the methods' host logic while the device decodes (step()); None: on when the engine is on a GPU,
+        # where the decode step runs asynchronously (on a CPU nothing overlaps, and results would only come later)
+        if overlap is None:
+            overlap = getattr(getattr(engine, "device", None), "type", None) == "cuda"
+        if overlap and not hasattr(engine, "step_launch"):
+            raise ValueError(f"overlap needs an engine with step_launch/step_finish; {type(engine).__name__} has "
+                             "only step()")
+        self.overlap = overlap
         self.search_batches: list[int] = []
         self.search_seconds = 0.0
         # host seconds of step() by part: the engine's step, batched attention passes, and the rest (the methods'
@@ -146,7 +155,8 @@ class Scheduler:
         self._tickets: dict[int, Ticket] = {}  # id(live) -> ticket
         self._pool: ThreadPoolExecutor | None = None
         self._search: tuple[Future, list] | None = None
-        self._ready: list[tuple[_Live, int | None, object]] = []  # results known at dispatch (reused generations)
+        # results to hand over at the next step: reused generations (known at dispatch), and with overlap all
+        self._ready: list[tuple[_Live, int | None, object]] = []
         self.reused_generations = 0
 
     # ------------------------------------------------------------------ batch use
@@ -210,9 +220,23 @@ class Scheduler:
 
     def step(self) -> bool:
         """Admit questions up to max_inflight, serve one round of batched requests (attention passes, a retrieval
-        batch, one engine step). Returns whether anything progressed."""
+        batch, one engine step). Returns whether anything progressed.
+
+        With `overlap`, the engine step is launched first and the results known from earlier (finished
+        generations, attention passes, searches) are handed to their questions while the device runs it: the
+        methods' own logic (sentence splitting, POS tagging, thresholds, prompt building) then takes no time of its
+        own on a GPU. Each result reaches its question one step later than without overlap; what every question
+        decides is the same either way.
+        """
         t0 = time.perf_counter()
         t_eng = t_attn = 0.0
+        progressed = False
+        launched = None
+        if self.overlap and self.engine.has_work:
+            te = time.perf_counter()
+            launched = self.engine.step_launch()
+            t_eng += time.perf_counter() - te
+            progressed = True
         while self._todo and len(self._live) < self.max_inflight:
             t = self._todo.popleft()
             lv = _Live(t.example, t.policy(t.example), {}, time.perf_counter(), t.on_result, t.on_event)
@@ -220,8 +244,8 @@ class Scheduler:
             self._live[id(lv)] = lv
             self._tickets[id(lv)] = t
             self._advance(lv, None)
-        progressed = False
-        if self._ready:  # generations answered by an identical earlier one
+            progressed = True
+        if self._ready:  # results held back for this step: reused generations, and with overlap every result
             ready, self._ready = self._ready, []
             for lv, i, g in ready:
                 self._deliver(lv, i, g)
@@ -234,7 +258,7 @@ class Scheduler:
                 res = self.engine.attention_passes([r.ids for _, _, r in items], kind)
                 t_attn += time.perf_counter() - ta
                 for (lv, i, _), r in zip(items, res):
-                    self._deliver(lv, i, r)
+                    self._result(lv, i, r)
                 progressed = True
         # retrieval: submit a batch if none is in flight; collect a finished one
         if self._search is None:
@@ -245,7 +269,8 @@ class Scheduler:
                 for lv, _, r in items:
                     self._emit(lv, "search", {"query": r.query, "k": r.k})
                 self._search = (self._pool.submit(self._run_search, [r for _, _, r in items]), items)
-        if self._search is not None and (self._search[0].done() or not self.engine.has_work):
+        if self._search is not None and (self._search[0].done()
+                                         or not (self.engine.has_work or launched or self._ready)):
             fut, items = self._search
             self._search = None
             docs = fut.result()
@@ -253,30 +278,36 @@ class Scheduler:
                 if id(lv) in self._live:
                     self._emit(lv, "documents", {"query": r.query, "doc_ids": [x.id for x in d],
                                                  "titles": [x.title for x in d]})
-                self._deliver(lv, i, d)
+                self._result(lv, i, d)
             progressed = True
-        if self.engine.has_work:
+        if launched is None and not self.overlap and self.engine.has_work:
             te = time.perf_counter()
             finished = self.engine.step()
-            t_eng = time.perf_counter() - te
-            for seq in finished:
-                hit = self._by_seq.get(id(seq))
-                if hit is None:  # its question ended while it ran
-                    continue
-                lv, i = hit
-                waiting = []
-                if lv.one_shot.pop(id(seq), None) is not None:
-                    self._by_seq.pop(id(seq), None)
-                    self.engine.release(seq)  # one-shot: its KV is never reused
-                    key = lv.memo_key.pop(id(seq), None)
-                    if key is not None:
-                        # kept as a copy: the policy owns the Generation it is handed and may change it
-                        waiting, lv.memo[key] = lv.memo[key], _reused(seq.out)
-                out = seq.out
-                self._deliver(lv, i, out)
-                for j in waiting:
-                    self._deliver(lv, j, _reused(out))
+            t_eng += time.perf_counter() - te
             progressed = True
+        elif launched is not None:
+            te = time.perf_counter()
+            finished = self.engine.step_finish(launched)
+            t_eng += time.perf_counter() - te
+        else:
+            finished = []
+        for seq in finished:
+            hit = self._by_seq.get(id(seq))
+            if hit is None:  # its question ended while it ran
+                continue
+            lv, i = hit
+            waiting = []
+            if lv.one_shot.pop(id(seq), None) is not None:
+                self._by_seq.pop(id(seq), None)
+                self.engine.release(seq)  # one-shot: its KV is never reused
+                key = lv.memo_key.pop(id(seq), None)
+                if key is not None:
+                    # kept as a copy: the policy owns the Generation it is handed and may change it
+                    waiting, lv.memo[key] = lv.memo[key], _reused(seq.out)
+            out = seq.out
+            self._result(lv, i, out)
+            for j in waiting:
+                self._result(lv, j, _reused(out))
         sec = self.step_seconds
         sec["engine"] += t_eng
         sec["attention_passes"] += t_attn
@@ -285,6 +316,14 @@ class Scheduler:
             stuck = [type(lv.request).__name__ for lv in self._live.values()]
             raise RuntimeError(f"scheduler made no progress; pending requests: {stuck}")
         return progressed
+
+    def _result(self, lv: _Live, idx: int | None, value) -> None:
+        """A request's result: handed to its question now, or with overlap at the start of the next step (while
+        the device runs that step's decode)."""
+        if self.overlap:
+            self._ready.append((lv, idx, value))
+        else:
+            self._deliver(lv, idx, value)
 
     # ------------------------------------------------------------------ internals
     def _emit(self, lv: _Live, kind: str, data: dict) -> None:

@@ -145,13 +145,13 @@ def test_prefix_blocks_are_one_physical_copy_shared_by_every_sequence(model):
 
 def _capture_logits(eng):
     seen = []
-    real = eng._append_batch  # every decode step's logits [B, V] pass through here to the fused signal kernel
+    real = eng._sample_launch  # every decode step's logits [B, V] pass through here to the fused signal kernel
 
     def spy(seqs, logits):
         seen.append(logits.detach().clone())
         return real(seqs, logits)
 
-    eng._append_batch = spy
+    eng._sample_launch = spy
     return seen
 
 

@@ -204,6 +204,8 @@ def test_real_question_structural_invariants():
         assert isinstance(res.text, str) and isinstance(res.prediction, str) and res.prediction.strip()
         assert res.prefill_tokens > 0 and res.decode_tokens > 0 and res.wall_s > 0
         assert res.retrievals == sum(r.query is not None for r in res.rounds)
+        # every generate call counted (plain rounds, retrieval rounds, the evaluator's answer generation)
+        assert res.llm_calls == len(generated) >= len(res.rounds) + res.retrievals
         for r in res.rounds:
             if r.query is None:
                 assert r.trigger_sentence is None and not r.doc_ids and not r.hit_words

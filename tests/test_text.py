@@ -54,6 +54,32 @@ def test_split_sentences_matches_spacy_and_spans(text, full_nlp):
     assert all(a.end <= b.start for a, b in zip(got, got[1:]))
 
 
+def test_split_sentences_equal_the_full_pipeline_on_many_real_texts(full_nlp):
+    """split_sentences runs without the tagger and attribute_ruler (fastrag.text.nlp.SENTENCES_DISABLE): its
+    sentences must equal those of the full pipeline, on Wikipedia passages, questions, and run-on mixes of them
+    with model-like junk (no punctuation, broken casing, newlines) drawn at random."""
+    import json
+
+    from fastrag.eval import BUNDLED
+
+    rng = random.Random()
+    seed = rng.randrange(2**32)
+    rng.seed(seed)
+    passages = [json.loads(x)["text"] for x in (BUNDLED / "wiki_passages.jsonl").read_text().splitlines()]
+    questions = [json.loads(x)["question_text"] for x in (BUNDLED / "hotpotqa_dev20.jsonl").read_text().splitlines()]
+    texts = rng.sample(passages, 60) + questions
+    words = " ".join(rng.sample(passages, 20)).split()
+    for _ in range(60):
+        cut = [w.lower() if rng.random() < 0.3 else w for w in rng.sample(words, rng.randint(3, 60))]
+        glue = rng.choice([" ", " ", "\n", ". ", "\n\n", ", "])
+        texts.append(glue.join(cut) + rng.choice(["", ".", " So the answer is", "?"]))
+    got = split_sentences_batch(texts)
+    for t, g in zip(texts, got):
+        want = [s.text.strip() for s in full_nlp(t).sents if s.text.strip()]
+        assert [s.text for s in g] == want, f"seed {seed}: {t!r}"
+    assert [split_sentences(t) for t in texts[:20]] == got[:20]
+
+
 def test_split_sentences_batch_equals_single():
     assert split_sentences_batch(TEXTS) == [split_sentences(t) for t in TEXTS]
     assert split_sentences_batch([]) == []

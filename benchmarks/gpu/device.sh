@@ -107,7 +107,8 @@ except RuntimeError as e:
                 --deselect tests/test_model.py::test_prompt_longer_than_context_is_rejected \
                 tests/test_kernels.py tests/test_paged_attention_triton.py tests/test_cuda_graphs.py \
                 tests/test_kernels_engine.py tests/test_attn_tracking.py tests/test_model.py tests/test_kv_reuse.py \
-                tests/test_paged_attention.py tests/test_signals.py tests/test_cache.py tests/test_fused_decode.py
+                tests/test_paged_attention.py tests/test_signals.py tests/test_cache.py tests/test_fused_decode.py \
+                tests/test_overlap.py
             ;;
         kernels) stage kernels $PY benchmarks/bench_kernels.py ;;
         # DECODE_ARGS: e.g. "--ctx 4096 --name decode_gpu_4k" (other cells into their own table)
@@ -125,6 +126,10 @@ except RuntimeError as e:
             for f in /tmp/fastrag_runs/bench_e2e/*/engine/metrics.json; do  # also when the oracle part was cut short
                 [ -f "$f" ] && cp "$f" "$OUT/results/e2e_engine_$(basename "$(dirname "$(dirname "$f")")").json"
             done
+            # every side's per-question records (rounds, tokens, wall) in one file: with random weights the
+            # recipes' work per question differs, and the records say by how much (lost with the machine before)
+            (cd /tmp/fastrag_runs/bench_e2e && find . -name results.jsonl -path '*/engine/*' -o -name results.jsonl \
+                -path '*/oracle*/*' | tar czf "$OUT/results/e2e_records.tar.gz" -T -) || true
             ;;
         *) echo "unknown stage $st (tests, kernels, decode, model, e2e)"; exit 2 ;;
     esac

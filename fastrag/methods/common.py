@@ -100,7 +100,7 @@ def search(res: QuestionResult, query: str, k: int):
     return list(docs)
 
 
-def generate(res: QuestionResult, prompt: str, n: int, branch: int = 0, **kw):
+def generate(res: QuestionResult, prompt: str, n: int, branch: int | None = 0, **kw):
     """`g = yield from generate(res, prompt, n, branch)`: one generation, counted (kw: Generate's other fields)."""
     g = yield Generate(prompt, n, branch, **kw)
     account(res, g)

@@ -18,7 +18,8 @@ from fastrag.methods.registry import MethodSpec, register
 from fastrag.text.sentences import split_sentences
 from fastrag.trace import QuestionResult, Round
 
-PLAIN, RAG = 0, 1
+# the plain prompts' KV branch; retrieval prompts run on one-shot sequences (branch None), as in methods/dragin.py
+PLAIN, RAG = 0, None
 _SOLVERS = {"avg": lambda x: sum(x) / len(x), "max": max, "min": min}
 
 

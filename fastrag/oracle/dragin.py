@@ -87,6 +87,7 @@ class DraginOracle:
         self._pad_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else min(self.eos_ids)
         self._prefill = 0
         self._decode = 0
+        self._calls = 0  # generate calls of the current question (the record's llm_calls)
 
     # ------------------------------------------------------------------ model calls
 
@@ -123,6 +124,7 @@ class DraginOracle:
         entropy = D.token_entropy(torch.stack([s[0] for s in out.scores]).cpu()) if new else torch.zeros(0)
         self._prefill += len(ids)
         self._decode += len(new)
+        self._calls += 1
         # A final EOS belongs to neither the text nor the signals.
         if new and new[-1] in self.eos_ids:
             new, entropy = new[:-1], entropy[:-1]
@@ -219,7 +221,7 @@ class DraginOracle:
         attention forwards; decode_tokens = tokens `generate` produced (a final EOS included).
         """
         t0 = time.perf_counter()
-        self._prefill = self._decode = 0
+        self._prefill = self._decode = self._calls = 0
         L = self.config.generate_max_length
         text, rounds = "", []
         while True:
@@ -250,6 +252,7 @@ class DraginOracle:
         return QuestionResult(
             qid=qid, question=question, gold=list(gold), text=text, prediction=prediction, rounds=rounds,
             prefill_tokens=self._prefill, decode_tokens=self._decode, wall_s=time.perf_counter() - t0,
+            llm_calls=self._calls,
         )
 
 

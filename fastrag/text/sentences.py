@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
-from fastrag.text.nlp import get_nlp
+from fastrag.text.nlp import SENTENCES_DISABLE, get_nlp
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,12 +32,13 @@ def split_sentences(text: str) -> list[Sentence]:
     """Sentences of `text` in order: `[s.text for s in ...] == [x.text.strip() for x in nlp(text).sents if ...]`."""
     if not text.strip():
         return []
-    return _sentences_of_doc(get_nlp()(text))
+    return _sentences_of_doc(get_nlp()(text, disable=SENTENCES_DISABLE))
 
 
 def split_sentences_batch(texts: Iterable[str], batch_size: int = 64) -> list[list[Sentence]]:
     """`[split_sentences(t) for t in texts]`, run through `nlp.pipe` (one batched pass)."""
-    return [_sentences_of_doc(doc) for doc in get_nlp().pipe(list(texts), batch_size=batch_size)]
+    return [_sentences_of_doc(doc)
+            for doc in get_nlp().pipe(list(texts), batch_size=batch_size, disable=SENTENCES_DISABLE)]
 
 
 def first_sentence(text: str) -> str:
