@@ -235,7 +235,7 @@ def run_many(runs: list[RunOptions], engine=None, retriever=None) -> list[dict]:
     first = runs[0]
     for o in runs[1:]:
         for f in ("model", "corpus", "retriever", "batch_size", "signals", "kv_cache_gb", "prefix_caching",
-                  "temperature", "top_p", "seed"):
+                  "temperature", "top_p", "seed", "overlap"):
             if getattr(o, f) != getattr(first, f):
                 raise ValueError(f"run_many: runs must share --{f.replace('_', '-')}: {getattr(first, f)!r} "
                                  f"({first.dataset}) vs {getattr(o, f)!r} ({o.dataset})")

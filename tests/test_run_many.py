@@ -35,9 +35,9 @@ def test_joint_run_equals_separate_runs(tmp_path, short_cfg):
     eng = build_engine("smollm2", batch_size=8, kv_cache_gb=1.0, device="cpu")
     ret = BM25Retriever(str(CORPUS))
     # the same questions under two datasets' prompts (different demos: two shared prefixes in one batch)
-    mk = lambda ds, out: RunOptions(method="dragin", dataset=ds, data=str(DATA), corpus=str(CORPUS),  # noqa: E731
-                                    output=str(tmp_path / out), config=short_cfg, limit=3, batch_size=8,
-                                    kv_cache_gb=1.0, progress=False)
+    mk = lambda ds, out, **kw: RunOptions(method="dragin", dataset=ds, data=str(DATA), corpus=str(CORPUS),  # noqa: E731
+                                          output=str(tmp_path / out), config=short_cfg, limit=3, batch_size=8,
+                                          kv_cache_gb=1.0, progress=False, **kw)
     sep = [run(mk("hotpotqa", "sep_h"), engine=eng, retriever=ret),
            run(mk("2wikimultihopqa", "sep_w"), engine=eng, retriever=ret)]
     eng.clear_prefixes()
@@ -58,13 +58,15 @@ def test_joint_run_equals_separate_runs(tmp_path, short_cfg):
     # a rerun resumes both: nothing computed again
     again = run_many([mk("hotpotqa", "joint_h"), mk("2wikimultihopqa", "joint_w")], engine=eng, retriever=ret)
     assert [m["computed_this_run"] for m in again] == [0, 0]
-    # decode steps through (emulated) CUDA graphs, those mixing the two prefixes too: the same decisions, every
-    # step replayed, the counts in metrics.json
+    # decode steps through (emulated) CUDA graphs, those mixing the two prefixes too, with the scheduler's overlap
+    # (as on a GPU): the same decisions, every step replayed, the counts in metrics.json
     from fastrag.cuda_graphs import DecodeGraphs
 
     geng = build_engine("smollm2", batch_size=8, kv_cache_gb=1.0, device="cpu")
     geng.graphs = DecodeGraphs(geng.model, geng.pool, geng.max_batch, emulate=True)
-    gm = run_many([mk("hotpotqa", "graph_h"), mk("2wikimultihopqa", "graph_w")], engine=geng, retriever=ret)
+    gm = run_many([mk("hotpotqa", "graph_h", overlap=True), mk("2wikimultihopqa", "graph_w", overlap=True)],
+                  engine=geng, retriever=ret)
+    assert gm[0]["overlap"] is True and joint[0]["overlap"] is False
     for a, b in (("sep_h", "graph_h"), ("sep_w", "graph_w")):
         assert decisions(tmp_path / a) == decisions(tmp_path / b)
     g = gm[0]["cuda_graphs"]
