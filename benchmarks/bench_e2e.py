@@ -108,6 +108,49 @@ def floor_rows(names: list[str], metrics: list[dict], joint: bool, figures) -> l
     return rows
 
 
+def run_engine(args, opts: dict) -> None:
+    """The engine's part of the benchmark: the untimed warm-up, then the timed run (cProfile'd with --profile)."""
+    if args.warmup:  # (the timed engine frees what this one left before sizing its pool: auto_kv_cache_gb)
+        t0 = time.perf_counter()
+        warm = [replace(opts[ds], output=str(Path(args.output) / "warmup" / ds), limit=args.warmup)
+                for ds in args.datasets]
+        for o in warm:
+            shutil.rmtree(o.output, ignore_errors=True)
+        run_many(warm)
+        print(f"warm-up: {args.warmup} questions per dataset in {time.perf_counter() - t0:.1f} s (not timed)",
+              flush=True)
+    prof = None
+    if args.profile:
+        import cProfile
+
+        prof = cProfile.Profile()
+        prof.enable()
+    if args.separate_engine_runs:
+        for ds in args.datasets:
+            run(opts[ds])
+    else:
+        run_many([opts[ds] for ds in args.datasets])
+    if prof is not None:
+        import pstats
+
+        prof.disable()
+        prof.dump_stats(args.profile)
+        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+
+
+def print_largest_blocks(n: int = 15) -> None:
+    """The n largest live CUDA allocations, with the innermost frames of the code that made each (recorded with
+    --memory-history; without it, sizes only)."""
+    snap = torch.cuda.memory._snapshot()
+    blocks = [b for seg in snap["segments"] for b in seg["blocks"] if b["state"] == "active_allocated"]
+    blocks.sort(key=lambda b: -b["size"])
+    print(f"largest live blocks ({len(blocks)} live, {sum(b['size'] for b in blocks) / 2**30:.2f} GiB):", flush=True)
+    for b in blocks[:n]:
+        frames = [f"{Path(f['filename']).name}:{f['line']} {f['name']}" for f in b.get("frames", [])
+                  if f["filename"].endswith(".py")][:4]
+        print(f"  {b['size'] / 2**20:10.1f} MiB  " + (" <- ".join(frames) or "(no history)"), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--datasets", nargs="+", default=["hotpotqa", "2wikimultihopqa"])
@@ -138,6 +181,10 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=0,
                     help="first run the engine on this many questions per dataset (untimed, own output folder): "
                          "the timed run then starts with the Triton kernels compiled, as a long-running job does")
+    ap.add_argument("--memory-history", action="store_true",
+                    help="GPU: record where every allocation was made, so that an out-of-memory error in the engine "
+                         "prints the largest live blocks with the code that allocated them (recording slows the "
+                         "allocator: a diagnosis, not the timed figure)")
     ap.add_argument("--profile", default=None,
                     help="write a cProfile of the engine run (host time by function) to this file as soon as the "
                          "engine finishes")
@@ -164,32 +211,15 @@ def main() -> None:
     if not (args.report_only or args.keep_engine):
         for ds in args.datasets:
             shutil.rmtree(outs[ds] / "engine", ignore_errors=True)
-        if args.warmup:  # (the timed engine frees what this one left before sizing its pool: auto_kv_cache_gb)
-            t0 = time.perf_counter()
-            warm = [replace(opts[ds], output=str(Path(args.output) / "warmup" / ds), limit=args.warmup)
-                    for ds in args.datasets]
-            for o in warm:
-                shutil.rmtree(o.output, ignore_errors=True)
-            run_many(warm)
-            print(f"warm-up: {args.warmup} questions per dataset in {time.perf_counter() - t0:.1f} s (not timed)",
-                  flush=True)
-        prof = None
-        if args.profile:
-            import cProfile
-
-            prof = cProfile.Profile()
-            prof.enable()
-        if args.separate_engine_runs:
-            for ds in args.datasets:
-                run(opts[ds])
-        else:
-            run_many([opts[ds] for ds in args.datasets])
-        if prof is not None:
-            import pstats
-
-            prof.disable()
-            prof.dump_stats(args.profile)
-            pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+        if args.memory_history and torch.cuda.is_available():
+            torch.cuda.memory._record_memory_history(max_entries=200_000)
+        try:
+            run_engine(args, opts)
+        except torch.OutOfMemoryError:
+            if torch.cuda.is_available():
+                print(torch.cuda.memory_summary(abbreviated=True), flush=True)
+                print_largest_blocks()
+            raise
         for ds in args.datasets:  # in the log at once: a run cut short still says where the engine's time went
             m = json.loads((outs[ds] / "engine" / "metrics.json").read_text())
             keep = ("n", "questions_per_s", "wall_s", "prefill_tokens_per_question", "decode_tokens_per_question",
