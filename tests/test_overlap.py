@@ -40,9 +40,13 @@ def _config(**kw):  # (transformers imported lazily, as in test_cuda_graphs)
 
 @pytest.fixture(scope="module")
 def model():
-    # float64 on the CPU: batch composition cannot flip a near-tie of the random model's greedy choice
+    # batches are composed differently with and without overlap: float64 on the CPU, and on a GPU (float32) an LM head
+    # scaled up so that the random model's greedy choices are not near-ties a different batch could flip
     dtype = torch.float64 if DEV == "cpu" else torch.float32
-    return LlamaModel.from_hf_config(_config(), dtype=dtype, seed=3, device=DEV)
+    m = LlamaModel.from_hf_config(_config(), dtype=dtype, seed=3, device=DEV)
+    with torch.no_grad():
+        m.lm_head.weight.mul_(50)
+    return m
 
 
 def _engine(model, **kw) -> Engine:
