@@ -452,10 +452,9 @@ class Engine:
             logits = self._decode(batch)
             # a sequence still feeding the tracked tokens of its prompt samples nothing this step
             st.ready = [i for i, s in enumerate(batch) if s.computed == len(s.tokens)]
-            if len(st.ready) == len(batch):
-                st.sampled = self._sample_launch(batch, logits)
-            elif st.ready:
-                st.sampled = self._sample_launch([batch[i] for i in st.ready], logits[st.ready])
+            if st.ready:
+                st.sampled = self._sample_launch([batch[i] for i in st.ready],
+                                                 logits if len(st.ready) == len(batch) else logits[st.ready])
             st.decode_s = time.perf_counter() - t1
         return st
 

@@ -280,17 +280,16 @@ class Scheduler:
                                                  "titles": [x.title for x in d]})
                 self._result(lv, i, d)
             progressed = True
-        if launched is None and not self.overlap and self.engine.has_work:
+        finished = []
+        if launched is not None:
+            te = time.perf_counter()
+            finished = self.engine.step_finish(launched)
+            t_eng += time.perf_counter() - te
+        elif not self.overlap and self.engine.has_work:
             te = time.perf_counter()
             finished = self.engine.step()
             t_eng += time.perf_counter() - te
             progressed = True
-        elif launched is not None:
-            te = time.perf_counter()
-            finished = self.engine.step_finish(launched)
-            t_eng += time.perf_counter() - te
-        else:
-            finished = []
         for seq in finished:
             hit = self._by_seq.get(id(seq))
             if hit is None:  # its question ended while it ran
