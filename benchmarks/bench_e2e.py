@@ -178,6 +178,9 @@ def main() -> None:
     ap.add_argument("--overlap", choices=("auto", "on", "off"), default="auto",
                     help="the scheduler runs the methods' own logic while the device decodes the next step (auto: "
                          "on a GPU); time 'off' beside it to see what the overlap gives")
+    ap.add_argument("--text-workers", type=int, default=None,
+                    help="processes for DRAGIN's spaCy work (0: the scheduler's thread; default: with overlap all "
+                         "cores but two, at most 8)")
     ap.add_argument("--warmup", type=int, default=0,
                     help="first run the engine on this many questions per dataset (untimed, own output folder): "
                          "the timed run then starts with the Triton kernels compiled, as a long-running job does")
@@ -198,7 +201,8 @@ def main() -> None:
                            corpus=str(data_dir / "corpus" / "wiki_passages.jsonl"),
                            output=str(outs[ds] / "engine"), limit=args.limit, batch_size=args.batch_size,
                            model=args.model, kv_cache_gb=args.kv_cache_gb,
-                           overlap={"auto": None, "on": True, "off": False}[args.overlap])
+                           overlap={"auto": None, "on": True, "off": False}[args.overlap],
+                           text_workers=args.text_workers)
             for ds in args.datasets}
     from fastrag.perf import measure_device
 
@@ -224,7 +228,7 @@ def main() -> None:
             m = json.loads((outs[ds] / "engine" / "metrics.json").read_text())
             keep = ("n", "questions_per_s", "wall_s", "prefill_tokens_per_question", "decode_tokens_per_question",
                     "retrievals_per_question", "joint", "kv_cache_gb", "engine", "step_seconds", "overlap",
-                    "retrieval", "cuda_graphs")
+                    "text_workers", "retrieval", "cuda_graphs")
             print(f"engine {ds}:", json.dumps({k: m.get(k) for k in keep}), flush=True)
             for r in floor_rows([ds], [m], "joint" in m, figures):
                 print(f"engine {ds} vs device floor:", json.dumps(r), flush=True)

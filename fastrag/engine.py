@@ -110,6 +110,19 @@ class PendingStep:
     decode_s: float = 0.0  # host seconds of the launch's decode part
 
 
+@dataclass(eq=False)
+class PendingPasses:
+    """Launched attention passes (`Engine.attention_passes_launch`) whose results may still be on their way."""
+
+    kind: str
+    lengths: list  # token count of each list, in the caller's order
+    groups: list = field(default_factory=list)  # (indices into the lists, host tensor of their padded results)
+    event: object = None  # CUDA event after the last copy (None: the results are already on the host)
+
+    def done(self) -> bool:
+        return self.event is None or self.event.query()
+
+
 CPU_KV_CACHE_GB = 4.0  # the pool on a CPU when none is asked for
 # share of the GPU's memory the engine plans to use in all (weights, KV pool, activations) when sizing its pool
 GPU_MEMORY_FRACTION = 0.8
@@ -458,6 +471,11 @@ class Engine:
             st.decode_s = time.perf_counter() - t1
         return st
 
+    @staticmethod
+    def step_done(st: "PendingStep") -> bool:
+        """Whether a launched step's results are on the host already (step_finish would not wait)."""
+        return st.sampled is None or st.sampled[1] is None or st.sampled[1].query()
+
     @torch.inference_mode()
     def step_finish(self, st: "PendingStep") -> list[SeqState]:
         """`step()`'s second half: wait for the launched step's host copy, append the sampled tokens, and return the
@@ -731,7 +749,16 @@ class Engine:
         kind "colmax": per list, a_t = mean_h max_{j>=t} A[h, j, t]  -> list of [T_b] float lists
         kind "rows":   per list, the head-mean attention matrix       -> list of [T_b, T_b] tensors
         """
-        out = [None] * len(seqs)
+        return self.attention_passes_finish(self.attention_passes_launch(seqs, kind))
+
+    @torch.inference_mode()
+    def attention_passes_launch(self, seqs: list[list[int]], kind: str) -> "PendingPasses":
+        """`attention_passes`' first half: the forwards and signal kernels, and the non-blocking copies of their
+        results to pinned host memory. On a GPU it returns before the device has run them (stream order puts them
+        after any step already launched); `attention_passes_finish` waits for the copies."""
+        if kind not in ("colmax", "rows"):
+            raise ValueError(f"attention pass kind must be 'colmax' or 'rows', got {kind!r}")
+        pending = PendingPasses(kind, [len(x) for x in seqs])
         order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
         i = 0
         while i < len(order):  # group similar lengths so padding stays small
@@ -743,21 +770,41 @@ class Engine:
             idx = order[i:j]
             T = max(len(seqs[k]) for k in idx)
             ids = torch.zeros(len(idx), T, dtype=torch.long)
-            lens = torch.tensor([len(seqs[k]) for k in idx])
             for b, k in enumerate(idx):
                 ids[b, : len(seqs[k])] = torch.tensor(seqs[k])
-            q, k_ = self.model.last_layer_qk(ids.to(self.device), lens.to(self.device))
+            lens_h = torch.tensor([len(seqs[k]) for k in idx])
+            lens = self._h2d(lens_h)  # (a plain .to(device) from pageable memory would wait for the device)
+            q, k_ = self.model.last_layer_qk(self._h2d(ids), lens)
             q, k_ = q.float(), k_.float()
             if kind == "colmax":
-                r = self.signals.causal_attn_colmax(q, k_, lens.to(self.device), self.model.scale).cpu()
-                for b, k in enumerate(idx):
-                    out[k] = r[b, : len(seqs[k])].tolist()
+                r = self.signals.causal_attn_colmax(q, k_, lens, self.model.scale)
             else:
-                r = self.signals.causal_attn_mean_rows(q, k_, lens.to(self.device), self.model.scale).cpu()
-                for b, k in enumerate(idx):
-                    n = len(seqs[k])
-                    out[k] = r[b, :n, :n].double()
-            self.stats["prefill_tokens"] += int(lens.sum())
+                r = self.signals.causal_attn_mean_rows(q, k_, lens, self.model.scale)
+            pending.groups.append((idx, self._d2h(r)))
+            self.stats["prefill_tokens"] += int(lens_h.sum())
             self.stats["prefill_ctx_tokens"] += sum(len(seqs[k]) * (len(seqs[k]) + 1) // 2 for k in idx)
             i = j
+        if self.device.type == "cuda" and pending.groups:
+            pending.event = torch.cuda.Event()
+            pending.event.record()
+        return pending
+
+    @torch.inference_mode()
+    def attention_passes_finish(self, pending: "PendingPasses") -> list:
+        """Wait for launched attention passes; their results in the order of the lists given to the launch."""
+        if pending.event is not None:
+            pending.event.synchronize()
+        out = [None] * len(pending.lengths)
+        for idx, r in pending.groups:
+            for b, k in enumerate(idx):
+                n = pending.lengths[k]
+                out[k] = r[b, :n].tolist() if pending.kind == "colmax" else r[b, :n, :n].double()
         return out
+
+    def _d2h(self, t: torch.Tensor) -> torch.Tensor:
+        """A device tensor's host copy; on a GPU into pinned memory without waiting (an event marks it done)."""
+        if t.device.type != "cuda":
+            return t.cpu()
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        return host

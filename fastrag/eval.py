@@ -43,6 +43,9 @@ class RunOptions:
     threads: int | None = None
     # the methods' host logic runs while the device decodes the next step (Scheduler.overlap); None: on a GPU
     overlap: bool | None = None
+    # processes for the methods' spaCy work (Scheduler.text_workers; 0: on the scheduler's thread); None: with overlap
+    # all cores but two, at most 8 (fastrag.text.pool.auto_text_workers), else 0
+    text_workers: int | None = None
     progress: bool = True
     retriever: str = "bm25"  # bm25 | dense | elasticsearch (fastrag.retrieval.RETRIEVERS)
     qids: tuple[str, ...] | None = None  # only these questions of the file (a shard of a distributed run)
@@ -70,6 +73,9 @@ class RunOptions:
             raise ValueError(f"--temperature must be a number >= 0 (0: greedy), got {self.temperature!r}")
         if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
             raise ValueError(f"--top-p must be in (0, 1] (1: no nucleus filtering), got {self.top_p!r}")
+        if self.text_workers is not None and (isinstance(self.text_workers, bool)
+                                              or not isinstance(self.text_workers, int) or self.text_workers < 0):
+            raise ValueError(f"--text-workers must be an int >= 0 (0: no worker processes), got {self.text_workers!r}")
         for name in ("data", "corpus"):
             p = Path(getattr(self, name))
             if not p.is_file():
@@ -235,7 +241,7 @@ def run_many(runs: list[RunOptions], engine=None, retriever=None) -> list[dict]:
     first = runs[0]
     for o in runs[1:]:
         for f in ("model", "corpus", "retriever", "batch_size", "signals", "kv_cache_gb", "prefix_caching",
-                  "temperature", "top_p", "seed", "overlap"):
+                  "temperature", "top_p", "seed", "overlap", "text_workers"):
             if getattr(o, f) != getattr(first, f):
                 raise ValueError(f"run_many: runs must share --{f.replace('_', '-')}: {getattr(first, f)!r} "
                                  f"({first.dataset}) vs {getattr(o, f)!r} ({o.dataset})")
@@ -293,7 +299,8 @@ def run_many(runs: list[RunOptions], engine=None, retriever=None) -> list[dict]:
             # twice the decode batch in flight: questions waiting on attention passes or retrieval do not
             # leave holes in the decode batch
             sched = Scheduler(engine, retriever, lambda ex: policies[which[id(ex)]](ex),
-                              max_inflight=2 * first.batch_size, overlap=first.overlap)
+                              max_inflight=2 * first.batch_size, overlap=first.overlap,
+                              text_workers=first.text_workers)
             sched.run(todo, on_result, pass_example=True)
         finally:
             bar.close()
@@ -340,6 +347,8 @@ def run_many(runs: list[RunOptions], engine=None, retriever=None) -> list[dict]:
             # step's bookkeeping); retrieval runs in a worker thread, beside these
             metrics["step_seconds"] = dict(sched.step_seconds)
             metrics["overlap"] = sched.overlap
+            # spaCy texts sent to worker processes (0 workers: all run on the scheduler's thread)
+            metrics["text_workers"] = {"workers": sched.text_workers, "texts": sched.text_requests}
         (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
         out_metrics.append(metrics)
     return out_metrics

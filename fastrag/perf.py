@@ -133,6 +133,8 @@ def phases(m: dict, f: dict) -> dict:
         "decode_steps": st["decode_steps"],
         "mean_decode_batch": st["decode_tokens"] / st["decode_steps"] if st["decode_steps"] else None,
         "methods_and_other_s": sec.get("methods_and_other"),
+        # the scheduler's thread with nothing to do but wait for spaCy worker processes
+        "waiting_text_workers_s": sec.get("waiting_text_workers"),
         "kv_waits": st.get("kv_waits"), "evictions": st.get("evictions")}
 
 

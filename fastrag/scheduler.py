@@ -9,6 +9,10 @@ overlapping the decode steps of the other questions).
 A question that needs several things at once (BeamSearchQA: every node of a beam) yields `Parallel([...])`: each
 part is served as if another question had asked for it (a Generate on its own KV sequence, every Search of the
 batch in the same retriever call) and the generator resumes once, with the list of all results in order.
+
+spaCy work (`Sentences`, `RealWords`) is a request too: answered on the spot when the scheduler has no text workers,
+else sent to worker processes (fastrag.text.pool) whose results come back like searches. On a GPU that takes the
+methods' heaviest host logic off the thread that launches the decode steps.
 """
 
 from __future__ import annotations
@@ -16,12 +20,15 @@ from __future__ import annotations
 import hashlib
 import time
 import traceback
+import warnings
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
-from typing import Callable, Generator, Iterable
+from typing import Callable, ClassVar, Generator, Iterable
 
 from fastrag.engine import Engine, Generation, SeqState, sampling_key
+from fastrag.text.pool import (BrokenProcessPool, TextPool, auto_text_workers, failure_message, is_failure,
+                               run_text)
 from fastrag.trace import QuestionResult
 
 
@@ -68,11 +75,31 @@ class Search:
 
 
 @dataclass(slots=True)
+class Sentences:
+    """spaCy's sentences of text (fastrag.text.sentences.split_sentences). Result: list[Sentence]."""
+
+    text: str
+    kind: ClassVar[str] = "sentences"
+
+
+@dataclass(slots=True)
+class RealWords:
+    """Texts of text's spaCy tokens with a content POS (fastrag.text.realwords.real_words). Result: set[str]."""
+
+    text: str
+    kind: ClassVar[str] = "real_words"
+
+
+TEXT_REQUESTS = (Sentences, RealWords)
+_FAILED = object()  # a text request whose question failed (already finished with the error)
+
+
+@dataclass(slots=True)
 class Parallel:
     """Several requests of one question in flight at once. Result: the list of their results, in order.
 
-    parts: Generate / Search / AttnColmax / AttnRows (no nested Parallel). Generates with an int branch must name
-    distinct branches (one sequence cannot run two generations); branch None parts each get a one-shot sequence.
+    parts: Generate / Search / AttnColmax / AttnRows / Sentences / RealWords (no nested Parallel). Generates with an
+    int branch must name distinct branches (one sequence cannot run two generations); branch None parts each get a one-shot sequence.
     Every part joins the batches of its kind with the other questions' requests: all Searches of one Parallel go to
     the retriever in one call. An empty Parallel resumes at once with [].
     """
@@ -80,7 +107,7 @@ class Parallel:
     parts: list
 
 
-Request = Generate | AttnColmax | AttnRows | Search | Parallel
+Request = Generate | AttnColmax | AttnRows | Search | Sentences | RealWords | Parallel
 Policy = Callable[[object], Generator[Request, object, QuestionResult]]
 
 
@@ -133,7 +160,7 @@ class Scheduler:
     """
 
     def __init__(self, engine: Engine, retriever, policy: Policy | None = None, max_inflight: int = 64,
-                 overlap: bool | None = None):
+                 overlap: bool | None = None, text_workers: int | TextPool | None = None):
         self.engine, self.retriever, self.policy = engine, retriever, policy
         self.max_inflight = max_inflight
         # run the methods' host logic while the device decodes (step()); None: on when the engine is on a GPU,
@@ -144,11 +171,25 @@ class Scheduler:
             raise ValueError(f"overlap needs an engine with step_launch/step_finish; {type(engine).__name__} has "
                              "only step()")
         self.overlap = overlap
+        # spaCy requests (Sentences, RealWords): 0 answers them on this thread as they come; N > 0 sends them to N
+        # worker processes (started at the first request), a TextPool shares one; None: auto_text_workers() with
+        # overlap (a GPU), else 0
+        if text_workers is None:
+            text_workers = auto_text_workers() if overlap else 0
+        if isinstance(text_workers, TextPool):
+            self.text_pool, self._own_pool, self.text_workers = text_workers, False, text_workers.workers
+        elif isinstance(text_workers, bool) or not isinstance(text_workers, int) or text_workers < 0:
+            raise ValueError(f"text_workers must be an int >= 0 or a TextPool, got {text_workers!r}")
+        else:
+            self.text_pool, self._own_pool, self.text_workers = None, True, text_workers
+        self._texts: list[tuple[Future, _Live, int | None]] = []  # text requests at the workers
+        self.text_requests = 0
         self.search_batches: list[int] = []
         self.search_seconds = 0.0
         # host seconds of step() by part: the engine's step, batched attention passes, and the rest (the methods'
         # own logic: sentence splitting, thresholds, query building, prompt assembly)
-        self.step_seconds = {"engine": 0.0, "attention_passes": 0.0, "methods_and_other": 0.0}
+        self.step_seconds = {"engine": 0.0, "attention_passes": 0.0, "methods_and_other": 0.0,
+                             "waiting_text_workers": 0.0}
         self._todo: deque[Ticket] = deque()
         self._live: dict[int, _Live] = {}
         self._by_seq: dict[int, tuple[_Live, int | None]] = {}  # id(seq) -> (question, Parallel part or None)
@@ -217,19 +258,28 @@ class Scheduler:
             self._pool.shutdown(wait=True)
             self._pool = None
         self._search = None
+        for fut, lv, i, r in self._texts:  # texts still out: asked again by the next step, if there is one
+            fut.cancel()
+            if id(lv) in self._live:
+                lv.queued.append((i, r))
+        self._texts = []
+        if self.text_pool is not None and self._own_pool:
+            self.text_pool.shutdown()
+            self.text_pool = None  # (a later text request starts workers again)
 
     def step(self) -> bool:
         """Admit questions up to max_inflight, serve one round of batched requests (attention passes, a retrieval
-        batch, one engine step). Returns whether anything progressed.
+        batch, spaCy texts, one engine step). Returns whether anything progressed.
 
         With `overlap`, the engine step is launched first and the results known from earlier (finished
         generations, attention passes, searches) are handed to their questions while the device runs it: the
         methods' own logic (sentence splitting, POS tagging, thresholds, prompt building) then takes no time of its
-        own on a GPU. Each result reaches its question one step later than without overlap; what every question
-        decides is the same either way.
+        own on a GPU. The attention passes this asks for are launched behind the step, and until the device has
+        run both, the texts the workers send back go to their questions at once. Each other result reaches its
+        question one step later than without overlap; what every question decides is the same either way.
         """
         t0 = time.perf_counter()
-        t_eng = t_attn = 0.0
+        t_eng = t_attn = t_wait = 0.0
         progressed = False
         launched = None
         if self.overlap and self.engine.has_work:
@@ -250,27 +300,44 @@ class Scheduler:
             for lv, i, g in ready:
                 self._deliver(lv, i, g)
             progressed = True
-        # attention passes: one batched forward per kind
+        # attention passes: one batched forward per kind, launched behind the step (collected below)
+        passes = []
         for kind, cls in (("colmax", AttnColmax), ("rows", AttnRows)):
             items = self._take(cls)
             if items:
                 ta = time.perf_counter()
-                res = self.engine.attention_passes([r.ids for _, _, r in items], kind)
+                passes.append((items, self._passes_launch([r.ids for _, _, r in items], kind)))
                 t_attn += time.perf_counter() - ta
-                for (lv, i, _), r in zip(items, res):
-                    self._result(lv, i, r)
                 progressed = True
-        # retrieval: submit a batch if none is in flight; collect a finished one
-        if self._search is None:
-            items = self._take(Search)
-            if items:
-                if self._pool is None:
-                    self._pool = ThreadPoolExecutor(max_workers=1)
-                for lv, _, r in items:
-                    self._emit(lv, "search", {"query": r.query, "k": r.k})
-                self._search = (self._pool.submit(self._run_search, [r for _, _, r in items]), items)
+        self._submit_texts()  # (texts queued for workers that have since failed run here)
+        if launched is not None:  # retrieval: a batch of what is known now runs beside the device's step
+            self._submit_search()
+        # while the device still runs: hand the texts the workers finish to their questions at once (what those
+        # questions ask for next joins this step where it can: generations start, texts go out)
+        def device_busy() -> bool:
+            return (launched is not None and not self.engine.step_done(launched)) \
+                or any(not p.done() for _, p in passes)
+
+        if self._texts and (launched is not None or passes):
+            while self._texts and device_busy():
+                if self._collect_texts(now=True):
+                    progressed = True
+                    self._submit_texts()
+                else:
+                    tw = time.perf_counter()
+                    wait([f for f, _, _, _ in self._texts], timeout=0.0005, return_when=FIRST_COMPLETED)
+                    t_wait += time.perf_counter() - tw
+        for items, pending in passes:
+            ta = time.perf_counter()
+            res = pending.results if isinstance(pending, _DonePasses) else self.engine.attention_passes_finish(pending)
+            t_attn += time.perf_counter() - ta
+            for (lv, i, _), r in zip(items, res):
+                self._result(lv, i, r)
+        # retrieval: submit a batch if none is in flight (without overlap, with the queries the attention passes
+        # just led to); collect a finished one
+        self._submit_search()
         if self._search is not None and (self._search[0].done()
-                                         or not (self.engine.has_work or launched or self._ready)):
+                                         or not (self.engine.has_work or launched or self._ready or self._texts)):
             fut, items = self._search
             self._search = None
             docs = fut.result()
@@ -307,14 +374,106 @@ class Scheduler:
             self._result(lv, i, out)
             for j in waiting:
                 self._result(lv, j, _reused(out))
+        if self._texts:
+            # texts back since: to their questions (with overlap at the next step). When nothing else can move,
+            # wait for the first text or the search in flight
+            if not (progressed or finished or self.engine.has_work or self._ready):
+                tw = time.perf_counter()
+                wait([f for f, _, _, _ in self._texts] + ([self._search[0]] if self._search else []),
+                     return_when=FIRST_COMPLETED)
+                t_wait += time.perf_counter() - tw
+                progressed = True
+            if self._collect_texts(now=False):
+                progressed = True
         sec = self.step_seconds
         sec["engine"] += t_eng
         sec["attention_passes"] += t_attn
-        sec["methods_and_other"] += time.perf_counter() - t0 - t_eng - t_attn
-        if not progressed and self._live and self._search is None:
+        sec["waiting_text_workers"] += t_wait
+        sec["methods_and_other"] += time.perf_counter() - t0 - t_eng - t_attn - t_wait
+        if not progressed and self._live and self._search is None and not self._texts:
             stuck = [type(lv.request).__name__ for lv in self._live.values()]
             raise RuntimeError(f"scheduler made no progress; pending requests: {stuck}")
         return progressed
+
+    def _submit_search(self) -> None:
+        if self._search is not None:
+            return
+        items = self._take(Search)
+        if items:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=1)
+            for lv, _, r in items:
+                self._emit(lv, "search", {"query": r.query, "k": r.k})
+            self._search = (self._pool.submit(self._run_search, [r for _, _, r in items]), items)
+
+    def _passes_launch(self, seqs: list[list[int]], kind: str):
+        launch = getattr(self.engine, "attention_passes_launch", None)
+        if launch is None:  # an engine with the one-call form only
+            return _DonePasses(self.engine.attention_passes(seqs, kind))
+        return launch(seqs, kind)
+
+    # ------------------------------------------------------------------ spaCy texts on the workers
+    def _submit_texts(self) -> None:
+        items = self._take(TEXT_REQUESTS)
+        if items and self.text_workers and self.text_pool is None:
+            try:
+                self.text_pool = TextPool(self.text_workers)
+            except (OSError, RuntimeError) as e:  # no processes here: answer on this thread
+                self._lose_pool(e)
+        for lv, i, r in items:
+            if self.text_pool is not None:
+                try:
+                    self._texts.append((self.text_pool.submit(r.kind, r.text), lv, i, r))
+                    self.text_requests += 1
+                    continue
+                except (BrokenProcessPool, RuntimeError) as e:  # the pool died (or was shut down)
+                    self._lose_pool(e)
+            value = self._text_inline(lv, r)
+            if value is not _FAILED:
+                self._result(lv, i, value)
+
+    def _collect_texts(self, now: bool) -> bool:
+        """Hand the finished text requests to their questions: `now` at once (a question may then ask for more),
+        else through _result. Returns whether any had finished."""
+        done = [x for x in self._texts if x[0].done()]
+        if not done:
+            return False
+        ids = {id(x) for x in done}
+        self._texts = [x for x in self._texts if id(x) not in ids]
+        for fut, lv, i, r in done:
+            try:
+                value = fut.result()
+            except BrokenProcessPool as e:  # a worker died (killed, out of memory): this and the rest run here
+                self._lose_pool(e)
+                value = self._text_inline(lv, r)
+            if is_failure(value):
+                if id(lv) in self._live:
+                    lv.gen.close()
+                    self._finish(lv, None, failure_message(value))
+                continue
+            if value is _FAILED:
+                continue
+            (self._deliver if now else self._result)(lv, i, value)
+        return True
+
+    def _text_inline(self, lv: _Live, r):
+        """A text request computed on this thread; a failure ends its question (returns _FAILED)."""
+        try:
+            return run_text(r.kind, r.text)
+        except Exception as e:  # noqa: BLE001  (the question's failure, recorded like any other)
+            if id(lv) in self._live:
+                lv.gen.close()
+                self._finish(lv, None, f"{type(e).__name__}: {e}")
+            return _FAILED
+
+    def _lose_pool(self, err: Exception) -> None:
+        if not self.text_workers:
+            return
+        warnings.warn(f"the spaCy worker pool failed ({type(err).__name__}: {err}); the methods' text work runs "
+                      "on the scheduler's thread from now on", RuntimeWarning, stacklevel=3)
+        if self._own_pool and self.text_pool is not None:
+            self.text_pool.shutdown()
+        self.text_pool, self.text_workers = None, 0
 
     def _result(self, lv: _Live, idx: int | None, value) -> None:
         """A request's result: handed to its question now, or with overlap at the start of the next step (while
@@ -413,11 +572,16 @@ class Scheduler:
             seq.on_token = self._token_hook(lv, req.branch) if lv.on_event is not None else None
             self._emit(lv, "generate", {"prompt_tokens": len(ids), "branch": req.branch})
             lv.generations += 1
-        elif isinstance(req, (AttnColmax, AttnRows, Search)):
+        elif isinstance(req, TEXT_REQUESTS) and not self.text_workers:  # a Parallel's part, answered here
+            value = self._text_inline(lv, req)
+            if value is not _FAILED:
+                lv.results[idx] = value
+                lv.left -= 1
+        elif isinstance(req, (AttnColmax, AttnRows, Search, *TEXT_REQUESTS)):
             lv.queued.append((idx, req))
         else:
             raise TypeError(f"unknown request {type(req).__name__}; expected Generate, AttnColmax, AttnRows, "
-                            "Search or Parallel")
+                            "Search, Sentences, RealWords or Parallel")
 
     def _token_hook(self, lv: _Live, branch):
         """Per generation: turn each new token id into the text it adds (decoding the generation so far, so
@@ -451,21 +615,31 @@ class Scheduler:
             if isinstance(req, Parallel) and not req.parts:
                 value = []
                 continue
-            break
-        try:
-            if isinstance(req, Parallel):
-                _check_parallel(req)
-                lv.results, lv.left = [None] * len(req.parts), len(req.parts)
-                for i, part in enumerate(req.parts):
-                    self._dispatch(lv, i, part)
-            else:
-                self._dispatch(lv, None, req)
-        except (ValueError, TypeError) as e:
-            lv.gen.close()
-            self._finish(lv, None, f"{type(e).__name__}: {e}")
+            if isinstance(req, TEXT_REQUESTS) and not self.text_workers:  # answered here and now
+                value = self._text_inline(lv, req)
+                if value is _FAILED:
+                    return
+                continue
+            try:
+                if isinstance(req, Parallel):
+                    _check_parallel(req)
+                    lv.results, lv.left = [None] * len(req.parts), len(req.parts)
+                    for i, part in enumerate(req.parts):
+                        self._dispatch(lv, i, part)
+                        if id(lv) not in self._live:  # a part failed and ended the question
+                            return
+                    if lv.left == 0:  # every part answered at dispatch (texts computed here)
+                        value, lv.results, lv.request = lv.results, None, None
+                        continue
+                else:
+                    self._dispatch(lv, None, req)
+            except (ValueError, TypeError) as e:
+                lv.gen.close()
+                self._finish(lv, None, f"{type(e).__name__}: {e}")
+            return
 
     def _take(self, cls) -> list[tuple[_Live, int | None, Request]]:
-        """Pop every queued request of one kind, over all questions in flight."""
+        """Pop every queued request of one kind (a class or a tuple of classes), over all questions in flight."""
         items = []
         for lv in list(self._live.values()):
             if any(isinstance(r, cls) for _, r in lv.queued):
@@ -480,6 +654,16 @@ class Scheduler:
         self.search_seconds += time.perf_counter() - t
         self.search_batches.append(len(reqs))
         return out
+
+
+@dataclass(slots=True)
+class _DonePasses:
+    """Attention passes of an engine without attention_passes_launch: computed at once."""
+
+    results: list
+
+    def done(self) -> bool:
+        return True
 
 
 def _reused(g: Generation) -> Generation:

@@ -42,7 +42,8 @@ def test_flare_runs_end_to_end_with_counters(tmp_path):
     # where the time went: the engine's prefill and decode parts, and the scheduler's step by part
     assert m["engine"]["prefill_s"] > 0 and m["engine"]["decode_s"] > 0
     st = m["step_seconds"]
-    assert set(st) == {"engine", "attention_passes", "methods_and_other"} and min(st.values()) >= 0
+    assert set(st) == {"engine", "attention_passes", "methods_and_other", "waiting_text_workers"} \
+        and min(st.values()) >= 0
     assert st["engine"] >= m["engine"]["prefill_s"] + m["engine"]["decode_s"] > 0
     assert st["methods_and_other"] > 0 and sum(st.values()) <= m["wall_s"] * 1.01
 

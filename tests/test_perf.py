@@ -118,13 +118,14 @@ def test_report_reads_run_directories_and_names_what_is_missing(tmp_path):
     (good / "metrics.json").write_text(json.dumps({"method": "dragin", "dataset": "hotpotqa", "wall_s": 4.2,
                                                    "computed_this_run": 3, "engine": stats, "model_costs": costs,
                                                    "step_seconds": {"methods_and_other": 0.7,
-                                                                    "attention_passes": 0.25}}))
+                                                                    "attention_passes": 0.25,
+                                                                    "waiting_text_workers": 0.125}}))
     dev = DeviceFigures("test", "float32", copy_bytes_per_s=1e4, matmul_flops_per_s=2e4)
     (r,) = report([str(good)], dev)
     assert r["run"] == "dragin/hotpotqa" and r["floor_s"] == pytest.approx(1.53)
     assert r["wall_over_floor"] == pytest.approx(4.2 / 1.53) and r["mean_decode_batch"] == 8
     assert r["prefill_and_passes_s"] == pytest.approx(0.75) and r["decode_s"] == 2.5
-    assert r["methods_and_other_s"] == 0.7
+    assert r["methods_and_other_s"] == 0.7 and r["waiting_text_workers_s"] == 0.125
     old = tmp_path / "old"
     old.mkdir()
     (old / "metrics.json").write_text(json.dumps({"method": "dragin", "dataset": "hotpotqa", "wall_s": 1.0,

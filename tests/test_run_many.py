@@ -59,14 +59,17 @@ def test_joint_run_equals_separate_runs(tmp_path, short_cfg):
     again = run_many([mk("hotpotqa", "joint_h"), mk("2wikimultihopqa", "joint_w")], engine=eng, retriever=ret)
     assert [m["computed_this_run"] for m in again] == [0, 0]
     # decode steps through (emulated) CUDA graphs, those mixing the two prefixes too, with the scheduler's overlap
-    # (as on a GPU): the same decisions, every step replayed, the counts in metrics.json
+    # and DRAGIN's spaCy work on two worker processes (as on a GPU): the same decisions, every step replayed, the
+    # counts in metrics.json
     from fastrag.cuda_graphs import DecodeGraphs
 
     geng = build_engine("smollm2", batch_size=8, kv_cache_gb=1.0, device="cpu")
     geng.graphs = DecodeGraphs(geng.model, geng.pool, geng.max_batch, emulate=True)
-    gm = run_many([mk("hotpotqa", "graph_h", overlap=True), mk("2wikimultihopqa", "graph_w", overlap=True)],
-                  engine=geng, retriever=ret)
+    gm = run_many([mk("hotpotqa", "graph_h", overlap=True, text_workers=2),
+                   mk("2wikimultihopqa", "graph_w", overlap=True, text_workers=2)], engine=geng, retriever=ret)
     assert gm[0]["overlap"] is True and joint[0]["overlap"] is False
+    assert gm[0]["text_workers"]["workers"] == 2 and gm[0]["text_workers"]["texts"] >= 6  # a split per question
+    assert joint[0]["text_workers"] == {"workers": 0, "texts": 0}
     for a, b in (("sep_h", "graph_h"), ("sep_w", "graph_w")):
         assert decisions(tmp_path / a) == decisions(tmp_path / b)
     g = gm[0]["cuda_graphs"]

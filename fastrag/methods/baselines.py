@@ -10,9 +10,8 @@ from __future__ import annotations
 
 from fastrag.config import BaselineConfig, method_config
 from fastrag.data.exemplars import case_text, demo_text
-from fastrag.methods.common import finish_answer, generate, join, rag_prompt, search, stop, truncate_query
+from fastrag.methods.common import finish_answer, generate, join, rag_prompt, search, sentences, stop, truncate_query
 from fastrag.methods.registry import MethodSpec, register
-from fastrag.text.sentences import split_sentences
 from fastrag.trace import QuestionResult, Round
 
 
@@ -91,7 +90,7 @@ class FsRag(_Baseline):
             docs = yield from self.retrieve(res, query)
             g = yield from generate(res, rag_prompt(self.demos, docs, case, text, typo=cfg.flrag_typo),
                                     cfg.generate_max_length)
-            sents = split_sentences(self.decode(g))
+            sents = yield from sentences(self.decode(g))
             if not sents:
                 return text
             text = join(text, sents[0].text)

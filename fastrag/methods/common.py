@@ -14,7 +14,7 @@ import math
 import time
 
 from fastrag.data.metrics import ANSWER_MAX_TOKENS, answer_prompt, complete_answer, needs_answer_generation
-from fastrag.scheduler import Generate, Search
+from fastrag.scheduler import Generate, RealWords, Search, Sentences
 from fastrag.trace import QuestionResult
 
 STOP_PHRASE = "the answer is"
@@ -68,6 +68,28 @@ def tokens_before(ends: list[int], char_end: int) -> int:
         n += 1
         start = e
     return n
+
+
+# spaCy work as scheduler requests (run on its text workers when it has them): `x = yield from f(text)`. A blank
+# text asks for nothing (both functions give nothing for it).
+def sentences(text: str):
+    """spaCy's sentences of text (fastrag.text.sentences.split_sentences)."""
+    if not text.strip():
+        return []
+    return (yield Sentences(text))
+
+
+def first_sentence(text: str):
+    """The first sentence of text, stripped; "" when there is none (fastrag.text.sentences.first_sentence)."""
+    sents = yield from sentences(text)
+    return sents[0].text if sents else ""
+
+
+def real_words(text: str):
+    """Texts of text's spaCy tokens with a content POS (fastrag.text.realwords.real_words)."""
+    if not text.strip():
+        return set()
+    return (yield RealWords(text))
 
 
 def probs(logprobs) -> list[float]:

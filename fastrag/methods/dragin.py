@@ -14,9 +14,9 @@ import torch
 from fastrag.config import DraginConfig
 from fastrag.data.exemplars import case_text, demo_text
 from fastrag.data.metrics import ANSWER_MAX_TOKENS, answer_prompt, complete_answer, needs_answer_generation
-from fastrag.scheduler import AttnColmax, AttnRows, Generate, Search
-from fastrag.text.realwords import matches_real_word, real_words
-from fastrag.text.sentences import first_sentence, split_sentences
+from fastrag.methods.common import first_sentence, real_words, sentences
+from fastrag.scheduler import AttnColmax, AttnRows, Generate, Parallel, RealWords, Search
+from fastrag.text.realwords import matches_real_word
 from fastrag.text.words import assign_words_to_sentences, sentence_word_ranges, word_boundaries
 from fastrag.trace import QuestionResult, Round
 
@@ -69,7 +69,7 @@ class DraginReference:
             a = (yield AttnColmax(g.ids)) if g.ids else []
             if g.ids:
                 res.prefill_tokens += len(g.ids)
-            trig = self.rind(g.ids, new_text, a, g.entropy)
+            trig = yield from self.rind(g.ids, new_text, a, g.entropy)
             if trig is None:
                 res.rounds.append(Round())
                 text = join(text, new_text.strip())
@@ -78,9 +78,9 @@ class DraginReference:
                 kept = join(*[s.text for s in sents[:si]])
                 all_text = join(q, text, kept) + " " + " ".join(w for w in words if w)
                 rows_ids = tok.encode(all_text)
-                rows = yield AttnRows(rows_ids)
+                rows, real = yield Parallel([AttnRows(rows_ids), RealWords(all_text)])
                 res.prefill_tokens += len(rows_ids)
-                query = self.qfs(all_text, rows_ids, rows, words, hits)
+                query = self.qfs(all_text, rows_ids, rows, words, hits, real)
                 docs = yield Search(query, cfg.retrieve_topk)
                 res.rounds.append(Round(trigger_sentence=sents[si].text,
                                         hit_words=[w for w, h in zip(words, hits) if h],
@@ -91,7 +91,7 @@ class DraginReference:
                 g = yield Generate(prompt, cfg.generate_max_length, branch=RAG)
                 res.prefill_tokens += g.prefilled
                 res.decode_tokens += len(g.ids)
-                text = join(text, kept, first_sentence(tok.decode(g.ids, skip_special_tokens=True)))
+                text = join(text, kept, (yield from first_sentence(tok.decode(g.ids, skip_special_tokens=True))))
             stop_text = text.lower() if cfg.stop_case_insensitive else text
             if len(tok.encode(text)) > cfg.generate_max_length or len(text) <= old_len \
                     or "the answer is" in stop_text:
@@ -107,18 +107,19 @@ class DraginReference:
 
     # ------------------------------------------------------------------ decisions
     def rind(self, ids, text, a, entropy):
-        """First sentence with a word whose RIND score exceeds the threshold, or None.
+        """`trig = yield from self.rind(...)`: the first sentence with a word whose RIND score exceeds the
+        threshold, or None (its spaCy work goes to the scheduler).
 
         score_w = a_w / sum_{sentence} a * H_w * (#words in the sentence), a_w = sum of its tokens' attention,
         H_w = mean of its tokens' entropy (DRAGIN section 3.1, with the published code's word merging).
         """
         if not ids:
             return None
+        sents = yield from sentences(text)
         spans = self.words.spans(ids)
         words = self.words.texts(ids, spans)
         aw = [sum(a[l:r]) for l, r in spans]
         hw = [sum(entropy[l:r]) / (r - l) for l, r in spans]
-        sents = split_sentences(text)
         ranges = sentence_word_ranges(assign_words_to_sentences(text, words, sents), len(sents))
         for si, (l, r) in enumerate(ranges):
             if r <= l:
@@ -128,13 +129,14 @@ class DraginReference:
                     for i in range(l, r)]
             if any(hits):
                 if self.cfg.check_real_words:
-                    real = real_words(sents[si].text)
+                    real = yield from real_words(sents[si].text)
                     hits = [h and matches_real_word(w, real) for h, w in zip(hits, words[l:r])]
                 return sents, si, words[l:r], hits
         return None
 
-    def qfs(self, all_text: str, ids, rows: torch.Tensor, curr_words, curr_hits) -> str:
-        """Query from the words the hit words attend to most (DRAGIN section 3.2), POS-filtered."""
+    def qfs(self, all_text: str, ids, rows: torch.Tensor, curr_words, curr_hits, real: set[str]) -> str:
+        """Query from the words the hit words attend to most (DRAGIN section 3.2), POS-filtered by `real`, the
+        real words of all_text (fastrag.text.realwords.real_words)."""
         cfg = self.cfg
         spans = self.words.spans(ids)
         words = self.words.texts(ids, spans)
@@ -144,7 +146,6 @@ class DraginReference:
         n_curr = len(curr_words)
         first_curr = len(words) - n_curr
         hit_idx = [first_curr + i for i, h in enumerate(curr_hits) if h and first_curr + i >= 0]
-        real = real_words(all_text)
         cand = [i for i, w in enumerate(words) if matches_real_word(w, real) and i not in set(hit_idx)]
         k = cfg.retrieve_keep_top_k
         if hit_idx:

@@ -28,9 +28,9 @@ from fastrag.methods.common import (STOP_PHRASE, finish_answer, generate, join, 
 from fastrag.methods.dragin import DraginReference
 from fastrag.methods.registry import MethodSpec, register
 from fastrag.methods.token_rag import token_spans
-from fastrag.scheduler import AttnColmax, AttnRows
-from fastrag.text.realwords import matches_real_word, real_words
-from fastrag.text.sentences import first_sentence, split_sentences
+from fastrag.methods.common import first_sentence, real_words, sentences
+from fastrag.scheduler import AttnColmax, AttnRows, Parallel, RealWords
+from fastrag.text.realwords import matches_real_word
 from fastrag.text.words import assign_words_to_sentences, sentence_word_ranges
 from fastrag.trace import QuestionResult, Round
 
@@ -41,10 +41,11 @@ class DraginStreaming(DraginReference):
     name = "dragin-streaming"
 
     def judge(self, ids, text, a, entropy, si):
-        """RIND of sentence `si` of `text` (= decode(ids)): (sentences, words, hits) if a word hits, else None."""
+        """`found = yield from self.judge(...)`: RIND of sentence `si` of `text` (= decode(ids)): (sentences, words,
+        hits) if a word hits, else None."""
         spans = self.words.spans(ids)
         words = self.words.texts(ids, spans)
-        sents = split_sentences(text)
+        sents = yield from sentences(text)
         ranges = sentence_word_ranges(assign_words_to_sentences(text, words, sents), len(sents))
         if si >= len(ranges):
             return None
@@ -59,7 +60,7 @@ class DraginStreaming(DraginReference):
         if not any(hits):
             return None
         if self.cfg.check_real_words:
-            real = real_words(sents[si].text)
+            real = yield from real_words(sents[si].text)
             hits = [h and matches_real_word(w, real) for h, w in zip(hits, words[l:r])]
         return sents, words[l:r], hits
 
@@ -85,7 +86,7 @@ class DraginStreaming(DraginReference):
                 ent += g.entropy
                 ended = g.ended_by_eos or len(ids) >= L or not g.ids
                 new_text = tok.decode(ids, skip_special_tokens=True)
-                sents = split_sentences(new_text)
+                sents = yield from sentences(new_text)
                 complete = len(sents) if ended else max(len(sents) - 1, 0)
                 if complete <= judged:
                     continue
@@ -99,7 +100,7 @@ class DraginStreaming(DraginReference):
                         a = yield AttnColmax(ids[:upto])
                         res.prefill_tokens += upto
                     sub = tok.decode(ids[:upto], skip_special_tokens=True)
-                    found = self.judge(ids[:upto], sub, a, ent[:upto], si)
+                    found = yield from self.judge(ids[:upto], sub, a, ent[:upto], si)
                     if found is not None:
                         trig = (sents, si, found)
                         break
@@ -119,9 +120,9 @@ class DraginStreaming(DraginReference):
                 kept = join(*[s.text for s in sents[:si]])
                 all_text = join(q, text, kept) + " " + " ".join(w for w in words if w)
                 rows_ids = tok.encode(all_text)
-                rows = yield AttnRows(rows_ids)
+                rows, real = yield Parallel([AttnRows(rows_ids), RealWords(all_text)])
                 res.prefill_tokens += len(rows_ids)
-                query = self.qfs(all_text, rows_ids, rows, words, hits)
+                query = self.qfs(all_text, rows_ids, rows, words, hits, real)
                 query = truncate_query(tok, query, cfg.max_query_tokens)
                 docs = yield from search(res, query, cfg.retrieve_topk)
                 res.rounds.append(Round(trigger_sentence=sents[si].text,
@@ -135,9 +136,9 @@ class DraginStreaming(DraginReference):
                     g = yield from generate(res, rag_base, min(chunk, L - len(rids)), RAG, suffix_ids=tuple(rids))
                     rids += g.ids
                     rtext = tok.decode(rids, skip_special_tokens=True)
-                    if g.ended_by_eos or len(rids) >= L or not g.ids or len(split_sentences(rtext)) > 1:
+                    if g.ended_by_eos or len(rids) >= L or not g.ids or len((yield from sentences(rtext))) > 1:
                         break
-                text = join(text, kept, first_sentence(rtext))
+                text = join(text, kept, (yield from first_sentence(rtext)))
             stop_text = text.lower() if cfg.stop_case_insensitive else text
             if len(tok.encode(text)) > L or len(text) <= old_len or STOP_PHRASE in stop_text:
                 break

@@ -18,11 +18,10 @@ import re
 
 from fastrag.config import FlareConfig, method_config
 from fastrag.data.exemplars import case_text, demo_text
-from fastrag.methods.common import (finish_answer, generate, join, probs, rag_prompt, search, stop, token_char_ends,
-                                    truncate_query)
+from fastrag.methods.common import (finish_answer, generate, join, probs, rag_prompt, search, sentences, stop,
+                                    token_char_ends, truncate_query)
 from fastrag.methods.registry import MethodSpec, register
 from fastrag.methods.token_rag import masked_text, token_spans
-from fastrag.text.sentences import split_sentences
 from fastrag.trace import QuestionResult, Round
 
 MAIN, QGEN = 0, 2  # KV branches: the answer prompts; the explicit-query question prompts
@@ -75,9 +74,10 @@ class FlareDirect:
         return self.demos
 
     def look_ahead(self, g):
-        """(first sentence text, its token count) of a look-ahead generation; ("", 0) when it has none."""
+        """`sent, n = yield from self.look_ahead(g)`: (first sentence text, its token count) of a look-ahead
+        generation; ("", 0) when it has none."""
         new = self.tok.decode(g.ids, skip_special_tokens=True)
-        sents = split_sentences(new)
+        sents = yield from sentences(new)
         if not sents:
             return "", 0
         _, r = token_spans(token_char_ends(self.tok, g.ids), sents)[0]
@@ -98,7 +98,7 @@ class FlareDirect:
         while True:
             old_len = len(text)
             g = yield from generate(res, rag_prompt(self.demos, docs, case, text), cfg.look_ahead_tokens, MAIN)
-            sent, r = self.look_ahead(g)
+            sent, r = yield from self.look_ahead(g)
             if not sent:
                 break
             p = probs(g.logprob[:r])
@@ -106,7 +106,7 @@ class FlareDirect:
                 query, docs = yield from self.retrieve(res, q, case, text, sent, g.ids[:r], p)
                 res.rounds.append(Round(trigger_sentence=sent, query=query, doc_ids=[str(d.id) for d in docs]))
                 g = yield from generate(res, rag_prompt(self.demos, docs, case, text), cfg.look_ahead_tokens, MAIN)
-                sent, _ = self.look_ahead(g)
+                sent, _ = yield from self.look_ahead(g)
             else:
                 res.rounds.append(Round())
             text = join(text, sent)

@@ -12,10 +12,9 @@ from __future__ import annotations
 
 from fastrag.config import TokenRagConfig, method_config
 from fastrag.data.exemplars import case_text, demo_text
-from fastrag.methods.common import (finish_answer, generate, join, probs, rag_prompt, search, stop, token_char_ends,
-                                    truncate_query)
+from fastrag.methods.common import (finish_answer, generate, join, probs, rag_prompt, search, sentences, stop,
+                                    token_char_ends, truncate_query)
 from fastrag.methods.registry import MethodSpec, register
-from fastrag.text.sentences import split_sentences
 from fastrag.trace import QuestionResult, Round
 
 # the plain prompts' KV branch; retrieval prompts run on one-shot sequences (branch None), as in methods/dragin.py
@@ -59,8 +58,9 @@ class TokenRag:
         return self.demos
 
     def judge(self, ids, logprob, new_text):
-        """(sentences, index of the trigger sentence, its token range) or None."""
-        sents = split_sentences(new_text)
+        """`trig = yield from self.judge(...)`: (sentences, index of the trigger sentence, its token range) or
+        None."""
+        sents = yield from sentences(new_text)
         if not sents:
             return None
         p = probs(logprob)
@@ -83,7 +83,7 @@ class TokenRag:
             old_len = len(text)
             g = yield from generate(res, self.demos + join(case, text), cfg.generate_max_length, PLAIN)
             new_text = tok.decode(g.ids, skip_special_tokens=True)
-            trig = self.judge(g.ids, g.logprob, new_text)
+            trig = yield from self.judge(g.ids, g.logprob, new_text)
             if trig is None:
                 res.rounds.append(Round())
                 text = join(text, new_text.strip())

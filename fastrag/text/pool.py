@@ -1,0 +1,245 @@
+"""The methods' spaCy work (sentence splits, real words) on worker processes.
+
+On a GPU the scheduler runs the methods' host logic while the device decodes the next step (Scheduler.overlap);
+spaCy is most of that logic (DRAGIN: a sentence split of every generation, POS tags of the triggering sentence and of
+the query text), and one Python process runs it one text at a time. A `TextPool` spreads the texts of all questions
+over worker processes, each with its own copy of the pipeline, so the host logic of a step shrinks with the number
+of workers and stays inside the device's step time.
+
+The results are the ones the calls in this process give (the same model, the same functions: `split_sentences`,
+`real_words`); only where they run changes. A worker is `python -m fastrag.text.pool`, fed length-prefixed pickled
+frames on its stdin and answering on its stdout. Unlike multiprocessing's spawn and forkserver methods, this never
+imports the caller's main module in the worker (a script without an `if __name__ == "__main__"` guard would run
+again there), and unlike fork it copies nothing of a process that has initialised CUDA or runs threads. Writes go
+through a thread per worker, so `submit` never blocks on a full pipe.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import pickle
+import queue
+import struct
+import subprocess
+import sys
+import threading
+from concurrent.futures import Future
+from concurrent.futures.process import BrokenProcessPool
+
+# what a worker can compute: kind -> (module, function) of one text
+KINDS = {"sentences": ("fastrag.text.sentences", "split_sentences"),
+         "real_words": ("fastrag.text.realwords", "real_words")}
+
+__all__ = ["KINDS", "BrokenProcessPool", "TextPool", "auto_text_workers", "failure_message", "is_failure", "run_text"]
+
+_HEADER = struct.Struct("<Q")
+
+
+def run_text(kind: str, text: str):
+    """One text request computed here: split_sentences(text) or real_words(text)."""
+    try:
+        module, name = KINDS[kind]
+    except KeyError:
+        raise ValueError(f"unknown text request kind {kind!r}; expected one of {sorted(KINDS)}") from None
+    import importlib
+
+    return getattr(importlib.import_module(module), name)(text)
+
+
+class _Failed:
+    """A text request that raised in a worker: its message (the asking question fails with it)."""
+
+    __slots__ = ("message",)
+
+    def __init__(self, message: str):
+        self.message = message
+
+    def __reduce__(self):
+        return (_Failed, (self.message,))
+
+
+def is_failure(x) -> bool:
+    return isinstance(x, _Failed)
+
+
+def failure_message(x) -> str:
+    return x.message
+
+
+def auto_text_workers(cpu_count: int | None = None) -> int:
+    """Workers for a GPU run: all cores this process may use but two (the scheduler's thread and the retrieval
+    thread), at most 8."""
+    if cpu_count is None:
+        cpu_count = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    n = cpu_count
+    return max(0, min(8, (n or 1) - 2))
+
+
+def _write_frame(f, obj) -> None:
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    f.write(_HEADER.pack(len(data)) + data)
+    f.flush()
+
+
+def _read_frame(f):
+    """The next frame's object; None at the end of the stream (or a torn frame)."""
+    head = f.read(_HEADER.size)
+    if len(head) < _HEADER.size:
+        return None
+    (n,) = _HEADER.unpack(head)
+    data = f.read(n)
+    if len(data) < n:
+        return None
+    return pickle.loads(data)
+
+
+class _Worker:
+    def __init__(self, index: int, env: dict):
+        self.proc = subprocess.Popen([sys.executable, "-m", "fastrag.text.pool"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, env=env)
+        self.pending: dict[int, Future] = {}
+        self.lock = threading.Lock()
+        self.broken: str | None = None
+        self.outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.writer = threading.Thread(target=self._write, name=f"fastrag-text-writer-{index}", daemon=True)
+        self.reader = threading.Thread(target=self._read, name=f"fastrag-text-reader-{index}", daemon=True)
+        self.writer.start()
+        self.reader.start()
+
+    def _write(self) -> None:
+        try:
+            while True:
+                frame = self.outbox.get()
+                if frame is None:
+                    break
+                _write_frame(self.proc.stdin, frame)
+        except (BrokenPipeError, OSError, ValueError):
+            pass  # the worker is gone: the reader sees the end of its output and fails what waits
+        finally:
+            try:
+                self.proc.stdin.close()
+            except OSError:
+                pass
+
+    def _read(self) -> None:
+        try:
+            while True:
+                msg = _read_frame(self.proc.stdout)
+                if msg is None:
+                    break
+                rid, value = msg
+                with self.lock:
+                    fut = self.pending.pop(rid, None)
+                if fut is not None and fut.set_running_or_notify_cancel():
+                    fut.set_result(value)
+        except (OSError, pickle.UnpicklingError, EOFError, ValueError):
+            pass
+        code = self.proc.wait()
+        with self.lock:
+            self.broken = f"text worker pid {self.proc.pid} exited with code {code}"
+            left, self.pending = self.pending, {}
+        for fut in left.values():
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(BrokenProcessPool(self.broken))
+
+    def submit(self, rid: int, kind: str, text: str) -> Future:
+        fut = Future()
+        with self.lock:
+            if self.broken is not None:
+                raise BrokenProcessPool(self.broken)
+            self.pending[rid] = fut
+        self.outbox.put((rid, kind, text))
+        return fut
+
+    def load(self) -> int:
+        return len(self.pending)
+
+
+class TextPool:
+    """`workers` spaCy processes; `submit(kind, text)` returns a Future of `run_text(kind, text)` (a failure of the
+    text comes back as a value: `is_failure`, `failure_message`; a dead worker as BrokenProcessPool)."""
+
+    def __init__(self, workers: int):
+        if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
+            raise ValueError(f"TextPool: workers must be an int >= 1, got {workers!r}")
+        self.workers = workers
+        env = dict(os.environ)
+        # the workers import this very fastrag, however this process found it (installed, or a checkout on the path)
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+        env.setdefault("OMP_NUM_THREADS", "1")
+        self._workers = [_Worker(i, env) for i in range(workers)]
+        self._ids = itertools.count()
+        self._closed = False
+        self.texts = 0
+
+    def submit(self, kind: str, text: str) -> Future:
+        if kind not in KINDS:
+            raise ValueError(f"unknown text request kind {kind!r}; expected one of {sorted(KINDS)}")
+        if self._closed:
+            raise RuntimeError("TextPool: submit after shutdown")
+        live = [w for w in self._workers if w.broken is None]
+        if not live:
+            raise BrokenProcessPool(self._workers[0].broken or "no text worker left")
+        self.texts += 1
+        return min(live, key=_Worker.load).submit(next(self._ids), kind, text)
+
+    def pids(self) -> list[int]:
+        return [w.proc.pid for w in self._workers]
+
+    def shutdown(self) -> None:
+        """Stop the workers (what they still hold is cancelled)."""
+        if self._closed:
+            return
+        self._closed = True
+        for w in self._workers:
+            w.outbox.put(None)  # the writer closes the worker's stdin: it exits at the end of its input
+        for w in self._workers:
+            try:
+                w.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                w.proc.kill()
+                w.proc.wait()
+            w.reader.join(timeout=5)
+            with w.lock:
+                left, w.pending = w.pending, {}
+            for fut in left.values():
+                fut.cancel()
+            if w.proc.stdout is not None:
+                w.proc.stdout.close()
+
+    def __del__(self):  # a pool nobody shut down must not leave processes behind
+        try:
+            self.shutdown()
+        except Exception:  # noqa: BLE001  (interpreter teardown)
+            pass
+
+
+def _worker_main() -> None:
+    """A worker: load the pipeline, then answer (id, kind, text) frames until stdin ends."""
+    inp, out = sys.stdin.buffer, sys.stdout.buffer
+    sys.stdout = sys.stderr  # anything printed goes to stderr, never into the frames
+    # spaCy's small English pipeline runs on numpy; thinc would import torch (seconds, ~300 MB) only to offer it
+    sys.modules.setdefault("torch", None)
+    from fastrag.text.nlp import get_nlp
+
+    get_nlp()
+    while True:
+        msg = _read_frame(inp)
+        if msg is None:
+            break
+        rid, kind, text = msg
+        try:
+            value = run_text(kind, text)
+        except Exception as e:  # noqa: BLE001  (the asking question fails with it; the other texts go on)
+            value = _Failed(f"{type(e).__name__}: {e}")
+        _write_frame(out, (rid, value))
+
+
+if __name__ == "__main__":
+    # run as the package's module, not as __main__, so that what the frames carry (_Failed) unpickles in the caller
+    sys.modules.setdefault("torch", None)
+    from fastrag.text.pool import _worker_main as main
+
+    main()

@@ -1,0 +1,243 @@
+"""The methods' spaCy work on worker processes (fastrag.text.pool, `Scheduler(text_workers=N)`).
+
+A text request's result must not depend on where it runs: the workers' sentences and real words equal the calls in
+this process on real texts, and a run whose spaCy work goes to workers decides every question as a run that does it
+on the scheduler's thread, with overlap and without. A worker that dies, or a text spaCy rejects, costs no work.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import warnings
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from fastrag.engine import Engine
+from fastrag.eval import BUNDLED
+from fastrag.model.llama import LlamaModel
+from fastrag.retrieval.base import Doc
+from fastrag.scheduler import Generate, Parallel, RealWords, Scheduler, Search, Sentences
+from fastrag.text.pool import TextPool, auto_text_workers, failure_message, is_failure
+from fastrag.text.realwords import real_words
+from fastrag.text.sentences import split_sentences
+from fastrag.trace import QuestionResult, Round
+
+
+def _real_texts(n: int, seed: int) -> list[str]:
+    """Random passages of the bundled corpus, cut at random points, and some joined: real prose of all lengths."""
+    rows = [json.loads(x) for x in (BUNDLED / "wiki_passages.jsonl").read_text().splitlines() if x.strip()]
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        t = rng.choice(rows)["text"]
+        a = rng.randrange(len(t))
+        t = t[a: a + rng.randrange(20, 600)]
+        if rng.random() < 0.3:
+            t += " " + rng.choice(rows)["text"][:200]
+        out.append(t)
+    return out + ["", "   ", "No. 5 St. Louis, Mo. was it? Yes.\n\nIt was."]
+
+
+@pytest.fixture(scope="module")
+def pool():
+    p = TextPool(2)
+    yield p
+    p.shutdown()
+
+
+def test_workers_give_what_the_calls_here_give(pool):
+    texts = _real_texts(40, seed=int.from_bytes(os.urandom(2), "little"))
+    futs = [(pool.submit("sentences", t), pool.submit("real_words", t)) for t in texts]
+    for t, (fs, fr) in zip(texts, futs):
+        assert fs.result(timeout=120) == split_sentences(t)
+        assert fr.result(timeout=120) == real_words(t)
+    assert any(len(split_sentences(t)) > 1 for t in texts)  # (the texts do have several sentences)
+
+
+def test_a_text_spacy_rejects_comes_back_as_its_failure(pool):
+    from fastrag.text.nlp import get_nlp
+
+    too_long = "word " * (get_nlp().max_length // 5 + 10)
+    r = pool.submit("sentences", too_long).result(timeout=120)
+    assert is_failure(r) and ("E088" in failure_message(r) or "max_length" in failure_message(r))
+    with pytest.raises(ValueError, match="unknown text request kind 'pos'"):
+        pool.submit("pos", "x")
+    with pytest.raises(ValueError, match="workers must be an int >= 1"):
+        TextPool(0)
+
+
+def test_auto_workers():
+    assert auto_text_workers(16) == 8 and auto_text_workers(4) == 2 and auto_text_workers(2) == 0
+    assert auto_text_workers(1) == 0
+
+
+# ---------------------------------------------------------------------------------------------- scheduler level
+
+
+class Tok:
+    eos_token_id = None
+
+    def encode(self, s):
+        return [int(x) for x in s.split()]
+
+
+@dataclass
+class Ex:
+    qid: str
+    question: str
+    answers: list = field(default_factory=lambda: ["x"])
+
+
+TEXTS = _real_texts(30, seed=7)
+
+
+class Retriever:
+    def search(self, queries, k):
+        return [[Doc(id=f"{q}/{i}", title="", text=" ".join(str(1 + (len(q) * 7 + i * 13 + j) % 90)
+                                                          for j in range(6))) for i in range(k)] for q in queries]
+
+
+def policy(ex):
+    """Generations whose tokens choose which real texts to split and tag; what spaCy says chooses the next search
+    and prompt (so a wrong or misrouted text result changes the answer). Lone requests and Parallel parts."""
+    res = QuestionResult(qid=ex.qid, question=ex.question, gold=ex.answers)
+    text = ex.question
+    for rnd in range(3):
+        g = yield Generate(text, 3 + (int(ex.qid) + rnd) % 4)
+        t = TEXTS[sum(g.ids) % len(TEXTS)]
+        sents = yield Sentences(t)
+        if rnd == 1:
+            real, sents2, docs = yield Parallel([RealWords(t), Sentences(TEXTS[len(sents) % len(TEXTS)]),
+                                                 Search(str(len(sents)), 2)])
+        else:
+            real, sents2, docs = (yield RealWords(t)), [], []
+        key = f"{len(sents)}.{len(sents2)}.{sorted(real)[:2]}"
+        res.rounds.append(Round(trigger_sentence=sents[0].text if sents else "", query=key,
+                                doc_ids=[d.id for d in docs]))
+        text += " " + " ".join(map(str, g.ids)) + f" {1 + len(real) % 90}"
+    res.text = res.prediction = text
+    return res
+
+
+@pytest.fixture(scope="module")
+def model():
+    from transformers import LlamaConfig
+
+    m = LlamaModel.from_hf_config(LlamaConfig(vocab_size=96, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+                                              num_attention_heads=6, num_key_value_heads=2, eos_token_id=None),
+                                  dtype=torch.float64, seed=3, device="cpu")
+    return m
+
+
+def _schedule(model, text_workers, overlap=False, n=8, pol=policy):
+    eng = Engine(model, Tok(), kv_cache_gb=0.02, max_batch=4)
+    out = []
+    sched = Scheduler(eng, Retriever(), pol, max_inflight=6, overlap=overlap, text_workers=text_workers)
+    sched.run([Ex(str(i), f"{1 + i} {2 + 3 * i} {5 + i % 7}") for i in range(n)], out.append)
+    return {r.qid: r for r in out}, sched
+
+
+def _decisions(res):
+    return {q: (r.prediction, [(x.trigger_sentence, x.query, x.doc_ids) for x in r.rounds], r.error)
+            for q, r in res.items()}
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_run_with_text_workers_decides_as_one_without(model, pool, overlap):
+    here, s0 = _schedule(model, 0)
+    there, s1 = _schedule(model, pool, overlap=overlap)
+    assert len(here) == 8 and all(r.error is None for r in here.values())
+    assert _decisions(here) == _decisions(there)
+    assert s0.text_requests == 0 and s1.text_requests > 3 * 8  # every text went to the workers
+    assert len({x.query for r in here.values() for x in r.rounds}) > 3  # the texts chosen really vary
+
+
+def test_a_worker_that_dies_costs_no_work(model):
+    """Kill the workers mid-run: the texts they held and all later ones run on the scheduler's thread, with a
+    warning, and every question decides as before."""
+    here, _ = _schedule(model, 0)
+    killed = []
+
+    def killer(ex):
+        gen = policy(ex)
+        value = None
+        while True:
+            try:
+                req = gen.send(value)
+            except StopIteration as stop:
+                return stop.value
+            if isinstance(req, Sentences) and not killed and sched_ref and sched_ref[0].text_pool is not None:
+                for pid in sched_ref[0].text_pool.pids():
+                    os.kill(pid, signal.SIGKILL)
+                killed.append(True)
+            value = yield req
+
+    sched_ref = []
+    eng = Engine(model, Tok(), kv_cache_gb=0.02, max_batch=4)
+    sched = Scheduler(eng, Retriever(), killer, max_inflight=6, text_workers=2)
+    sched_ref.append(sched)
+    out = []
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        sched.run([Ex(str(i), f"{1 + i} {2 + 3 * i} {5 + i % 7}") for i in range(8)], out.append)
+    assert killed and sched.text_workers == 0  # the pool is gone; the run finished on this thread
+    assert any("spaCy worker pool failed" in str(x.message) for x in w)
+    assert _decisions({r.qid: r for r in out}) == _decisions(here)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_text_spacy_rejects_fails_its_question_only(model, workers):
+    from fastrag.text.nlp import get_nlp
+
+    huge = "word " * (get_nlp().max_length // 5 + 10)
+
+    def pol(ex):
+        if ex.qid == "3":
+            yield Sentences(huge)
+        return (yield from policy(ex))
+
+    res, _ = _schedule(model, workers, pol=pol)
+    assert len(res) == 8
+    assert "E088" in (res["3"].error or "") or "max_length" in (res["3"].error or "")
+    assert all(r.error is None for q, r in res.items() if q != "3")
+
+
+def test_text_workers_argument_is_checked(model):
+    eng = Engine(model, Tok(), kv_cache_gb=0.02, max_batch=4)
+    for bad in (-1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="text_workers must be an int >= 0 or a TextPool"):
+            Scheduler(eng, Retriever(), policy, text_workers=bad)
+    assert Scheduler(eng, Retriever(), policy).text_workers == 0  # no overlap (a CPU): no workers by default
+    assert Scheduler(eng, Retriever(), policy, overlap=True).text_workers == auto_text_workers()
+
+
+def test_closing_with_texts_at_the_workers(model):
+    """close() while texts are out: the workers stop, nothing raises, and a later run starts them again and
+    finishes the question that was waiting."""
+
+    def pol(ex):
+        sents = yield Sentences(" ".join(TEXTS[:6]))
+        res = QuestionResult(qid=ex.qid, question=ex.question, gold=ex.answers)
+        res.prediction = str(len(sents))
+        return res
+
+    eng = Engine(model, Tok(), kv_cache_gb=0.02, max_batch=4)
+    sched = Scheduler(eng, Retriever(), pol, text_workers=1)
+    out = []
+    sched.submit(Ex("0", "1 2"), out.append)
+    sched.step()
+    assert sched._texts and sched.text_pool is not None
+    pids = sched.text_pool.pids()
+    sched.close()
+    assert sched.text_pool is None and not sched._texts
+    for pid in pids:  # the worker processes are gone (reaped)
+        with pytest.raises(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)
+    sched.run([Ex("1", "3 4")], out.append)  # the question that was in flight at close() finishes too
+    want = str(len(split_sentences(" ".join(TEXTS[:6]))))
+    assert sorted((r.qid, r.prediction, r.error) for r in out) == [("0", want, None), ("1", want, None)]
