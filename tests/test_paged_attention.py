@@ -206,8 +206,9 @@ def test_sequences_of_two_prefixes_decode_in_one_batch():
     pa, pb = list(range(20, 52)), list(range(40, 88))  # 32 and 48 tokens
     prompts = [pa + [1, 2, 3], pb + list(range(1, 12)), pa + list(range(5, 25)), pb + [7], [3, 4, 5, 6, 8]]
 
-    def run(prefixes, idx, native=True, mix=True):
+    def run(prefixes, idx, native=True, mix=True, fill=1.0):
         m = LlamaModel.from_hf_config(cfg, seed=9)
+        m.bucket_fill_cpu = fill
         if not native:
             m.native_decode = None
         eng = Engine(m, Tok(), kv_cache_gb=0.01, max_batch=8, mix_prefill=mix)
@@ -233,12 +234,18 @@ def test_sequences_of_two_prefixes_decode_in_one_batch():
     assert torch_path == both
     split_prefill, _ = run([pa, pb], [0, 1, 2, 3, 4], mix=False)  # prefill batches split by prefix (default)
     assert split_prefill == both
+    bucketed, _ = run([pa, pb], [0, 1, 2, 3, 4], fill=0.3)  # packed attention in padded buckets (a GPU's rule)
+    assert bucketed == both
 
 
-@pytest.mark.parametrize("native", [True, False])
-def test_packed_prefill_equals_padded_prefill(native):
-    """Prompts of very different lengths prefilled together: the packed forward (no padding; attention per
-    sequence) gives the logits of the padded one, with and without a shared prefix, and a one-token prompt."""
+@pytest.mark.parametrize("native,lens,bucket_tokens,fill", [
+    (True, [1, 37, 5, 20], 4096, 1.0), (False, [1, 37, 5, 20], 4096, 0.6),
+    (True, "random", 4096, 0.6), (True, "random", 48, 0.6), (False, "random", 1, 0.6), (True, "random", 4096, 1.0)])
+def test_packed_prefill_equals_padded_prefill(native, lens, bucket_tokens, fill):
+    """Prompts of very different lengths prefilled together: the packed forward (no padding; attention per bucket of
+    similar lengths) gives the logits of the padded one, with a one-token prompt, random lengths, and buckets from
+    one sequence each (bucket_tokens 1, or fill 1: only equal lengths share one, the CPU's rule) to many (the
+    GPU's fill of 0.6, here on the CPU)."""
     from transformers import LlamaConfig
 
     from fastrag.model.llama import AttnBatch, LlamaModel
@@ -249,12 +256,17 @@ def test_packed_prefill_equals_padded_prefill(native):
     if not native:
         m.native_decode = None
     g = torch.Generator().manual_seed(3)
-    bs, lens = 8, [1, 37, 5, 20]
+    bs = 8
+    if lens == "random":  # fresh lengths each run, some repeated so that buckets fill exactly too
+        r = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
+        lens = [int(x) for x in torch.randint(1, 40, (9,), generator=r)]
+        lens[3] = lens[5]
+    m.bucket_tokens, m.bucket_fill_cpu = bucket_tokens, fill
     B, T = len(lens), max(lens)
-    kp = [torch.randn(2, 40 * bs, 8, generator=g) for _ in range(2)]
-    vp = [torch.randn(2, 40 * bs, 8, generator=g) for _ in range(2)]
-    old = [3, 9, 0, 14]  # context entries already cached per sequence
-    blocks = torch.randperm(38, generator=g)[:B * 8].view(B, 8) + 2  # blocks 0, 1: the prefix
+    kp = [torch.randn(2, 80 * bs, 8, generator=g) for _ in range(2)]
+    vp = [torch.randn(2, 80 * bs, 8, generator=g) for _ in range(2)]
+    old = [(3, 9, 0, 14)[b % 4] for b in range(B)]  # context entries already cached per sequence
+    blocks = torch.randperm(78, generator=g)[:B * 7].view(B, 7) + 2  # blocks 0, 1: the prefix
     ids = torch.randint(0, 70, (B, T), generator=g)
     valid = torch.arange(T).expand(B, T) < torch.tensor(lens).unsqueeze(1)
     P = 16
@@ -263,7 +275,7 @@ def test_packed_prefill_equals_padded_prefill(native):
     batch = AttnBatch(write_slots=torch.tensor(write), valid=valid, positions=pos, prefix_len=P,
                       prefix_slots=torch.arange(P), ctx_blocks=blocks,
                       ctx_lens=torch.tensor([o + n for o, n in zip(old, lens)]), block_size=bs, prefix_start=0)
-    last = torch.tensor([b * T + n - 1 for b, n in enumerate(lens)])
+    last = valid.reshape(-1).nonzero().squeeze(-1)  # every token's logits: each reads its own attention output
     out = {}
     for mode, below in (("padded", 0.0), ("packed", 1.0)):
         m.pack_below = below
