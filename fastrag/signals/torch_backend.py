@@ -94,15 +94,41 @@ def decode_signals(logits: torch.Tensor, temperature: float, rng_keys: torch.Ten
         y = y / temperature
         if top_p < 1:
             y = top_p_filter(y, top_p)
-    logp = y - torch.logsumexp(y, dim=-1, keepdim=True)
-    p = logp.exp()
-    entropy = -torch.where(p > 0, p * logp, 0.0).sum(-1)
-    if chosen is None:
-        score = y + sampling_gumbel(rng_keys, y.shape[1]) if temperature > 0 else y
-        chosen = score.argmax(dim=-1)  # first maximal index
-    logprob = logp.gather(1, chosen[:, None])[:, 0]
+    if y.device.type != "cpu":  # (the CPU path below looks at its rows on the host: a sync on a GPU)
+        if chosen is None:
+            chosen = (y + sampling_gumbel(rng_keys, y.shape[1]) if temperature > 0 else y).argmax(dim=-1)
+        entropy, logprob = _decode_slow(y, chosen)
+        flag = None if nonstop is None else nonstop[chosen]
+        return chosen, entropy, logprob, logprob.exp(), flag
+    # with z = y - max, s = sum e^z: H = ln s - sum(e^z z) / s and ln p_c = z_c - ln s. Five passes over the row
+    # instead of the ten of logsumexp, log-softmax, p, p ln p and argmax apart (on the CPU the decode step's signals
+    # took more time than the model's projections for a small model). Rows whose max is not finite (all -inf, +inf
+    # or NaN) take the reference's formula (_decode_slow).
+    if chosen is None and temperature <= 0:
+        m, chosen = y.max(dim=-1, keepdim=True)  # the max and its first index, in one pass
+        chosen = chosen[:, 0]
+    else:
+        m = y.amax(dim=-1, keepdim=True)
+        if chosen is None:
+            chosen = (y + sampling_gumbel(rng_keys, y.shape[1])).argmax(dim=-1)  # first maximal index
+    z = y - m
+    e = z.exp()
+    s = e.sum(-1)
+    log_s = s.log()
+    entropy = log_s - (e * z).nansum(-1) / s  # (e^z z = 0 * -inf = NaN for -inf logits: they contribute 0)
+    logprob = z.gather(1, chosen[:, None])[:, 0] - log_s
+    bad = ~torch.isfinite(m[:, 0])
+    if bool(bad.any()):
+        entropy[bad], logprob[bad] = _decode_slow(y[bad], chosen[bad])
     flag = None if nonstop is None else nonstop[chosen]
     return chosen, entropy, logprob, logprob.exp(), flag
+
+
+def _decode_slow(y: torch.Tensor, chosen: torch.Tensor):
+    """(entropy, ln p_chosen) by the reference's formula: any row, whatever its values."""
+    logp = y - torch.logsumexp(y, dim=-1, keepdim=True)
+    p = logp.exp()
+    return -torch.where(p > 0, p * logp, 0.0).sum(-1), logp.gather(1, chosen[:, None])[:, 0]
 
 
 def _paged_scores(q, k_cache, block_tables, pos, block_size: int, scale: float):
