@@ -15,7 +15,7 @@ from fastrag.config import DraginConfig
 from fastrag.data.exemplars import case_text, demo_text
 from fastrag.data.metrics import ANSWER_MAX_TOKENS, answer_prompt, complete_answer, needs_answer_generation
 from fastrag.methods.common import first_sentence, real_words, sentences
-from fastrag.scheduler import AttnColmax, AttnRows, Generate, Parallel, RealWords, Search
+from fastrag.scheduler import AttnColmax, AttnRows, Generate, Parallel, RealWords, Search, Sentences
 from fastrag.text.realwords import matches_real_word
 from fastrag.text.words import assign_words_to_sentences, sentence_word_ranges, word_boundaries
 from fastrag.trace import QuestionResult, Round
@@ -66,10 +66,12 @@ class DraginReference:
             res.prefill_tokens += g.prefilled
             res.decode_tokens += len(g.ids)
             new_text = tok.decode(g.ids, skip_special_tokens=True)
-            a = (yield AttnColmax(g.ids)) if g.ids else []
-            if g.ids:
+            a, sents = [], []
+            if g.ids:  # the attention pass and the sentence split at once (neither needs the other)
+                a, *sents = yield Parallel([AttnColmax(g.ids)] + ([Sentences(new_text)] if new_text.strip() else []))
+                sents = sents[0] if sents else []
                 res.prefill_tokens += len(g.ids)
-            trig = yield from self.rind(g.ids, new_text, a, g.entropy)
+            trig = yield from self.rind(g.ids, new_text, a, g.entropy, sents)
             if trig is None:
                 res.rounds.append(Round())
                 text = join(text, new_text.strip())
@@ -106,16 +108,17 @@ class DraginReference:
         return res
 
     # ------------------------------------------------------------------ decisions
-    def rind(self, ids, text, a, entropy):
+    def rind(self, ids, text, a, entropy, sents=None):
         """`trig = yield from self.rind(...)`: the first sentence with a word whose RIND score exceeds the
-        threshold, or None (its spaCy work goes to the scheduler).
+        threshold, or None (its spaCy work goes to the scheduler). sents: text's sentences, when already split.
 
         score_w = a_w / sum_{sentence} a * H_w * (#words in the sentence), a_w = sum of its tokens' attention,
         H_w = mean of its tokens' entropy (DRAGIN section 3.1, with the published code's word merging).
         """
         if not ids:
             return None
-        sents = yield from sentences(text)
+        if sents is None:
+            sents = yield from sentences(text)
         spans = self.words.spans(ids)
         words = self.words.texts(ids, spans)
         aw = [sum(a[l:r]) for l, r in spans]
