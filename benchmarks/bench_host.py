@@ -1,0 +1,223 @@
+"""The host-side work around the engine's steps: what a GPU run cannot hide behind its decode steps.
+
+Four measurements, each with its baseline in the same run:
+1. Host preparation of a graphed decode step: `Engine._decode_graphed` at batch 128 with the graph's forward stubbed
+   out (inputs, positions, KV slots and the block table of every row): the work the launch does before the device can
+   start, per step.
+2. spaCy on worker processes (fastrag.text.pool): sentence splits of real passages per second in this process, and
+   through 1 and 2 workers (N for `--workers`).
+3. Torch operations of one packed prefill forward (12 sequences of random lengths 16-600 after a 1,536-token prefix):
+   per layer and fixed, counted with the GPU's bucket rule (similar lengths share an attention call) against one
+   attention call per sequence (the CPU's rule). On a GPU each operation is a kernel launch.
+4. Decode-step signals over [B, 49152] logits on the CPU: the torch backend against the C++ one (`cpp`).
+
+    python benchmarks/bench_host.py              # writes benchmarks/results/host_<device>.md
+
+Medians of repeated runs; the machine's other load moves them (say what else ran).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import platform
+import random
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def _tiny_config(**kw):
+    from transformers import LlamaConfig
+
+    base = dict(vocab_size=96, hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=6,
+                num_key_value_heads=2, eos_token_id=None)
+    return LlamaConfig(**(base | kw))
+
+
+class _Tok:
+    eos_token_id = None
+
+    def encode(self, s):
+        return [int(x) for x in s.split()]
+
+
+def host_prep(reps: int) -> dict:
+    from fastrag.cuda_graphs import DecodeGraphs
+    from fastrag.engine import Engine
+    from fastrag.model.llama import LlamaModel
+
+    m = LlamaModel.from_hf_config(_tiny_config(), seed=5)
+    eng = Engine(m, _Tok(), kv_cache_gb=0.3, max_batch=128, cuda_graphs=True)
+    rng = random.Random(0)
+    for _ in range(128):
+        eng.start(eng.new_sequence(), [rng.randrange(96) for _ in range(rng.randint(500, 700))], 200)
+    eng.max_prefill_tokens = 10**6
+    eng.step()
+    logits = torch.zeros(128, 96)
+    forward = DecodeGraphs._forward
+    DecodeGraphs._forward = lambda self, g: logits[: g.ids.shape[0]]
+    try:
+        ts = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            with torch.inference_mode():
+                eng._decode_graphed(eng.running, [None])
+            ts.append(time.perf_counter() - t)
+            for s in eng.running:
+                s.tokens.append(1)
+    finally:
+        DecodeGraphs._forward = forward
+    blocks = sum(len(s.table.blocks) for s in eng.running) / len(eng.running)
+    return {"batch": len(eng.running), "blocks_per_row": round(blocks, 1),
+            "median_ms": statistics.median(ts) * 1e3}
+
+
+def text_pool(n_texts: int, workers: list[int]) -> dict:
+    from fastrag.eval import BUNDLED
+    from fastrag.text.pool import TextPool
+    from fastrag.text.sentences import split_sentences
+
+    rows = [json.loads(x) for x in (BUNDLED / "wiki_passages.jsonl").read_text().splitlines() if x.strip()]
+    rng = random.Random(0)
+    texts = [rng.choice(rows)["text"][: rng.randrange(200, 800)] for _ in range(n_texts)]
+    split_sentences(texts[0])  # the pipeline loaded
+    t = time.perf_counter()
+    for x in texts:
+        split_sentences(x)
+    here = time.perf_counter() - t
+    out = {"texts": n_texts, "in_process_per_s": n_texts / here}
+    for n in workers:
+        pool = TextPool(n)
+        try:
+            for f in [pool.submit("sentences", "Warm up. Now.") for _ in range(n)]:
+                f.result()
+            t = time.perf_counter()
+            for f in [pool.submit("sentences", x) for x in texts]:
+                f.result()
+            out[f"workers_{n}_per_s"] = n_texts / (time.perf_counter() - t)
+        finally:
+            pool.shutdown()
+    return out
+
+
+def packed_ops() -> dict:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from fastrag.model.llama import AttnBatch, LlamaModel
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    def count(layers: int, fill: float) -> int:
+        cfg = _tiny_config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                           num_attention_heads=4, num_key_value_heads=2)
+        m = LlamaModel.from_hf_config(cfg, seed=1)
+        m.pack_below, m.bucket_fill_cpu = 1.0, fill
+        rng = random.Random(0)
+        bs, P = 16, 1536
+        lens = [rng.randint(16, 600) for _ in range(12)]
+        B, T = len(lens), max(lens)
+        nb = (T + bs - 1) // bs + 1
+        blocks = torch.arange(B * nb).view(B, nb) + P // bs
+        kp = [torch.randn(2, (P // bs + B * nb) * bs, 16) for _ in range(layers)]
+        vp = [torch.randn_like(kp[0]) for _ in range(layers)]
+        valid = torch.arange(T).expand(B, T) < torch.tensor(lens).unsqueeze(1)
+        batch = AttnBatch(write_slots=torch.tensor([int(blocks[b, i // bs]) * bs + i % bs for b in range(B)
+                                                    for i in range(lens[b])]),
+                          valid=valid, positions=(P + torch.arange(T)).expand(B, T) * valid, prefix_len=P,
+                          prefix_slots=torch.arange(P), ctx_blocks=blocks, ctx_lens=torch.tensor(lens),
+                          block_size=bs, prefix_start=0)
+        Count.n = 0
+        with torch.inference_mode(), Count():
+            m(torch.randint(0, 128, (B, T)), batch, kp, vp,
+              logits_index=torch.tensor([b * T + n - 1 for b, n in enumerate(lens)]))
+        return Count.n
+
+    out = {}
+    for name, fill in (("gpu_rule", 0.6), ("cpu_rule", 1.0)):
+        one, four = count(1, fill), count(4, fill)
+        per_layer = (four - one) / 3
+        out[name] = {"per_layer": per_layer, "fixed": one - per_layer, "at_32_layers": one - per_layer + 32 * per_layer}
+    return out
+
+
+def signals(reps: int) -> list[dict]:
+    from fastrag.signals import get_backend
+
+    tb, cb = get_backend("torch"), get_backend("cpp")
+    torch.manual_seed(0)
+    rows = []
+    for B in (16, 41, 128):
+        x = torch.randn(B, 49152) * 3
+        t = {"torch": [], "cpp": []}
+        for _ in range(reps):
+            for name, be in (("torch", tb), ("cpp", cb)):
+                t0 = time.perf_counter()
+                be.decode_signals(x)
+                t[name].append(time.perf_counter() - t0)
+        rows.append({"B": B, "torch_ms": statistics.median(t["torch"]) * 1e3,
+                     "cpp_ms": statistics.median(t["cpp"]) * 1e3})
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--reps", type=int, default=60)
+    ap.add_argument("--texts", type=int, default=200)
+    ap.add_argument("--workers", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--note", default="", help="what else ran on the machine")
+    args = ap.parse_args()
+    threads = torch.get_num_threads()
+    device = f"CPU {platform.processor() or platform.machine()} x{threads} threads"
+    prep = host_prep(args.reps)
+    pool = text_pool(args.texts, args.workers)
+    ops = packed_ops()
+    sig = signals(max(10, args.reps // 2))
+    cmd = "python benchmarks/bench_host.py " + shlex.join(sys.argv[1:])
+    lines = [
+        f"# Host-side work around the engine's steps ({device})", "",
+        f"- date: {dt.date.today()}; torch {torch.__version__}; command: `{cmd.strip()}`",
+        f"- other load: {args.note or 'none stated'}", "",
+        "## Host preparation of a graphed decode step (forward stubbed out)", "",
+        "| batch | blocks a row | median ms |", "|---|---|---|",
+        f"| {prep['batch']} | {prep['blocks_per_row']} | {prep['median_ms']:.3f} |", "",
+        "## spaCy sentence splits per second (real passages, 200-800 characters)", "",
+        "| in this process | " + " | ".join(f"{n} worker{'s' if n > 1 else ''}" for n in args.workers)
+        + " |", "|---" * (1 + len(args.workers)) + "|",
+        f"| {pool['in_process_per_s']:.0f} | "
+        + " | ".join(f"{pool[f'workers_{n}_per_s']:.0f} (x{pool[f'workers_{n}_per_s'] / pool['in_process_per_s']:.2f})"
+                     for n in args.workers) + " |", "",
+        "## Torch operations of one packed prefill forward (12 sequences, lengths 16-600, 1,536-token prefix)", "",
+        "| attention buckets | per layer | fixed | at 32 layers |", "|---|---|---|---|",
+        *(f"| {name.replace('_', ' ')} | {v['per_layer']:.0f} | {v['fixed']:.0f} | {v['at_32_layers']:.0f} |"
+          for name, v in ops.items()), "",
+        "## Decode-step signals over [B, 49152] logits (greedy), median ms", "",
+        "| B | torch | C++ (`cpp`) | torch / C++ |", "|---|---|---|---|",
+        *(f"| {r['B']} | {r['torch_ms']:.2f} | {r['cpp_ms']:.2f} | {r['torch_ms'] / r['cpp_ms']:.2f} |" for r in sig),
+        "",
+    ]
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out = RESULTS / f"host_{'cpu' if not torch.cuda.is_available() else 'gpu'}.md"
+    out.write_text("\n".join(lines))
+    print("\n".join(lines))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
