@@ -558,8 +558,7 @@ class Engine:
         dev = torch.stack([sig.chosen.double(), sig.entropy.double(), sig.logprob.double()])
         if dev.device.type != "cuda":
             return dev, None
-        host = torch.empty(dev.shape, dtype=dev.dtype, pin_memory=True)
-        host.copy_(dev, non_blocking=True)
+        host = self._d2h(dev)
         ev = torch.cuda.Event()
         ev.record()
         return host, ev

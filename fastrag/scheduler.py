@@ -27,8 +27,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, ClassVar, Generator, Iterable
 
 from fastrag.engine import Engine, Generation, SeqState, sampling_key
-from fastrag.text.pool import (BrokenProcessPool, TextPool, auto_text_workers, failure_message, is_failure,
-                               run_text)
+from fastrag.text.pool import BrokenProcessPool, TextPool, auto_text_workers, compute_text, failure_message, is_failure
 from fastrag.trace import QuestionResult
 
 
@@ -91,7 +90,6 @@ class RealWords:
 
 
 TEXT_REQUESTS = (Sentences, RealWords)
-_FAILED = object()  # a text request whose question failed (already finished with the error)
 
 
 @dataclass(slots=True)
@@ -99,7 +97,8 @@ class Parallel:
     """Several requests of one question in flight at once. Result: the list of their results, in order.
 
     parts: Generate / Search / AttnColmax / AttnRows / Sentences / RealWords (no nested Parallel). Generates with an
-    int branch must name distinct branches (one sequence cannot run two generations); branch None parts each get a one-shot sequence.
+    int branch must name distinct branches (one sequence cannot run two generations); branch None parts each get a
+    one-shot sequence.
     Every part joins the batches of its kind with the other questions' requests: all Searches of one Parallel go to
     the retriever in one call. An empty Parallel resumes at once with [].
     """
@@ -182,7 +181,7 @@ class Scheduler:
             raise ValueError(f"text_workers must be an int >= 0 or a TextPool, got {text_workers!r}")
         else:
             self.text_pool, self._own_pool, self.text_workers = None, True, text_workers
-        self._texts: list[tuple[Future, _Live, int | None]] = []  # text requests at the workers
+        self._texts: list[tuple[Future, _Live, int | None, Request]] = []  # text requests at the workers
         self.text_requests = 0
         self.search_batches: list[int] = []
         self.search_seconds = 0.0
@@ -428,9 +427,7 @@ class Scheduler:
                     continue
                 except (BrokenProcessPool, RuntimeError) as e:  # the pool died (or was shut down)
                     self._lose_pool(e)
-            value = self._text_inline(lv, r)
-            if value is not _FAILED:
-                self._result(lv, i, value)
+            self._hand_text(lv, i, compute_text(r.kind, r.text), now=False)
 
     def _collect_texts(self, now: bool) -> bool:
         """Hand the finished text requests to their questions: `now` at once (a question may then ask for more),
@@ -445,26 +442,22 @@ class Scheduler:
                 value = fut.result()
             except BrokenProcessPool as e:  # a worker died (killed, out of memory): this and the rest run here
                 self._lose_pool(e)
-                value = self._text_inline(lv, r)
-            if is_failure(value):
-                if id(lv) in self._live:
-                    lv.gen.close()
-                    self._finish(lv, None, failure_message(value))
-                continue
-            if value is _FAILED:
-                continue
-            (self._deliver if now else self._result)(lv, i, value)
+                value = compute_text(r.kind, r.text)
+            self._hand_text(lv, i, value, now)
         return True
 
-    def _text_inline(self, lv: _Live, r):
-        """A text request computed on this thread; a failure ends its question (returns _FAILED)."""
-        try:
-            return run_text(r.kind, r.text)
-        except Exception as e:  # noqa: BLE001  (the question's failure, recorded like any other)
-            if id(lv) in self._live:
-                lv.gen.close()
-                self._finish(lv, None, f"{type(e).__name__}: {e}")
-            return _FAILED
+    def _hand_text(self, lv: _Live, i: int | None, value, now: bool) -> None:
+        """A text request's result to its question (`now`: at once, else through _result); a failure ends it."""
+        if is_failure(value):
+            self._fail(lv, failure_message(value))
+        else:
+            (self._deliver if now else self._result)(lv, i, value)
+
+    def _fail(self, lv: _Live, message: str) -> None:
+        """End a question in flight with an error (nothing if it already ended)."""
+        if id(lv) in self._live:
+            lv.gen.close()
+            self._finish(lv, None, message)
 
     def _lose_pool(self, err: Exception) -> None:
         if not self.text_workers:
@@ -573,8 +566,10 @@ class Scheduler:
             self._emit(lv, "generate", {"prompt_tokens": len(ids), "branch": req.branch})
             lv.generations += 1
         elif isinstance(req, TEXT_REQUESTS) and not self.text_workers:  # a Parallel's part, answered here
-            value = self._text_inline(lv, req)
-            if value is not _FAILED:
+            value = compute_text(req.kind, req.text)
+            if is_failure(value):
+                self._fail(lv, failure_message(value))
+            else:
                 lv.results[idx] = value
                 lv.left -= 1
         elif isinstance(req, (AttnColmax, AttnRows, Search, *TEXT_REQUESTS)):
@@ -616,8 +611,9 @@ class Scheduler:
                 value = []
                 continue
             if isinstance(req, TEXT_REQUESTS) and not self.text_workers:  # answered here and now
-                value = self._text_inline(lv, req)
-                if value is _FAILED:
+                value = compute_text(req.kind, req.text)
+                if is_failure(value):
+                    self._fail(lv, failure_message(value))
                     return
                 continue
             try:
@@ -634,8 +630,7 @@ class Scheduler:
                 else:
                     self._dispatch(lv, None, req)
             except (ValueError, TypeError) as e:
-                lv.gen.close()
-                self._finish(lv, None, f"{type(e).__name__}: {e}")
+                self._fail(lv, f"{type(e).__name__}: {e}")
             return
 
     def _take(self, cls) -> list[tuple[_Live, int | None, Request]]:

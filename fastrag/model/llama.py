@@ -434,23 +434,21 @@ class LlamaModel(nn.Module):
         x = self.embed(ids.reshape(-1)[flat]).unsqueeze(0)  # [1, N, hidden]
         cos, sin = self.rope(batch.positions.reshape(-1)[flat].unsqueeze(0))
         buckets = self._attention_buckets(batch, lens)
-        singles = buckets[0][0] is not None and all(idx[3] == 1 for idx, _, _ in buckets)
+        singles = all(idx[1] == 1 for idx, _, _ in buckets)
         for li, layer in enumerate(self.layers):
             q, k, v = layer.project_qk(x, cos, sin)  # [1, H, N, D], [1, Hkv, N, D]
             kp, vp = k_pool[li], v_pool[li]
             kp.index_copy_(1, batch.write_slots, k[0])
             vp.index_copy_(1, batch.write_slots, v[0])
-            if len(buckets) == 1 and buckets[0][0] is None:  # one sequence: its tokens are the packed row
-                o = self._attend(q, buckets[0][1], kp, vp, buckets[0][2])
-            elif singles:  # one sequence a bucket (in packed order): slices of the packed row, concatenated
+            if singles:  # one sequence a bucket (in packed order): slices of the packed row, concatenated
                 o = torch.cat([self._attend(q[:, :, d: d + t_b], bb, kp, vp, m)
-                               for (_, _, d, _, t_b), bb, m in buckets], dim=2)
+                               for (d, _, t_b, *_), bb, m in buckets], dim=2)
             else:
                 H, D = q.shape[1], q.shape[3]
                 o = torch.empty_like(q)
-                for (gather, real, dst, k_b, t_b), bb, m in buckets:
+                for (first, k_b, t_b, gather, real, dst), bb, m in buckets:
                     if k_b == 1:  # one sequence: its tokens are a slice of the packed row
-                        o[:, :, dst: dst + t_b] = self._attend(q[:, :, dst: dst + t_b], bb, kp, vp, m)
+                        o[:, :, first: first + t_b] = self._attend(q[:, :, first: first + t_b], bb, kp, vp, m)
                         continue
                     qb = q[0].index_select(1, gather).view(H, k_b, t_b, D).transpose(0, 1)  # [k, H, t, D]
                     ob = self._attend(qb, bb, kp, vp, m).transpose(0, 1).reshape(H, k_b * t_b, D)
@@ -474,12 +472,11 @@ class LlamaModel(nn.Module):
     bucket_tokens = 4096
 
     def _attention_buckets(self, batch: AttnBatch, lens: list[int]) -> list:
-        """The packed prefill's attention work: [(index, its AttnBatch, its masks)], built once per forward. index
-        is (gather [k*t] packed token of each cell of the bucket's padded [k, t] grid, real [n] its cells holding
-        a token (None: all), dst [n] their packed positions, k, t), with k = 1 (None, None, the sequence's first
-        packed position, 1, its length); None for a batch of one sequence. Per layer a
-        bucket is one attention call instead of one per sequence: a prefill of ~10 sequences launched ~10x fewer
-        attention kernels."""
+        """The packed prefill's attention work, in packed order: [(index, its AttnBatch, its masks)], built once per
+        forward. index is (first packed token, k sequences, t = the longest's length, gather [k*t] the packed token
+        of each cell of the bucket's padded [k, t] grid, real [n] its cells holding a token (None: all), dst [n]
+        their packed positions); the three tensors are None for k = 1 (a slice of the packed row). Per layer a
+        bucket is one attention call instead of one per sequence."""
         B = len(lens)
         dev = batch.valid.device
         prefix_of = {}  # batch row -> (length, slots, start) of its prefix
@@ -509,9 +506,6 @@ class LlamaModel(nn.Module):
             m = self._ctx_mask(bb)
             return bb, (m if t == 1 else (m, self._prefill_mask(bb, m)))
 
-        if len(live) == 1:
-            b = live[0]
-            return [(None, *attn_batch([b], lens[b], prefix(b)))]
         fill = self.bucket_fill if dev.type == "cuda" else self.bucket_fill_cpu
         families: dict[tuple, list[int]] = {}
         for b in live:
@@ -531,7 +525,7 @@ class LlamaModel(nn.Module):
                 k = len(members)
                 if k == 1:  # (a slice of the packed row: no index)
                     b = members[0]
-                    out.append(((None, None, offs[b], 1, lens[b]), *attn_batch(members, lens[b], prefix(b))))
+                    out.append(((offs[b], 1, lens[b], None, None, None), *attn_batch(members, lens[b], prefix(b))))
                     i = j
                     continue
                 gather, dst, real_cells = [], [], []
@@ -541,12 +535,12 @@ class LlamaModel(nn.Module):
                     dst += range(offs[b], offs[b] + n)
                     real_cells += range(r * t, r * t + n)
                 full = len(real_cells) == k * t
-                index = (torch.tensor(gather, dtype=torch.long, device=dev),
+                index = (min(offs[b] for b in members), k, t, torch.tensor(gather, dtype=torch.long, device=dev),
                          None if full else torch.tensor(real_cells, dtype=torch.long, device=dev),
-                         torch.tensor(dst, dtype=torch.long, device=dev), k, t)
+                         torch.tensor(dst, dtype=torch.long, device=dev))
                 out.append((index, *attn_batch(members, t, prefix(members[0]))))
                 i = j
-        out.sort(key=lambda x: x[0][2] if x[0][3] == 1 else int(x[0][2][0]))  # by first packed token
+        out.sort(key=lambda x: x[0][0])
         return out
 
     def last_layer_qk(self, ids, lengths):

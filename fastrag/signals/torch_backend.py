@@ -94,32 +94,31 @@ def decode_signals(logits: torch.Tensor, temperature: float, rng_keys: torch.Ten
         y = y / temperature
         if top_p < 1:
             y = top_p_filter(y, top_p)
-    if y.device.type != "cpu":  # (the CPU path below looks at its rows on the host: a sync on a GPU)
-        if chosen is None:
-            chosen = (y + sampling_gumbel(rng_keys, y.shape[1]) if temperature > 0 else y).argmax(dim=-1)
-        entropy, logprob = _decode_slow(y, chosen)
-        flag = None if nonstop is None else nonstop[chosen]
-        return chosen, entropy, logprob, logprob.exp(), flag
-    # with z = y - max, s = sum e^z: H = ln s - sum(e^z z) / s and ln p_c = z_c - ln s. Five passes over the row
-    # instead of the ten of logsumexp, log-softmax, p, p ln p and argmax apart (on the CPU the decode step's signals
-    # took more time than the model's projections for a small model). Rows whose max is not finite (all -inf, +inf
-    # or NaN) take the reference's formula (_decode_slow).
-    if chosen is None and temperature <= 0:
+    # On the CPU, with z = y - max and s = sum e^z: H = ln s - sum(e^z z) / s and ln p_c = z_c - ln s. Five passes
+    # over the row instead of the ten of logsumexp, log-softmax, p, p ln p and argmax apart (on the CPU the decode
+    # step's signals took more time than the model's projections for a small model). Rows whose max is not finite
+    # (all -inf, +inf or NaN) take the reference's formula (_decode_slow), as does every row elsewhere: picking
+    # them out looks at the rows on the host, a sync on a GPU.
+    fast = y.device.type == "cpu"
+    m = None
+    if chosen is None and temperature <= 0 and fast:
         m, chosen = y.max(dim=-1, keepdim=True)  # the max and its first index, in one pass
         chosen = chosen[:, 0]
+    elif chosen is None:
+        chosen = (y + sampling_gumbel(rng_keys, y.shape[1]) if temperature > 0 else y).argmax(dim=-1)  # first max
+    if fast:
+        m = y.amax(dim=-1, keepdim=True) if m is None else m
+        z = y - m
+        e = z.exp()
+        s = e.sum(-1)
+        log_s = s.log()
+        entropy = log_s - (e * z).nansum(-1) / s  # (e^z z = 0 * -inf = NaN for -inf logits: they contribute 0)
+        logprob = z.gather(1, chosen[:, None])[:, 0] - log_s
+        bad = ~torch.isfinite(m[:, 0])
+        if bool(bad.any()):
+            entropy[bad], logprob[bad] = _decode_slow(y[bad], chosen[bad])
     else:
-        m = y.amax(dim=-1, keepdim=True)
-        if chosen is None:
-            chosen = (y + sampling_gumbel(rng_keys, y.shape[1])).argmax(dim=-1)  # first maximal index
-    z = y - m
-    e = z.exp()
-    s = e.sum(-1)
-    log_s = s.log()
-    entropy = log_s - (e * z).nansum(-1) / s  # (e^z z = 0 * -inf = NaN for -inf logits: they contribute 0)
-    logprob = z.gather(1, chosen[:, None])[:, 0] - log_s
-    bad = ~torch.isfinite(m[:, 0])
-    if bool(bad.any()):
-        entropy[bad], logprob[bad] = _decode_slow(y[bad], chosen[bad])
+        entropy, logprob = _decode_slow(y, chosen)
     flag = None if nonstop is None else nonstop[chosen]
     return chosen, entropy, logprob, logprob.exp(), flag
 

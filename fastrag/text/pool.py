@@ -16,6 +16,7 @@ through a thread per worker, so `submit` never blocks on a full pipe.
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import os
 import pickle
@@ -31,7 +32,8 @@ from concurrent.futures.process import BrokenProcessPool
 KINDS = {"sentences": ("fastrag.text.sentences", "split_sentences"),
          "real_words": ("fastrag.text.realwords", "real_words")}
 
-__all__ = ["KINDS", "BrokenProcessPool", "TextPool", "auto_text_workers", "failure_message", "is_failure", "run_text"]
+__all__ = ["KINDS", "BrokenProcessPool", "TextPool", "auto_text_workers", "compute_text", "failure_message",
+           "is_failure", "run_text"]
 
 _HEADER = struct.Struct("<Q")
 
@@ -42,13 +44,20 @@ def run_text(kind: str, text: str):
         module, name = KINDS[kind]
     except KeyError:
         raise ValueError(f"unknown text request kind {kind!r}; expected one of {sorted(KINDS)}") from None
-    import importlib
-
     return getattr(importlib.import_module(module), name)(text)
 
 
+def compute_text(kind: str, text: str):
+    """run_text(kind, text), or its failure as a value (`is_failure`): the question that asked fails with it and
+    the other texts go on, wherever the text ran."""
+    try:
+        return run_text(kind, text)
+    except Exception as e:  # noqa: BLE001  (handed back to the asking question)
+        return _Failed(f"{type(e).__name__}: {e}")
+
+
 class _Failed:
-    """A text request that raised in a worker: its message (the asking question fails with it)."""
+    """A text request that raised: its message (the asking question fails with it)."""
 
     __slots__ = ("message",)
 
@@ -230,16 +239,11 @@ def _worker_main() -> None:
         if msg is None:
             break
         rid, kind, text = msg
-        try:
-            value = run_text(kind, text)
-        except Exception as e:  # noqa: BLE001  (the asking question fails with it; the other texts go on)
-            value = _Failed(f"{type(e).__name__}: {e}")
-        _write_frame(out, (rid, value))
+        _write_frame(out, (rid, compute_text(kind, text)))
 
 
 if __name__ == "__main__":
     # run as the package's module, not as __main__, so that what the frames carry (_Failed) unpickles in the caller
-    sys.modules.setdefault("torch", None)
     from fastrag.text.pool import _worker_main as main
 
     main()
