@@ -1,9 +1,11 @@
 """The host-side work around the engine's steps: what a GPU run cannot hide behind its decode steps.
 
-Four measurements, each with its baseline in the same run:
+Five measurements, each with its baseline in the same run:
 1. Host preparation of a graphed decode step: `Engine._decode_graphed` at batch 128 with the graph's forward stubbed
    out (inputs, positions, KV slots and the block table of every row): the work the launch does before the device can
    start, per step.
+   The engine's whole host time per decode step at the same batch (`step_launch` + `step_finish`, the forward
+   and the signal kernels stubbed out), of which 1. is a part.
 2. spaCy on worker processes (fastrag.text.pool): sentence splits of real passages per second in this process, and
    through 1 and 2 workers (N for `--workers`).
 3. Torch operations of one packed prefill forward (12 sequences of random lengths 16-600 after a 1,536-token prefix):
@@ -81,6 +83,59 @@ def host_prep(reps: int) -> dict:
     blocks = sum(len(s.table.blocks) for s in eng.running) / len(eng.running)
     return {"batch": len(eng.running), "blocks_per_row": round(blocks, 1),
             "median_ms": statistics.median(ts) * 1e3}
+
+
+def step_host(reps: int) -> dict:
+    """The engine's whole host time per decode step at batch 128: `step_launch` (batch bookkeeping, KV slots,
+    the graph's inputs, the signals launch) and `step_finish` (reading the sampled tokens, appending them, stop
+    checks), with the graph's forward and the signal kernels stubbed out. This is what a step costs the host
+    between two device steps, the most a device-side token feed (launching step N+1 before step N's tokens reach
+    the host) could hide."""
+    import types
+
+    from fastrag.cuda_graphs import DecodeGraphs
+    from fastrag.engine import Engine
+    from fastrag.model.llama import LlamaModel
+
+    m = LlamaModel.from_hf_config(_tiny_config(), seed=5)
+    eng = Engine(m, _Tok(), kv_cache_gb=0.3, max_batch=128, cuda_graphs=True)
+    rng = random.Random(0)
+    for _ in range(128):
+        eng.start(eng.new_sequence(), [rng.randrange(96) for _ in range(rng.randint(500, 700))], reps + 10)
+    eng.max_prefill_tokens = 10**6
+    eng.step()
+    logits = torch.zeros(128, 96)
+    one = torch.ones(128, dtype=torch.long)
+    zero = torch.zeros(128)
+
+    class Signals:  # the engine's backend, its decode-step kernel replaced by a constant result
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        @staticmethod
+        def decode_signals(lg, **kw):
+            B = lg.shape[0]
+            return types.SimpleNamespace(chosen=one[:B], entropy=zero[:B], logprob=zero[:B])
+
+    eng.signals = Signals(eng.signals)
+    forward = DecodeGraphs._forward
+    DecodeGraphs._forward = lambda self, g: logits[: g.ids.shape[0]]
+    try:
+        tl, tf = [], []
+        for _ in range(reps):
+            t = time.perf_counter()
+            st = eng.step_launch()
+            t1 = time.perf_counter()
+            eng.step_finish(st)
+            tl.append(t1 - t)
+            tf.append(time.perf_counter() - t1)
+    finally:
+        DecodeGraphs._forward = forward
+    return {"batch": len(eng.running), "launch_ms": statistics.median(tl) * 1e3,
+            "finish_ms": statistics.median(tf) * 1e3}
 
 
 def text_pool(n_texts: int, workers: list[int]) -> dict:
@@ -185,6 +240,7 @@ def main() -> int:
     threads = torch.get_num_threads()
     device = f"CPU {platform.processor() or platform.machine()} x{threads} threads"
     prep = host_prep(args.reps)
+    step = step_host(args.reps)
     pool = text_pool(args.texts, args.workers)
     ops = packed_ops()
     sig = signals(max(10, args.reps // 2))
@@ -196,6 +252,12 @@ def main() -> int:
         "## Host preparation of a graphed decode step (forward stubbed out)", "",
         "| batch | blocks a row | median ms |", "|---|---|---|",
         f"| {prep['batch']} | {prep['blocks_per_row']} | {prep['median_ms']:.3f} |", "",
+        "## The engine's whole host time per decode step (graph forward and signal kernels stubbed out)", "",
+        "`step_launch` + `step_finish` at the same batch: what a device-side token feed could hide at most.", "",
+        "| batch | launch ms | finish ms | total ms | of which the graph's inputs |", "|---|---|---|---|---|",
+        f"| {step['batch']} | {step['launch_ms']:.3f} | {step['finish_ms']:.3f} | "
+        f"{step['launch_ms'] + step['finish_ms']:.3f} | "
+        f"{prep['median_ms'] / (step['launch_ms'] + step['finish_ms']):.0%} |", "",
         "## spaCy sentence splits per second (real passages, 200-800 characters)", "",
         "| in this process | " + " | ".join(f"{n} worker{'s' if n > 1 else ''}" for n in args.workers)
         + " |", "|---" * (1 + len(args.workers)) + "|",

@@ -30,6 +30,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from fastrag.cache.kv import block_table_tensor, blocks_needed
@@ -166,11 +167,11 @@ class DecodeGraphs:
         bufs = [(g.ids, ids_h), (g.positions, pos_h), (g.write_slots, write_h), (g.ctx_blocks, tab_h),
                 (g.ctx_lens, lens_h)]
         if mixed:
-            mem_h = torch.zeros(g.member.shape, dtype=torch.bool)
-            rp = torch.tensor(row_prefix, dtype=torch.long)
-            real = (rp >= 0).nonzero().squeeze(-1)
-            mem_h[rp[real], real] = True
-            bufs.append((g.member, mem_h))
+            mem = np.zeros(tuple(g.member.shape), dtype=np.bool_)
+            rp = np.asarray(row_prefix, dtype=np.int64)
+            real = np.flatnonzero(rp >= 0)
+            mem[rp[real], real] = True
+            bufs.append((g.member, torch.from_numpy(mem)))
         for dst, src in bufs:
             dst.copy_(src.pin_memory() if dst.is_cuda else src, non_blocking=dst.is_cuda)
         if self.emulate:

@@ -780,7 +780,7 @@ class Engine:
             else:
                 r = self.signals.causal_attn_mean_rows(q, k_, lens, self.model.scale)
             pending.groups.append((idx, self._d2h(r)))
-            self.stats["prefill_tokens"] += int(lens_h.sum())
+            self.stats["prefill_tokens"] += sum(len(seqs[k]) for k in idx)
             self.stats["prefill_ctx_tokens"] += sum(len(seqs[k]) * (len(seqs[k]) + 1) // 2 for k in idx)
             i = j
         if self.device.type == "cuda" and pending.groups:

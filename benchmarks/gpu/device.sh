@@ -108,7 +108,7 @@ except RuntimeError as e:
                 tests/test_kernels.py tests/test_paged_attention_triton.py tests/test_cuda_graphs.py \
                 tests/test_kernels_engine.py tests/test_attn_tracking.py tests/test_model.py tests/test_kv_reuse.py \
                 tests/test_paged_attention.py tests/test_signals.py tests/test_cache.py tests/test_fused_decode.py \
-                tests/test_overlap.py tests/test_text_workers.py
+                tests/test_overlap.py tests/test_text_workers.py tests/test_host_sync.py
             ;;
         kernels) stage kernels $PY benchmarks/bench_kernels.py ;;
         # DECODE_ARGS: e.g. "--ctx 4096 --name decode_gpu_4k" (other cells into their own table)
