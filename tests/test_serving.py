@@ -138,13 +138,19 @@ def test_completion_and_stream_over_http(server, parts):
     ({"prompt": "   "}, "prompt"),
     ({"prompt": "q", "retrieval": {"dataset": "nope"}}, "nope"),
     ({"messages": []}, "messages"),
+    ({"prompt": "q", "retrieval": {"method": "flare", "config": {"no_such_key": 1}}}, "retrieval.config"),
+    ({"prompt": "q", "retrieval": {"method": "dragin", "config": {"hallucination_threshold": "high"}}},
+     "retrieval.config"),
 ])
 def test_bad_requests_get_a_4xx_naming_the_problem(server, body, field):
     url, _ = server
     path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
     r = httpx.post(url + path, json=body, timeout=60)
     assert r.status_code in (400, 422), r.text
-    assert field in r.json()["error"]["message"]
+    msg = r.json()["error"]["message"]
+    assert field in msg and ".json" not in msg  # named after the request, not a scratch file
+    if "config" in body.get("retrieval", {}):
+        assert next(iter(body["retrieval"]["config"])) in msg
 
 
 def test_malformed_json_is_a_4xx(server):

@@ -100,6 +100,10 @@ class AsyncEngine:
                 path = f.name
             try:
                 cfg = spec.make_config(dataset, path)
+            except ValueError as e:  # (ConfigError too) named after the request's field, not the scratch file
+                if path is None:
+                    raise
+                raise type(e)(str(e).replace(path, "retrieval.config")) from None
             finally:
                 if path:
                     Path(path).unlink(missing_ok=True)
