@@ -12,6 +12,8 @@
 #             fused per-layer kernels on/off)
 #   attn      benchmarks/bench_paged_attention.py (the Triton paged decode attention alone, one Llama-2-7B layer,
 #             the same cells, launch settings swept, GB/s vs the copy bandwidth)
+#   pattn     benchmarks/bench_prefill_attention.py (masked prefill attention with grouped-query heads: SDPA's
+#             enable_gqa against keys repeated per head, and the SDPA backends that accept each; ~1 minute)
 #   model     make_random_model.py llama2-7b (E2E_SHAPE) into /tmp (kept while the machine stays warm)
 #   e2e       bench_e2e.py: engine DRAGIN vs the published per-question recipe and the tuned one, on that model
 #             (E2E_LIMIT, E2E_BATCH, E2E_ORACLE_LIMIT, E2E_TUNED_LIMIT override the sizes)
@@ -108,12 +110,14 @@ except RuntimeError as e:
                 tests/test_kernels.py tests/test_paged_attention_triton.py tests/test_cuda_graphs.py \
                 tests/test_kernels_engine.py tests/test_attn_tracking.py tests/test_model.py tests/test_kv_reuse.py \
                 tests/test_paged_attention.py tests/test_signals.py tests/test_cache.py tests/test_fused_decode.py \
-                tests/test_overlap.py tests/test_text_workers.py tests/test_host_sync.py
+                tests/test_overlap.py tests/test_text_workers.py tests/test_host_sync.py \
+                tests/test_prefill_gqa.py
             ;;
         kernels) stage kernels $PY benchmarks/bench_kernels.py ;;
         # DECODE_ARGS: e.g. "--ctx 4096 --name decode_gpu_4k" (other cells into their own table)
         decode) stage decode $PY benchmarks/bench_decode.py ${DECODE_ARGS:-} ;;
         attn) stage attn $PY benchmarks/bench_paged_attention.py ;;
+        pattn) stage pattn $PY benchmarks/bench_prefill_attention.py ;;
         model)
             [ -f "$MODEL/config.json" ] || stage model $PY benchmarks/make_random_model.py \
                 --shape "$SHAPE" --out "$MODEL" --tokenizer "$C/tokenizer"
@@ -131,7 +135,7 @@ except RuntimeError as e:
             (cd /tmp/fastrag_runs/bench_e2e && find . -name results.jsonl -path '*/engine/*' -o -name results.jsonl \
                 -path '*/oracle*/*' | tar czf "$OUT/results/e2e_records.tar.gz" -T -) || true
             ;;
-        *) echo "unknown stage $st (tests, kernels, decode, model, e2e)"; exit 2 ;;
+        *) echo "unknown stage $st (diag, tests, kernels, decode, attn, pattn, model, e2e)"; exit 2 ;;
     esac
     copy_results
 done

@@ -61,6 +61,37 @@ def _triton_decode_attention():
     return paged_decode_attention_lse, mode == "triton" and INTERPRETED
 
 
+PREFILL_GQA_ENV = "FASTRAG_PREFILL_GQA"  # native (default) | expand
+
+
+def _prefill_gqa_mode() -> str:
+    """How the masked attention of prefills and attention passes meets grouped-query heads (fewer kv heads than
+    query heads, e.g. SmolLM2's 9 / 3). native: one SDPA call with enable_gqa. expand: the keys and values are
+    repeated to every query head first. torch's fused CUDA kernels take either an explicit mask (memory-efficient
+    attention) or grouped heads (flash), not both in torch <= 2.13, so a masked GQA call may fall back to the
+    math kernel there; benchmarks/bench_prefill_attention.py times both forms and lists the backends that accept
+    each. Models without grouped heads (Llama-2-7B) are unaffected."""
+    import os
+
+    mode = os.environ.get(PREFILL_GQA_ENV, "native")
+    if mode not in ("native", "expand"):
+        raise ValueError(f"${PREFILL_GQA_ENV}={mode!r}: expected native or expand")
+    return mode
+
+
+def masked_attention(q, k, v, mask, scale: float | None = None, expand: bool = False):
+    """softmax(q k^T * scale, masked) v for q [B, H, T, D], k/v [B, Hkv, S, D] (H a multiple of Hkv), mask [B, 1, T, S]
+    (True: attend). expand: repeat k and v to H heads instead of asking SDPA for grouped heads."""
+    H, Hkv = q.shape[1], k.shape[1]
+    if H == Hkv:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    if expand:
+        g = H // Hkv
+        return F.scaled_dot_product_attention(q, k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1),
+                                              attn_mask=mask, scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+
+
 FUSED_DECODE_ENV = "FASTRAG_FUSED_DECODE"  # auto (default: on for CUDA tensors) | 1 | 0
 
 
@@ -273,6 +304,7 @@ class LlamaModel(nn.Module):
         self.native_decode = _native_decode_attention()
         self.triton_decode, self._triton_on_cpu = _triton_decode_attention()
         self.fused_decode, self._fused_on_cpu = _fused_decode_ops()
+        self.expand_gqa = _prefill_gqa_mode() == "expand"
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -558,7 +590,7 @@ class LlamaModel(nn.Module):
         x = self.embed(ids)
         for layer in self.layers[:-1]:
             q, k, v = layer.project_qk(x, cos, sin)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+            o = masked_attention(q, k, v, mask, expand=self.expand_gqa)
             x = layer.mlp(x + layer.o(o.transpose(1, 2).reshape(B, T, -1)))
         q, k, _ = self.layers[-1].project_qk(x, cos, sin)
         return q, k
@@ -609,7 +641,7 @@ class LlamaModel(nn.Module):
                 kpre, vpre = kp.index_select(1, b.prefix_slots), vp.index_select(1, b.prefix_slots)
             k = torch.cat([kpre.unsqueeze(0).expand(B, -1, -1, -1), k], dim=2)
             v = torch.cat([vpre.unsqueeze(0).expand(B, -1, -1, -1), v], dim=2)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True)
+        return masked_attention(q, k, v, mask, self.scale, expand=self.expand_gqa)
 
     def paged_decode_op(self, device: torch.device, dtype: torch.dtype):
         """The own-context paged decode attention for tensors of this device/dtype, or None (torch cascade):

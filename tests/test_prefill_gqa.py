@@ -1,0 +1,99 @@
+"""The masked attention of prefills and attention passes with grouped-query heads, in both forms
+(`FASTRAG_PREFILL_GQA`: one SDPA call with enable_gqa, or keys and values repeated to every query head): each equals
+an explicit float64 softmax on random shapes and masks, and an engine's prefill logits, written KV and attention
+passes do not depend on the form."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fastrag.engine import Engine
+from fastrag.model import llama
+from fastrag.model.llama import LlamaModel, masked_attention
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _reference(q, k, v, mask, scale):
+    g = q.shape[1] // k.shape[1]
+    k, v = k.double().repeat_interleave(g, 1), v.double().repeat_interleave(g, 1)
+    s = (q.double() @ k.transpose(-1, -2)) * scale
+    s = s.masked_fill(~mask, float("-inf"))
+    return torch.softmax(s, -1) @ v
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_both_forms_equal_an_explicit_softmax(seed):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda lo, hi: int(torch.randint(lo, hi, (1,), generator=g))  # noqa: E731
+    Hkv, G, D = r(1, 4), r(1, 5), 8 * r(1, 5)
+    B, T, S = r(1, 5), r(1, 20), r(20, 70)
+    q, k, v = (torch.randn(B, h, n, D, generator=g) for h, n in ((Hkv * G, T), (Hkv, S), (Hkv, S)))
+    mask = torch.rand(B, 1, T, S, generator=g) < 0.6
+    mask[..., r(0, S)] = True  # every row attends to something
+    scale = D ** -0.5
+    want = _reference(q, k, v, mask, scale)
+    for expand in (False, True):
+        got = masked_attention(q.to(DEV), k.to(DEV), v.to(DEV), mask.to(DEV), scale, expand=expand)
+        torch.testing.assert_close(got.double().cpu(), want, rtol=1e-4, atol=1e-5)
+
+
+class Tok:
+    eos_token_id = None
+
+    def encode(self, s):
+        return [int(x) for x in s.split()]
+
+
+def _model():
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=96, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=6, num_key_value_heads=2, eos_token_id=None)
+    return LlamaModel.from_hf_config(cfg, seed=4, device=DEV)
+
+
+def _prefill_and_passes(expand: bool):
+    m = _model()
+    m.expand_gqa = expand
+    eng = Engine(m, Tok(), kv_cache_gb=0.02, max_batch=8)
+    eng.set_prefix(" ".join(str(t) for t in range(20, 52)))
+    g = torch.Generator().manual_seed(9)
+    seqs = []
+    for n in (3, 17, 40, 9):  # very different lengths: the packed forward
+        s = eng.new_sequence()
+        eng.start(s, list(range(20, 52)) + torch.randint(1, 96, (n,), generator=g).tolist(), 1)
+        seqs.append(s)
+    eng.step()
+    # the slots written (the pool's other slots hold whatever was in memory)
+    slots = torch.cat([eng.prefix.slots.cpu()] + [torch.tensor(s.table.slots(0, s.table.num_tokens)) for s in seqs])
+    kv = [(eng.pool.k[i][:, slots.to(DEV)].clone(), eng.pool.v[i][:, slots.to(DEV)].clone())
+          for i in range(len(eng.pool.k))]
+    lists = [torch.randint(1, 96, (n,), generator=g).tolist() for n in (4, 15, 31)]
+    return [s.out.ids for s in seqs], [s.out.logprob for s in seqs], kv, \
+        eng.attention_passes(lists, "colmax"), eng.attention_passes(lists, "rows")
+
+
+def test_engine_prefill_and_attention_passes_do_not_depend_on_the_form():
+    ids_n, lp_n, kv_n, col_n, rows_n = _prefill_and_passes(False)
+    ids_e, lp_e, kv_e, col_e, rows_e = _prefill_and_passes(True)
+    assert ids_n == ids_e
+    torch.testing.assert_close(torch.tensor(lp_e), torch.tensor(lp_n), rtol=1e-4, atol=1e-5)
+    for (kn, vn), (ke, ve) in zip(kv_n, kv_e):
+        torch.testing.assert_close(ke, kn, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(ve, vn, rtol=1e-4, atol=1e-5)
+    for a, b in zip(col_e, col_n):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=1e-4, atol=1e-5)
+    for a, b in zip(rows_e, rows_n):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_env_switch(monkeypatch):
+    monkeypatch.delenv(llama.PREFILL_GQA_ENV, raising=False)
+    assert _model().expand_gqa is False
+    monkeypatch.setenv(llama.PREFILL_GQA_ENV, "expand")
+    assert _model().expand_gqa is True
+    monkeypatch.setenv(llama.PREFILL_GQA_ENV, "repeat")
+    with pytest.raises(ValueError, match="FASTRAG_PREFILL_GQA='repeat'"):
+        _model()
