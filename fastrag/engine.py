@@ -19,6 +19,7 @@ from fastrag.cache.kv import (BlockTable, KVPool, OutOfBlocks, SharedPrefix, blo
 from fastrag.cuda_graphs import DecodeGraphs
 from fastrag.model.llama import AttnBatch, LlamaModel, PrefixGroup
 from fastrag.signals import get_backend
+from fastrag.transfer import tensor_on, to_device
 
 
 _M64 = (1 << 64) - 1
@@ -257,7 +258,7 @@ class Engine:
         self.live.pop(id(s))  # its blocks pass to the SharedPrefix below
         self._prefill([(s, ids[:n])], want_logits=False)
         blocks = list(s.table.blocks)
-        slots = torch.tensor(s.table.slots(0, n), dtype=torch.long, device=self.device)
+        slots = tensor_on(s.table.slots(0, n), self.device)
         pre = SharedPrefix(token_ids=ids[:n], blocks=blocks, slots=slots)  # owns the blocks' refcount
         self.prefixes.append(pre)
         self._starts[id(pre)] = pre.start
@@ -713,9 +714,7 @@ class Engine:
         """A host tensor on the engine's device. On a GPU through pinned memory with non_blocking: a copy from
         pageable memory would wait for the GPU's queue to drain, one host synchronisation per upload; this way
         the step's only synchronisation is the host copy of its signals."""
-        if self.device.type != "cuda":
-            return t.to(self.device)
-        return t.pin_memory().to(self.device, non_blocking=True)
+        return to_device(t, self.device)
 
     def _batch(self, write, valid, pos, prefix, ctx: list[tuple[list[int], int]]) -> AttnBatch:
         """ctx: per sequence (its blocks, number of context entries after the prefix)."""

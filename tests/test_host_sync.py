@@ -8,7 +8,8 @@ On a GPU, `torch.cuda.set_sync_debug_mode("error")` turns every synchronising CU
 nothing synchronises, so a dispatch mode records the operations that read tensor values into Python or have
 data-dependent shapes (what synchronises on a GPU): it sees an `int()`, `.item()`, `bool()` or `nonzero` of any
 tensor, host tensors included (so the launch builds its host-side index lists without them), but not `.tolist()`
-or `.cpu()`, which the GPU's check does see. The signal kernels are left out of the CPU's watch: its torch decode
+or `.cpu()`, which the GPU's check does see; it also flags `torch.tensor(..., device=...)`, a synchronous copy on
+a GPU. The signal kernels are left out of the CPU's watch: its torch decode
 signals look at their rows on the host by design, and take a path without that on a GPU."""
 
 from __future__ import annotations
@@ -122,11 +123,23 @@ def _no_host_reads(eng: Engine):
     def resume():
         mode.paused -= 1
 
+    # a tensor made from host values straight on a device (torch.tensor(..., device=...)) is a synchronous copy on
+    # a GPU; fastrag.transfer.tensor_on enqueues it instead
+    made = torch.tensor
+
+    def tensor(*a, **kw):
+        if kw.get("device") is not None and not mode.paused:
+            mode.seen.append(f"torch.tensor(..., device={kw['device']}) at "
+                             f"{[f'{f.filename.rsplit(chr(47), 2)[-1]}:{f.lineno}' for f in traceback.extract_stack()[-6:-1]]}")
+        return made(*a, **kw)
+
+    torch.tensor = tensor
     try:
         with mode, _unwatched_captures(eng, pause, resume):
             yield
     finally:
         eng.signals = inner
+        torch.tensor = made
     assert not mode.seen, "host reads of tensor values in the launch:\n" + "\n".join(mode.seen)
 
 

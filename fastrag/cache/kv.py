@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from fastrag.transfer import tensor_on
+
 
 class OutOfBlocks(RuntimeError):
     """The pool has fewer free blocks than a request needs (the scheduler waits or preempts)."""
@@ -111,7 +113,7 @@ class KVPool:
     def _zero_fresh(self, blocks: list[int]) -> None:
         fresh = [b for b in blocks if not self._zeroed[b]]
         if fresh:
-            idx = torch.tensor(fresh, dtype=torch.long, device=self.k[0].device)
+            idx = tensor_on(fresh, self.k[0].device)  # (a plain torch.tensor(..., device=) would wait for the GPU)
             for t in self.k + self.v:
                 t.view(t.shape[0], self.num_blocks, self.block_size, t.shape[-1]).index_fill_(1, idx, 0)
             for b in fresh:

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastrag.model.linear import Linear
+from fastrag.transfer import tensor_on
 
 
 DECODE_ATTENTION_ENV = "FASTRAG_DECODE_ATTENTION"  # native (default) | triton | torch
@@ -528,7 +529,7 @@ class LlamaModel(nn.Module):
             return prefix_of.get(b, no_prefix)
 
         def attn_batch(rows, t, pre):
-            idx = torch.tensor(rows, dtype=torch.long, device=dev)
+            idx = tensor_on(rows, dev)
             plen, pslots, pstart = pre
             bb = AttnBatch(write_slots=batch.write_slots[:0], valid=batch.valid.index_select(0, idx)[:, :t],
                            positions=batch.positions.index_select(0, idx)[:, :t], prefix_len=plen,
@@ -567,9 +568,8 @@ class LlamaModel(nn.Module):
                     dst += range(offs[b], offs[b] + n)
                     real_cells += range(r * t, r * t + n)
                 full = len(real_cells) == k * t
-                index = (min(offs[b] for b in members), k, t, torch.tensor(gather, dtype=torch.long, device=dev),
-                         None if full else torch.tensor(real_cells, dtype=torch.long, device=dev),
-                         torch.tensor(dst, dtype=torch.long, device=dev))
+                index = (min(offs[b] for b in members), k, t, tensor_on(gather, dev),
+                         None if full else tensor_on(real_cells, dev), tensor_on(dst, dev))
                 out.append((index, *attn_batch(members, t, prefix(members[0]))))
                 i = j
         out.sort(key=lambda x: x[0][0])
