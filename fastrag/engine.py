@@ -611,6 +611,7 @@ class Engine:
             batch.prefix_groups = self._groups([s for s, _ in items])
         else:
             batch = self._batch(write, valid, pos, prefix, ctx)
+        batch.lens = [len(ids) for _, ids in items]  # (the packed forward's layout, without reading valid back)
         last = torch.tensor([b * T + len(ids) - 1 for b, (_, ids) in enumerate(items)])
         tracked = [b for b, (s, _) in enumerate(items) if s.amax is not None and s.computed >= s.track_from]
         if decode and tracked:
@@ -737,7 +738,7 @@ class Engine:
                 rows.setdefault(id(s.prefix), []).append(i)
         by_id = {id(s.prefix): s.prefix for s in seqs if s.prefix is not None}
         return [PrefixGroup(self._h2d(torch.tensor(r, dtype=torch.long)), by_id[k].length, by_id[k].slots,
-                            self._starts.get(k, -1)) for k, r in rows.items()]
+                            self._starts.get(k, -1), host_rows=r) for k, r in rows.items()]
 
     # ------------------------------------------------------------------ cache-free attention passes
     @torch.inference_mode()

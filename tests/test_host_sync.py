@@ -1,5 +1,5 @@
 """The decode step's launch never waits for the device (DESIGN.md "Performance model": one host copy per step, in
-`step_finish`). A host read of a device value in `Engine.step_launch` (an `int()`, `.item()`, `bool()` of a tensor,
+`step_finish`), nor does a prefill step's, but for the copy of its first tokens that it ends in. A host read of a device value in `Engine.step_launch` (an `int()`, `.item()`, `bool()` of a tensor,
 a `nonzero`) would stall the host until the GPU drains its queue, and the device would then idle while the host
 prepares the next launch: the overlap of the methods' logic with the step would be gone without any test noticing
 a wrong token.
@@ -79,37 +79,42 @@ class _Unwatched:
 
 
 @contextlib.contextmanager
-def _unwatched_captures(eng: Engine, pause, resume):
-    """A graph captured inside the watch (a batch or context size first seen there) is a one-off cost that
-    synchronises by design (torch.cuda.graph does): it runs unwatched."""
-    if eng.graphs is None:
-        yield
-        return
-    capture = eng.graphs._capture
+def _unwatched(targets, pause, resume):
+    """Run the given (object, method name) outside the watch: a graph captured inside it (a batch or context size
+    first seen there) is a one-off cost that synchronises by design (torch.cuda.graph does), and so is the host
+    copy of a prefill's first tokens."""
+    saved = []
+    for obj, name in targets:
+        fn = getattr(obj, name)
 
-    def unwatched(*a, **kw):
-        pause()
-        try:
-            return capture(*a, **kw)
-        finally:
-            resume()
+        def unwatched(*a, _fn=fn, **kw):
+            pause()
+            try:
+                return _fn(*a, **kw)
+            finally:
+                resume()
 
-    eng.graphs._capture = unwatched
+        setattr(obj, name, unwatched)
+        saved.append((obj, name))
     try:
         yield
     finally:
-        del eng.graphs._capture
+        for obj, name in saved:
+            delattr(obj, name)  # the instance attribute goes: the class's method is back
 
 
 @contextlib.contextmanager
-def _no_host_reads(eng: Engine):
-    """Fail if what runs inside reads a device value on the host."""
+def _no_host_reads(eng: Engine, first_tokens: bool = False):
+    """Fail if what runs inside reads a device value on the host. first_tokens: a prefill's host copy of its
+    first tokens (`Engine._append_batch`, the synchronisation it ends in by design) runs outside the watch."""
+    targets = ([(eng.graphs, "_capture")] if eng.graphs is not None else []) \
+        + ([(eng, "_append_batch")] if first_tokens else [])
     if DEV == "cuda":
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            with _unwatched_captures(eng, lambda: torch.cuda.set_sync_debug_mode("default"),
-                                     lambda: torch.cuda.set_sync_debug_mode("error")):
+            with _unwatched(targets, lambda: torch.cuda.set_sync_debug_mode("default"),
+                            lambda: torch.cuda.set_sync_debug_mode("error")):
                 yield
         finally:
             torch.cuda.set_sync_debug_mode("default")
@@ -135,7 +140,7 @@ def _no_host_reads(eng: Engine):
 
     torch.tensor = tensor
     try:
-        with mode, _unwatched_captures(eng, pause, resume):
+        with mode, _unwatched(targets, pause, resume):
             yield
     finally:
         eng.signals = inner
@@ -180,6 +185,30 @@ def test_decode_step_launch_reads_nothing_from_the_device(graphs, prefixes, temp
     assert launched == 6 and all(len(s.out.ids) >= 9 for s in seqs)
     if graphs and DEV == "cuda":
         assert eng.graphs.stats["replays"] >= 6 and eng.graphs.disabled is None
+
+
+@pytest.mark.parametrize("prefixes", [1, 2])
+def test_prefill_launch_reads_only_its_first_tokens(prefixes):
+    """A step that prefills prompts of very different lengths (the packed forward, per-bucket attention; with two
+    prefixes in one forward) reads nothing from the device but the first tokens' copy it ends in."""
+    m = LlamaModel.from_hf_config(__import__("transformers").LlamaConfig(**CFG), seed=3, device=DEV)
+    eng = Engine(m, Tok(), kv_cache_gb=0.02, max_batch=16, mix_prefill=True)
+    g = torch.Generator().manual_seed(11)
+    seqs = []
+    for k in range(prefixes):
+        head = list(range(20 + 40 * k, 52 + 40 * k))
+        eng.set_prefix(" ".join(map(str, head)))
+        for n in (1, 70, 6, 33, 2):
+            s = eng.new_sequence()
+            eng.start(s, head + torch.randint(1, 96, (n,), generator=g).tolist(), 4)
+            seqs.append(s)
+    eng.attention_passes([[1, 2, 3]], "colmax")  # (nothing compiled inside the watch)
+    calls = eng.stats["prefill_calls"]
+    with _no_host_reads(eng, first_tokens=True):
+        st = eng.step_launch()
+    eng.step_finish(st)
+    assert eng.stats["prefill_calls"] == calls + 1 and not eng.waiting  # one packed forward for all of them
+    assert all(len(s.out.ids) >= 1 for s in seqs)
 
 
 @pytest.mark.parametrize("kind", ["colmax", "rows"])

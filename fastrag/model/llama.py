@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -200,6 +201,8 @@ class AttnBatch:
     last_layer:             decode only: a dict the forward fills with the last layer's queries "q" [B, H, D]
                             (rotated) and the row log-sum-exp "lse" [B, H] of their attention over prefix and
                             context (the input of the attention-statistics kernels); None: not wanted.
+    lens:                   optional host list, per row the number of real new tokens (valid's row sums): with it
+                            the forward lays out a packed prefill without reading valid back from the device
     """
 
     write_slots: torch.Tensor
@@ -213,6 +216,7 @@ class AttnBatch:
     prefix_start: int = -1
     prefix_groups: list["PrefixGroup"] | None = None
     last_layer: dict | None = None
+    lens: list[int] | None = None
 
 
 @dataclass(slots=True)
@@ -225,6 +229,7 @@ class PrefixGroup:
     # does not depend on how many rows a prefix has, so a decode step of several prefixes can be a CUDA graph
     # (fastrag/cuda_graphs.py): the prefix's GEMM runs over every row and only its rows merge the result.
     member: torch.Tensor | None = None
+    host_rows: list[int] | None = None  # rows as a host list (what the packed prefill's layout reads)
 
 
 class RMSNorm(nn.Module):
@@ -391,7 +396,7 @@ class LlamaModel(nn.Module):
         """
         B, T = ids.shape
         mixed = batch.prefix_groups is not None and not (T == 1 and self.mixes_prefixes)
-        if mixed or (T > 1 and B > 1 and int(batch.valid.sum()) < self.pack_below * B * T):
+        if mixed or (T > 1 and B > 1 and self._real_tokens(batch) < self.pack_below * B * T):
             return self._forward_packed(ids, batch, k_pool, v_pool, logits_index)
         if T == 1 and self.uses_fused_decode(ids.device):
             return self._forward_decode_fused(ids, batch, k_pool, v_pool, logits_index)
@@ -415,6 +420,10 @@ class LlamaModel(nn.Module):
         if logits_index is None:
             logits_index = batch.valid.reshape(-1).nonzero().squeeze(-1)
         return self.lm_head(self.norm(x[logits_index])).float()
+
+    @staticmethod
+    def _real_tokens(batch: AttnBatch) -> int:
+        return sum(batch.lens) if batch.lens is not None else int(batch.valid.sum())
 
     def uses_fused_decode(self, device: torch.device) -> bool:
         """Whether a decode step on this device runs the fused per-layer kernels (kernels/fused_decode.py)."""
@@ -461,9 +470,13 @@ class LlamaModel(nn.Module):
         (`batch.prefix_groups`) are fine here: each sequence attends to its own prefix.
         """
         B, T = ids.shape
-        flat = batch.valid.reshape(-1).nonzero().squeeze(-1)  # [N] real tokens, row-major (= write_slots order)
+        if batch.lens is not None:  # [N] real tokens, row-major (= write_slots order), laid out on the host
+            lens = list(batch.lens)
+            flat = tensor_on(np.concatenate([np.arange(n) + b * T for b, n in enumerate(lens)]), ids.device)
+        else:
+            flat = batch.valid.reshape(-1).nonzero().squeeze(-1)
+            lens = batch.valid.sum(1).tolist()
         N = flat.numel()
-        lens = batch.valid.sum(1).tolist()
         x = self.embed(ids.reshape(-1)[flat]).unsqueeze(0)  # [1, N, hidden]
         cos, sin = self.rope(batch.positions.reshape(-1)[flat].unsqueeze(0))
         buckets = self._attention_buckets(batch, lens)
@@ -514,7 +527,8 @@ class LlamaModel(nn.Module):
         dev = batch.valid.device
         prefix_of = {}  # batch row -> (length, slots, start) of its prefix
         for g in batch.prefix_groups or ():
-            for r in (range(B) if g.rows is None else g.rows.tolist()):
+            rows = range(B) if g.rows is None else g.host_rows if g.host_rows is not None else g.rows.tolist()
+            for r in rows:
                 prefix_of[r] = (g.length, g.slots, g.start)
         no_prefix = (0, batch.prefix_slots[:0], -1)
         off, offs = 0, []
