@@ -21,6 +21,7 @@ Medians of repeated runs; the machine's other load moves them (say what else ran
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import platform
@@ -29,6 +30,7 @@ import shlex
 import statistics
 import sys
 import time
+import types
 from pathlib import Path
 
 import torch
@@ -54,7 +56,10 @@ class _Tok:
         return [int(x) for x in s.split()]
 
 
-def host_prep(reps: int) -> dict:
+@contextlib.contextmanager
+def _decoding_engine(max_new: int):
+    """An engine holding 128 prefilled sequences of 500-700 tokens (tiny model, graphs emulated), with the graph's
+    forward stubbed out (constant logits) while inside: what is left of a decode step is the host's work."""
     from fastrag.cuda_graphs import DecodeGraphs
     from fastrag.engine import Engine
     from fastrag.model.llama import LlamaModel
@@ -63,13 +68,20 @@ def host_prep(reps: int) -> dict:
     eng = Engine(m, _Tok(), kv_cache_gb=0.3, max_batch=128, cuda_graphs=True)
     rng = random.Random(0)
     for _ in range(128):
-        eng.start(eng.new_sequence(), [rng.randrange(96) for _ in range(rng.randint(500, 700))], 200)
+        eng.start(eng.new_sequence(), [rng.randrange(96) for _ in range(rng.randint(500, 700))], max_new)
     eng.max_prefill_tokens = 10**6
     eng.step()
     logits = torch.zeros(128, 96)
     forward = DecodeGraphs._forward
     DecodeGraphs._forward = lambda self, g: logits[: g.ids.shape[0]]
     try:
+        yield eng
+    finally:
+        DecodeGraphs._forward = forward
+
+
+def host_prep(reps: int) -> dict:
+    with _decoding_engine(200) as eng:
         ts = []
         for _ in range(reps):
             t = time.perf_counter()
@@ -78,8 +90,6 @@ def host_prep(reps: int) -> dict:
             ts.append(time.perf_counter() - t)
             for s in eng.running:
                 s.tokens.append(1)
-    finally:
-        DecodeGraphs._forward = forward
     blocks = sum(len(s.table.blocks) for s in eng.running) / len(eng.running)
     return {"batch": len(eng.running), "blocks_per_row": round(blocks, 1),
             "median_ms": statistics.median(ts) * 1e3}
@@ -91,20 +101,6 @@ def step_host(reps: int) -> dict:
     checks), with the graph's forward and the signal kernels stubbed out. This is what a step costs the host
     between two device steps, the most a device-side token feed (launching step N+1 before step N's tokens reach
     the host) could hide."""
-    import types
-
-    from fastrag.cuda_graphs import DecodeGraphs
-    from fastrag.engine import Engine
-    from fastrag.model.llama import LlamaModel
-
-    m = LlamaModel.from_hf_config(_tiny_config(), seed=5)
-    eng = Engine(m, _Tok(), kv_cache_gb=0.3, max_batch=128, cuda_graphs=True)
-    rng = random.Random(0)
-    for _ in range(128):
-        eng.start(eng.new_sequence(), [rng.randrange(96) for _ in range(rng.randint(500, 700))], reps + 10)
-    eng.max_prefill_tokens = 10**6
-    eng.step()
-    logits = torch.zeros(128, 96)
     one = torch.ones(128, dtype=torch.long)
     zero = torch.zeros(128)
 
@@ -120,10 +116,8 @@ def step_host(reps: int) -> dict:
             B = lg.shape[0]
             return types.SimpleNamespace(chosen=one[:B], entropy=zero[:B], logprob=zero[:B])
 
-    eng.signals = Signals(eng.signals)
-    forward = DecodeGraphs._forward
-    DecodeGraphs._forward = lambda self, g: logits[: g.ids.shape[0]]
-    try:
+    with _decoding_engine(reps + 10) as eng:
+        eng.signals = Signals(eng.signals)
         tl, tf = [], []
         for _ in range(reps):
             t = time.perf_counter()
@@ -132,8 +126,6 @@ def step_host(reps: int) -> dict:
             eng.step_finish(st)
             tl.append(t1 - t)
             tf.append(time.perf_counter() - t1)
-    finally:
-        DecodeGraphs._forward = forward
     return {"batch": len(eng.running), "launch_ms": statistics.median(tl) * 1e3,
             "finish_ms": statistics.median(tf) * 1e3}
 

@@ -44,6 +44,12 @@ CFG = dict(vocab_size=96, hidden_size=48, intermediate_size=64, num_hidden_layer
            num_key_value_heads=2, eos_token_id=None)
 
 
+def _where() -> list[str]:
+    """The fastrag frames of the caller's stack, innermost last."""
+    return [f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno} {f.name}" for f in traceback.extract_stack()[-9:-2]
+            if "fastrag" in f.filename]
+
+
 class _HostReads(TorchDispatchMode):
     def __init__(self):
         super().__init__()
@@ -52,9 +58,7 @@ class _HostReads(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if not self.paused and func in HOST_READS:
-            where = [f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno} {f.name}" for f in traceback.extract_stack()[-8:-1]
-                     if "fastrag" in f.filename]
-            self.seen.append(f"{func} at {where}")
+            self.seen.append(f"{func} at {_where()}")
         return func(*args, **(kwargs or {}))
 
 
@@ -134,8 +138,7 @@ def _no_host_reads(eng: Engine, first_tokens: bool = False):
 
     def tensor(*a, **kw):
         if kw.get("device") is not None and not mode.paused:
-            mode.seen.append(f"torch.tensor(..., device={kw['device']}) at "
-                             f"{[f'{f.filename.rsplit(chr(47), 2)[-1]}:{f.lineno}' for f in traceback.extract_stack()[-6:-1]]}")
+            mode.seen.append(f"torch.tensor(..., device={kw['device']}) at {_where()}")
         return made(*a, **kw)
 
     torch.tensor = tensor
@@ -148,8 +151,14 @@ def _no_host_reads(eng: Engine, first_tokens: bool = False):
     assert not mode.seen, "host reads of tensor values in the launch:\n" + "\n".join(mode.seen)
 
 
+def _model() -> LlamaModel:
+    from transformers import LlamaConfig
+
+    return LlamaModel.from_hf_config(LlamaConfig(**CFG), seed=3, device=DEV)
+
+
 def _engine(graphs: bool, prefixes: int, sampling: SamplingParams | None = None) -> tuple[Engine, list]:
-    m = LlamaModel.from_hf_config(__import__("transformers").LlamaConfig(**CFG), seed=3, device=DEV)
+    m = _model()
     eng = Engine(m, Tok(), kv_cache_gb=0.02, max_batch=16, cuda_graphs=graphs, sampling=sampling)
     g = torch.Generator().manual_seed(7)
     seqs = []
@@ -191,8 +200,7 @@ def test_decode_step_launch_reads_nothing_from_the_device(graphs, prefixes, temp
 def test_prefill_launch_reads_only_its_first_tokens(prefixes):
     """A step that prefills prompts of very different lengths (the packed forward, per-bucket attention; with two
     prefixes in one forward) reads nothing from the device but the first tokens' copy it ends in."""
-    m = LlamaModel.from_hf_config(__import__("transformers").LlamaConfig(**CFG), seed=3, device=DEV)
-    eng = Engine(m, Tok(), kv_cache_gb=0.02, max_batch=16, mix_prefill=True)
+    eng = Engine(_model(), Tok(), kv_cache_gb=0.02, max_batch=16, mix_prefill=True)
     g = torch.Generator().manual_seed(11)
     seqs = []
     for k in range(prefixes):
