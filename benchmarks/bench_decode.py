@@ -1,4 +1,5 @@
-"""Decode step of a Llama-2-7B-shaped model (random bf16 weights) with and without the fused signals.
+"""Decode step of a Llama-shaped model (random weights; Llama-2-7B, Llama-2-13B or SmolLM2) with and without the fused
+signals.
 
 Per batch size (GPU: 1, 16, 64, 256) and context (GPU: 1k and 4k tokens): the median time of one engine decode step (batched forward over
 the paged KV cache) followed by (a) plain greedy argmax and one host copy of the tokens, or (b) the fused
@@ -7,12 +8,15 @@ decode-signals kernel (token, entropy, logprob, FLARE probability) and one host 
 KV bytes read) / measured copy bandwidth.
 
     python benchmarks/bench_decode.py                  # GPU: Llama-2-7B shape, bf16, B 1/16/64/256 x ctx 1k/4k
+    python benchmarks/bench_decode.py --shape llama2-13b    # GPU: the same cells, Llama-2-13B shape
+    python benchmarks/bench_decode.py --shape smollm2-135m  # GPU: the embedded model's shape (GQA, 9 / 3 heads)
     python benchmarks/bench_decode.py --cpu-small      # CPU: SmolLM2-135M shape, fp32, context 256
 
 A cell whose weights + KV cache do not fit the device's free memory is listed as not run (Llama-2-7B has no GQA:
 0.5 MiB of KV per token, so B=256 at 1k or B=64 at 4k needs more than an 80 GB GPU).
 
-Writes benchmarks/results/decode_<device>.md. Weights are random (speed does not depend on their values) and
+Writes benchmarks/results/decode_<device>.md (decode_<device>_<shape>.md for a shape other than the device's default:
+Llama-2-7B on a GPU, SmolLM2-135M on the CPU). Weights are random (speed does not depend on their values) and
 never saved.
 """
 
@@ -31,14 +35,10 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_kernels import device_name, measure_bandwidth, timeit  # noqa: E402
+from make_random_model import SHAPES, hf_shape  # noqa: E402
 
 from fastrag.engine import Engine  # noqa: E402
 from fastrag.model.llama import LlamaModel  # noqa: E402
-
-LLAMA2_7B = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-                 num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096)
-SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                    num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192)
 
 
 class _Tok:
@@ -72,21 +72,29 @@ def build(shape: dict, dtype, dev, batch: int, ctx: int, signals: str | None):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cpu-small", action="store_true", help="CPU: SmolLM2-135M shape, fp32, context 256")
+    ap.add_argument("--shape", choices=list(SHAPES), default=None,
+                    help="model shape (make_random_model.py's, with its published vocabulary); default: llama2-7b "
+                         "on a GPU, smollm2-135m on the CPU")
     ap.add_argument("--batches", type=int, nargs="+", default=None, help="default: GPU 1 16 64 256, CPU 1 16 64")
     ap.add_argument("--ctx", type=int, nargs="+", default=None, help="contexts; default: GPU 1024 4096, CPU 256")
-    ap.add_argument("--name", default=None, help="result file stem (default decode_gpu / decode_cpu)")
+    ap.add_argument("--name", default=None,
+                    help="result file stem (default decode_gpu / decode_cpu, with _SHAPE for a non-default shape)")
+    ap.add_argument("--results", default=str(ROOT / "benchmarks" / "results"), help="folder of the result table")
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--span", type=int, default=64, help="tracked tokens per sequence in the signals+attn variant")
     args = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() and not args.cpu_small else "cpu")
+    default_shape = "llama2-7b" if dev.type == "cuda" else "smollm2-135m"
+    label = args.shape or default_shape
+    shape = hf_shape(label)
     if dev.type == "cuda":
-        shape, dtype, ctxs, reps, label = LLAMA2_7B, torch.bfloat16, args.ctx or [1024, 4096], args.reps or 30, \
-            "Llama-2-7B"
+        dtype, ctxs, reps = torch.bfloat16, args.ctx or [1024, 4096], args.reps or 30
         batches = args.batches or [1, 16, 64, 256]
     else:
-        shape, dtype, ctxs, reps, label = SMOLLM2_135M, torch.float32, args.ctx or [256], args.reps or 5, \
-            "SmolLM2-135M"
+        dtype, ctxs, reps = torch.float32, args.ctx or [256], args.reps or 5
         batches = args.batches or [1, 16, 64]
+    stem = args.name or ("decode_" + ("gpu" if dev.type == "cuda" else "cpu")
+                         + ("" if label == default_shape else f"_{label}"))
     bw = measure_bandwidth(dev)
     rows = []
     hd = shape["hidden_size"] // shape["num_attention_heads"]
@@ -96,11 +104,13 @@ def main() -> None:
 
     def write() -> Path:  # after every cell: a run cut short still leaves the cells it measured
         tag = "gpu" if dev.type == "cuda" else "cpu"
-        out = ROOT / "benchmarks" / "results" / f"{args.name or 'decode_' + tag}.md"
+        out = Path(args.results) / f"{stem}.md"
         out.parent.mkdir(parents=True, exist_ok=True)
         lines = [f"# Decode step with and without fused signals ({tag})", "",
                  f"- device: {device_name(dev)}; date {dt.date.today().isoformat()}; torch {torch.__version__}",
-                 f"- model: {label} shape, random {str(dtype).split('.')[-1]} weights; context (tokens per sequence) "
+                 f"- model: {label} shape ({shape['num_hidden_layers']} layers, hidden {shape['hidden_size']}, "
+                 f"{shape['num_attention_heads']} / {shape['num_key_value_heads']} heads, vocabulary "
+                 f"{shape['vocab_size']}), random {str(dtype).split('.')[-1]} weights; context (tokens per sequence) "
                  "per row",
                  f"- measured copy bandwidth {bw / 1e9:.1f} GB/s; roofline = (weights + KV read) / bandwidth",
                  f"- command: `python benchmarks/bench_decode.py {' '.join(sys.argv[1:])}`",
@@ -110,7 +120,7 @@ def main() -> None:
                  f"{args.span} tokens (last layer's queries and the decode attention's row log-sum-exp through "
                  "the fused attn_decode_update: DRAGIN streaming's a_i)",
                  *([] if dev.type == "cuda" else
-                   ["- CPU run with a small model shape (the 7B shape needs a GPU): GPU not measured"]),
+                   ["- CPU run (the Llama-2 shapes need a GPU): GPU not measured"]),
                  "- graphs: whether the timed steps replayed CUDA graphs (fastrag/cuda_graphs.py; on by default on a GPU); "
                  "eager = the plain step with graphs off, launched kernel by kernel",
                  "- unfused layers = the plain step with each layer's residual adds, RMSNorms, rotary embedding, KV "

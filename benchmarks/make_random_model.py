@@ -24,6 +24,18 @@ SHAPES = {
     "smollm2-135m": (576, 1536, 30, 9, 3, 8192),
     "tiny": (64, 128, 2, 4, 2, 4096),  # tests
 }
+# the published vocabularies (bench_decode builds its models with them; make() takes the embedded tokenizer's, so
+# that prompts tokenise as in every other run)
+VOCAB = {"llama2-7b": 32000, "llama2-13b": 32000, "smollm2-135m": 49152, "tiny": 512}
+
+
+def hf_shape(shape: str) -> dict:
+    """A named shape as LlamaConfig keyword arguments, with its published vocabulary."""
+    if shape not in SHAPES:
+        raise ValueError(f"unknown shape {shape!r}: expected one of {', '.join(SHAPES)}")
+    hidden, inter, layers, heads, kv, max_pos = SHAPES[shape]
+    return dict(vocab_size=VOCAB[shape], hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=max_pos)
 
 
 def make(shape: str, out: Path, dtype: torch.dtype = torch.bfloat16, seed: int = 0,

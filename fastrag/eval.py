@@ -271,7 +271,8 @@ def run_many(runs: list[RunOptions], engine=None, retriever=None) -> list[dict]:
     if any(p[4] for p in plans):
         engine = engine or build_engine(first.model, first.batch_size, first.signals, first.kv_cache_gb,
                                         sampling=sampling_of(first), prefix_caching=first.prefix_caching)
-        retriever = retriever or make_retriever(first.retriever, corpus_path=first.corpus)
+        retriever = retriever or make_retriever(first.retriever, corpus_path=first.corpus,
+                                                show_progress=first.progress)
         policies = [make_policy(o.method, cfg, engine.tok) for o, cfg, *_ in plans]
         for pol in policies:
             engine.set_prefix(pol.shared_prefix)

@@ -73,7 +73,8 @@ def run_oracle(opts: RunOptions, out: Path, recipe: str = "published") -> tuple[
     if todo:
         tok = load_tokenizer(opts.model)
         oracle = spec.make_oracle(oracle_model(opts.model, recipe), tok,
-                                  make_retriever(opts.retriever, corpus_path=opts.corpus),
+                                  make_retriever(opts.retriever, corpus_path=opts.corpus,
+                                                 show_progress=opts.progress),
                                  method_config(opts))
         w = ResultWriter(path)
         t0 = time.perf_counter()  # after loading, like the engine's clock

@@ -151,3 +151,21 @@ def test_bench_e2e_floor_rows_one_per_engine():
     old = {"wall_s": 3.0, "engine": {k: v for k, v in st.items() if k != "decode_ctx_tokens"}, "model_costs": costs}
     rows = be.floor_rows(["hotpotqa", "2wikimultihopqa"], [m | {"joint": None}, old], False, dev)
     assert [(x["run"], x["engine_wall_s"]) for x in rows] == [("hotpotqa", 9.0)]
+
+
+def test_bench_decode_runs_a_named_shape(tmp_path, monkeypatch):
+    """bench_decode builds the shape it is given (`--shape`, make_random_model's shapes with their published
+    vocabularies), names the table after it when it is not the device's default, and fills every cell."""
+    bd = load("bench_decode")
+    assert bd.hf_shape("llama2-13b") == dict(vocab_size=32000, hidden_size=5120, intermediate_size=13824,
+                                             num_hidden_layers=40, num_attention_heads=40, num_key_value_heads=40,
+                                             max_position_embeddings=4096)
+    monkeypatch.setattr(sys, "argv", ["bench_decode.py", "--cpu-small", "--shape", "tiny", "--batches", "1", "3",
+                                      "--ctx", "24", "--reps", "1", "--span", "4", "--results", str(tmp_path)])
+    bd.main()
+    md = (tmp_path / "decode_cpu_tiny.md").read_text()
+    assert "tiny shape (2 layers, hidden 64, 4 / 2 heads, vocabulary 512)" in md, md
+    rows = [line.split(" | ") for line in md.splitlines() if line.startswith("| 24 |")]
+    assert [r[1] for r in rows] == ["1", "3"], md
+    for r in rows:  # plain ms, roofline ms and their ratio are measured numbers, not placeholders
+        assert float(r[2]) > 0 and float(r[10]) > 0 and float(r[11]) > 0, r

@@ -157,21 +157,40 @@ def test_serve_rejects_bad_sampling_before_loading_anything():
     assert p.returncode == 2 and "top_p must be in (0, 1]" in p.stderr, p.stderr
 
 
-def test_parity_on_a_random_model_of_another_shape(tmp_path, small_config):
-    """benchmarks/make_random_model.py writes an HF directory (random weights, the embedded tokenizer) that both
-    the engine (`--model DIR`) and the transformers oracle load; DRAGIN parity holds on it too (the GPU benchmarks
-    run random-initialised Llama-2 shapes this way)."""
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    """benchmarks/make_random_model.py's tiny shape: random float32 weights, the embedded tokenizer."""
     sys.path.insert(0, str(BUNDLED.parents[2] / "benchmarks"))
     import torch
     from make_random_model import make
 
-    model = make("tiny", tmp_path / "tiny", dtype=torch.float32, device="cpu")
+    return make("tiny", tmp_path_factory.mktemp("tiny"), dtype=torch.float32, device="cpu")
+
+
+def test_parity_on_a_random_model_of_another_shape(tmp_path, small_config, tiny_model):
+    """benchmarks/make_random_model.py writes an HF directory (random weights, the embedded tokenizer) that both
+    the engine (`--model DIR`) and the transformers oracle load; DRAGIN parity holds on it too (the GPU benchmarks
+    run random-initialised Llama-2 shapes this way)."""
+    model = tiny_model
     cli("parity", "--method", "dragin", "--dataset", "hotpotqa", "--data", DATA, "--corpus", CORPUS, "--config",
         small_config, "--model", model, "--limit", 3, "--batch-size", 3, "--output", tmp_path / "p", "--no-progress")
     rep = json.loads((tmp_path / "p" / "parity.json").read_text())
     recs = [json.loads(x) for x in (tmp_path / "p" / "engine" / "results.jsonl").read_text().splitlines()]
     assert rep["n"] == 3 and rep["agreement"] == 1.0, rep
     assert sum(1 for r in recs for rd in r["rounds"] if rd["query"]) > 0, "no retrieval happened: a weak check"
+
+
+@pytest.mark.parametrize("cmd", ["run", "parity"])
+def test_no_progress_silences_the_index_build(tmp_path, small_config, tiny_model, cmd):
+    """`--no-progress` reaches the retriever: a corpus indexed for the first time by `run` or `parity` prints no
+    bm25s progress bars (they went to stderr before)."""
+    corpus = tmp_path / "wiki.jsonl"
+    corpus.write_bytes(CORPUS.read_bytes())  # a new path: its index is built by this command
+    p = cli(cmd, "--method", "dragin", "--dataset", "hotpotqa", "--data", DATA, "--corpus", corpus, "--config",
+            small_config, "--model", tiny_model, "--limit", 1, "--batch-size", 1, "--output", tmp_path / "o",
+            "--no-progress")
+    assert (tmp_path / "wiki.jsonl.bm25s").is_dir(), "the index was not built next to the corpus: nothing checked"
+    assert "BM25S" not in p.stderr and "Split strings" not in p.stderr, p.stderr[-2000:]
 
 
 def test_malformed_data_line_is_named(tmp_path):

@@ -8,7 +8,8 @@
 #   tests     the GPU test suite: kernels (Triton, CUDA) against fastrag/signals/reference.py, the Triton paged
 #             decode attention, CUDA graphs vs eager decoding, engine/model/attention-tracking tests on the GPU
 #   kernels   benchmarks/bench_kernels.py (signal kernels vs torch, GB/s, fraction of the copy bandwidth)
-#   decode    benchmarks/bench_decode.py (Llama-2-7B shape, B 1/16/64/256 x ctx 1k/4k, vs roofline, graphs/eager,
+#   decode    benchmarks/bench_decode.py (Llama-2-7B shape, DECODE_ARGS="--shape llama2-13b" or smollm2-135m for the
+#             others; B 1/16/64/256 x ctx 1k/4k, vs roofline, graphs/eager,
 #             fused per-layer kernels on/off)
 #   attn      benchmarks/bench_paged_attention.py (the Triton paged decode attention alone, one Llama-2-7B layer,
 #             the same cells, launch settings swept, GB/s vs the copy bandwidth)
