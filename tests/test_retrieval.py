@@ -117,6 +117,25 @@ def test_ties_in_corpus_order_and_fewer_than_k(tmp_path):
     assert got[0].score == got[1].score > 0
 
 
+def test_a_dropped_retriever_leaves_no_open_file(tmp_path, corpus):
+    """The passage store reads through a memory map, which holds its own handle: no file object stays open per
+    retriever (a server that rebuilds its retriever would leak one descriptor each time), and passages still read
+    after the build's and the reload's files are closed."""
+    import gc
+    import warnings
+
+    BM25Retriever(corpus, index_dir=tmp_path / "idx", show_progress=False)  # built here, then reloaded below
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        r = BM25Retriever(corpus, index_dir=tmp_path / "idx", show_progress=False)
+        gc.collect()
+        assert not r.built and r.search(["Berlin"], 1)[0][0].id == "a4"
+        del r
+        gc.collect()
+    leaks = [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)]
+    assert not leaks, leaks
+
+
 def test_blank_and_stopword_queries(tmp_path, corpus):
     r = BM25Retriever(corpus, index_dir=tmp_path / "idx", show_progress=False)
     got = r.search(["", "   ", "the of and is", "zzzunknownword", "Berlin"], 3)

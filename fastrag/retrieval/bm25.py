@@ -127,9 +127,10 @@ class _DocStore:
 
     def __init__(self, directory: Path):
         self.offsets = np.load(directory / "docs_offsets.npy", mmap_mode="r")  # [3N + 1] int64
-        self._file = open(directory / "docs.bin", "rb")
-        size = os.fstat(self._file.fileno()).st_size
-        self._blob = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
+        # the map keeps its own handle on the file: closing ours leaves no descriptor open per retriever
+        with open(directory / "docs.bin", "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            self._blob = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
 
     def __len__(self) -> int:
         return (len(self.offsets) - 1) // 3
