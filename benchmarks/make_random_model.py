@@ -24,8 +24,8 @@ SHAPES = {
     "smollm2-135m": (576, 1536, 30, 9, 3, 8192),
     "tiny": (64, 128, 2, 4, 2, 4096),  # tests
 }
-# the published vocabularies (bench_decode builds its models with them; make() takes the embedded tokenizer's, so
-# that prompts tokenise as in every other run)
+# the published vocabularies (tiny: a test size). bench_decode builds its models with them; make() takes the
+# embedded tokenizer's, so that prompts tokenise as in every other run
 VOCAB = {"llama2-7b": 32000, "llama2-13b": 32000, "smollm2-135m": 49152, "tiny": 512}
 
 

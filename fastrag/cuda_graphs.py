@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from fastrag.cache.kv import block_table_tensor, blocks_needed
+from fastrag.transfer import copy_into
 from fastrag.model.llama import AttnBatch, PrefixGroup
 
 # prefixes one decode graph may mix: each adds a GEMM over every row of the batch
@@ -173,7 +174,7 @@ class DecodeGraphs:
             mem[rp[real], real] = True
             bufs.append((g.member, torch.from_numpy(mem)))
         for dst, src in bufs:
-            dst.copy_(src.pin_memory() if dst.is_cuda else src, non_blocking=dst.is_cuda)
+            copy_into(dst, src)
         if self.emulate:
             g.logits = self._forward(g)
         else:

@@ -22,3 +22,12 @@ def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
 def tensor_on(values, device: torch.device | str, dtype: torch.dtype = torch.long) -> torch.Tensor:
     """`torch.tensor(values, dtype, device=device)` without the synchronous copy it makes on a GPU."""
     return to_device(torch.tensor(values, dtype=dtype), device)
+
+
+def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst.copy_(src) from a host tensor, enqueued without waiting when dst is on a GPU (a static buffer, e.g. a
+    CUDA graph's input)."""
+    if dst.is_cuda:
+        dst.copy_(src.pin_memory(), non_blocking=True)
+    else:
+        dst.copy_(src)
