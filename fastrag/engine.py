@@ -224,8 +224,11 @@ class Engine:
         return s
 
     def release(self, s: SeqState) -> None:
-        """The sequence is done for good: give back its blocks and its share of the prefix."""
+        """The sequence is done for good: it leaves the queue or the decode batch (a step in flight drops it when
+        it finishes), and gives back its blocks and its share of the prefix. Releasing twice does nothing more."""
         self.live.pop(id(s), None)
+        self.waiting = [x for x in self.waiting if x is not s]
+        self.running = [x for x in self.running if x is not s]
         self._drop_cache(s)
 
     def _drop_cache(self, s: SeqState) -> None:
@@ -254,6 +257,12 @@ class Engine:
         for p in self.prefixes:
             if p.token_ids == ids[:n]:
                 return p
+        need = n // self.pool.block_size
+        if need > self.pool.num_free:
+            self._drop_idle_prefixes()
+        if need > self.pool.num_free:
+            raise OutOfBlocks(f"a shared prefix of {n} tokens needs {need} KV blocks; {self.pool.num_free} of "
+                              f"{self.pool.num_blocks} are free now (sequences in flight hold the rest)")
         s = self.new_sequence()
         self.live.pop(id(s))  # its blocks pass to the SharedPrefix below
         self._prefill([(s, ids[:n])], want_logits=False)
@@ -266,10 +275,30 @@ class Engine:
 
     def clear_prefixes(self) -> None:
         """Give back the engine's hold on every shared prefix (sequences still using one keep it alive)."""
-        for p in self.prefixes:
-            self.pool.release(p.blocks)
-        self.prefixes.clear()
-        self._starts.clear()
+        for p in list(self.prefixes):
+            self.drop_prefix(p)
+
+    def drop_prefix(self, p: SharedPrefix) -> None:
+        """Give back the engine's hold on one shared prefix: later prompts no longer start from it (sequences still
+        using it keep its blocks alive). Dropping a prefix not held does nothing."""
+        if not any(x is p for x in self.prefixes):
+            return
+        self.pool.release(p.blocks)
+        self.prefixes = [x for x in self.prefixes if x is not p]
+        self._starts.pop(id(p), None)
+
+    def _idle_prefixes(self, keep: SharedPrefix | None = None) -> list[SharedPrefix]:
+        """The held prefixes no live sequence starts from (keep excepted)."""
+        used = {id(s.prefix) for s in self.live.values() if s.prefix is not None}
+        return [p for p in self.prefixes if id(p) not in used and p is not keep]
+
+    def _drop_idle_prefixes(self, keep: SharedPrefix | None = None) -> int:
+        """Free the blocks of the prefixes no live sequence uses (the last resort before a request is refused
+        for lack of room: e.g. a server that has seen many prompt families). Returns the blocks freed."""
+        idle = self._idle_prefixes(keep)
+        for p in idle:
+            self.drop_prefix(p)
+        return sum(len(p.blocks) for p in idle)
 
     def start(self, s: SeqState, prompt_ids: list[int], max_new_tokens: int, track_from: int | None = None,
               sample_key: int | None = None) -> None:
@@ -289,6 +318,13 @@ class Engine:
         """
         if not prompt_ids:
             raise ValueError("empty prompt")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+        if id(s) not in self.live:
+            raise ValueError("the sequence was released (or not made by this engine's new_sequence)")
+        if any(x is s for x in self.waiting) or any(x is s for x in self.running):
+            raise ValueError("the sequence has a generation queued or running; start it again once that one "
+                             "finished (or release it)")
         if track_from is not None and not 0 <= track_from <= len(prompt_ids):
             raise ValueError(f"track_from={track_from} must be a position in the prompt of {len(prompt_ids)} "
                              "tokens, or its length (the span starts with the first generated token)")
@@ -300,6 +336,8 @@ class Engine:
         # the caller (the scheduler: this question only) gets the error, not the whole run at a later step
         own = len(prompt_ids) - (pre.length if pre is not None else 0) + max_new_tokens
         room = self.pool.num_blocks - self._pinned_blocks()
+        if -(-own // self.pool.block_size) > room:  # prefixes nobody uses give their blocks back first
+            room += self._drop_idle_prefixes(keep=pre)
         if -(-own // self.pool.block_size) > room:
             raise ValueError(f"a sequence of {own} tokens after its shared prefix ({len(prompt_ids)} prompt + "
                              f"{max_new_tokens} new) needs more than the {room} KV blocks of "
@@ -536,7 +574,8 @@ class Engine:
                 s.pending_prompt = s.tokens[s.base: s.track_from]  # tracked tokens are fed by decode steps
                 s.out.prefilled = len(s.tokens) - s.base
             freed = True
-        return freed
+        # the last resort: the blocks of shared prefixes no live sequence starts from
+        return freed or self._drop_idle_prefixes(keep=keep.prefix) > 0
 
     def _append_batch(self, seqs: list[SeqState], logits: torch.Tensor) -> list[bool]:
         """Sample one token per row of logits for seqs and append it; returns which generations finished."""
@@ -757,6 +796,10 @@ class Engine:
         after any step already launched); `attention_passes_finish` waits for the copies."""
         if kind not in ("colmax", "rows"):
             raise ValueError(f"attention pass kind must be 'colmax' or 'rows', got {kind!r}")
+        for x in seqs:
+            if len(x) > self.max_context:
+                raise ValueError(f"an attention pass over {len(x)} tokens exceeds the model context of "
+                                 f"{self.max_context} tokens")
         pending = PendingPasses(kind, [len(x) for x in seqs])
         order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
         i = 0

@@ -341,6 +341,9 @@ class Scheduler:
             self._search = None
             docs = fut.result()
             for (lv, i, r), d in zip(items, docs):
+                if isinstance(d, SearchFailure):  # this query's retrieval raised: its question ends, not the run
+                    self._fail(lv, f"retrieval of {r.query!r} failed: {d.message}")
+                    continue
                 if id(lv) in self._live:
                     self._emit(lv, "documents", {"query": r.query, "doc_ids": [x.id for x in d],
                                                  "titles": [x.title for x in d]})
@@ -573,6 +576,11 @@ class Scheduler:
                 lv.results[idx] = value
                 lv.left -= 1
         elif isinstance(req, (AttnColmax, AttnRows, Search, *TEXT_REQUESTS)):
+            limit = getattr(self.engine, "max_context", None)
+            if isinstance(req, (AttnColmax, AttnRows)) and limit is not None and len(req.ids) > limit:
+                # (refused here, not in the batched pass, which would fail every question that shares it)
+                raise ValueError(f"an attention pass over {len(req.ids)} tokens exceeds the model context of "
+                                 f"{limit} tokens")
             lv.queued.append((idx, req))
         else:
             raise TypeError(f"unknown request {type(req).__name__}; expected Generate, AttnColmax, AttnRows, "
@@ -643,12 +651,35 @@ class Scheduler:
         return items
 
     def _run_search(self, reqs: list[Search]):
+        """One batched retrieval. If the batch raises, each query is asked alone, so that only the queries whose
+        retrieval fails (a SearchFailure in their place) end their questions."""
         t = time.perf_counter()
-        out = self.retriever.search([r.query for r in reqs], max(r.k for r in reqs))
-        out = [docs[: r.k] for docs, r in zip(out, reqs)]
+        try:
+            out = self.retriever.search([r.query for r in reqs], max(r.k for r in reqs))
+            if len(out) != len(reqs):
+                raise RuntimeError(f"the retriever returned {len(out)} result lists for {len(reqs)} queries")
+        except Exception:
+            out = []
+            for r in reqs:
+                try:
+                    out.append(self.retriever.search([r.query], r.k)[0])
+                except Exception as e:
+                    out.append(SearchFailure(f"{type(e).__name__}: {e}"))
+            failed = [d for d in out if isinstance(d, SearchFailure)]
+            if failed:
+                warnings.warn(f"retrieval failed for {len(failed)} of {len(reqs)} queries ({failed[0].message}); "
+                              "their questions end with an error, the others go on", RuntimeWarning, stacklevel=2)
+        out = [d if isinstance(d, SearchFailure) else d[: r.k] for d, r in zip(out, reqs)]
         self.search_seconds += time.perf_counter() - t
         self.search_batches.append(len(reqs))
         return out
+
+
+@dataclass(slots=True)
+class SearchFailure:
+    """In place of a query's documents: its retrieval raised (the message says how)."""
+
+    message: str
 
 
 @dataclass(slots=True)

@@ -24,9 +24,13 @@ import queue
 import tempfile
 import threading
 import time
+import traceback
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import AsyncIterator
+
+from fastrag.cache.kv import OutOfBlocks
 
 
 @dataclass(slots=True)
@@ -59,6 +63,8 @@ class AsyncEngine:
     (the rest wait in the admission queue, at most max_queue of them; beyond that `submit` raises QueueFull).
     """
 
+    MAX_POLICIES = 256  # distinct (method, dataset, config) kept ready
+
     def __init__(self, engine, retriever, max_inflight: int = 64, max_queue: int = 256):
         from fastrag.scheduler import Scheduler
 
@@ -68,7 +74,9 @@ class AsyncEngine:
         self.max_queue = max_queue
         self.scheduler = Scheduler(engine, retriever, max_inflight=max_inflight)
         self._inbox: queue.Queue = queue.Queue()
-        self._policies: dict[tuple, Any] = {}
+        # (method, dataset, config) -> [policy, its shared prefix in the engine or None]; the least recently used
+        # go beyond MAX_POLICIES (a question in flight keeps its own policy)
+        self._policies: OrderedDict[tuple, list] = OrderedDict()
         self._ids = itertools.count()
         self._pending = 0  # submitted, not yet finished (admission control)
         self._handles: dict[int, dict] = {}  # requests the worker holds (worker thread only)
@@ -88,6 +96,13 @@ class AsyncEngine:
 
         spec = get_method(method)
         dataset = canonical_dataset(dataset)
+        if isinstance(config, dict) and "dataset" in config:  # (a published config file's own field)
+            try:
+                named = canonical_dataset(config["dataset"])
+            except (ValueError, TypeError, AttributeError) as e:
+                raise ValueError(f"retrieval.config.dataset: {e}") from None
+            if named != dataset:
+                raise ValueError(f"retrieval.config.dataset is {named!r} but the request's dataset is {dataset!r}")
         key = (method, dataset, json.dumps(config, sort_keys=True) if config else None)
         if key not in self._policies:
             path = None
@@ -107,7 +122,10 @@ class AsyncEngine:
             finally:
                 if path:
                     Path(path).unlink(missing_ok=True)
-            self._policies[key] = (spec.make_policy(cfg, self.engine.tok), False)
+            self._policies[key] = [spec.make_policy(cfg, self.engine.tok), None]
+            while len(self._policies) > self.MAX_POLICIES:
+                self._policies.popitem(last=False)
+        self._policies.move_to_end(key)
         return key
 
     async def submit(self, question: str, method: str = "dragin", dataset: str = "hotpotqa",
@@ -126,7 +144,7 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         out: asyncio.Queue = asyncio.Queue()
         q = _Question(qid=qid or f"req-{next(self._ids)}", question=question, dataset=key[1])
-        handle = {"ticket": None, "finished": False}
+        handle = {"ticket": None, "finished": False, "policy": self._policies[key][0]}
 
         def push(ev: Event):
             loop.call_soon_threadsafe(out.put_nowait, ev)
@@ -140,6 +158,11 @@ class AsyncEngine:
         return {**self.stats, "queue_depth": s.queued, "inflight": s.inflight,
                 "decode_batch": len(self.engine.running), "pending": self._pending, "uptime_s": up,
                 "engine": dict(self.engine.stats)}
+
+    @property
+    def alive(self) -> bool:
+        """Whether the worker thread serves (False after close, or if it died)."""
+        return self._thread.is_alive()
 
     def close(self) -> None:
         self._closed = True
@@ -174,7 +197,15 @@ class AsyncEngine:
                 if msg[0] == "stop":
                     s.close()
                     return
-                self._handle(msg)
+                try:
+                    self._handle(msg)
+                except Exception as e:  # this request fails; the worker serves on
+                    if msg[0] == "submit":
+                        handle = msg[4]
+                        self._done(handle, "failed")
+                        msg[3](Event("error", {"message": f"{type(e).__name__}: {e}"}))
+                    else:
+                        traceback.print_exc()
                 try:
                     msg = self._inbox.get_nowait()
                 except queue.Empty:
@@ -193,10 +224,12 @@ class AsyncEngine:
                 self._done(handle, "cancelled")
             return
         _, key, q, push, handle = msg
-        policy, has_prefix = self._policies[key]
-        if not has_prefix:
-            self.engine.set_prefix(policy.shared_prefix)
-            self._policies[key] = (policy, True)
+        policy = handle["policy"]
+        entry = self._policies.get(key)
+        if entry is not None and entry[0] is policy:
+            entry[1] = self._shared_prefix(policy, entry[1])
+        else:  # its entry went (least recently used): the prefix is looked up again
+            self._shared_prefix(policy, None)
 
         def on_event(kind, data):
             if kind == "token":
@@ -216,6 +249,18 @@ class AsyncEngine:
         handle["push"] = push
         handle["ticket"] = self.scheduler.submit(q, on_result, policy=policy, on_event=on_event)
         self._handles[id(handle)] = handle
+
+    def _shared_prefix(self, policy, held):
+        """The engine's shared prefix for the policy's demos: the one it holds, else computed now. The engine
+        drops the prefixes no question uses when it needs their room, so a later request computes it again. If
+        the pool has no room for it now, the question runs without one (its prompt's blocks are computed, and
+        shared with its family's next questions through the prefix cache)."""
+        if held is not None and any(p is held for p in self.engine.prefixes):
+            return held
+        try:
+            return self.engine.set_prefix(policy.shared_prefix)
+        except OutOfBlocks:
+            return None
 
     def _done(self, handle: dict, how: str) -> None:
         self._handles.pop(id(handle), None)

@@ -8,7 +8,7 @@
 
 The prompt is the question; the `retrieval` object picks the dynamic-RAG method, the dataset whose prompts and
 settings it uses, and the method's config (the same keys as its `--config` JSON). `max_tokens`, when given, is the
-length of each generation round (`generate_max_length`). Non-streaming answers carry the prediction as the
+length of each generation round (`generate_max_length`; BeamSearchQA: `answer_max_tokens`). Non-streaming answers carry the prediction as the
 completion text and the method's whole trace under `retrieval`. With `"stream": true` the response is server-sent
 events: one chunk per generated token (OpenAI chunk format), `retrieval.search` / `retrieval.documents` /
 `retrieval.generate` events as the method decides, a last chunk with `finish_reason` and the trace, then
@@ -87,6 +87,11 @@ def create_app(engine: AsyncEngine, timeout_s: float = 600.0, max_question_chars
     async def _invalid(request: Request, exc: RequestValidationError):
         errs = []
         for e in exc.errors():
+            if e.get("type") == "json_invalid":  # loc ("body", character offset)
+                at = e.get("loc", ())[-1]
+                why = (e.get("ctx") or {}).get("error", "")
+                errs.append(f"body: not valid JSON at character {at}" + (f" ({why})" if why else ""))
+                continue
             loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body") or "body"
             errs.append(f"{loc}: {e.get('msg')}")
         return JSONResponse(status_code=422, content={"error": {"type": "invalid_request_error",
@@ -99,8 +104,9 @@ def create_app(engine: AsyncEngine, timeout_s: float = 600.0, max_question_chars
 
     async def _open(question: str, body: Common):
         cfg = dict(body.retrieval.config or {})
-        if body.max_tokens is not None:
-            cfg["generate_max_length"] = body.max_tokens
+        if body.max_tokens is not None:  # the length of each generation round (BeamSearchQA: of its answers)
+            cfg["answer_max_tokens" if body.retrieval.method == "beamsearchqa" else "generate_max_length"] = \
+                body.max_tokens
         try:
             return await engine.submit(question, method=body.retrieval.method, dataset=body.retrieval.dataset,
                                        config=cfg or None), None
@@ -122,8 +128,7 @@ def create_app(engine: AsyncEngine, timeout_s: float = 600.0, max_question_chars
             async with asyncio.timeout(timeout_s):
                 async for ev in events:
                     if ev.kind == "error":
-                        return _error(422 if "exceeds the model context" in ev.data["message"] else 500,
-                                      ev.data["message"])
+                        return _error(_error_status(ev.data["message"]), ev.data["message"])
                     if ev.kind == "answer":
                         return JSONResponse(_final(ev.data["result"], rid, created, chat))
         except TimeoutError:
@@ -193,6 +198,9 @@ def create_app(engine: AsyncEngine, timeout_s: float = 600.0, max_question_chars
     @app.get("/health")
     async def health():
         m = engine.metrics()
+        if not engine.alive:  # the worker thread is gone: nothing will be served
+            return JSONResponse(status_code=503, content={"status": "down", "inflight": m["inflight"],
+                                                          "queue_depth": m["queue_depth"]})
         return {"status": "ok", "inflight": m["inflight"], "queue_depth": m["queue_depth"]}
 
     @app.get("/metrics")
@@ -200,6 +208,14 @@ def create_app(engine: AsyncEngine, timeout_s: float = 600.0, max_question_chars
         return PlainTextResponse(prometheus_text(engine.metrics()), media_type="text/plain; version=0.0.4")
 
     return app
+
+
+# a question's error caused by the request itself (too long for the model or for the KV pool): 422, not 500
+_REQUEST_ERRORS = ("exceeds the model context", "the pool can ever give one sequence")
+
+
+def _error_status(message: str) -> int:
+    return 422 if any(k in message for k in _REQUEST_ERRORS) else 500
 
 
 def prometheus_text(m: dict) -> str:

@@ -1,0 +1,289 @@
+"""One request's failure stays that request's: misuse of the engine's sequence API is refused with a message, a
+retrieval that raises ends only the questions whose queries it served, a server request that cannot fit gets an
+answer (not a dead worker and a timeout for everyone after it), and shared prefixes nobody uses give their KV
+blocks back when a request needs the room. A tiny random model (benchmarks/make_random_model.py) keeps it fast."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+
+from fastrag.eval import BUNDLED, RunOptions, build_engine, run
+from fastrag.retrieval.base import Doc, Retriever
+
+DATA = BUNDLED / "hotpotqa_dev20.jsonl"
+CORPUS = BUNDLED / "wiki_passages.jsonl"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    sys.path.insert(0, str(BUNDLED.parents[2] / "benchmarks"))
+    from make_random_model import make
+
+    return make("tiny", tmp_path_factory.mktemp("tiny"), dtype=torch.float32, device="cpu")
+
+
+def engine_with_blocks(model: str, blocks: int, batch: int = 4):
+    """An engine whose KV pool has exactly `blocks` blocks."""
+    eng = build_engine(model, batch, kv_cache_gb=1.0, device="cpu")
+    per_block = eng.pool.k[0][0, : eng.pool.block_size].numel() * eng.pool.k[0].element_size() * 2 \
+        * len(eng.pool.k) * eng.pool.k[0].shape[0]
+    eng = build_engine(model, batch, kv_cache_gb=blocks * per_block / 2**30, device="cpu")
+    assert eng.pool.num_blocks == blocks
+    return eng
+
+
+def drain(eng) -> dict[int, list[int]]:
+    out = {}
+    for _ in range(10_000):
+        if not eng.has_work:
+            return out
+        for s in eng.step():
+            out[id(s)] = list(s.out.ids)
+    raise AssertionError("the engine did not finish")
+
+
+PROMPTS = ["alpha bravo", "charlie delta echo", "foxtrot golf hotel india"]
+
+
+def started(eng, max_new: int = 12):
+    seqs = [eng.new_sequence() for _ in PROMPTS]
+    for s, p in zip(seqs, PROMPTS):
+        eng.start(s, eng.tok.encode(p), max_new)
+    return seqs
+
+
+# ---------------------------------------------------------------------------------------------- engine API
+@pytest.mark.parametrize("when", ["queued", "decoding"])
+def test_releasing_a_busy_sequence_takes_it_out_and_the_others_decode_unchanged(tiny, when):
+    eng = build_engine(tiny, 4, kv_cache_gb=0.05, device="cpu")
+    ref = started(eng)
+    want = drain(eng)
+    want = [want[id(s)] for s in ref]
+    for s in ref:
+        eng.release(s)
+    free = eng.pool.num_free
+    seqs = started(eng)
+    if when == "decoding":
+        eng.step()
+        eng.step()
+        assert seqs[1] in eng.running
+    eng.release(seqs[1])
+    eng.release(seqs[1])  # a second release does nothing more
+    assert not any(x is seqs[1] for x in eng.waiting + eng.running)
+    got = drain(eng)
+    assert id(seqs[1]) not in got
+    assert [got[id(seqs[0])], got[id(seqs[2])]] == [want[0], want[2]]
+    for s in seqs:
+        eng.release(s)
+    assert eng.pool.num_free == free  # every block back
+
+
+def test_start_refuses_a_busy_or_released_sequence_and_a_bad_length(tiny):
+    eng = build_engine(tiny, 4, kv_cache_gb=0.05, device="cpu")
+    seqs = started(eng)
+    ids = eng.tok.encode("kilo lima")
+    with pytest.raises(ValueError, match="queued or running"):
+        eng.start(seqs[0], ids, 4)
+    eng.step()
+    with pytest.raises(ValueError, match="queued or running"):
+        eng.start(seqs[1], ids, 4)
+    drain(eng)
+    eng.start(seqs[1], ids, 4)  # finished: it may generate again
+    drain(eng)
+    eng.release(seqs[2])
+    with pytest.raises(ValueError, match="released"):
+        eng.start(seqs[2], ids, 4)
+    s = eng.new_sequence()
+    for bad in (0, -3, 2.0, True):
+        with pytest.raises(ValueError, match="max_new_tokens must be an int >= 1"):
+            eng.start(s, ids, bad)
+
+
+def test_an_attention_pass_longer_than_the_context_is_refused(tiny):
+    eng = build_engine(tiny, 4, kv_cache_gb=0.05, device="cpu")
+    with pytest.raises(ValueError, match="exceeds the model context"):
+        eng.attention_passes([[1, 2, 3], [5] * (eng.max_context + 1)], "colmax")
+
+
+# ------------------------------------------------------------------------------------- shared prefixes
+def test_an_idle_prefix_gives_its_blocks_to_a_sequence_that_needs_them(tiny):
+    eng = engine_with_blocks(tiny, 12)
+    bs = eng.pool.block_size
+    pre = eng.set_prefix(" the" * 100)
+    held = len(pre.blocks)
+    assert 4 <= held <= 10, held
+    prompt = eng.tok.encode("a question about something else entirely")
+    n_new = (12 - held + 1) * bs - len(prompt)  # fits only without the prefix's blocks
+    assert n_new > 0 and len(prompt) + n_new <= 12 * bs
+    # while a live sequence starts from the prefix, its blocks stay and the long request is refused
+    user = eng.new_sequence()
+    eng.start(user, pre.token_ids + eng.tok.encode(" and more"), 2)
+    with pytest.raises(ValueError, match="needs more than"):
+        eng.start(eng.new_sequence(), prompt, n_new)
+    drain(eng)
+    eng.release(user)
+    # idle now: dropped for the request, which decodes what an engine that never held the prefix decodes
+    s = eng.new_sequence()
+    eng.start(s, prompt, n_new)
+    assert pre not in eng.prefixes
+    got = drain(eng)[id(s)]
+    fresh = engine_with_blocks(tiny, 12)
+    f = fresh.new_sequence()
+    fresh.start(f, prompt, n_new)
+    assert got == drain(fresh)[id(f)]
+
+
+def test_set_prefix_reclaims_idle_prefixes_or_says_there_is_no_room(tiny):
+    eng = engine_with_blocks(tiny, 11)
+    a = eng.set_prefix(" the" * 100)
+    b_text = " of" * 100
+    need = len(eng.tok.encode(b_text)) // eng.pool.block_size
+    assert len(a.blocks) + need > 11 >= need
+    b = eng.set_prefix(b_text)  # a is idle: its blocks go to b
+    assert eng.prefixes == [b] and eng.pool.num_free == 11 - len(b.blocks)
+    user = eng.new_sequence()
+    eng.start(user, b.token_ids + [7], 2)
+    with pytest.raises(Exception, match="KV blocks") as e:  # b is in use: nothing to reclaim
+        eng.set_prefix(" the" * 100)
+    assert type(e.value).__name__ == "OutOfBlocks"
+    assert eng.prefixes == [b]
+
+
+# ----------------------------------------------------------------------------------------- retrieval
+class Passages(Retriever):
+    def search(self, queries, k):
+        return [[Doc(f"d{j}", f"Title {j}", f"passage {j} about {q[:20]}") for j in range(k)] for q in queries]
+
+
+class Flaky(Passages):
+    """Raises for any batch holding a query that contains `bad`."""
+
+    def __init__(self, bad: str):
+        self.bad = bad
+
+    def search(self, queries, k):
+        if any(self.bad in q for q in queries):
+            raise ConnectionError("search backend unreachable")
+        return super().search(queries, k)
+
+
+def test_a_failing_retrieval_ends_only_its_own_question(tiny, tmp_path):
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({"generate_max_length": 8, "fewshot": 1}))
+    questions = [json.loads(x)["question_text"] for x in DATA.read_text().splitlines()[:6]]
+    bad = questions[2][:30]
+
+    def go(name, retriever):
+        opts = RunOptions(method="sr-rag", dataset="hotpotqa", data=str(DATA), corpus=str(CORPUS),
+                          output=str(tmp_path / name), model=tiny, config=str(cfg), limit=6, batch_size=6,
+                          progress=False)
+        run(opts, engine=build_engine(tiny, 6, kv_cache_gb=0.05, device="cpu"), retriever=retriever)
+        return {r["question"]: r for r in map(json.loads, (tmp_path / name / "results.jsonl").read_text()
+                                                .splitlines())}
+
+    with pytest.warns(RuntimeWarning, match="retrieval failed"):
+        got = go("flaky", Flaky(bad))
+    want = go("ok", Passages())
+    assert len(got) == 6
+    failed = [q for q, r in got.items() if r["error"]]
+    assert failed == [questions[2]]
+    assert "search backend unreachable" in got[questions[2]]["error"] and bad in got[questions[2]]["error"]
+    for q in questions:
+        if q != questions[2]:
+            assert got[q]["prediction"] == want[q]["prediction"] and got[q]["rounds"] == want[q]["rounds"]
+    metrics = json.loads((tmp_path / "flaky" / "metrics.json").read_text())
+    assert metrics["errors"] == 1
+
+
+# ------------------------------------------------------------------------------------------- serving
+@pytest.fixture
+def client_of(tiny):
+    from fastapi.testclient import TestClient
+
+    from fastrag.serving import AsyncEngine
+    from fastrag.serving.server import create_app
+
+    opened = []
+
+    def make(blocks: int, retriever=None):
+        ae = AsyncEngine(engine_with_blocks(tiny, blocks), retriever or Passages(), max_inflight=4, max_queue=4)
+        c = TestClient(create_app(ae, timeout_s=60), raise_server_exceptions=False)
+        c.__enter__()
+        opened.append((c, ae))
+        return c, ae
+
+    yield make
+    for c, ae in opened:
+        c.__exit__(None, None, None)
+        ae.close()
+
+
+def ask(c, fewshot: int, method: str = "wo-rag", **extra):
+    body = {"prompt": "Who directed Jaws?", "retrieval": {"method": method, "dataset": "hotpotqa",
+                                                          "config": {"generate_max_length": 6, "fewshot": fewshot}}}
+    body.update(extra)
+    return c.post("/v1/completions", json=body)
+
+
+def test_a_request_that_cannot_fit_is_answered_and_the_server_serves_on(client_of):
+    c, ae = client_of(12)
+    assert ask(c, 0).status_code == 200
+    r = ask(c, 4)  # its demos alone need more blocks than the pool has
+    assert r.status_code == 422 and "KV blocks" in r.json()["error"]["message"], r.text
+    assert ask(c, 0).status_code == 200
+    assert c.get("/health").status_code == 200 and ae.alive and ae.metrics()["pending"] == 0
+    ae.close()
+    h = c.get("/health")
+    assert h.status_code == 503 and h.json()["status"] == "down"
+
+
+def test_prompt_families_take_turns_in_a_small_pool(client_of):
+    """Each family's demos fit beside a question, not two families' at once: idle prefixes make room."""
+    c, ae = client_of(64)
+    size = {}
+    for fs in (2, 3):  # the demo prefixes' blocks
+        key = ae.policy("wo-rag", "hotpotqa", {"generate_max_length": 6, "fewshot": fs})
+        size[fs] = len(ae.engine.tok.encode(ae._policies[key][0].shared_prefix)) // ae.engine.pool.block_size
+    blocks = max(size.values()) + 6  # room for one question of either family
+    assert sum(size.values()) > blocks
+    c, ae = client_of(blocks)
+    for fs in (2, 3, 2, 3, 2):
+        r = ask(c, fs)
+        assert r.status_code == 200, (fs, r.text)
+        eng = ae.engine
+        assert len(eng.prefixes) == 1 and len(eng.prefixes[0].blocks) == size[fs]
+        assert eng.pool.num_free == blocks - size[fs]  # nothing else held
+
+
+def test_one_failing_search_fails_one_request(client_of):
+    from concurrent.futures import ThreadPoolExecutor
+
+    c, _ = client_of(64, Flaky("Q3 "))
+
+    def one(i):
+        return c.post("/v1/completions", json={"prompt": f"Q{i} who?", "retrieval": {
+            "method": "sr-rag", "dataset": "hotpotqa", "config": {"generate_max_length": 4, "fewshot": 0}}})
+
+    with pytest.warns(RuntimeWarning, match="retrieval failed"):
+        with ThreadPoolExecutor(6) as ex:
+            res = list(ex.map(one, range(6)))
+    assert [r.status_code for r in res] == [200, 200, 200, 500, 200, 200]
+    assert "search backend unreachable" in res[3].json()["error"]["message"]
+
+
+def test_request_errors_name_the_problem(client_of):
+    c, _ = client_of(64)
+    r = c.post("/v1/completions", content=b'{"prompt": "x",,}', headers={"content-type": "application/json"})
+    assert r.status_code == 422 and "not valid JSON at character" in r.json()["error"]["message"], r.text
+    r = ask(c, 0, retrieval={"method": "wo-rag", "dataset": "hotpotqa", "config": {"dataset": "nq"}})
+    assert r.status_code == 422 and "retrieval.config.dataset" in r.json()["error"]["message"], r.text
+    r = ask(c, 0, retrieval={"method": "wo-rag", "dataset": "hotpotqa", "config": {"dataset": "HotpotQA"}})
+    assert r.status_code == 200, r.text
+    # max_tokens sets BeamSearchQA's answer length (it has no generate_max_length)
+    r = c.post("/v1/completions", json={"prompt": "Who directed Jaws?", "max_tokens": 3, "retrieval": {
+        "method": "beamsearchqa", "dataset": "nq", "config": {"max_depth": 0}}})
+    assert r.status_code == 200, r.text
