@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
 
             report = parity(opts)
             _print_table("fastrag parity", {k: v for k, v in report.items() if k != "disagreements"})
-    except (FileNotFoundError, PermissionError, ValueError) as e:
+    except (ValueError, OSError, ImportError) as e:  # (OSError: files and folders, e.g. no writable index folder)
         print(f"fastrag: error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -116,7 +116,7 @@ def read_json_object(path: str | Path, error: type[Exception] = ConfigError) -> 
     """A config file's top-level JSON object; `error` (naming the file, and line/column for bad JSON) otherwise."""
     path = Path(path)
     try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
+        raw = json.loads(path.read_text(encoding="utf-8-sig"))
     except FileNotFoundError:
         raise error(f"{path}: no such file") from None
     except (OSError, UnicodeDecodeError) as e:
@@ -128,12 +128,13 @@ def read_json_object(path: str | Path, error: type[Exception] = ConfigError) -> 
     return raw
 
 
-def load_dragin_config(path: str | Path, dataset: str | None = None) -> DraginConfig:
+def load_dragin_config(path: str | Path, dataset: str | None = None, more_keys: frozenset = frozenset()) -> DraginConfig:
     """Read a published DRAGIN config JSON (e.g. config/Llama2-13b-chat/HotpotQA/DRAGIN.json).
 
     Known keys map onto DraginConfig fields (fastrag's own field names are accepted too); keys the file lacks
-    come from DRAGIN_DEFAULTS; every other key (model_name_or_path, data_path, retriever, es_index_name, ...)
-    goes to `extra`. `dataset` overrides the file's "dataset". `method`, when present, must select DRAGIN.
+    come from DRAGIN_DEFAULTS; the published files' bookkeeping keys (model_name_or_path, data_path, retriever,
+    es_index_name, ...: PUBLISHED_EXTRA_KEYS) and `more_keys` (a variant's own fields) go to `extra`; any other key
+    is an error naming it. `dataset` overrides the file's "dataset". `method`, when present, must select DRAGIN.
     """
     path = Path(path)
     raw = read_json_object(path)
@@ -156,8 +157,17 @@ def load_dragin_config(path: str | Path, dataset: str | None = None) -> DraginCo
             extra["source_dataset"] = v
         elif k in _FIELDS:
             values[k] = v
-        else:
+        elif k == "attention_solver":  # how the published code reduces the RIND pass's attention over query rows
+            if v != "max":
+                raise ConfigError(f"{path}: attention_solver {v!r}: only 'max' (the published configs' value: the "
+                                  "largest attention over later rows, then the mean over heads) is implemented")
             extra[k] = v
+        elif k in PUBLISHED_EXTRA_KEYS or k in more_keys or k == "try_use_max_weight":
+            # (try_use_max_weight only matters to the published "regenerate" query formulation, not real_words)
+            extra[k] = v
+        else:  # (a misspelt field would otherwise leave its default in force without a word)
+            raise ConfigError(f"{path}: unknown config field {k!r}: valid fields are {', '.join(_FIELDS)} (and the "
+                              f"published files' bookkeeping keys {', '.join(sorted(PUBLISHED_EXTRA_KEYS))})")
     try:
         return DraginConfig(**values, extra=extra)
     except ConfigError as e:

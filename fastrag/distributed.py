@@ -16,7 +16,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from fastrag.eval import ResultWriter, RunOptions, read_results, summarize
+from fastrag.eval import (ResultWriter, RunOptions, check_manifest, latest_records, method_config, read_results,
+                          resume, run_identity, summarize)
 
 
 def _shard_worker(opts: RunOptions, device: str | None) -> dict:
@@ -44,9 +45,9 @@ def run_ray(opts: RunOptions, num_workers: int = 2, max_retries: int = 3, ray_ad
     out = Path(opts.output)
     out.mkdir(parents=True, exist_ok=True)
     examples = load_examples(opts.dataset, opts.data, limit=opts.limit)
-    done = read_results(out / "results.jsonl")
+    check_manifest(out, run_identity(opts, method_config(opts)))
+    done, todo = resume(out / "results.jsonl", examples)
     have = {r.qid for r in done}
-    todo = [e for e in examples if e.qid not in have]
     t0 = time.perf_counter()
     retries = 0
     if todo:
@@ -106,9 +107,7 @@ def run_ray(opts: RunOptions, num_workers: int = 2, max_retries: int = 3, ray_ad
         finally:
             w.close()
     wall = time.perf_counter() - t0
-    results = read_results(out / "results.jsonl")
-    order = {e.qid: i for i, e in enumerate(examples)}
-    results = sorted((r for r in results if r.qid in order), key=lambda r: order[r.qid])
+    results = latest_records(out / "results.jsonl", examples)  # (question order, the last record of each)
     new = [r for r in results if r.qid not in have]
     metrics = summarize(opts.method, opts.dataset, results, wall, len(new),
                         sum(r.prefill_tokens + r.decode_tokens for r in new))

@@ -1,8 +1,10 @@
 """Batch evaluation: run a method over a dataset, write results.jsonl incrementally, resume, score.
 
 `DIR/results.jsonl` gets one line per finished question (flushed and fsynced as it finishes), so a killed run
-loses at most the questions in flight; a rerun reads the file, skips every question already there and computes
-only the rest. `DIR/metrics.json` is rewritten at the end from all records. `DIR/runs.jsonl` keeps each run's
+loses at most the questions in flight; a rerun reads the file, skips every question already answered there and
+computes the rest (questions whose record is an error are computed again). `DIR/run.json` names what the answers
+depend on (method, config, model, retriever, corpus, decoding): a rerun of anything else into the folder is
+refused, and a record whose question differs from the data's question of that id too. `DIR/metrics.json` is rewritten at the end from all records. `DIR/runs.jsonl` keeps each run's
 questions computed and seconds (a killed run's too, from `DIR/progress.json`), so `all_runs` in metrics.json is the
 rate over every run that produced the results, not only the last one.
 """
@@ -10,6 +12,7 @@ rate over every run that produced the results, not only the last one.
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -69,15 +72,24 @@ class RunOptions:
             raise ValueError(f"--batch-size must be positive, got {self.batch_size}")
         if self.limit is not None and self.limit <= 0:
             raise ValueError(f"--limit must be positive, got {self.limit}")
-        if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0):
-            raise ValueError(f"--temperature must be a number >= 0 (0: greedy), got {self.temperature!r}")
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
+                and self.temperature >= 0):
+            raise ValueError(f"--temperature must be a finite number >= 0 (0: greedy), got {self.temperature!r}")
         if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
             raise ValueError(f"--top-p must be in (0, 1] (1: no nucleus filtering), got {self.top_p!r}")
+        if self.top_p < 1 and self.temperature == 0:
+            raise ValueError(f"--top-p {self.top_p} applies only when sampling: give --temperature > 0 too "
+                             "(greedy decoding has no nucleus)")
+        if self.threads is not None and (isinstance(self.threads, bool) or not isinstance(self.threads, int)
+                                         or self.threads < 1):
+            raise ValueError(f"--threads must be an int >= 1, got {self.threads!r}")
         if self.text_workers is not None and (isinstance(self.text_workers, bool)
                                               or not isinstance(self.text_workers, int) or self.text_workers < 0):
             raise ValueError(f"--text-workers must be an int >= 0 (0: no worker processes), got {self.text_workers!r}")
         for name in ("data", "corpus"):
             p = Path(getattr(self, name))
+            if p.is_dir():
+                raise ValueError(f"--{name} {p}: is a directory, expected a file")
             if not p.is_file():
                 raise FileNotFoundError(f"--{name} {p}: no such file")
             if not os.access(p, os.R_OK):
@@ -91,25 +103,111 @@ def method_config(opts: RunOptions):
 
 
 def read_results(path: Path) -> list[QuestionResult]:
-    """Records already written; a torn last line (the run was killed mid-write) is dropped from the file."""
+    """Records already written, in file order (a question computed again after an error has two: the last one
+    counts). A torn last line (the run was killed mid-write) is dropped from the file; a whole last record without
+    its newline gets one, so that the next record starts a line of its own."""
     if not path.exists():
         return []
-    out, good_bytes = [], 0
+    out, good_bytes, last = [], 0, b"\n"
     with open(path, "rb") as f:
         for raw in f:
             try:
-                rec = QuestionResult.from_json(json.loads(raw))
-            except (json.JSONDecodeError, TypeError, KeyError):
+                obj = json.loads(raw)
+                if not isinstance(obj, dict):
+                    raise TypeError
+                rec = QuestionResult.from_json(obj)
+            except (json.JSONDecodeError, UnicodeDecodeError, TypeError, KeyError, ValueError):
                 if raw.endswith(b"\n"):
                     raise ValueError(f"{path}: line {len(out) + 1} is not a result record; "
                                      "remove it or use another --output") from None
                 break  # torn tail
             out.append(rec)
             good_bytes += len(raw)
+            last = raw
     if good_bytes != path.stat().st_size:
         with open(path, "r+b") as f:
             f.truncate(good_bytes)
+    elif not last.endswith(b"\n"):
+        with open(path, "ab") as f:
+            f.write(b"\n")
     return out
+
+
+MANIFEST = "run.json"  # what decides the answers of the records in an output folder (check_manifest)
+
+
+def run_identity(opts: "RunOptions", cfg, **more) -> dict:
+    """What a run's answers depend on: method, its whole config, model, retriever, corpus and decoding (not the
+    batch size, backends or other engine settings, which change no decision). `more`: further fields (the
+    parity oracle's recipe)."""
+    from dataclasses import asdict, is_dataclass
+
+    c = asdict(cfg) if is_dataclass(cfg) else dict(vars(cfg))
+    c.pop("extra", None)  # the published files' bookkeeping keys (paths, notes): no rule
+
+    def where(p: str) -> str:
+        q = Path(p)
+        return str(q.resolve()) if q.exists() else p
+
+    ident = {"method": opts.method, "config": c, "model": where(opts.model), "retriever": opts.retriever,
+             "corpus": where(opts.corpus), "temperature": float(opts.temperature), "top_p": float(opts.top_p),
+             "seed": int(opts.seed), **more}
+    return json.loads(json.dumps(ident))  # (as it reads back from the file)
+
+
+def check_manifest(out: Path, identity: dict) -> None:
+    """Write `out/run.json` for a new output folder; for one that has it, refuse a run of another identity (its
+    records would be reused as this run's answers). A folder from before manifests (results, no run.json) gets one."""
+    path = out / MANIFEST
+    if path.exists():
+        try:
+            old = json.loads(path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError, OSError) as e:
+            raise ValueError(f"{path}: unreadable ({e}); delete it to go on writing to {out}") from None
+        diffs = []
+        for k in sorted(set(old) | set(identity)):
+            a, b = old.get(k), identity.get(k)
+            if a == b:
+                continue
+            if k == "config" and isinstance(a, dict) and isinstance(b, dict):
+                diffs += [f"config.{f}: {a.get(f)!r} there, {b.get(f)!r} now"
+                          for f in sorted(set(a) | set(b)) if a.get(f) != b.get(f)]
+            else:
+                diffs.append(f"{k}: {a!r} there, {b!r} now")
+        if diffs:
+            raise ValueError(f"{out} holds the results of another run ({'; '.join(diffs[:4])}"
+                             f"{'; ...' if len(diffs) > 4 else ''}): use another --output (or delete {path} to "
+                             "add this run's records to that folder anyway)")
+        return
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(identity, indent=2))
+    tmp.replace(path)
+
+
+def latest_records(path: Path, examples: list[Example]) -> list[QuestionResult]:
+    """The last record of each of `examples` in a results file, in the examples' order (records of other questions
+    are left out). A record whose question is not the example's of that id raises: the folder holds answers to
+    other data (e.g. an NQ file whose position-derived ids shifted when a question was added)."""
+    by_id = {e.qid: e for e in examples}
+    latest: dict[str, tuple[int, QuestionResult]] = {}
+    for line, r in enumerate(read_results(path), 1):
+        e = by_id.get(r.qid)
+        if e is None:
+            continue
+        if r.question != e.question:
+            raise ValueError(f"{path}: line {line}: question {r.qid!r} reads {r.question[:80]!r} there but "
+                             f"{e.question[:80]!r} in the data: these results come from other data; use another "
+                             "--output")
+        latest[r.qid] = (line, r)
+    return [latest[e.qid][1] for e in examples if e.qid in latest]
+
+
+def resume(path: Path, examples: list[Example]) -> tuple[list[QuestionResult], list[Example]]:
+    """(records to keep, examples to compute) for a rerun into a results file: a question is computed again when
+    it has no record or its last record is an error (a retriever down, a pool too small: the cause may be gone)."""
+    kept = [r for r in latest_records(path, examples) if r.error is None]
+    have = {r.qid for r in kept}
+    return kept, [e for e in examples if e.qid not in have]
 
 
 class ResultWriter:
@@ -250,17 +348,19 @@ def run_many(runs: list[RunOptions], engine=None, retriever=None) -> list[dict]:
         raise ValueError("run_many: two runs write to the same output directory")
     if first.threads:
         torch.set_num_threads(first.threads)
-    plans = []  # per run: (opts, cfg, examples by id, done, todo, results path)
+    plans = []  # per run: (opts, cfg, examples by id, done, todo)
     for o, out in zip(runs, outs):
-        out.mkdir(parents=True, exist_ok=True)
+        if out.exists() and not out.is_dir():
+            raise ValueError(f"--output {out}: is a file, expected a directory")
         cfg = method_config(o)
         examples = load_examples(o.dataset, o.data, limit=o.limit)
         if o.qids is not None:
             keep = set(o.qids)
             examples = [e for e in examples if e.qid in keep]
-        done = read_results(out / "results.jsonl")
-        have = {r.qid for r in done}
-        plans.append((o, cfg, {e.qid: e for e in examples}, done, [e for e in examples if e.qid not in have]))
+        out.mkdir(parents=True, exist_ok=True)
+        check_manifest(out, run_identity(o, cfg))
+        done, todo = resume(out / "results.jsonl", examples)
+        plans.append((o, cfg, {e.qid: e for e in examples}, done, todo))
 
     for out in outs:  # a run interrupted before its end left its progress: it joins the history
         _close_progress(out)

@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 
 from fastrag.data.datasets import load_examples
-from fastrag.eval import ResultWriter, RunOptions, method_config, read_results, run, score_result
+from fastrag.eval import (ResultWriter, RunOptions, check_manifest, latest_records, method_config, resume, run,
+                          run_identity, score_result)
 from fastrag.trace import QuestionResult
 
 
@@ -65,10 +66,9 @@ def run_oracle(opts: RunOptions, out: Path, recipe: str = "published") -> tuple[
         raise ValueError(f"method {opts.method!r} has no per-question oracle; parity is not available for it")
     out.mkdir(parents=True, exist_ok=True)
     examples = load_examples(opts.dataset, opts.data, limit=opts.limit)
+    check_manifest(out, run_identity(opts, method_config(opts), oracle=recipe))
     path = out / "results.jsonl"
-    done = read_results(path)
-    have = {r.qid for r in done}
-    todo = [e for e in examples if e.qid not in have]
+    done, todo = resume(path, examples)
     wall = 0.0
     if todo:
         tok = load_tokenizer(opts.model)
@@ -93,9 +93,7 @@ def run_oracle(opts: RunOptions, out: Path, recipe: str = "published") -> tuple[
         finally:
             w.close()
             wall = time.perf_counter() - t0
-    order = {e.qid: i for i, e in enumerate(examples)}
-    done = sorted((r for r in done if r.qid in order), key=lambda r: order[r.qid])
-    return done, wall, len(todo)
+    return latest_records(path, examples), wall, len(todo)
 
 
 def method_decisions(method: str):
@@ -130,7 +128,8 @@ def compare(engine: list[QuestionResult], oracle: list[QuestionResult], decide=d
 def parity(opts: RunOptions) -> dict:
     out = Path(opts.output)
     m_engine = run(replace(opts, output=str(out / "engine")))
-    engine_results = read_results(out / "engine" / "results.jsonl")
+    engine_results = latest_records(out / "engine" / "results.jsonl",
+                                    load_examples(opts.dataset, opts.data, limit=opts.limit))
     oracle_results, wall, computed = run_oracle(opts, out / "oracle")
     report = compare(engine_results, oracle_results, method_decisions(opts.method))
     report.update({

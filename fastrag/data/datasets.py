@@ -25,6 +25,7 @@ error for that question alone. Duplicate ids are made unique (`id`, `id#2`, ...;
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -219,14 +220,29 @@ def _detect(obj: dict) -> str | None:
     return None
 
 
+def read_text_file(path: Path, error: type[Exception]) -> str:
+    """A UTF-8 text file's contents (a byte-order mark dropped); `error` naming the file, and the line of a byte that
+    is not UTF-8, otherwise."""
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise error(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise error(f"{path}: is a directory, expected a file") from None
+    except OSError as e:
+        raise error(f"{path}: cannot read: {e}") from None
+    if raw[:2] == b"\x1f\x8b":
+        raise error(f"{path}: is gzip-compressed; decompress it first (gunzip -k)")
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        raise error(f"{path}:{line}: not UTF-8 text (byte 0x{raw[e.start]:02x}); convert the file to UTF-8") from None
+
+
 def _records(path: Path) -> Iterator[_Rec]:
     """Yield the JSON objects of a json-list or jsonl file with their location; malformed input raises DataError."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise DataError(f"{path}: no such file") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise DataError(f"{path}: cannot read: {e}") from None
+    text = read_text_file(path, DataError)
     head = text.lstrip()[:1]
     if not head:
         raise DataError(f"{path}: file is empty")
@@ -246,7 +262,8 @@ def _records(path: Path) -> Iterator[_Rec]:
         if isinstance(whole, dict):  # a single-object file (a one-line jsonl or a wrapper we do not know)
             yield _Rec(f"{path}:1", whole)
             return
-    for lineno, line in enumerate(text.splitlines(), start=1):
+    # (split on newlines only: str.splitlines also breaks at U+2028, U+0085, ... which JSON strings may hold raw)
+    for lineno, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
             continue
         try:
@@ -277,6 +294,7 @@ def load_examples(dataset: str, path: str | Path, limit: int | None = None) -> l
         raise DataError(f"{path}: is a directory, expected a .json or .jsonl file")
     out: list[Example] = []
     seen: set[str] = set()
+    no_gold: list[str] = []  # questions whose answer list is empty (they can only score 0)
     fmt: str | None = None
     index = 0  # running question index, the qid of formats without ids
     for rec in _records(path):
@@ -309,5 +327,13 @@ def load_examples(dataset: str, path: str | Path, limit: int | None = None) -> l
                     k += 1
                 qid = f"{qid}#{k}"
             seen.add(qid)
+            if not answers:
+                no_gold.append(qid)
             out.append(Example(qid=qid, question=question, answers=answers, dataset=name, meta=meta))
+    if not out and limit != 0:
+        raise DataError(f"{path}: no question to run in the file (every record was skipped: e.g. IIRC questions "
+                        "without an answer)")
+    if no_gold:
+        warnings.warn(f"{path}: {len(no_gold)} question(s) have no gold answer (first: {no_gold[0]}); they score 0",
+                      UserWarning, stacklevel=2)
     return out

@@ -168,7 +168,13 @@ class DraginReference:
 def _dragin_config(dataset: str, path: str | None):
     from fastrag.config import dragin_config, load_dragin_config
 
-    return load_dragin_config(path, dataset=dataset) if path else dragin_config(dataset)
+    cfg = load_dragin_config(path, dataset=dataset) if path else dragin_config(dataset)
+    if cfg.mode != "reference":
+        from fastrag.config import ConfigError
+
+        raise ConfigError(f"{path}: field 'mode' is {cfg.mode!r}; --method dragin runs reference mode (streaming "
+                          "mode is --method dragin-streaming)")
+    return cfg
 
 
 def _dragin_oracle(hf_model, tokenizer, retriever, cfg):

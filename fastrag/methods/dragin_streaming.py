@@ -146,7 +146,8 @@ class DraginStreaming(DraginReference):
 
 
 def _config(dataset: str, path: str | None) -> DraginStreamingConfig:
-    cfg = load_dragin_config(path, dataset=dataset) if path else dragin_config(dataset)
+    cfg = load_dragin_config(path, dataset=dataset, more_keys=frozenset({"stream_chunk_tokens", "stream_attention"})) \
+        if path else dragin_config(dataset)
     values = {name: getattr(cfg, name) for name in cfg.__dataclass_fields__}
     chunk = values["extra"].pop("stream_chunk_tokens", 16)
     attention = values["extra"].pop("stream_attention", "in-context")

@@ -41,6 +41,7 @@ from fastrag.retrieval.corpus import CorpusError, iter_corpus
 log = logging.getLogger(__name__)
 
 FIELDS = ("title", "text")
+_EMPTY = "EMPTY"  # marks a field's index folder when no passage has a term in that field
 _FORMAT = 1
 _STOPWORDS = "en"
 _STEMMER = "english"
@@ -203,8 +204,9 @@ class BM25Retriever(Retriever):
         if found is None:
             found = self._build(candidates, manifest)
         self.index_dir = found
-        self._fields = {
-            f: bm25s.BM25.load(found / f, mmap=True, load_corpus=False, show_progress=False) for f in FIELDS
+        self._fields = {  # (None: a field in which no passage has a term)
+            f: None if (found / f / _EMPTY).exists()
+            else bm25s.BM25.load(found / f, mmap=True, load_corpus=False, show_progress=False) for f in FIELDS
         }
         self._store = _DocStore(found)
         self.n_docs = len(self._store)
@@ -246,10 +248,14 @@ class BM25Retriever(Retriever):
             tokens = self._bm25s.tokenize(
                 field, stopwords=_STOPWORDS, stemmer=self._stemmer, show_progress=self.show_progress
             )
-            model = self._bm25s.BM25(k1=self.k1, b=self.b, method="lucene")
-            model.index(tokens, show_progress=self.show_progress)
             if (d / name).exists():
                 shutil.rmtree(d / name)
+            if not tokens.vocab:  # no passage has a term in this field (e.g. a corpus without titles): it scores 0
+                (d / name).mkdir(parents=True)
+                (d / name / _EMPTY).write_text("no indexable term in this field\n")
+                continue
+            model = self._bm25s.BM25(k1=self.k1, b=self.b, method="lucene")
+            model.index(tokens, show_progress=self.show_progress)
             model.save(d / name, show_progress=False)
         write_manifest(d, manifest, len(titles))
 
@@ -259,6 +265,9 @@ class BM25Retriever(Retriever):
         """Per-field BM25 score vectors `{field: [N] float32}` of one analysed query (terms with multiplicity)."""
         out = {}
         for f, model in self._fields.items():
+            if model is None:
+                out[f] = np.zeros(self.n_docs, dtype=np.float32)
+                continue
             ids = model.get_tokens_ids(query_tokens)
             out[f] = model.get_scores_from_ids(ids) if ids else np.zeros(self.n_docs, dtype=np.float32)
         return out

@@ -32,7 +32,7 @@ def _lines(path: Path) -> Iterator[tuple[int, str]]:
     """(1-based line number, line) pairs; a decoding error names the line after the last good one."""
     lineno = 0
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:  # (a byte-order mark is dropped)
             for lineno, line in enumerate(f, 1):
                 yield lineno, line
     except UnicodeDecodeError as e:
@@ -53,6 +53,9 @@ def _iter_jsonl(path: Path) -> Iterator[tuple[str, str, str]]:
             raise CorpusError(f"{path}:{lineno}: expected a JSON object, got {type(rec).__name__}")
         if "id" not in rec:
             raise CorpusError(f"{path}:{lineno}: missing field 'id'")
+        if isinstance(rec["id"], bool) or not isinstance(rec["id"], (str, int)):
+            raise CorpusError(f"{path}:{lineno}: field 'id' must be a string or an integer, got "
+                              f"{type(rec['id']).__name__}")
         if "text" in rec:
             title, text = rec.get("title"), rec["text"]
             title = "" if title is None else title
@@ -78,7 +81,7 @@ def _iter_tsv(path: Path) -> Iterator[tuple[str, str, str]]:
 
 
 def _iter_tsv_rows(path: Path) -> Iterator[tuple[str, str, str]]:
-    with open(path, encoding="utf-8", newline="") as f:
+    with open(path, encoding="utf-8-sig", newline="") as f:  # (a byte-order mark is dropped)
         # DPR passages contain double quotes; csv's QUOTE_NONE would keep them, but the official file quotes
         # fields with embedded quotes ("" escaping), so the default dialect reads it correctly.
         reader = csv.reader(f, delimiter="\t")

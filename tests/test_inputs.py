@@ -1,0 +1,241 @@
+"""Input files and output folders that are not the bundled ones: a results folder keeps the answers of one run
+(method, config, model, retriever, corpus, decoding) and of one data file; reruns recompute failed questions and
+count each question once; data, config and corpus files with a byte-order mark, raw line separators inside JSON
+strings, no titles, typos in a config, or no usable question get a clear outcome. A tiny random model and an
+in-memory retriever keep it fast (test_e2e runs the real ones)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+from fastrag.config import ConfigError, load_dragin_config
+from fastrag.data.datasets import DataError, load_examples
+from fastrag.eval import BUNDLED, RunOptions, build_engine, run
+from fastrag.retrieval.base import Doc, Retriever
+
+CORPUS = BUNDLED / "wiki_passages.jsonl"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    sys.path.insert(0, str(BUNDLED.parents[2] / "benchmarks"))
+    from make_random_model import make
+
+    return make("tiny", tmp_path_factory.mktemp("tiny"), dtype=torch.float32, device="cpu")
+
+
+class Passages(Retriever):
+    def __init__(self, down: bool = False):
+        self.down = down
+
+    def search(self, queries, k):
+        if self.down:
+            raise ConnectionError("search backend unreachable")
+        return [[Doc(f"d{j}", f"T{j}", f"passage {j} on {q[:16]}") for j in range(k)] for q in queries]
+
+
+def nq_file(path, questions):
+    """An NQ-open file (no ids: a question's id is its position)."""
+    path.write_text("".join(json.dumps({"question": q, "answer": [f"a{i}"]}) + "\n" for i, q in enumerate(questions)))
+    return path
+
+
+QUESTIONS = [f"who wrote book number {i}?" for i in range(6)]
+
+
+@pytest.fixture
+def setup(tiny, tmp_path):
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({"generate_max_length": 4, "fewshot": 0}))
+    data = nq_file(tmp_path / "nq.jsonl", QUESTIONS)
+
+    def go(out="o", retriever=None, **kw):
+        opts = dict(method="sr-rag", dataset="nq", data=str(data), corpus=str(CORPUS), output=str(tmp_path / out),
+                    model=tiny, config=str(cfg), batch_size=4, progress=False)
+        opts.update(kw)
+        return run(RunOptions(**opts), engine=build_engine(tiny, 4, kv_cache_gb=0.05, device="cpu"),
+                   retriever=retriever or Passages())
+
+    return go, tmp_path, cfg, data
+
+
+def records(path):
+    return [json.loads(x) for x in path.read_text().split("\n") if x]
+
+
+# ------------------------------------------------------------------------------------------ output folders
+def test_a_rerun_of_another_run_into_the_folder_is_refused(setup):
+    go, tmp, cfg, _ = setup
+    go(limit=2)
+    go(limit=3, batch_size=2)  # the same run (other batch size, more questions): resumes
+    assert len(records(tmp / "o" / "results.jsonl")) == 3
+    with pytest.raises(ValueError, match=r"another run \(method: 'sr-rag' there, 'wo-rag' now"):
+        go(method="wo-rag", limit=3)
+    other = tmp / "c2.json"
+    other.write_text(json.dumps({"generate_max_length": 5, "fewshot": 0}))
+    with pytest.raises(ValueError, match=r"config\.generate_max_length: 4 there, 5 now"):
+        go(config=str(other), limit=3)
+    with pytest.raises(ValueError, match="seed: 0 there, 3 now"):
+        go(temperature=0.5, seed=3, limit=3)
+    assert len(records(tmp / "o" / "results.jsonl")) == 3  # nothing written by the refused runs
+
+
+def test_records_of_other_data_are_refused(setup):
+    go, tmp, _, data = setup
+    go(limit=3)
+    nq_file(data, ["an inserted question?"] + QUESTIONS)  # every later position-derived id shifts
+    with pytest.raises(ValueError, match=r"results\.jsonl: line 1: question 'nq-0' reads .* other data"):
+        go(limit=3)
+
+
+def test_metrics_count_each_selected_question_once(setup):
+    go, tmp, _, _ = setup
+    go(limit=4)
+    res = tmp / "o" / "results.jsonl"
+    lines = res.read_text().split("\n")
+    res.write_text("\n".join(lines[:1] + lines))  # a record written twice (two runs into one folder)
+    m = go(limit=2)
+    assert m["n"] == 2 and m["computed_this_run"] == 0
+    m = go(limit=4)
+    assert m["n"] == 4 and m["computed_this_run"] == 0
+
+
+def test_a_last_record_without_its_newline_is_kept_apart(setup):
+    go, tmp, _, _ = setup
+    go(limit=2)
+    res = tmp / "o" / "results.jsonl"
+    res.write_bytes(res.read_bytes().rstrip(b"\n"))  # e.g. an editor that strips the final newline
+    go(limit=4)
+    recs = records(res)  # every line one record
+    assert [r["qid"] for r in recs] == [f"nq-{i}" for i in range(4)]
+    assert go(limit=4)["computed_this_run"] == 0
+
+
+def test_failed_questions_are_computed_again_on_a_rerun(setup):
+    go, tmp, _, _ = setup
+    with pytest.warns(RuntimeWarning, match="retrieval failed"):
+        m = go(limit=3, retriever=Passages(down=True))
+    assert m["errors"] == 3
+    m = go(limit=3)
+    assert m["errors"] == 0 and m["computed_this_run"] == 3 and m["n"] == 3
+    recs = records(tmp / "o" / "results.jsonl")
+    assert len(recs) == 6 and all(r["error"] for r in recs[:3]) and not any(r["error"] for r in recs[3:])
+    assert go(limit=3)["computed_this_run"] == 0
+
+
+def test_cli_errors_for_odd_arguments(tmp_path):
+    data = nq_file(tmp_path / "nq.jsonl", QUESTIONS)
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    base = ["run", "--method", "wo-rag", "--dataset", "nq", "--data", str(data), "--corpus", str(CORPUS),
+            "--limit", "1", "--no-progress"]
+    for extra, msg in ((["--output", str(afile)], "is a file, expected a directory"),
+                       (["--output", str(tmp_path / "o"), "--threads", "-1"], "--threads must be an int >= 1"),
+                       (["--output", str(tmp_path / "o"), "--top-p", "0.5"], "applies only when sampling")):
+        p = subprocess.run([sys.executable, "-m", "fastrag", *base, *extra], capture_output=True, text=True)
+        assert p.returncode == 2 and msg in p.stderr and "Traceback" not in p.stderr, p.stderr
+    with pytest.raises(ValueError, match="is a directory"):
+        RunOptions(method="wo-rag", dataset="nq", data=str(tmp_path), corpus=str(CORPUS), output=str(tmp_path / "x"))
+    with pytest.raises(ValueError, match="finite"):
+        RunOptions(method="wo-rag", dataset="nq", data=str(data), corpus=str(CORPUS), output=str(tmp_path / "x"),
+                   temperature=float("inf"))
+
+
+# --------------------------------------------------------------------------------------------- data files
+def test_data_files_with_a_bom_or_raw_line_separators(tmp_path):
+    q = "who is\u2028the author\u0085 of \u2029 it?"
+    p = tmp_path / "d.jsonl"
+    p.write_bytes(b"\xef\xbb\xbf" + (json.dumps({"question": q, "answer": ["x"]}, ensure_ascii=False) + "\n"
+                                     + json.dumps({"question": "second?", "answer": ["y"]}) + "\n").encode())
+    ex = load_examples("nq", p)
+    assert [e.question for e in ex] == [q, "second?"]
+    arr = tmp_path / "d.json"
+    arr.write_bytes(b"\xef\xbb\xbf" + json.dumps([{"question": "third?", "answer": ["z"]}]).encode())
+    assert [e.question for e in load_examples("nq", arr)] == ["third?"]
+
+
+def test_unreadable_data_files_say_why(tmp_path):
+    gz = tmp_path / "d.jsonl"
+    gz.write_bytes(gzip.compress(b'{"question": "q?", "answer": ["a"]}\n'))
+    with pytest.raises(DataError, match="gzip-compressed"):
+        load_examples("nq", gz)
+    latin = tmp_path / "l.jsonl"
+    latin.write_bytes(b'{"question": "q?", "answer": ["a"]}\n{"question": "caf\xe9?", "answer": ["b"]}\n')
+    with pytest.raises(DataError, match=r"l\.jsonl:2: not UTF-8"):
+        load_examples("nq", latin)
+    iirc = tmp_path / "iirc.json"  # every question unanswerable: nothing to run
+    iirc.write_text(json.dumps([{"title": "T", "questions": [
+        {"qid": "q1", "question": "why?", "answer": {"type": "none"}, "context": []}]}]))
+    with pytest.raises(DataError, match="no question to run"):
+        load_examples("iirc", iirc)
+
+
+def test_questions_without_gold_answers_are_reported(tmp_path):
+    p = tmp_path / "d.jsonl"
+    p.write_text(json.dumps({"question": "a?", "answer": []}) + "\n" + json.dumps({"question": "b?", "answer": ["x"]})
+                 + "\n")
+    with pytest.warns(UserWarning, match=r"1 question\(s\) have no gold answer \(first: nq-0\)"):
+        assert len(load_examples("nq", p)) == 2
+    p.write_text(json.dumps({"question": "b?", "answer": ["x"]}) + "\n")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_examples("nq", p)
+
+
+# ------------------------------------------------------------------------------------------- config files
+BASE = {"method": "attn_entropy", "dataset": "hotpotqa", "generate_max_length": 64}
+
+
+@pytest.mark.parametrize("patch,pattern", [
+    ({"hallucination_treshold": 5.0}, "unknown config field 'hallucination_treshold'"),
+    ({"generate_max_lenght": 3}, "unknown config field 'generate_max_lenght'"),
+    ({"retrieve_keep_ratio": 0.5}, "unknown config field 'retrieve_keep_ratio'"),
+    ({"attention_solver": "avg"}, "attention_solver 'avg': only 'max'"),
+])
+def test_dragin_config_keys_that_would_change_nothing_are_refused(tmp_path, patch, pattern):
+    p = tmp_path / "c.json"
+    p.write_text(json.dumps({**BASE, **patch}))
+    with pytest.raises(ConfigError, match=pattern):
+        load_dragin_config(p)
+
+
+def test_dragin_config_accepts_published_keys_a_bom_and_refuses_streaming_mode(tmp_path):
+    from fastrag.methods.registry import get_method
+
+    p = tmp_path / "c.json"
+    p.write_bytes(b"\xef\xbb\xbf" + json.dumps({**BASE, "attention_solver": "max", "try_use_max_weight": False,
+                                                "es_index_name": "wiki"}).encode())
+    assert load_dragin_config(p).generate_max_length == 64
+    p.write_text(json.dumps({**BASE, "mode": "streaming"}))
+    with pytest.raises(ConfigError, match="--method dragin-streaming"):
+        get_method("dragin").make_config("hotpotqa", str(p))
+    p.write_text(json.dumps({**BASE, "mode": "streaming", "stream_chunk_tokens": 8}))
+    cfg = get_method("dragin-streaming").make_config("hotpotqa", str(p))
+    assert cfg.stream_chunk_tokens == 8
+
+
+# ------------------------------------------------------------------------------------------------ corpora
+def test_a_corpus_without_titles_or_with_a_bom_is_indexed(tmp_path):
+    from fastrag.retrieval.bm25 import BM25Retriever
+
+    c = tmp_path / "notitle.jsonl"
+    c.write_bytes(b"\xef\xbb\xbf" + b'{"id": 1, "text": "Paris is the capital of France"}\n'
+                  b'{"id": "b", "title": null, "text": "Berlin lies in Germany"}\n')
+    r = BM25Retriever(str(c), show_progress=False)
+    hits = r.search(["capital of France", "Germany", "the"], 2)
+    assert [[d.id for d in h] for h in hits] == [["1"], ["b"], []]
+    assert BM25Retriever(str(c), show_progress=False).built is False  # the saved index loads
+    tsv = tmp_path / "p.tsv"
+    tsv.write_bytes(b"\xef\xbb\xbfid\ttext\ttitle\n7\tOslo is in Norway\tOslo\n")
+    assert [d.id for d in BM25Retriever(str(tsv), show_progress=False).search(["Norway"], 1)[0]] == ["7"]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": null, "text": "x"}\n')
+    with pytest.raises(ValueError, match=r"bad\.jsonl:1: field 'id' must be a string or an integer"):
+        BM25Retriever(str(bad), show_progress=False)
