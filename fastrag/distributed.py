@@ -16,8 +16,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from fastrag.eval import (ResultWriter, RunOptions, check_manifest, latest_records, method_config, read_results,
-                          resume, run_identity, summarize)
+from fastrag.eval import (ResultWriter, RunOptions, check_manifest, latest_records, method_config, output_lock,
+                          read_results, resume, run_identity, summarize)
 
 
 def _shard_worker(opts: RunOptions, device: str | None) -> dict:
@@ -36,12 +36,18 @@ def _shard_worker(opts: RunOptions, device: str | None) -> dict:
 
 
 def run_ray(opts: RunOptions, num_workers: int = 2, max_retries: int = 3, ray_address: str | None = None) -> dict:
+    """The run's questions over Ray workers (module docstring); the output folder is locked while it goes."""
+    if num_workers <= 0:
+        raise ValueError(f"--num-workers must be positive, got {num_workers}")
+    with output_lock(Path(opts.output)):
+        return _run_ray(opts, num_workers, max_retries, ray_address)
+
+
+def _run_ray(opts: RunOptions, num_workers: int, max_retries: int, ray_address: str | None) -> dict:
     import ray
 
     from fastrag.data.datasets import load_examples
 
-    if num_workers <= 0:
-        raise ValueError(f"--num-workers must be positive, got {num_workers}")
     out = Path(opts.output)
     out.mkdir(parents=True, exist_ok=True)
     examples = load_examples(opts.dataset, opts.data, limit=opts.limit)

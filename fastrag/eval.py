@@ -11,6 +11,7 @@ rate over every run that produced the results, not only the last one.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -320,6 +321,28 @@ def run(opts: RunOptions, engine=None, retriever=None) -> dict:
     return run_many([opts], engine=engine, retriever=retriever)[0]
 
 
+@contextlib.contextmanager
+def output_lock(out: Path):
+    """Hold `out/.lock` for the length of a run: a second process writing the same folder at once would append
+    every question again. It fails at once, naming the folder. (Where fcntl is missing, nothing is locked.)"""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not on Linux/macOS
+        yield
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / ".lock", "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ValueError(f"another process is writing to {out}: wait for it to finish, or use another "
+                             "--output") from None
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def run_many(runs: list[RunOptions], engine=None, retriever=None) -> list[dict]:
     """Several (method, dataset) runs served together by one engine: their questions share the decode batch.
 
@@ -327,15 +350,28 @@ def run_many(runs: list[RunOptions], engine=None, retriever=None) -> list[dict]:
     at the end). A question's decode steps no longer wait for questions of its own run alone: when one run would
     leave the batch mostly empty (its last, longest questions), the others fill it. The runs must share model,
     corpus and engine settings (taken from the first). Each metrics.json carries the joint figures under
-    `joint`: all runs' questions over the one wall clock.
+    `joint`: all runs' questions over the one wall clock. Each output directory is locked while the runs go.
     """
+    if not runs:
+        raise ValueError("run_many: no runs given")
+    outs = [Path(o.output) for o in runs]
+    if len(set(outs)) != len(outs):
+        raise ValueError("run_many: two runs write to the same output directory")
+    for out in outs:
+        if out.exists() and not out.is_dir():
+            raise ValueError(f"--output {out}: is a file, expected a directory")
+    with contextlib.ExitStack() as held:
+        for out in outs:
+            held.enter_context(output_lock(out))
+        return _run_many(runs, engine, retriever)
+
+
+def _run_many(runs: list[RunOptions], engine=None, retriever=None) -> list[dict]:
     from tqdm import tqdm
 
     from fastrag.retrieval import make_retriever
     from fastrag.scheduler import Scheduler
 
-    if not runs:
-        raise ValueError("run_many: no runs given")
     first = runs[0]
     for o in runs[1:]:
         for f in ("model", "corpus", "retriever", "batch_size", "signals", "kv_cache_gb", "prefix_caching",
@@ -344,14 +380,10 @@ def run_many(runs: list[RunOptions], engine=None, retriever=None) -> list[dict]:
                 raise ValueError(f"run_many: runs must share --{f.replace('_', '-')}: {getattr(first, f)!r} "
                                  f"({first.dataset}) vs {getattr(o, f)!r} ({o.dataset})")
     outs = [Path(o.output) for o in runs]
-    if len(set(outs)) != len(outs):
-        raise ValueError("run_many: two runs write to the same output directory")
     if first.threads:
         torch.set_num_threads(first.threads)
     plans = []  # per run: (opts, cfg, examples by id, done, todo)
     for o, out in zip(runs, outs):
-        if out.exists() and not out.is_dir():
-            raise ValueError(f"--output {out}: is a file, expected a directory")
         cfg = method_config(o)
         examples = load_examples(o.dataset, o.data, limit=o.limit)
         if o.qids is not None:

@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 
 from fastrag.data.datasets import load_examples
-from fastrag.eval import (ResultWriter, RunOptions, check_manifest, latest_records, method_config, resume, run,
-                          run_identity, score_result)
+from fastrag.eval import (ResultWriter, RunOptions, check_manifest, latest_records, method_config, output_lock,
+                          resume, run, run_identity, score_result)
 from fastrag.trace import QuestionResult
 
 
@@ -54,7 +54,12 @@ def oracle_model(model: str, recipe: str = "published"):
 
 def run_oracle(opts: RunOptions, out: Path, recipe: str = "published") -> tuple[list[QuestionResult], float, int]:
     """Per-question oracle over the same questions (model per `oracle_model(recipe)`); returns (results, wall
-    seconds, questions computed)."""
+    seconds, questions computed). The folder is locked while it runs."""
+    with output_lock(out):
+        return _run_oracle(opts, out, recipe)
+
+
+def _run_oracle(opts: RunOptions, out: Path, recipe: str) -> tuple[list[QuestionResult], float, int]:
     from tqdm import tqdm
 
     from fastrag.methods.registry import get_method

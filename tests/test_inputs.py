@@ -130,6 +130,23 @@ def test_failed_questions_are_computed_again_on_a_rerun(setup):
     assert go(limit=3)["computed_this_run"] == 0
 
 
+def test_a_folder_another_process_writes_is_refused(setup):
+    go, tmp, _, _ = setup
+    out = tmp / "o"
+    out.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys, time\n"
+                               f"f = open({str(out / '.lock')!r}, 'a'); fcntl.flock(f, fcntl.LOCK_EX)\n"
+                               "print('held', flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(ValueError, match="another process is writing to"):
+            go(limit=2)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert go(limit=2)["computed_this_run"] == 2  # free again
+
+
 def test_cli_errors_for_odd_arguments(tmp_path):
     data = nq_file(tmp_path / "nq.jsonl", QUESTIONS)
     afile = tmp_path / "afile"
@@ -239,3 +256,13 @@ def test_a_corpus_without_titles_or_with_a_bom_is_indexed(tmp_path):
     bad.write_text('{"id": null, "text": "x"}\n')
     with pytest.raises(ValueError, match=r"bad\.jsonl:1: field 'id' must be a string or an integer"):
         BM25Retriever(str(bad), show_progress=False)
+
+
+def test_an_unsupported_corpus_suffix_leaves_no_index_folder(tmp_path):
+    from fastrag.retrieval.bm25 import BM25Retriever
+
+    c = tmp_path / "passages.txt"
+    c.write_text('{"id": "a", "text": "x"}\n')
+    with pytest.raises(ValueError, match="unsupported corpus format '.txt'"):
+        BM25Retriever(str(c), show_progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["passages.txt"]

@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from fastrag.retrieval.base import Doc, Retriever
-from fastrag.retrieval.corpus import CorpusError, iter_corpus
+from fastrag.retrieval.corpus import CorpusError, corpus_format, iter_corpus
 
 log = logging.getLogger(__name__)
 
@@ -192,6 +192,7 @@ class BM25Retriever(Retriever):
         self.corpus_path = Path(corpus_path).resolve()
         if not self.corpus_path.is_file():
             raise CorpusError(f"corpus file not found: {self.corpus_path}")
+        corpus_format(self.corpus_path)  # an unsupported suffix fails before any index folder is made
         self.k1, self.b, self.tie_breaker = float(k1), float(b), float(tie_breaker)
         self.show_progress = show_progress
         self._bm25s = bm25s

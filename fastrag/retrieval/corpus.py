@@ -110,9 +110,15 @@ def iter_corpus(path: str | os.PathLike) -> Iterator[tuple[str, str, str]]:
         raise CorpusError(f"corpus file not found: {p}")
     if not os.access(p, os.R_OK):
         raise CorpusError(f"corpus file not readable: {p}")
-    suffixes = "".join(p.suffixes[-1:]).lower()
-    if suffixes in (".tsv", ".tab"):
-        return _iter_tsv(p)
-    if suffixes in (".jsonl", ".json", ".ndjson"):
-        return _iter_jsonl(p)
+    return _iter_tsv(p) if corpus_format(p) == "tsv" else _iter_jsonl(p)
+
+
+def corpus_format(path: str | os.PathLike) -> str:
+    """"tsv" or "jsonl", from the file's suffix; CorpusError for any other (checked before an index folder is made)."""
+    p = Path(path)
+    suffix = p.suffix.lower()
+    if suffix in (".tsv", ".tab"):
+        return "tsv"
+    if suffix in (".jsonl", ".json", ".ndjson"):
+        return "jsonl"
     raise CorpusError(f"unsupported corpus format {p.suffix!r} for {p}: expected .jsonl or .tsv")

@@ -25,7 +25,7 @@ import numpy as np
 
 from fastrag.retrieval.base import Doc, Retriever
 from fastrag.retrieval.bm25 import _cache_root, _DocStore, _read_manifest, build_in_first_writable, write_manifest
-from fastrag.retrieval.corpus import CorpusError, iter_corpus
+from fastrag.retrieval.corpus import CorpusError, corpus_format, iter_corpus
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +76,7 @@ class DenseRetriever(Retriever):
         self.corpus_path = Path(corpus_path).resolve()
         if not self.corpus_path.is_file():
             raise CorpusError(f"corpus file not found: {self.corpus_path}")
+        corpus_format(self.corpus_path)  # an unsupported suffix fails before any index folder is made
         self.encoder_path = resolve_encoder(encoder)
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.batch_size, self.show_progress = batch_size, show_progress
