@@ -16,11 +16,13 @@ import json
 import math
 import os
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from fastrag.cache.kv import OutOfBlocks
 from fastrag.data.datasets import Example, load_examples
 from fastrag.data.metrics import aggregate, score
 from fastrag.trace import QuestionResult
@@ -407,7 +409,11 @@ def _run_many(runs: list[RunOptions], engine=None, retriever=None) -> list[dict]
                                                 show_progress=first.progress)
         policies = [make_policy(o.method, cfg, engine.tok) for o, cfg, *_ in plans]
         for pol in policies:
-            engine.set_prefix(pol.shared_prefix)
+            try:
+                engine.set_prefix(pol.shared_prefix)
+            except OutOfBlocks as e:  # its questions compute the demos in their own blocks (or fail one by one)
+                warnings.warn(f"no room for a shared demo prefix ({e}); its questions run without one",
+                              RuntimeWarning, stacklevel=2)
         tok0 = engine.stats["prefill_tokens"] + engine.stats["decode_tokens"]
         writers = [ResultWriter(out / "results.jsonl") for out in outs]
         which: dict[int, int] = {}  # id(example) -> run index

@@ -287,3 +287,15 @@ def test_request_errors_name_the_problem(client_of):
     r = c.post("/v1/completions", json={"prompt": "Who directed Jaws?", "max_tokens": 3, "retrieval": {
         "method": "beamsearchqa", "dataset": "nq", "config": {"max_depth": 0}}})
     assert r.status_code == 200, r.text
+
+
+def test_a_run_whose_demos_do_not_fit_the_pool_ends_each_question_with_an_error(tiny, tmp_path):
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({"generate_max_length": 4, "fewshot": 2}))  # demos of ~150 tokens: 9 blocks
+    opts = RunOptions(method="wo-rag", dataset="hotpotqa", data=str(DATA), corpus=str(CORPUS),
+                      output=str(tmp_path / "o"), model=tiny, config=str(cfg), limit=3, batch_size=3, progress=False)
+    with pytest.warns(RuntimeWarning, match="no room for a shared demo prefix"):
+        m = run(opts, engine=engine_with_blocks(tiny, 8), retriever=Passages())
+    assert m["n"] == 3 and m["errors"] == 3
+    recs = [json.loads(x) for x in (tmp_path / "o" / "results.jsonl").read_text().splitlines()]
+    assert all("needs more than the 8 KV blocks" in r["error"] for r in recs), recs
