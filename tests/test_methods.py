@@ -465,3 +465,41 @@ def test_retrieval_wait_overlaps_the_other_questions_decoding(tok):
     assert by["s"].counters["retrieval_wait_s"] >= 0.5 and by["s"].retrievals == 1
     assert by["f"].retrievals == 0 and by["f"].text.endswith("So the answer is Lyon.")
     assert by["s"].text == "Paris is in France. So the answer is France."
+
+
+def test_flare_instruct_stop_rule_reads_the_text_without_its_calls(tok):
+    """A call whose query holds "the answer is" does not end the question before the documents are used."""
+    answer = [(" Paris is big. [Search(what the answer is)]", HIGH, 0.1), None]
+    after = [(" It lies in France. So the answer is France.", HIGH, 0.1), None]
+
+    def world(p):
+        return after if "Context:" in p else continuation(p, answer)
+
+    r, eng, ret = run("flare-instruct", tok, world)
+    assert ret.queries == ["what the answer is"]
+    assert [p for p, _ in eng.prompts if "Context:" in p], "the served search's documents were never used"
+    assert r.prediction.endswith("So the answer is France.")
+
+
+@pytest.mark.parametrize("blank", ["\n\n\n", "\n", " "])
+def test_dragin_blank_generation_has_no_trigger(tok, blank):
+    """A round whose text is blank has no sentence: no trigger, no retrieval (the oracle's rule), not an error."""
+    import dataclasses
+
+    from fastrag.config import dragin_config
+    from fastrag.methods.dragin import DraginReference
+
+    cfg = dataclasses.replace(dragin_config("2wikimultihopqa"), generate_max_length=24, fewshot=0,
+                              hallucination_threshold=0.0)
+    eng, ret = ScriptEngine(tok, lambda p: [(blank, 0.5, 5.0), None]), Retriever()
+    out = []
+    Scheduler(eng, ret, DraginReference(cfg, tok), max_inflight=2).run([Ex("1", "Where is Paris?")], out.append)
+    assert out[0].error is None, out[0].error
+    assert ret.queries == []
+
+
+def test_oracle_rind_with_zero_attention_finds_no_hit():
+    from fastrag.oracle.decisions import rind_trigger
+
+    assert rind_trigger([0.0, 0.0, 0.0], [5.0, 5.0, 5.0], [(0, 3)], 0.5) is None
+    assert rind_trigger([0.0, 0.0, 1.0], [5.0, 5.0, 5.0], [(0, 3)], 0.5).raw_hits == [False, False, True]

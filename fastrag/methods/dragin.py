@@ -119,6 +119,8 @@ class DraginReference:
             return None
         if sents is None:
             sents = yield from sentences(text)
+        if not sents:  # a blank generation (only whitespace or special tokens): no sentence, no trigger
+            return None
         spans = self.words.spans(ids)
         words = self.words.texts(ids, spans)
         aw = [sum(a[l:r]) for l, r in spans]

@@ -208,8 +208,10 @@ class FlareInstruct:
                     new = new[:cut]
                 text = join(text, new.strip())
                 res.rounds.append(Round())
+            # the stop rule reads the text without the calls (a call's own words are no answer); growth counts them
             scored = strip_search_calls(text)
-            if stop(text, old_len, len(tok.encode(scored)), cfg.generate_max_length, cfg.stop_case_insensitive):
+            if len(text) <= old_len or stop(scored, -1, len(tok.encode(scored)), cfg.generate_max_length,
+                                            cfg.stop_case_insensitive):
                 break
         # the answer is read from the text without the search calls, on the plain few-shot prompt
         return (yield from finish_answer(res, tok, self.demos, case, strip_search_calls(text), branch=1))

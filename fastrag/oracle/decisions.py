@@ -63,8 +63,8 @@ def rind_trigger(aw: list[float], hw: list[float], ranges: list[Span], threshold
     for sid, (l, r) in enumerate(ranges):
         if r <= l:
             continue
-        total = sum(aw[l:r])
-        scores = [aw[w] / total * hw[w] * (r - l) for w in range(l, r)]
+        total = sum(aw[l:r])  # (all zero: no word stands out, as NaN > threshold is false in the published code)
+        scores = [(aw[w] / total if total > 0 else 0.0) * hw[w] * (r - l) for w in range(l, r)]
         hits = [s > threshold for s in scores]
         if any(hits):
             return Trigger(sentence=sid, words=(l, r), raw_hits=hits, hits=list(hits))
