@@ -192,7 +192,7 @@ def latest_records(path: Path, examples: list[Example]) -> list[QuestionResult]:
     are left out). A record whose question is not the example's of that id raises: the folder holds answers to
     other data (e.g. an NQ file whose position-derived ids shifted when a question was added)."""
     by_id = {e.qid: e for e in examples}
-    latest: dict[str, tuple[int, QuestionResult]] = {}
+    latest: dict[str, QuestionResult] = {}
     for line, r in enumerate(read_results(path), 1):
         e = by_id.get(r.qid)
         if e is None:
@@ -201,8 +201,8 @@ def latest_records(path: Path, examples: list[Example]) -> list[QuestionResult]:
             raise ValueError(f"{path}: line {line}: question {r.qid!r} reads {r.question[:80]!r} there but "
                              f"{e.question[:80]!r} in the data: these results come from other data; use another "
                              "--output")
-        latest[r.qid] = (line, r)
-    return [latest[e.qid][1] for e in examples if e.qid in latest]
+        latest[r.qid] = r
+    return [latest[e.qid] for e in examples if e.qid in latest]
 
 
 def resume(path: Path, examples: list[Example]) -> tuple[list[QuestionResult], list[Example]]:
