@@ -503,3 +503,40 @@ def test_oracle_rind_with_zero_attention_finds_no_hit():
 
     assert rind_trigger([0.0, 0.0, 0.0], [5.0, 5.0, 5.0], [(0, 3)], 0.5) is None
     assert rind_trigger([0.0, 0.0, 1.0], [5.0, 5.0, 5.0], [(0, 3)], 0.5).raw_hits == [False, False, True]
+
+
+# SmolLM2 has tokens that end one sentence and open the next: spaCy splits '... France).__ So ...' after ")." and
+# makes the "__" a sentence of its own, so the token ").__" starts in s^ and ends in the second sentence.
+SPANNING = ").__"
+REST = " So the answer is France."
+
+
+@pytest.mark.parametrize("head", [" Paris is in France", ""])
+def test_flare_look_ahead_keeps_the_token_that_ends_its_sentence(tok, head):
+    """s^'s confidence test sees the token holding its last character, even when that token runs into the next
+    sentence; a look-ahead that opens with such a token has one token in s^, not none (it never retrieved)."""
+    assert len(tok.encode(SPANNING)) == 1, "the tokenizer no longer has the spanning token this test needs"
+    pieces = ([(head, HIGH, 0.1)] if head else []) + [(SPANNING, LOW, 2.0), (REST, HIGH, 0.1), None]
+
+    def world(p):  # the first look-ahead (also after a retrieval), then the conclusion
+        tail = p[p.rindex("Answer:") + len("Answer:"):]
+        if not tail.strip():
+            return pieces
+        return [None] if "answer is" in tail else [(REST, HIGH, 0.1), None]
+
+    r, eng, ret = run("flare", tok, world, retrieve_first=False, theta=0.8, beta=0.4)
+    assert r.error is None, r.error
+    assert r.rounds[0].trigger_sentence == (head + ").").strip()
+    # implicit query: s^ without its tokens of p <= beta; nothing left with no head: the question
+    assert ret.queries[0] == (head.strip() or "Where is Paris?")
+
+
+@pytest.mark.parametrize("head", [" Paris is in France", ""])
+def test_flare_oracle_look_ahead_keeps_the_token_that_ends_its_sentence(tok, head):
+    from fastrag.oracle.flare import FlareOracle
+
+    oracle = FlareOracle.__new__(FlareOracle)
+    oracle.tokenizer = tok
+    ids = tok.encode(head) + tok.encode(SPANNING) + tok.encode(REST)
+    sent, n = oracle.first_sentence_tokens(ids)
+    assert sent == (head + ").").strip() and n == len(tok.encode(head)) + 1

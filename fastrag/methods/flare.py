@@ -75,12 +75,17 @@ class FlareDirect:
 
     def look_ahead(self, g):
         """`sent, n = yield from self.look_ahead(g)`: (first sentence text, its token count) of a look-ahead
-        generation; ("", 0) when it has none."""
+        generation; ("", 0) when it has none. s^'s tokens are those owned by it (`token_spans`), plus the token
+        holding its last character when that token runs into the next sentence (SmolLM2's `._` or `)).`): s^
+        always has at least one token, and its confidence test sees the token that ends it."""
         new = self.tok.decode(g.ids, skip_special_tokens=True)
         sents = yield from sentences(new)
         if not sents:
             return "", 0
-        _, r = token_spans(token_char_ends(self.tok, g.ids), sents)[0]
+        ends = token_char_ends(self.tok, g.ids)
+        _, r = token_spans(ends, sents)[0]
+        if r < len(ends) and (r == 0 or ends[r - 1] < sents[0].end):
+            r += 1
         return sents[0].text, r
 
     def __call__(self, ex):

@@ -62,7 +62,8 @@ class FlareOracle:
 
     def first_sentence_tokens(self, ids) -> tuple[str, int]:
         """The first sentence of decode(ids) and how many tokens it takes: tokens are added one by one while the
-        text decoded with them ends at or before the start of the second sentence."""
+        text decoded with them ends at or before the start of the second sentence; then, if the sentence's last
+        character is not yet covered, one more (the token that holds it)."""
         full = self.text(ids)
         sents = split_sentences(full)
         if not sents:
@@ -70,6 +71,9 @@ class FlareOracle:
         limit = sents[1].start if len(sents) > 1 else math.inf
         n = 0
         while n < len(ids) and len(self.text(ids[: n + 1])) <= limit:
+            n += 1
+        # a token that holds the sentence's last character but runs past the next sentence's start stays with it
+        if n < len(ids) and len(self.text(ids[:n])) < sents[0].end:
             n += 1
         return sents[0].text, n
 
