@@ -540,3 +540,51 @@ def test_flare_oracle_look_ahead_keeps_the_token_that_ends_its_sentence(tok, hea
     ids = tok.encode(head) + tok.encode(SPANNING) + tok.encode(REST)
     sent, n = oracle.first_sentence_tokens(ids)
     assert sent == (head + ").").strip() and n == len(tok.encode(head)) + 1
+
+
+def test_flare_instruct_call_parsing():
+    from fastrag.methods.flare import call_query, scan_calls, strip_search_calls
+
+    t = "A [Search(capital of [Search(France)])] is B. [Search(river)] C [Search(open"
+    calls, open_at = scan_calls(t)
+    assert [t[a:b] for a, b in calls] == ["[Search(capital of [Search(France)])]", "[Search(river)]"]
+    assert t[open_at:] == "[Search(open"
+    assert call_query(t[calls[0][0]:calls[0][1]]) == "capital of France"
+    assert strip_search_calls(t) == "A is B. C open"
+    assert strip_search_calls("x )] y [Search(") == "x )] y"  # a lone ")]" may be text; a lone opener is not
+    assert scan_calls("no call") == ([], -1)
+
+
+def test_flare_instruct_nested_call_is_one_call(tok):
+    answer = [(" The capital is [Search(capital of [Search(France)])]", HIGH, 0.1), (" Paris.", HIGH, 0.1), None]
+    after = [(" Paris. So the answer is Paris.", HIGH, 0.1), None]
+
+    def world(p):
+        return after if "Context:" in p else continuation(p, answer)
+
+    r, eng, ret = run("flare-instruct", tok, world)
+    assert ret.queries == ["capital of France"]
+    resumed = [p for p, _ in eng.prompts if "Context:" in p]
+    assert resumed and resumed[0].endswith("Answer: The capital is [Search(capital of [Search(France)])]")
+    assert r.prediction == "The capital is Paris. So the answer is Paris."
+
+
+def test_flare_instruct_call_left_open_by_an_ended_generation_keeps_its_text(tok):
+    """A look-ahead that ends (EOS) inside an unclosed call can never close it: the opener is dropped, the text
+    after it kept (it used to be cut, and the question ended at the call)."""
+    answer = [(" Paris is [Search(big. It lies in France. So the answer is France.", HIGH, 0.1), None]
+    r, eng, ret = run("flare-instruct", tok, lambda p: continuation(p, answer))
+    assert r.error is None, r.error
+    assert ret.queries == []
+    assert r.prediction == "Paris is big. It lies in France. So the answer is France."
+
+
+def test_flare_instruct_call_cut_by_the_budget_is_written_whole_next(tok):
+    head, call = " Paris is big.", " [Search(capital of France)]"
+    n = len(tok.encode(head + " [Search(capital"))  # the budget ends inside the call
+    assert len(tok.encode(call)) <= n
+    answer = [(head, HIGH, 0.1), (call, HIGH, 0.1), (" It lies in France.", HIGH, 0.1),
+              (" So the answer is France.", HIGH, 0.1), None]
+    r, eng, ret = run("flare-instruct", tok, lambda p: continuation(p, answer), look_ahead_tokens=n)
+    assert ret.queries == ["capital of France"]
+    assert r.prediction == "Paris is big. It lies in France. So the answer is France."

@@ -14,8 +14,6 @@ after it, the query is retrieved, and generation resumes from a prompt with the 
 
 from __future__ import annotations
 
-import re
-
 from fastrag.config import FlareConfig, method_config
 from fastrag.data.exemplars import case_text, demo_text
 from fastrag.methods.common import (finish_answer, generate, join, probs, rag_prompt, search, sentences, stop,
@@ -166,13 +164,49 @@ SEARCH_SKILL = (
 )
 COMBINE = ("\nNow, combine the two skills: write out the reasoning steps, using the Search API \"[Search(term)]\" "
            "whenever a step needs information, then draw the conclusion.\n\n")
-SEARCH_CALL = re.compile(r"\[Search\((.*?)\)\]", re.S)
-OPEN_CALL = "[Search("
+OPEN_CALL, CLOSE_CALL = "[Search(", ")]"
+
+
+def scan_calls(text: str) -> tuple[list[tuple[int, int]], int]:
+    """The complete "[Search(...)]" calls of `text` as [start, end) ranges, in order, and the start of a call left
+    open at the end (-1: none). Calls nest: "[Search(capital of [Search(France)])]" is one call, closed by the
+    ")]" that balances its opener."""
+    calls, i = [], 0
+    while True:
+        start = text.find(OPEN_CALL, i)
+        if start < 0:
+            return calls, -1
+        depth, j = 1, start + len(OPEN_CALL)
+        while depth:
+            o, c = text.find(OPEN_CALL, j), text.find(CLOSE_CALL, j)
+            if c < 0:
+                return calls, start
+            if 0 <= o < c:
+                depth, j = depth + 1, o + len(OPEN_CALL)
+            else:
+                depth, j = depth - 1, c + len(CLOSE_CALL)
+        calls.append((start, j))
+        i = j
+
+
+def call_query(call: str) -> str:
+    """The query of one call's text: between its outer brackets, nested call brackets removed, spaces collapsed."""
+    inner = call[len(OPEN_CALL):-len(CLOSE_CALL)]
+    return " ".join(inner.replace(OPEN_CALL, " ").replace(CLOSE_CALL, " ").split())
 
 
 def strip_search_calls(text: str) -> str:
-    """The answer text without its "[Search(...)]" calls (what is scored)."""
-    return " ".join(SEARCH_CALL.sub(" ", text).split())
+    """The answer text without its "[Search(...)]" calls, and without an opener left unclosed (what is scored)."""
+    calls, open_at = scan_calls(text)
+    if open_at >= 0:
+        text = text[:open_at] + text[open_at + len(OPEN_CALL):]
+        return strip_search_calls(text)
+    out, i = [], 0
+    for a, b in calls:
+        out.append(text[i:a])
+        i = b
+    out.append(text[i:])
+    return " ".join(" ".join(out).split())
 
 
 class FlareInstruct:
@@ -199,18 +233,28 @@ class FlareInstruct:
             old_len = len(text)
             g = yield from generate(res, rag_prompt(self.head, docs, case, text), cfg.look_ahead_tokens, MAIN)
             new = tok.decode(g.ids, skip_special_tokens=True)
-            m = SEARCH_CALL.search(new)
-            if m is not None and served < cfg.max_searches:
+            ended = g.ended_by_eos or len(g.ids) < cfg.look_ahead_tokens  # on its own, not by the token budget
+            while True:
+                calls, open_at = scan_calls(new)
+                if (calls and served < cfg.max_searches) or open_at < 0:
+                    break
+                # a call left open: a look-ahead cut by its token budget resumes before it (the next one writes the
+                # call whole); one that ended on its own, or holds nothing before the call, can never close it:
+                # the opener is dropped and the text read again
+                if not ended and new[:open_at].strip():
+                    break
+                new = new[:open_at] + new[open_at + len(OPEN_CALL):]
+            if calls and served < cfg.max_searches:
                 # generation pauses at the call: keep the text through it, retrieve, resume with the documents
-                text = join(text, new[: m.end()].strip())
-                query = truncate_query(tok, m.group(1).strip() or q, cfg.max_query_tokens)
+                a, b = calls[0]
+                text = join(text, new[:b].strip())
+                query = truncate_query(tok, call_query(new[a:b]) or q, cfg.max_query_tokens)
                 docs = yield from search(res, query, cfg.retrieve_topk)
                 served += 1
-                res.rounds.append(Round(trigger_sentence=m.group(0), query=query, doc_ids=[str(d.id) for d in docs]))
+                res.rounds.append(Round(trigger_sentence=new[a:b], query=query, doc_ids=[str(d.id) for d in docs]))
             else:
-                cut = new.find(OPEN_CALL)
-                if m is None and cut >= 0:  # an unfinished call at the end of the look-ahead: resume before it
-                    new = new[:cut]
+                if open_at >= 0:  # cut by the budget inside a call: resume before it
+                    new = new[:open_at]
                 text = join(text, new.strip())
                 res.rounds.append(Round())
             # the stop rule reads the text without the calls (a call's own words are no answer); growth counts them
