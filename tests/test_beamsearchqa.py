@@ -67,6 +67,8 @@ def test_config_file_takes_the_papers_letters_and_rejects_unknown_keys(tmp_path)
     (" 0.85", 0.85), ("0.8\nbecause the evidence...", 0.8), (".7", 0.7), (" 1", 1.0), ("0", 0.0),
     ("The probability is 0.65.", 0.65), ("80%", 0.8), ("7/10", 0.7), ("between 0.5 and 0.7", 0.5),
     ("1.5", 1.0), ("-0.3", 0.0), ("42", 1.0),  # out of range: clamped
+    ("1e-3", 0.001), ("2.5E-1", 0.25), ("0,9", 0.9), ("yes,0.8", 0.8),  # exponent, decimal comma
+    ("1" + "0" * 400, 1.0), ("9e999", 1.0),  # past float range: clamped like any large value
     ("", 0.0), ("no idea", 0.0), ("high", 0.0), ("0/0", 0.0), (None, 0.0),  # unparsable: 0
 ])
 def test_score_parsing(text, expected):
@@ -88,6 +90,11 @@ def test_score_parsing(text, expected):
     ("1. 2022-01-01T00:00:00.00-12:00\n2. 2022-01\n3. Who is A?", ["Who is A?"]),  # no word: not a question
     ("Who is A?\nWhere is B?", ["Who is A?", "Where is B?"]),  # no list markers at all: one question per line
     ("1. **Who is A?**", ["Who is A?"]),
+    ("1. Qui est né à Lyon ?\n2. Когда родился Пушкин?", ["Qui est né à Lyon ?", "Когда родился Пушкин?"]),
+    ("1. 東京はどこ?\n2. 東京はどこ？", ["東京はどこ?"]),  # any script; repeats still dropped
+    ("1. What happened on 4. July 1776?\n2. Who is A?", ["What happened on 4. July 1776?", "Who is A?"]),
+    ("1. Who is A? 3. Where is B?", ["Who is A? 3. Where is B?"]),  # items on a line must count on
+    ("Sure: 1. Who is A? 2. Where is B?", ["Who is A?", "Where is B?"]),  # preamble on the items' line
 ])
 def test_question_list_parsing(text, expected):
     assert parse_questions(text, 2, Q, ["Earlier query"]) == expected
@@ -102,6 +109,8 @@ def test_question_list_respects_k():
 @pytest.mark.parametrize("text, expected", [
     (" Paris.", "Paris"), (" Paris\nBecause ...", "Paris"), (": \"Steven Spielberg\".", "Steven Spielberg"),
     ("\n\n **1998**", "1998"), (" The answer is Rome.", "Rome"), ("", ""), ("   \n ", ""), ("...", ""),
+    ("The answer  is Rome. The answer is Milan", "Milan"), ("My answer isn't sure", "My answer isn't sure"),
+    ("Her answer isolated", "Her answer isolated"),  # "answer is" only as words
 ])
 def test_answer_parsing(text, expected):
     assert parse_answer(text) == expected

@@ -199,37 +199,46 @@ SCORE_CUE = "Probability:"
 
 # ---------------------------------------------------------------------------------------------------- parsing
 
-_NUM = re.compile(r"(?<![\w.])([-+]?(?:\d+(?:\.\d*)?|\.\d+))(?:\s*/\s*(\d+(?:\.\d*)?))?\s*(%)?")
+# a number: "0.85", ".7", "1e-3", a decimal comma after 0 or 1 ("0,9"); then "/10" or "%"
+_NUM = re.compile(r"(?<![\w.])([-+]?(?:[01],\d+(?![\d,])|\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?)"
+                  r"(?:\s*/\s*(\d+(?:\.\d*)?))?\s*(%)?")
 
 
 def parse_score(text: str) -> float:
     """The first number of the model's output as a probability in [0, 1]; 0.0 when there is none.
 
-    "0.85" -> 0.85, ".7" -> 0.7, "80%" -> 0.8, "7/10" -> 0.7; values outside [0, 1] are clamped (the prompt asks
-    for a number between 0 and 1); no number -> 0 (the paper's rule for an answer without a clear solution).
+    "0.85" -> 0.85, ".7" -> 0.7, "1e-3" -> 0.001, "0,9" -> 0.9, "80%" -> 0.8, "7/10" -> 0.7; values outside
+    [0, 1] are clamped (the prompt asks for a number between 0 and 1); no number -> 0 (the paper's rule for an
+    answer without a clear solution).
     """
     m = _NUM.search(text or "")
     if m is None:
         return 0.0
-    v = float(m.group(1))
+    v = float(m.group(1).replace(",", "."))
     if m.group(2) is not None:
         den = float(m.group(2))
-        v = v / den if den > 0 else 0.0
+        if not den > 0:
+            return 0.0
+        v = v / den if math.isfinite(den) else 0.0
     elif m.group(3):
         v /= 100.0
-    if not math.isfinite(v):
+    if math.isnan(v):
         return 0.0
-    return min(1.0, max(0.0, v))
+    return min(1.0, max(0.0, v))  # an overflow (1e999, a 400-digit number) clamps like any other large value
+
+
+_ANSWER_IS = re.compile(r"\banswer\s+is\b", re.I)
 
 
 def parse_answer(text: str) -> str:
     """The entity after "The answer is": the first non-empty line, without a repeated "the answer is",
     quotes, markdown emphasis or a final period."""
     line = next((ln.strip() for ln in (text or "").splitlines() if ln.strip()), "")
-    low = line.lower()
-    pos = low.rfind("answer is")
-    if pos != -1:
-        line = line[pos + len("answer is"):]
+    last = None
+    for last in _ANSWER_IS.finditer(line):
+        pass
+    if last is not None:
+        line = line[last.end():]
     line = line.strip().lstrip(":").strip()
     while True:  # quotes, emphasis and a final period, in any nesting ("**Paris**.", "\"Paris.\"")
         trimmed = line.strip("*_\"'`“”‘’ ").rstrip(".").strip()
@@ -246,14 +255,30 @@ def parse_evidence(text: str) -> str:
 _HEADER = re.compile(r"^\s*(?:\*\*)?\s*ranked\s+(?:sub-?)?questions?\s*(?:\*\*)?\s*:?\s*(?:\*\*)?", re.I)
 _MARKER = re.compile(r"^\s*(?:[-*•·]+|\(?\d{1,2}\s*[.):\]]|\[\d{1,2}\]|(?:q|question|sub-?question)\s*\d{1,2}\s*[.:)\]-])\s*",
                      re.I)
-_INLINE_ITEM = re.compile(r"\s(?=\d{1,2}[.)]\s+\S)")
+# the first numbered item of a line: at its start, or after a preamble ending in ":"
+_FIRST_ITEM = re.compile(r"(?:^\s*|:\s+)\(?(\d{1,2})[.)]\s+\S")
 _PLACEHOLDER = re.compile(r"^(?:\[?\s*(?:sub-?)?question\s*\d*\s*\]?\s*(?:\.\.\.)?|<[^<>]*>)$", re.I)
 _WORD = re.compile(r"[^\W\d_]{2,}")  # a sub-question has at least one word of two letters
 
 
 def question_key(s: str) -> str:
-    """Comparison key of a question: lowercase words of letters and digits."""
-    return " ".join(re.findall(r"[a-z0-9]+", s.lower()))
+    """Comparison key of a question: its lowercase words of letters and digits (any script)."""
+    return " ".join(re.findall(r"[^\W_]+", s.lower()))
+
+
+def inline_items(line: str) -> list[str]:
+    """A line holding several numbered items, split before each: the items must count on from the line's first
+    number ("1. Who? 2. Where?"), so a number inside a question ("on 4. July") is not a marker."""
+    m = _FIRST_ITEM.search(line)
+    if m is None:
+        return [line]
+    cuts = [] if not line[:m.start()].strip() else [m.start() + len(m.group(0)) - len(m.group(0).lstrip(": "))]
+    k, pos = int(m.group(1)) + 1, m.end()
+    while (nxt := re.compile(rf"\s\(?{k}[.)]\s+\S").search(line, pos)) is not None:
+        cuts.append(nxt.start() + 1)
+        k, pos = k + 1, nxt.end()
+    bounds = [0, *cuts, len(line)]
+    return [line[a:b] for a, b in zip(bounds, bounds[1:]) if b > a]
 
 
 def parse_questions(text: str, k: int, question: str = "", previous: list[str] | tuple = ()) -> list[str]:
@@ -269,7 +294,7 @@ def parse_questions(text: str, k: int, question: str = "", previous: list[str] |
     lines: list[str] = []
     for raw in (text or "").splitlines():
         raw = _HEADER.sub("", raw)
-        lines += [p for p in _INLINE_ITEM.split(raw)]
+        lines += inline_items(raw)
     marked = [bool(_MARKER.match(ln)) for ln in lines]
     if any(marked):
         lines = [ln for ln, m in zip(lines, marked) if m]
