@@ -211,6 +211,36 @@ def test_corpus_change_reindexes(corpus):
     assert r2.search(["zeppelin"], 3)[0][0].id == "new"
 
 
+def test_corpus_replaced_with_same_size_and_time_reindexes(corpus):
+    """`cp -p` / `rsync -a` of another corpus of the same byte size keeps size and mtime: the content decides."""
+    r1 = BM25Retriever(corpus, show_progress=False)
+    st = corpus.stat()
+    body = corpus.read_text()
+    swapped = body.replace("Berlin", "Zurich")  # same length
+    assert swapped != body and len(swapped.encode()) == st.st_size
+    corpus.write_text(swapped)
+    os.utime(corpus, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert corpus.stat().st_size == st.st_size and corpus.stat().st_mtime_ns == st.st_mtime_ns
+    r2 = BM25Retriever(corpus, show_progress=False)
+    assert r2.built and r2.index_dir == r1.index_dir
+    assert r2.search(["Zurich"], 1)[0] and "Zurich" in r2.search(["Zurich"], 1)[0][0].text
+
+
+def test_corpus_fingerprint_samples_large_files(tmp_path):
+    from fastrag.retrieval.corpus import corpus_fingerprint
+
+    p = tmp_path / "big.jsonl"
+    p.write_bytes(b"a" * 300_000)
+    small = corpus_fingerprint(p, whole_below=1 << 20)
+    sampled = corpus_fingerprint(p, whole_below=1000, blocks=4, block=1000)
+    assert small.startswith("sha256:") and sampled.startswith("sha256-sampled-")
+    with open(p, "r+b") as f:  # a change inside a sampled block (block 2 of 4 starts at 2 * 299000 // 4)
+        f.seek(2 * 299_000 // 4 + 10)
+        f.write(b"b")
+    assert corpus_fingerprint(p, whole_below=1000, blocks=4, block=1000) != sampled
+    assert corpus_fingerprint(p, whole_below=1 << 20) != small
+
+
 def test_read_only_corpus_folder_falls_back_to_cache(tmp_path, monkeypatch):
     ro = tmp_path / "ro"
     ro.mkdir()
@@ -259,6 +289,9 @@ def test_dpr_tsv_format(tmp_path):
         ("h.tsv", "id\ttext\n1\tx\n", r"h\.tsv:1: tsv header lacks column 'title'"),
         ("w.tsv", "id\ttext\ttitle\n1\tx\tT\n2\ty\n", r"w\.tsv:3: expected 3 tab-separated fields, got 2"),
         ("c.csv", "id,text\n", r"unsupported corpus format"),
+        ("d.jsonl", '{"id": "1", "text": "a"}\n\n{"id": 1, "text": "b"}\n',
+         r"d\.jsonl:3: field 'id': passage id '1' repeats line 1"),
+        ("d.tsv", "id\ttext\ttitle\n7\tx\tT\n8\ty\tU\n7\tz\tV\n", r"d\.tsv:4: field 'id': passage id '7' repeats line 2"),
     ],
 )
 def test_bad_corpus_files(tmp_path, name, content, match):

@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from fastrag.retrieval.base import Doc, Retriever
-from fastrag.retrieval.corpus import CorpusError, corpus_format, iter_corpus
+from fastrag.retrieval.corpus import CorpusError, corpus_format, corpus_fingerprint, iter_corpus
 
 log = logging.getLogger(__name__)
 
@@ -222,6 +222,7 @@ class BM25Retriever(Retriever):
             "corpus": str(self.corpus_path),
             "size": st.st_size,
             "mtime_ns": st.st_mtime_ns,
+            "fingerprint": corpus_fingerprint(self.corpus_path),
             "k1": self.k1,
             "b": self.b,
             "method": "lucene",

@@ -5,11 +5,14 @@ All formats yield `(id, title, text)` string triples in file order (the corpus o
 - jsonl `{id, contents}`: FlashRAG style, the first line of `contents` is the title and the rest the text;
   a title in double quotes ('"Title"\\ntext', the wiki-18 dump) is unquoted.
 - DPR tsv (`psgs_w100.tsv`): a header line `id\\ttext\\ttitle`, then one passage per line (columns in header order).
+Passage ids must be unique (results, traces and FLARE's merge name passages by id): a repeated one is an error that
+names both lines.
 """
 
 from __future__ import annotations
 
 import csv
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -41,7 +44,15 @@ def _lines(path: Path) -> Iterator[tuple[int, str]]:
         raise CorpusError(f"{path}: cannot read corpus file ({e.strerror})") from e
 
 
+def _check_unique(path: Path, seen: dict[str, int], doc_id: str, lineno: int) -> None:
+    first = seen.setdefault(doc_id, lineno)
+    if first != lineno:
+        raise CorpusError(f"{path}:{lineno}: field 'id': passage id {doc_id!r} repeats line {first} (ids must be "
+                          "unique: results and retrieval merges name passages by id)")
+
+
 def _iter_jsonl(path: Path) -> Iterator[tuple[str, str, str]]:
+    seen: dict[str, int] = {}
     for lineno, line in _lines(path):
         if not line.strip():
             continue
@@ -68,6 +79,7 @@ def _iter_jsonl(path: Path) -> Iterator[tuple[str, str, str]]:
         for name, v in (("title", title), ("text", text)):
             if not isinstance(v, str):
                 raise CorpusError(f"{path}:{lineno}: field {name!r} must be a string, got {type(v).__name__}")
+        _check_unique(path, seen, str(rec["id"]), lineno)
         yield str(rec["id"]), title, text
 
 
@@ -94,12 +106,14 @@ def _iter_tsv_rows(path: Path) -> Iterator[tuple[str, str, str]]:
                 raise CorpusError(f"{path}:1: tsv header lacks column {need!r} (got {header})")
         i_id, i_text, i_title = cols["id"], cols["text"], cols["title"]
         width = len(header)
+        seen: dict[str, int] = {}
         for row in reader:
             lineno = reader.line_num
             if not row or (len(row) == 1 and not row[0].strip()):
                 continue
             if len(row) != width:
                 raise CorpusError(f"{path}:{lineno}: expected {width} tab-separated fields, got {len(row)}")
+            _check_unique(path, seen, row[i_id], lineno)
             yield row[i_id], row[i_title], row[i_text]
 
 
@@ -122,3 +136,23 @@ def corpus_format(path: str | os.PathLike) -> str:
     if suffix in (".jsonl", ".json", ".ndjson"):
         return "jsonl"
     raise CorpusError(f"unsupported corpus format {p.suffix!r} for {p}: expected .jsonl or .tsv")
+
+
+def corpus_fingerprint(path: str | os.PathLike, whole_below: int = 64 << 20, blocks: int = 64,
+                       block: int = 1 << 16) -> str:
+    """A content fingerprint for index staleness, beside the file's size and modification time: the sha256 of the
+    whole file below `whole_below` bytes, else of `blocks` evenly spaced blocks of `block` bytes and the last
+    block (a corpus replaced by one of the same size and time, e.g. `cp -p` or `rsync -a`, is caught; reading a
+    13 GB DPR file whole on every load is not worth it)."""
+    p = Path(path)
+    h = hashlib.sha256()
+    size = p.stat().st_size
+    with open(p, "rb") as f:
+        if size <= whole_below:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+            return "sha256:" + h.hexdigest()
+        for i in range(blocks + 1):
+            f.seek(min(size - block, i * (size - block) // blocks))
+            h.update(f.read(block))
+    return f"sha256-sampled-{blocks}x{block}:" + h.hexdigest()

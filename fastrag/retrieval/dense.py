@@ -25,7 +25,7 @@ import numpy as np
 
 from fastrag.retrieval.base import Doc, Retriever
 from fastrag.retrieval.bm25 import _cache_root, _DocStore, _read_manifest, build_in_first_writable, write_manifest
-from fastrag.retrieval.corpus import CorpusError, corpus_format, iter_corpus
+from fastrag.retrieval.corpus import CorpusError, corpus_format, corpus_fingerprint, iter_corpus
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ class DenseRetriever(Retriever):
         st = self.corpus_path.stat()
         cfg = self.encoder_path / "config.json"
         return {"format": _FORMAT, "kind": "dense-flat-ip", "corpus": str(self.corpus_path), "size": st.st_size,
-                "mtime_ns": st.st_mtime_ns, "encoder": str(self.encoder_path), "dim": self.dim,
+                "mtime_ns": st.st_mtime_ns, "fingerprint": corpus_fingerprint(self.corpus_path), "encoder": str(self.encoder_path), "dim": self.dim,
                 "encoder_config_sha1": hashlib.sha1(cfg.read_bytes()).hexdigest() if cfg.is_file() else None}
 
     def _default_dirs(self) -> list[Path]:
