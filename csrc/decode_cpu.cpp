@@ -69,10 +69,12 @@ void decode_row(const T* x, int64_t V, float inv_t, bool sample, uint32_t key, i
   if (flag) *flag = nonstop[c];
 }
 
-// Order-preserving uint32 image of a float32: a < b  <=>  order_key(a) < order_key(b) (NaN aside).
+// Order-preserving uint32 image of a float32: a < b  <=>  order_key(a) < order_key(b), and a == b  <=>  equal keys
+// (NaN aside): -0.0 takes +0.0's key, so the two zeros are one tie group as in the reference.
 inline uint32_t order_key(float y) {
   uint32_t bits;
   std::memcpy(&bits, &y, sizeof bits);
+  if (bits == 0x80000000u) bits = 0u;
   return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
 }
 

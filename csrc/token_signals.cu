@@ -160,9 +160,11 @@ __global__ void decode_combine_kernel(const T* __restrict__ logits, int64_t B, i
   if (nonstop) out_flag[b] = nonstop[c];
 }
 
-// Order-preserving uint32 image of a float32 (a < b <=> order_key(a) < order_key(b)); same as decode_cpu.cpp.
+// Order-preserving uint32 image of a float32 (a < b <=> order_key(a) < order_key(b), -0.0 keyed as +0.0); same as
+// decode_cpu.cpp.
 __device__ __forceinline__ uint32_t order_key(float y) {
-  const uint32_t bits = __float_as_uint(y);
+  uint32_t bits = __float_as_uint(y);
+  if (bits == 0x80000000u) bits = 0u;
   return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
 }
 

@@ -132,8 +132,10 @@ def _token_signals_combine_kernel(
 
 @triton.jit
 def _order_key(y):
-    # order-preserving int64 image of float32 y (a < b <=> key(a) < key(b)), in [0, 2^32): as csrc order_key
+    # order-preserving int64 image of float32 y (a < b <=> key(a) < key(b)), in [0, 2^32), -0.0 keyed as +0.0 (one
+    # tie group, as in the reference): as csrc order_key
     bits = y.to(tl.uint32, bitcast=True).to(tl.int64)
+    bits = tl.where(bits == 0x80000000, 0, bits)
     return tl.where(bits >= 0x80000000, 0xFFFFFFFF - bits, bits + 0x80000000)
 
 
@@ -234,18 +236,19 @@ def num_splits_for(B: int, V: int, block_v: int, device: torch.device) -> int:
 def token_signals(logits: torch.Tensor, temperature: float, rng_keys: torch.Tensor | None,
                   chosen: torch.Tensor | None, nonstop: torch.Tensor | None,
                   out: tuple[torch.Tensor, ...], num_splits: int | None = None, block_v: int | None = None,
-                  top_p: float = 1.0) -> None:
+                  top_p: float = 1.0, greedy: bool = False) -> None:
     """Launch on validated inputs (fastrag.signals.checks.check_decode_signals did shapes/dtypes/devices).
 
     logits [B, V] fp32/bf16/fp16 (any strides); temperature 0 = greedy; rng_keys [B] int64 when sampling;
     chosen [B] int64 or None; nonstop [V] bool or None; out = (chosen [B] i64, entropy [B] f32, logprob [B] f32,
     prob [B] f32, flag [B] bool or None), all written. top_p < 1 (with temperature > 0): the nucleus kernel, one
-    program per row reading it ten times (no split).
+    program per row reading it ten times (no split). greedy: the argmax and the signals of softmax(logits /
+    temperature) for a temperature > 0 (no draw, rng_keys unused; the older token_signals contract).
     """
     B, V = logits.shape
     if B == 0:
         return
-    if temperature > 0 and top_p < 1:
+    if temperature > 0 and top_p < 1 and not greedy:
         bv = block_v or min(1024, triton.next_power_of_2(V))
         o_chosen, o_ent, o_lp, o_prob, o_flag = out
         sample = chosen is None
@@ -265,7 +268,7 @@ def token_signals(logits: torch.Tensor, temperature: float, rng_keys: torch.Tens
     nsplit = num_splits if num_splits is not None else num_splits_for(B, V, block_v, logits.device)
     split_len = triton.cdiv(triton.cdiv(V, block_v), nsplit) * block_v
     nsplit = triton.cdiv(V, split_len)  # no empty slice
-    sample = temperature > 0 and chosen is None
+    sample = temperature > 0 and chosen is None and not greedy
     inv_t = 1.0 / temperature if temperature > 0 else 1.0
     part = torch.empty(B, nsplit, 4, dtype=torch.float32, device=logits.device)
     pidx = torch.empty(B, nsplit, dtype=torch.int32, device=logits.device)

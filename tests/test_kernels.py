@@ -281,6 +281,24 @@ def test_decode_signals_top_p_ties_and_masks(backend, device):
     assert torch.equal(full.chosen, plain.chosen) and torch.equal(full.entropy, plain.entropy)
 
 
+@pytest.mark.parametrize("backend,device", KERNEL_BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_decode_signals_top_p_signed_zeros_tie(backend, device, dtype):
+    """+0.0 and -0.0 are one value, so one tie group of the nucleus (the radix select keys floats by their bits:
+    -0.0 must take +0.0's key). Such rows are common: fp16 logits of |x| < 3e-8 round to a signed zero. Mass above
+    the value 0 is 0.576 < top_p = 0.6, so both zeros are in the nucleus; the row is 0.025 from the boundary."""
+    seed = 0
+    logits = torch.tensor([[1.0, 0.0, -0.0, -5.0], [1.0, -0.0, 0.0, -5.0]]).to(dtype)
+    assert logits.view(torch.int16 if dtype != torch.float32 else torch.int32)[0, 2] != 0, "no -0.0 in the row"
+    keys = torch.tensor([123, 7])
+    for chosen in (torch.tensor([2, 1]), torch.tensor([1, 2])):
+        ref = decode_signals_ref(logits, 1.0, keys, chosen, top_p=0.6)
+        assert bool(torch.isfinite(ref["logprob"]).all())
+        res = get_backend(backend).decode_signals(logits.to(device), temperature=1.0, rng_keys=keys.to(device),
+                                                  chosen=chosen.to(device), top_p=0.6, out=_poisoned(2, device))
+        _check_decode(res, ref, dtype, f"{backend} signed zeros", seed, sampled=False)
+
+
 def test_top_p_nucleus_reference_matches_transformers_warper():
     """The reference's nucleus is the set HF's TopPLogitsWarper keeps (tie-free random rows), and Gumbel-max
     draws over it follow the renormalised nucleus distribution."""

@@ -46,7 +46,7 @@ def token_signals(logits, chosen, temperature, out):
         out = TokenSignals(torch.empty(B, device=dev), torch.empty(B, device=dev),
                            torch.empty(B, dtype=torch.int64, device=dev))
     prob = torch.empty(B, device=dev)
-    ts.token_signals(logits, float(temperature), None, None, None, (out[2], out[0], out[1], prob, None))
+    ts.token_signals(logits, float(temperature), None, None, None, (out[2], out[0], out[1], prob, None), greedy=True)
     if chosen is not None:
         # ln p_c = ln p_argmax + y_c - y_argmax (same max and normaliser): two gathers, no second pass
         y_c = logits.gather(1, chosen[:, None])[:, 0].float() / temperature
