@@ -439,6 +439,21 @@ def test_causal_attn_stats_vs_reference(backend, device, dtype, B, H, Hkv, D, T)
     _close(ro, causal_attn_rows_ref(q, k, lengths, scale, rows), f"{backend} rows", seed, **tol)
 
 
+@pytest.mark.parametrize("backend,device", KERNEL_BACKENDS)
+@pytest.mark.parametrize("B,T,R", [(2, 0, 3), (0, 5, 3), (2, 4, 0)])
+def test_causal_attn_stats_empty_shapes(backend, device, B, T, R):
+    """Empty batches, sequences and row lists (shapes validation accepts) give empty results, as the reference."""
+    be, d = get_backend(backend), device
+    q, k = torch.zeros(B, 2, T, 4, device=d), torch.zeros(B, 1, T, 4, device=d)
+    n, rows = torch.zeros(B, dtype=torch.int64, device=d), torch.zeros(B, R, dtype=torch.int64, device=d)
+    assert tuple(be.causal_attn_colmax(q, k, n, 0.5).shape) == tuple(causal_attn_colmax_ref(q, k, n, 0.5).shape)
+    assert tuple(be.causal_attn_mean_rows(q, k, n, 0.5).shape) == (B, T, T)
+    out = torch.full((B, R, T), float("nan"), device=d)
+    be.causal_attn_rows(q, k, n, 0.5, rows, out=out)
+    ref = causal_attn_rows_ref(q.cpu(), k.cpu(), n.cpu(), 0.5, rows.cpu())
+    assert tuple(ref.shape) == (B, R, T) and torch.equal(out.cpu(), ref.float())
+
+
 # ---------------------------------------------------------------- bad input: clear errors from the launchers
 
 

@@ -52,6 +52,8 @@ def causal_attn_probs(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, s
 
 def causal_attn_colmax(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, scale: float) -> torch.Tensor:
     """a [B, T] f32: a[b, i] = mean_h max_{i <= j < n} A[b, h, j, i] for i < n, 0 for i >= n (n = lengths[b])."""
+    if q.shape[0] == 0 or q.shape[2] == 0:
+        return torch.zeros(q.shape[0], q.shape[2], dtype=torch.float32, device=q.device)
     return causal_attn_probs(q, k, lengths, scale).amax(dim=2).mean(dim=1)
 
 
@@ -174,6 +176,8 @@ def causal_attn_rows(q, k, lengths, scale: float, rows):
     """R [B, Rn, T] f32: head-mean causal attention of the selected query rows (zeros for rows outside [0, n))."""
     B, H, T, D = q.shape
     Hkv = k.shape[1]
+    if B == 0 or T == 0 or rows.shape[1] == 0:
+        return torch.zeros(B, rows.shape[1], T, dtype=torch.float32, device=q.device)
     r = rows.clamp(0, max(T - 1, 0))
     qs = q.float().gather(2, r[:, None, :, None].expand(B, H, r.shape[1], D))  # [B, H, Rn, D]
     qg = qs.reshape(B, Hkv, H // Hkv, -1, D)
