@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fastrag.kernels import INTERPRETED
+
 
 @triton.jit
 def _paged_decode_partial_kernel(
@@ -26,7 +28,7 @@ def _paged_decode_partial_kernel(
     stride_qb, stride_qh, stride_kh, stride_ks, stride_vh, stride_vs, stride_tb,
     scale, SPLIT_LEN, NSPLIT, H,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr,
-    BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_N: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
 ):
     i_b = tl.program_id(0).to(tl.int64)
     i_kh = tl.program_id(1).to(tl.int64)  # int64: a head's offset in a pool of more than 2**31 elements
@@ -39,6 +41,8 @@ def _paged_decode_partial_kernel(
     # q: [G_PAD, D_PAD], the query heads i_kh * G + g of this sequence
     b_q = tl.load(q_ptr + i_b * stride_qb + (i_kh * G + o_g)[:, None] * stride_qh + o_d[None, :],
                   mask=m_g[:, None] & m_d[None, :], other=0.0)
+    if UPCAST:
+        b_q = b_q.to(tl.float32)
     b_m = tl.full([G_PAD], float("-inf"), tl.float32)
     b_l = tl.zeros([G_PAD], tl.float32)
     b_acc = tl.zeros([G_PAD, D_PAD], tl.float32)
@@ -55,6 +59,9 @@ def _paged_decode_partial_kernel(
                       mask=m_n[:, None] & m_d[None, :], other=0.0)
         b_v = tl.load(v_ptr + i_kh * stride_vh + slot[:, None] * stride_vs + o_d[None, :],
                       mask=m_n[:, None] & m_d[None, :], other=0.0)
+        if UPCAST:
+            b_k = b_k.to(tl.float32)
+            b_v = b_v.to(tl.float32)
         if IEEE:
             b_s = tl.dot(b_q, tl.trans(b_k), input_precision="ieee") * scale  # [G_PAD, BLOCK_N]
         else:
@@ -158,7 +165,10 @@ def paged_decode_attention_lse(q: torch.Tensor, k_pool: torch.Tensor, v_pool: to
         q, k_pool, v_pool, tab, lens, acc, ml,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
         tab.stride(0), float(scale), split_len, nsplit, H,
-        G=G, G_PAD=g_pad, D=D, D_PAD=d_pad, BS=block_size, BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
+        # the interpreter multiplies bf16 tiles in tl.dot as raw integers (garbage scores): there every tile is
+        # upcast to float32 first, as in attn_stats.py
+        G=G, G_PAD=g_pad, D=D, D_PAD=d_pad, BS=block_size, BLOCK_N=block_n,
+        IEEE=q.dtype == torch.float32 or INTERPRETED, UPCAST=q.dtype != torch.float32 and INTERPRETED,
         **{k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None},
     )
     _paged_decode_merge_kernel[(B, H)](

@@ -123,7 +123,7 @@ def test_killed_run_resumes_to_the_complete_set(tmp_path, small_config, run_dir)
     (["--corpus", "/nonexistent/c.jsonl"], "no such file"),
     (["--method", "nosuch"], "unknown method"),
     (["--top-p", "1.5"], "--top-p must be in (0, 1]"),
-    (["--temperature", "-1"], "--temperature must be a finite number >= 0"),
+    (["--temperature", "-1"], "--temperature must be 0 (greedy) or a finite number >= 1e-30"),
 ])
 def test_bad_arguments_give_clear_errors(tmp_path, bad, msg):
     args = {"--method": "dragin", "--dataset": "hotpotqa", "--data": str(DATA), "--corpus": str(CORPUS),

@@ -466,6 +466,8 @@ DECODE_BAD = [
     ("logits", dict(logits=torch.zeros(11))),
     ("logits", dict(logits=torch.zeros(2, 11, device="meta"))),
     ("temperature", dict(temperature=-0.5)),
+    ("temperature", dict(temperature=float("inf"), rng_keys=torch.zeros(2, dtype=torch.int64))),
+    ("temperature", dict(temperature=1e-38, rng_keys=torch.zeros(2, dtype=torch.int64))),
     ("rng_keys", dict(temperature=0.5)),
     ("rng_keys", dict(temperature=0.5, rng_keys=torch.zeros(3, dtype=torch.int64))),
     ("rng_keys", dict(temperature=0.5, rng_keys=torch.zeros(2, dtype=torch.int32))),
@@ -510,6 +512,7 @@ ATTN_BAD = [
     ("block_tables", dict(block_tables=torch.full((2, 3), 10, dtype=torch.int64))),
     ("amax", dict(amax=torch.zeros(2, 7, 4).transpose(1, 2))),
     ("row_out", dict(row_out=torch.zeros(2, 11))),
+    ("head dim must be contiguous", dict(k_cache=torch.zeros(2, 40, 16)[..., ::2])),
 ]
 
 

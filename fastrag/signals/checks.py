@@ -7,11 +7,13 @@ device sync on every decode step, so GPU kernels must stay safe for any value in
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Sequence
 
 import torch
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MIN_TEMPERATURE = 1e-30  # the smallest sampling temperature: logits up to 3e8 divided by it stay finite in float32
 
 
 def _check_tensor(x: object, name: str, ndim: int, dtypes: Sequence[torch.dtype], devices: Collection[str]) -> None:
@@ -104,8 +106,10 @@ def check_decode_signals(logits: torch.Tensor, temperature: float, rng_keys: tor
         raise ValueError("logits must have a non-empty vocabulary dimension, got V=0")
     if V >= 2**31 - 1:
         raise ValueError(f"logits vocabulary V={V} does not fit the kernels' int32 token index")
-    if not (isinstance(temperature, (int, float)) and temperature >= 0 and temperature == temperature):
-        raise ValueError(f"temperature must be a number >= 0 (0: greedy), got {temperature!r}")
+    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature)
+            and (temperature == 0 or temperature >= MIN_TEMPERATURE)):
+        raise ValueError(f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE:g} (logits / T "
+                         f"overflows float32 below it), got {temperature!r}")
     if not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
         raise ValueError(f"top_p must be a number in (0, 1] (1: no nucleus filtering), got {top_p!r}")
     if chosen is not None:
@@ -148,6 +152,8 @@ def check_attn_decode(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torc
         _check_same_device(x, name, q, "q")
     if k_cache.dtype != q.dtype:
         raise ValueError(f"k_cache dtype {k_cache.dtype} must match q dtype {q.dtype}")
+    if k_cache.shape[2] > 1 and k_cache.stride(2) != 1:
+        raise ValueError(f"k_cache head dim must be contiguous (stride 1), got strides {tuple(k_cache.stride())}")
     B, H, D = q.shape
     Hkv, num_slots, Dk = k_cache.shape
     if Dk != D:
