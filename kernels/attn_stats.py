@@ -160,6 +160,39 @@ def _causal_colmax_kernel(
 
 
 @triton.jit
+def _causal_row_lse_kernel(
+    q_ptr, sq_b, sq_h, sq_t, k_ptr, sk_b, sk_h, sk_t, len_ptr, rows_ptr, lse_ptr,
+    H, G, T, D, R,
+    scale, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    # log-sum-exp of one selected row's scores for one head, the scores computed exactly as _causal_rows_kernel
+    # computes them (same tiles, same elementwise products and sums): its probabilities then sum to 1 to float32
+    # rounding at any score size (normalising by the tl.dot scores of _causal_lse_kernel did not: two roundings)
+    i_br = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    i_b = i_br // R
+    n = tl.load(len_ptr + i_b)
+    j = tl.load(rows_ptr + i_br)
+    j_last = tl.where((j >= 0) & (j < n), j, -1)
+    jj = tl.maximum(j_last, 0)
+    o_d = tl.arange(0, BLOCK_D)
+    m_d = o_d < D
+    b_q = tl.load(q_ptr + i_b * sq_b + h * sq_h + jj * sq_t + o_d, mask=m_d, other=0.0).to(tl.float32)
+    m_i = float("-inf")
+    l_i = 0.0
+    for n0 in range(0, j_last + 1, BLOCK_N):
+        o_n = n0 + tl.arange(0, BLOCK_N)
+        ok = (o_n <= j_last) & (o_n < n)
+        b_k = tl.load(k_ptr + i_b * sk_b + (h // G) * sk_h + o_n[:, None] * sk_t + o_d[None, :],
+                      mask=ok[:, None] & m_d[None, :], other=0.0).to(tl.float32)
+        s = tl.where(ok, tl.sum(b_k * b_q[None, :], axis=1) * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=0))
+        l_i = l_i * tl.exp(m_i - m_new) + tl.sum(tl.exp(s - m_new), axis=0)
+        m_i = m_new
+    tl.store(lse_ptr + i_br * H + h, tl.where(j_last >= 0, m_i + tl.log(l_i), 0.0))
+
+
+@triton.jit
 def _causal_rows_kernel(
     q_ptr, sq_b, sq_h, sq_t, k_ptr, sk_b, sk_h, sk_t, len_ptr, lse_ptr, rows_ptr, out_ptr,
     H, G, T, D, R, scale,
@@ -182,7 +215,7 @@ def _causal_rows_kernel(
         # k: [BLOCK_N, BLOCK_D]
         b_k = tl.load(k_ptr + i_b * sk_b + (h // G) * sk_h + o_n[:, None] * sk_t + o_d[None, :],
                       mask=ok[:, None] & m_d[None, :], other=0.0).to(tl.float32)
-        lse = tl.load(lse_ptr + (i_b * H + h) * T + jj)
+        lse = tl.load(lse_ptr + i_br * H + h)  # (the row's own, _causal_row_lse_kernel)
         acc += tl.where(ok, tl.exp(tl.sum(b_k * b_q[None, :], axis=1) * scale - lse), 0.0)
     tl.store(out_ptr + i_br * T + o_n, acc / H, mask=o_n < T)
 
@@ -261,7 +294,12 @@ def causal_attn_stats(q, k, lengths, scale: float, rows=None, colmax_out=None, r
     if rows is not None and rows.shape[1]:
         R = rows.shape[1]
         rows = rows.contiguous()
+        row_lse = torch.empty(B * R, H, dtype=torch.float32, device=q.device)
+        _causal_row_lse_kernel[(B * R, H)](
+            q, *qs, k, *ks, lengths, rows, row_lse, H, G, T, D, R, scale,
+            BLOCK_N=block, BLOCK_D=BD, num_warps=4,
+        )
         _causal_rows_kernel[(B * R, triton.cdiv(T, block))](
-            q, *qs, k, *ks, lengths, lse, rows, rows_out, H, G, T, D, R, scale,
+            q, *qs, k, *ks, lengths, row_lse, rows, rows_out, H, G, T, D, R, scale,
             BLOCK_N=block, BLOCK_D=BD, num_warps=4,
         )

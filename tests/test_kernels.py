@@ -439,6 +439,31 @@ def test_causal_attn_stats_vs_reference(backend, device, dtype, B, H, Hkv, D, T)
     _close(ro, causal_attn_rows_ref(q, k, lengths, scale, rows), f"{backend} rows", seed, **tol)
 
 
+@pytest.mark.parametrize("backend,device", [c for c in KERNEL_BACKENDS if c.values[0] != "cuda"])
+def test_causal_attn_rows_large_scores_stay_normalised(backend, device):
+    """Scores of size ~64 and ~1e4 (fp32 inputs): each selected row is a distribution (sums to 1, no p > 1) and
+    matches the reference to float32 rounding: the probabilities must be normalised by the scores they are made
+    of (Triton once divided by the log-sum-exp of differently rounded scores: rows summed to 1.2 at q, k ~ 1e3)."""
+    g, seed = _gen()
+    be = get_backend(backend)
+    for mag, tol in ((8.0, 1e-5), (1e3, None)):
+        B, H, Hkv, T, D = 2, 4, 2, 40, 64
+        q = torch.randn(B, H, T, D, generator=g) * mag
+        k = torch.randn(B, Hkv, T, D, generator=g) * mag
+        n = torch.tensor([T, 23])
+        out = torch.full((B, T, T), float("nan"), device=device)
+        be.causal_attn_mean_rows(q.to(device), k.to(device), n.to(device), D**-0.5, out=out)
+        out = out.cpu().double()
+        ref = causal_attn_mean_rows_ref(q, k, n, D**-0.5)
+        assert not torch.isnan(out).any()
+        sums = out.sum(-1)
+        for b in range(B):
+            assert (sums[b, : n[b]] - 1).abs().max() < 1e-5, f"{backend} mag {mag}: row sums {sums[b, :n[b]]} (seed={seed})"
+        assert out.max() <= 1 + 1e-6, f"{backend} mag {mag}: p = {out.max().item()} (seed={seed})"
+        if tol is not None:
+            _close(out, ref, f"{backend} rows at |s|~{mag * mag:g}", seed, atol=tol, rtol=0)
+
+
 @pytest.mark.parametrize("backend,device", KERNEL_BACKENDS)
 @pytest.mark.parametrize("B,T,R", [(2, 0, 3), (0, 5, 3), (2, 4, 0)])
 def test_causal_attn_stats_empty_shapes(backend, device, B, T, R):
