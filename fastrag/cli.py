@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name:18s} {get_method(name).description}")
         return 0
 
-    from fastrag.eval import BUNDLED, RunOptions
+    from fastrag.eval import BUNDLED, RunError, RunOptions
 
     try:
         if args.data is None:
@@ -128,9 +128,13 @@ def main(argv: list[str] | None = None) -> int:
 
             report = parity(opts)
             _print_table("fastrag parity", {k: v for k, v in report.items() if k != "disagreements"})
-    except (ValueError, OSError, ImportError) as e:  # (OSError: files and folders, e.g. no writable index folder)
+    except (ValueError, OSError, ImportError, RunError) as e:  # (OSError: files and folders, e.g. no writable index)
         print(f"fastrag: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"fastrag: interrupted; the answers written so far are in {args.output}: rerun the same command to "
+              "go on from there", file=sys.stderr)
+        return 130
     return 0
 
 

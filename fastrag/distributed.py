@@ -16,8 +16,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from fastrag.eval import (ResultWriter, RunOptions, check_manifest, latest_records, method_config, output_lock,
-                          read_results, resume, run_identity, summarize)
+from fastrag.eval import (ResultWriter, RunError, RunOptions, check_manifest, latest_records, method_config,
+                          output_lock, resume, run_identity, summarize)
 
 
 def _shard_worker(opts: RunOptions, device: str | None) -> dict:
@@ -81,9 +81,14 @@ def _run_ray(opts: RunOptions, num_workers: int, max_retries: int, ray_address: 
         bar = tqdm(total=len(todo), desc=f"{opts.method}/{opts.dataset} ray x{n}", unit="q",
                    disable=not opts.progress)
         finished = 0
+        mine = [[e for e in todo if e.qid in set(shards[i])] for i in range(n)]  # each shard's examples
+
+        def shard_records(i: int) -> list:  # the last record of each of shard i's questions (read-only)
+            return latest_records(Path(shard_opts[i].output) / "results.jsonl", mine[i])
+
         while pending:
             ready, _ = ray.wait(list(pending), timeout=1.0)
-            count = sum(len(read_results(Path(o.output) / "results.jsonl")) for o in shard_opts)
+            count = sum(len(shard_records(i)) for i in range(n))
             bar.update(count - finished)
             finished = count
             for ref in ready:
@@ -95,17 +100,16 @@ def _run_ray(opts: RunOptions, num_workers: int, max_retries: int, ray_address: 
                     retries += 1
                     if tries[i] > max_retries:
                         bar.close()
-                        raise RuntimeError(f"shard {i} failed {tries[i]} times; last error: {e}") from e
+                        raise RunError(f"shard {i} failed {tries[i]} times; last error: {e}") from e
                     pending[task.remote(shard_opts[i], device)] = i
         bar.close()
-        # merge: question order, only what the main file does not have yet
-        by_id = {}
-        for o in shard_opts:
-            for r in read_results(Path(o.output) / "results.jsonl"):
-                by_id[r.qid] = r
+        # merge: question order, only what the main file does not have yet; for each question the record of the
+        # shard that computed it this time (a shard folder may keep an older record of a question that an earlier
+        # run's cut gave it)
+        by_id = {r.qid: r for i in range(n) for r in shard_records(i)}
         missing = [e.qid for e in todo if e.qid not in by_id]
         if missing:
-            raise RuntimeError(f"{len(missing)} questions missing after all shards finished: {missing[:5]}")
+            raise RunError(f"{len(missing)} questions missing after all shards finished: {missing[:5]}")
         w = ResultWriter(out / "results.jsonl")
         try:
             for e in todo:

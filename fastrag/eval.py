@@ -12,6 +12,7 @@ rate over every run that produced the results, not only the last one.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
 import os
@@ -75,9 +76,11 @@ class RunOptions:
             raise ValueError(f"--batch-size must be positive, got {self.batch_size}")
         if self.limit is not None and self.limit <= 0:
             raise ValueError(f"--limit must be positive, got {self.limit}")
-        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
-                and self.temperature >= 0):
-            raise ValueError(f"--temperature must be a finite number >= 0 (0: greedy), got {self.temperature!r}")
+        from fastrag.signals.checks import MIN_TEMPERATURE
+
+        t = self.temperature
+        if not (isinstance(t, (int, float)) and math.isfinite(t) and (t == 0 or t >= MIN_TEMPERATURE)):
+            raise ValueError(f"--temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE:g}, got {t!r}")
         if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
             raise ValueError(f"--top-p must be in (0, 1] (1: no nucleus filtering), got {self.top_p!r}")
         if self.top_p < 1 and self.temperature == 0:
@@ -105,10 +108,12 @@ def method_config(opts: RunOptions):
     return get_method(opts.method).make_config(opts.dataset, opts.config)
 
 
-def read_results(path: Path) -> list[QuestionResult]:
+def read_results(path: Path, repair: bool = False) -> list[QuestionResult]:
     """Records already written, in file order (a question computed again after an error has two: the last one
-    counts). A torn last line (the run was killed mid-write) is dropped from the file; a whole last record without
-    its newline gets one, so that the next record starts a line of its own."""
+    counts). A last line without its newline is a record being written (or torn by a killed run): it is not read.
+    Reading never changes the file, so it is safe beside a writer (a progress count); `repair` (a resume, under
+    the folder's lock) cuts a torn tail from the file, and gives a whole last record without its newline one, so
+    that the next record starts a line of its own."""
     if not path.exists():
         return []
     out, good_bytes, last = [], 0, b"\n"
@@ -124,9 +129,13 @@ def read_results(path: Path) -> list[QuestionResult]:
                     raise ValueError(f"{path}: line {len(out) + 1} is not a result record; "
                                      "remove it or use another --output") from None
                 break  # torn tail
+            if not raw.endswith(b"\n") and not repair:
+                break  # (may be a record still being written: only a repair under the lock keeps it)
             out.append(rec)
             good_bytes += len(raw)
             last = raw
+    if not repair:
+        return out
     if good_bytes != path.stat().st_size:
         with open(path, "r+b") as f:
             f.truncate(good_bytes)
@@ -136,7 +145,32 @@ def read_results(path: Path) -> list[QuestionResult]:
     return out
 
 
+class RunError(RuntimeError):
+    """A run that cannot finish as asked (e.g. a Ray shard that failed every retry): the CLI prints it as an error;
+    the answers already written stay for a rerun."""
+
+
 MANIFEST = "run.json"  # what decides the answers of the records in an output folder (check_manifest)
+# identity fields added after manifests were first written: an older run.json without one is completed, not refused
+LATER_KEYS = frozenset({"corpus_fingerprint", "model_fingerprint"})
+
+
+def path_fingerprint(p: str) -> str | None:
+    """Content fingerprint of a file, or of a folder's top-level files (name, size and fingerprint of each, sorted;
+    an HF model folder is flat; hidden files left out), for the
+    run identity: a corpus or a model replaced at the same path is another run. None for what is no local path
+    (an embedded model's name is resolved first; an Elasticsearch index has none)."""
+    from fastrag.retrieval.corpus import corpus_fingerprint
+
+    q = Path(p)
+    if q.is_file():
+        return corpus_fingerprint(q)
+    if q.is_dir():
+        h = hashlib.sha256()
+        for f in sorted(x for x in q.iterdir() if x.is_file() and not x.name.startswith(".")):
+            h.update(f"{f.name}\0{f.stat().st_size}\0{corpus_fingerprint(f)}\n".encode())
+        return "tree:" + h.hexdigest()
+    return None
 
 
 def run_identity(opts: "RunOptions", cfg, **more) -> dict:
@@ -152,9 +186,20 @@ def run_identity(opts: "RunOptions", cfg, **more) -> dict:
         q = Path(p)
         return str(q.resolve()) if q.exists() else p
 
+    def model_file(m: str) -> str:  # the embedded model's GGUF; any other name is its path
+        from fastrag.model.loading import EMBEDDED, embedded_gguf
+
+        if m != EMBEDDED:
+            return m
+        try:
+            return str(embedded_gguf())
+        except Exception:  # (not installed: the run fails where the model loads, with its own message)
+            return m
+
     ident = {"method": opts.method, "config": c, "model": where(opts.model), "retriever": opts.retriever,
              "corpus": where(opts.corpus), "temperature": float(opts.temperature), "top_p": float(opts.top_p),
-             "seed": int(opts.seed), **more}
+             "seed": int(opts.seed), "corpus_fingerprint": path_fingerprint(opts.corpus),
+             "model_fingerprint": path_fingerprint(model_file(opts.model)), **more}
     return json.loads(json.dumps(ident))  # (as it reads back from the file)
 
 
@@ -165,12 +210,17 @@ def check_manifest(out: Path, identity: dict) -> None:
     if path.exists():
         try:
             old = json.loads(path.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError, OSError) as e:
+            if not isinstance(old, dict):
+                raise ValueError(f"a JSON {type(old).__name__}, not an object")
+        except (json.JSONDecodeError, UnicodeDecodeError, OSError, ValueError) as e:
             raise ValueError(f"{path}: unreadable ({e}); delete it to go on writing to {out}") from None
-        diffs = []
+        diffs, added = [], False
         for k in sorted(set(old) | set(identity)):
             a, b = old.get(k), identity.get(k)
             if a == b:
+                continue
+            if k in LATER_KEYS and k not in old:  # a manifest written before the key existed: it gets it below
+                added = True
                 continue
             if k == "config" and isinstance(a, dict) and isinstance(b, dict):
                 diffs += [f"config.{f}: {a.get(f)!r} there, {b.get(f)!r} now"
@@ -181,19 +231,20 @@ def check_manifest(out: Path, identity: dict) -> None:
             raise ValueError(f"{out} holds the results of another run ({'; '.join(diffs[:4])}"
                              f"{'; ...' if len(diffs) > 4 else ''}): use another --output (or delete {path} to "
                              "add this run's records to that folder anyway)")
-        return
+        if not added:
+            return
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(identity, indent=2))
     tmp.replace(path)
 
 
-def latest_records(path: Path, examples: list[Example]) -> list[QuestionResult]:
+def latest_records(path: Path, examples: list[Example], repair: bool = False) -> list[QuestionResult]:
     """The last record of each of `examples` in a results file, in the examples' order (records of other questions
     are left out). A record whose question is not the example's of that id raises: the folder holds answers to
     other data (e.g. an NQ file whose position-derived ids shifted when a question was added)."""
     by_id = {e.qid: e for e in examples}
     latest: dict[str, QuestionResult] = {}
-    for line, r in enumerate(read_results(path), 1):
+    for line, r in enumerate(read_results(path, repair=repair), 1):
         e = by_id.get(r.qid)
         if e is None:
             continue
@@ -206,9 +257,15 @@ def latest_records(path: Path, examples: list[Example]) -> list[QuestionResult]:
 
 
 def resume(path: Path, examples: list[Example]) -> tuple[list[QuestionResult], list[Example]]:
-    """(records to keep, examples to compute) for a rerun into a results file: a question is computed again when
-    it has no record or its last record is an error (a retriever down, a pool too small: the cause may be gone)."""
-    kept = [r for r in latest_records(path, examples) if r.error is None]
+    """(records to keep, examples to compute) for a rerun into a results file (under the folder's lock: a torn
+    tail is cut): a question is computed again when it has no record or its last record is an error (a retriever
+    down, a pool too small: the cause may be gone). Kept records are scored again against the examples' current
+    gold answers (a corrected data file changes the metrics of answers already computed)."""
+    kept = [r for r in latest_records(path, examples, repair=True) if r.error is None]
+    by_id = {e.qid: e for e in examples}
+    for r in kept:
+        r.gold = list(by_id[r.qid].answers)
+        score_result(by_id[r.qid], r)
     have = {r.qid for r in kept}
     return kept, [e for e in examples if e.qid not in have]
 
@@ -218,7 +275,12 @@ class ResultWriter:
         self.f = open(path, "a", encoding="utf-8")
 
     def write(self, r: QuestionResult) -> None:
-        self.f.write(json.dumps(r.to_json(), ensure_ascii=False) + "\n")
+        line = json.dumps(r.to_json(), ensure_ascii=False)
+        try:
+            line.encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate ("\ud800" in the data): JSON escapes carry it exactly
+            line = json.dumps(r.to_json(), ensure_ascii=True)
+        self.f.write(line + "\n")
         self.f.flush()
         os.fsync(self.f.fileno())
 

@@ -147,6 +147,90 @@ def test_a_folder_another_process_writes_is_refused(setup):
     assert go(limit=2)["computed_this_run"] == 2  # free again
 
 
+def test_reading_results_never_changes_the_file(tmp_path):
+    """A progress count reads files that a worker is appending to: it must not cut or extend them (a record half
+    written when the reader passed would be lost). Only a resume, under the folder's lock, repairs."""
+    from fastrag.eval import read_results
+    from fastrag.trace import QuestionResult
+
+    rec = [json.dumps(QuestionResult(qid=f"q{i}", question="x?", gold=["a"]).to_json()) for i in range(3)]
+    path = tmp_path / "results.jsonl"
+    for tail in (rec[2], rec[2][:20]):  # a whole record still without its newline; a record half written
+        body = (rec[0] + "\n" + rec[1] + "\n" + tail).encode()
+        path.write_bytes(body)
+        assert [r.qid for r in read_results(path)] == ["q0", "q1"]
+        assert path.read_bytes() == body
+    assert [r.qid for r in read_results(path, repair=True)] == ["q0", "q1"]  # under the lock: the torn tail goes
+    assert path.read_bytes() == (rec[0] + "\n" + rec[1] + "\n").encode()
+
+
+def test_resumed_answers_are_scored_against_the_current_gold(setup):
+    go, tmp, _, data = setup
+    assert go(limit=2)["em"] == 0.0
+    preds = {r["qid"]: r["metrics"]["answer"] for r in records(tmp / "o" / "results.jsonl")}
+    assert all(p.strip() for p in preds.values()), preds
+    # the data file's gold answers corrected (here: to the answers the model gave)
+    data.write_text("".join(json.dumps({"question": q, "answer": [preds.get(f"nq-{i}", f"a{i}")]}) + "\n"
+                            for i, q in enumerate(QUESTIONS)))
+    m = go(limit=2)
+    assert m["computed_this_run"] == 0 and m["em"] == 1.0
+
+
+def test_a_lone_surrogate_in_the_data_is_named_and_a_record_holding_one_is_still_written(tmp_path):
+    from fastrag.eval import ResultWriter, read_results
+    from fastrag.trace import QuestionResult
+
+    data = tmp_path / "nq.jsonl"
+    data.write_text(json.dumps({"question": "who wrote it?", "answer": ["a"]}) + "\n"
+                    + json.dumps({"question": "who wrote \ud800 book?", "answer": ["a"]}) + "\n")
+    with pytest.raises(DataError, match=r"nq\.jsonl:2: the question holds a lone surrogate \(U\+D800"):
+        load_examples("nq", data)
+    # the writer never fails on one (JSON escapes carry it), so a run cannot die on a record it computed
+    path = tmp_path / "results.jsonl"
+    w = ResultWriter(path)
+    w.write(QuestionResult(qid="q", question="x \udc80 y", gold=["a"]))
+    w.close()
+    assert read_results(path)[0].question == "x \udc80 y"
+
+
+@pytest.mark.parametrize("content", ["[]", "null", "42", '"x"'])
+def test_a_run_json_that_is_no_object_is_reported(setup, content):
+    go, tmp, _, _ = setup
+    go(limit=1)
+    (tmp / "o" / "run.json").write_text(content)
+    with pytest.raises(ValueError, match=r"run\.json: unreadable .*not an object.*delete it"):
+        go(limit=1)
+
+
+def test_a_corpus_or_model_replaced_at_the_same_path_is_another_run(setup, tiny):
+    import shutil
+
+    go, tmp, _, _ = setup
+    corpus = tmp / "corpus.jsonl"
+    corpus.write_text(json.dumps({"id": "1", "title": "A", "text": "one"}) + "\n")
+    go(limit=2, corpus=str(corpus))
+    ident = json.loads((tmp / "o" / "run.json").read_text())
+    assert ident["corpus_fingerprint"] and ident["model_fingerprint"]
+    corpus.write_text(json.dumps({"id": "1", "title": "B", "text": "two"}) + "\n")
+    with pytest.raises(ValueError, match="corpus_fingerprint: 'sha256:"):
+        go(limit=3, corpus=str(corpus))
+    # an older run.json without the fingerprints is completed, not refused
+    del ident["corpus_fingerprint"], ident["model_fingerprint"]
+    (tmp / "o" / "run.json").write_text(json.dumps(ident))
+    assert go(limit=2, corpus=str(corpus))["computed_this_run"] == 0
+    assert "corpus_fingerprint" in json.loads((tmp / "o" / "run.json").read_text())
+    # a model folder whose weights changed
+    model = tmp / "model"
+    shutil.copytree(tiny, model)
+    go(out="o2", limit=1, model=str(model))
+    weights = next(f for f in sorted(model.iterdir()) if f.suffix in (".safetensors", ".bin"))
+    raw = bytearray(weights.read_bytes())
+    raw[-1] ^= 1
+    weights.write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match="model_fingerprint"):
+        go(out="o2", limit=1, model=str(model))
+
+
 def test_cli_errors_for_odd_arguments(tmp_path):
     data = nq_file(tmp_path / "nq.jsonl", QUESTIONS)
     afile = tmp_path / "afile"
@@ -163,6 +247,33 @@ def test_cli_errors_for_odd_arguments(tmp_path):
     with pytest.raises(ValueError, match="finite"):
         RunOptions(method="wo-rag", dataset="nq", data=str(data), corpus=str(CORPUS), output=str(tmp_path / "x"),
                    temperature=float("inf"))
+
+
+def test_ctrl_c_says_how_to_go_on_and_the_rerun_resumes(tiny, tmp_path):
+    import signal
+    import time
+
+    data = nq_file(tmp_path / "nq.jsonl", [f"who wrote book number {i}?" for i in range(40)])
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({"generate_max_length": 24, "fewshot": 0}))
+    out = tmp_path / "o"
+    args = [sys.executable, "-m", "fastrag", "run", "--method", "sr-rag", "--dataset", "nq", "--data", str(data),
+            "--corpus", str(CORPUS), "--model", tiny, "--config", str(cfg), "--batch-size", "1", "--kv-cache-gb",
+            "0.05", "--threads", "1", "--no-progress", "--output", str(out)]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    res, deadline = out / "results.jsonl", time.time() + 300
+    while time.time() < deadline and proc.poll() is None and not (res.exists() and res.read_text().count("\n") >= 1):
+        time.sleep(0.1)
+    assert proc.poll() is None, "the run ended before it could be interrupted"
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "interrupted" in err and "rerun the same command" in err, err[-2000:]
+    assert "Traceback" not in err, err[-2000:]
+    n_before = len(records(res))
+    p = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    m = json.loads((out / "metrics.json").read_text())
+    assert m["n"] == 40 and m["computed_this_run"] == 40 - n_before
 
 
 # --------------------------------------------------------------------------------------------- data files

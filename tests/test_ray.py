@@ -72,6 +72,23 @@ def test_ray_run_equals_single_process(tmp_path, cfg, single):
     again = cli("run", "--ray", "--num-workers", 2, "--method", "dragin", "--dataset", "hotpotqa", "--data", DATA,
                 "--corpus", CORPUS, "--config", cfg, "--limit", N, "--output", out, "--no-progress")
     assert again.returncode == 0 and len(records(out)) == N  # a rerun adds nothing
+    # the last two questions (shard 1's) failed in an earlier run: their error records are the latest in the main
+    # file and in shard 1's folder. The rerun cuts [q4, q5] into shard 0 = {q4}, shard 1 = {q5}: q4's fresh answer
+    # comes from shard 0, while shard 1's folder still holds q4's old error, which must not win the merge.
+    last = [r["qid"] for r in records(out)][-2:]
+    for f in (out / "shards" / "1" / "results.jsonl", out / "results.jsonl"):
+        errs = [dict(r, error="ConnectionError: search backend unreachable", prediction="", metrics={})
+                for r in records(f.parent) if r["qid"] in last]
+        assert len(errs) == 2
+        with open(f, "a") as fh:
+            fh.write("".join(json.dumps(r) + "\n" for r in errs))
+    third = cli("run", "--ray", "--num-workers", 2, "--method", "dragin", "--dataset", "hotpotqa", "--data", DATA,
+                "--corpus", CORPUS, "--config", cfg, "--limit", N, "--output", out, "--no-progress")
+    assert third.returncode == 0, third.stderr[-3000:]
+    m = json.loads((out / "metrics.json").read_text())
+    assert m["errors"] == 0 and m["computed_this_run"] == 2, m
+    latest = {r["qid"]: r for r in records(out)}
+    assert decisions(latest.values()) == single
 
 
 def test_killed_worker_is_replaced_and_nothing_is_lost(tmp_path, cfg, single):

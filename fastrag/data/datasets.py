@@ -25,6 +25,7 @@ error for that question alone. Duplicate ids are made unique (`id`, `id#2`, ...;
 from __future__ import annotations
 
 import json
+import re
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -284,6 +285,9 @@ def _iirc_questions(rec: _Rec) -> Iterator[tuple[_Rec, Any]]:
         yield _Rec(where, q), rec.obj.get("title")
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
 def load_examples(dataset: str, path: str | Path, limit: int | None = None) -> list[Example]:
     """Load up to `limit` questions of `path` (format detected from content) as `Example`s of `dataset`."""
     name = canonical_dataset(dataset)
@@ -327,6 +331,10 @@ def load_examples(dataset: str, path: str | Path, limit: int | None = None) -> l
                     k += 1
                 qid = f"{qid}#{k}"
             seen.add(qid)
+            for what, text in (("the question", question), *(("an answer", a) for a in answers)):
+                if (bad := _SURROGATE.search(text)) is not None:
+                    raise DataError(f"{rec.where}: {what} holds a lone surrogate (U+{ord(bad.group()):04X}, e.g. a "
+                                    "'\\ud800' escape): not Unicode text a tokenizer can read")
             if not answers:
                 no_gold.append(qid)
             out.append(Example(qid=qid, question=question, answers=answers, dataset=name, meta=meta))
