@@ -72,6 +72,9 @@ class Generation:
     # any query so far, in context (DRAGIN's a_i, streaming semantics); 0 for a token no query has seen yet (the
     # last sampled token of a length-capped generation is never fed)
     attn: list[float] | None = None
+    # set when the generation could not go on: the model's next-token distribution was NaN (non-finite logits from
+    # broken weights or a dtype overflow); ids hold the tokens before it, and the caller fails its question
+    error: str | None = None
 
 
 @dataclass(eq=False)  # identity semantics: the scheduler looks sequences up in lists
@@ -614,6 +617,11 @@ class Engine:
         chosen, ent, logp = host[0].long().tolist(), host[1].tolist(), host[2].tolist()
         done = []
         for s, t, h, lp in zip(seqs, chosen, ent, logp):
+            if h != h or lp != lp:  # NaN: no distribution to draw from (the signal kernels propagate NaN logits)
+                s.out.error = (f"the model's next-token distribution is NaN at generated token {len(s.out.ids)} "
+                               "(non-finite logits: broken weights or a dtype overflow, e.g. fp16)")
+                done.append(True)
+                continue
             if t in self.eos_ids:
                 s.out.ended_by_eos = True
                 done.append(True)

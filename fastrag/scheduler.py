@@ -364,6 +364,9 @@ class Scheduler:
             if hit is None:  # its question ended while it ran
                 continue
             lv, i = hit
+            if seq.out.error is not None:  # the engine could not finish it (NaN logits): its question ends
+                self._fail(lv, seq.out.error)
+                continue
             waiting = []
             if lv.one_shot.pop(id(seq), None) is not None:
                 self._by_seq.pop(id(seq), None)

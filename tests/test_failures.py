@@ -299,3 +299,34 @@ def test_a_run_whose_demos_do_not_fit_the_pool_ends_each_question_with_an_error(
     assert m["n"] == 3 and m["errors"] == 3
     recs = [json.loads(x) for x in (tmp_path / "o" / "results.jsonl").read_text().splitlines()]
     assert all("needs more than the 8 KV blocks" in r["error"] for r in recs), recs
+
+
+# ------------------------------------------------------------------------------------------- NaN logits
+def test_nan_logits_end_only_their_own_question(tiny, tmp_path):
+    """A model whose output turns NaN for one question (broken weights, an fp16 overflow) ends that question with
+    an error that says so; the questions decoded in the same batches are unchanged (no NaN leaks across rows of a
+    packed prefill or a decode batch), and nothing decodes garbage tokens from a NaN distribution."""
+    questions = ["who wrote the book about the lighthouse?", "where was the xylophonist born?",
+                 "when did the bridge open?"]
+    data = tmp_path / "nq.jsonl"
+    data.write_text("".join(json.dumps({"question": q, "answer": ["x"]}) + "\n" for q in questions))
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({"generate_max_length": 8, "fewshot": 0}))
+
+    def go(name, poison: bool):
+        eng = build_engine(tiny, 4, kv_cache_gb=0.05, device="cpu")
+        if poison:  # a token only the second question has: its embedding row NaN
+            others = {t for q in (questions[0], questions[2]) for t in eng.tok.encode(" " + q)}
+            tid = next(t for t in eng.tok.encode(" xylophonist") if t not in others)
+            with torch.no_grad():
+                eng.model.embed.weight[tid] = float("nan")
+        opts = RunOptions(method="wo-rag", dataset="nq", data=str(data), corpus=str(CORPUS), model=tiny,
+                          output=str(tmp_path / name), config=str(cfg), batch_size=4, progress=False)
+        run(opts, engine=eng, retriever=Passages())
+        return {r["question"]: r for r in map(json.loads, (tmp_path / name / "results.jsonl").read_text()
+                                                .splitlines())}
+
+    got, want = go("nan", True), go("ok", False)
+    assert "NaN" in (got[questions[1]]["error"] or ""), got[questions[1]]
+    for q in (questions[0], questions[2]):
+        assert got[q]["error"] is None and got[q]["prediction"] == want[q]["prediction"]

@@ -299,6 +299,35 @@ def test_decode_signals_top_p_signed_zeros_tie(backend, device, dtype):
         _check_decode(res, ref, dtype, f"{backend} signed zeros", seed, sampled=False)
 
 
+@pytest.mark.parametrize("backend,device", KERNEL_BACKENDS)
+@pytest.mark.parametrize("kw", [dict(), dict(temperature=0.7), dict(temperature=0.7, top_p=0.9), dict(chosen=True)],
+                         ids=["greedy", "sample", "top_p", "chosen"])
+def test_decode_signals_rows_with_nan_have_no_distribution(backend, device, kw):
+    """A row holding a NaN logit (one, the last, all) gives a NaN entropy and a non-finite logprob, as the
+    reference does (the engine ends such a generation with an error: nothing is drawn from it), and a chosen
+    index inside the vocabulary; the other rows are unaffected."""
+    g, seed = _gen()
+    B, V = 4, 300
+    x = torch.randn(B, V, generator=g)
+    x[0, 5] = float("nan")
+    x[1] = float("nan")
+    x[2, V - 1] = float("nan")
+    keys = torch.randint(0, 2**32, (B,), generator=g)
+    chosen = torch.randint(0, V, (B,), generator=g) if kw.get("chosen") else None
+    t, top_p = kw.get("temperature", 0.0), kw.get("top_p", 1.0)
+    ref = decode_signals_ref(x, t, keys if t > 0 else None, chosen, top_p=top_p)
+    assert torch.isnan(ref["entropy"][:3]).all() and torch.isnan(ref["logprob"][:3]).all()
+    res = get_backend(backend).decode_signals(
+        x.to(device), temperature=t, rng_keys=keys.to(device) if t > 0 else None,
+        chosen=None if chosen is None else chosen.to(device), top_p=top_p, out=_poisoned(B, device))
+    ent, lp, c = res.entropy.cpu(), res.logprob.cpu(), res.chosen.cpu()
+    assert torch.isnan(ent[:3]).all(), f"{backend}: entropy {ent.tolist()} (seed={seed})"
+    assert not torch.isfinite(lp[:3]).any(), f"{backend}: logprob {lp.tolist()} (seed={seed})"
+    assert ((c >= 0) & (c < V)).all(), f"{backend}: chosen {c.tolist()}"
+    _close(ent[3:], ref["entropy"][3:], f"{backend} clean row entropy", seed, **TOKEN_TOL)
+    _close(lp[3:], ref["logprob"][3:], f"{backend} clean row logprob", seed, **TOKEN_TOL)
+
+
 def test_top_p_nucleus_reference_matches_transformers_warper():
     """The reference's nucleus is the set HF's TopPLogitsWarper keeps (tie-free random rows), and Gumbel-max
     draws over it follow the renormalised nucleus distribution."""

@@ -29,7 +29,7 @@ def token_signals_ref(logits: torch.Tensor, chosen: torch.Tensor | None = None, 
     logp = x - torch.logsumexp(x, dim=-1, keepdim=True)
     p = logp.exp()
     # 0 * ln 0 := 0 for masked (-inf) entries; p * logp would be 0 * -inf = NaN there.
-    entropy = -torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(-1)
+    entropy = -torch.where((p > 0) | p.isnan(), p * logp, torch.zeros_like(p)).sum(-1)
     # Lowest index among the maxima, written out rather than trusting argmax's tie rule.
     mx = x.max(dim=-1, keepdim=True).values
     idx = torch.arange(V).expand(B, V)
@@ -178,6 +178,8 @@ def decode_signals_ref(logits: torch.Tensor, temperature: float = 0.0, rng_keys:
     prob    f64: exp(logprob) (FLARE's token probability);  nonstop bool: nonstop[chosen] (None without a table).
     score   f64: the value whose argmax picked `chosen` (y, or y + Gumbel noise), for tie-aware comparisons.
     margin  f64: top-p boundary margin per row (top_p_nucleus_ref; +inf when no nucleus filtering happened).
+    A row holding a NaN logit has no distribution: entropy and logprob NaN (kernels: entropy NaN, logprob not
+    finite), chosen any index in [0, V) (here 0 unless given); the engine ends such a generation with an error.
     """
     if not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
@@ -190,7 +192,7 @@ def decode_signals_ref(logits: torch.Tensor, temperature: float = 0.0, rng_keys:
         y = y.masked_fill(~keep, float("-inf"))
     logp = y - torch.logsumexp(y, dim=-1, keepdim=True)
     p = logp.exp()
-    entropy = -torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(-1)
+    entropy = -torch.where((p > 0) | p.isnan(), p * logp, torch.zeros_like(p)).sum(-1)
     if temperature > 0 and chosen is None:
         if rng_keys is None:
             raise ValueError("sampling (temperature > 0) needs rng_keys")
@@ -200,6 +202,7 @@ def decode_signals_ref(logits: torch.Tensor, temperature: float = 0.0, rng_keys:
     mx = score.max(dim=-1, keepdim=True).values
     idx = torch.arange(V).expand(B, V)
     pick = torch.where(score == mx, idx, V).min(dim=-1).values
+    pick = torch.where(pick == V, 0, pick)  # (a row with a NaN: no value equals its NaN max)
     if chosen is not None:
         pick = chosen.detach().cpu().to(torch.int64)
     logprob = logp.gather(1, pick[:, None])[:, 0]

@@ -126,10 +126,10 @@ def decode_signals(logits: torch.Tensor, temperature: float, rng_keys: torch.Ten
 
 
 def _decode_slow(y: torch.Tensor, chosen: torch.Tensor):
-    """(entropy, ln p_chosen) by the reference's formula: any row, whatever its values."""
+    """(entropy, ln p_chosen) by the reference's formula: any row, whatever its values (a NaN logit: NaN)."""
     logp = y - torch.logsumexp(y, dim=-1, keepdim=True)
     p = logp.exp()
-    return -torch.where(p > 0, p * logp, 0.0).sum(-1), logp.gather(1, chosen[:, None])[:, 0]
+    return -torch.where((p > 0) | p.isnan(), p * logp, 0.0).sum(-1), logp.gather(1, chosen[:, None])[:, 0]
 
 
 def _paged_scores(q, k_cache, block_tables, pos, block_size: int, scale: float):
