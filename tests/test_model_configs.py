@@ -29,6 +29,9 @@ def _tiny_hf(kind: str, tmp_path):
             "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 64}, **common)
         model = LlamaForCausalLM(cfg)
+    elif kind == "llama-bias":  # attention_bias: q/k/v and o_proj biases
+        cfg = LlamaConfig(num_key_value_heads=2, tie_word_embeddings=False, attention_bias=True, **common)
+        model = LlamaForCausalLM(cfg)
     else:  # multi-head (no GQA), tied embeddings
         cfg = LlamaConfig(num_key_value_heads=6, tie_word_embeddings=True, **common)
         model = LlamaForCausalLM(cfg)
@@ -68,7 +71,7 @@ def _forward_all(model: LlamaModel, prompts: list[list[int]], garbage: float | N
         return model(ids, batch, pool.k, pool.v)
 
 
-@pytest.mark.parametrize("kind", ["mha-tied", "qwen2", "llama3-rope"])
+@pytest.mark.parametrize("kind", ["mha-tied", "qwen2", "llama3-rope", "llama-bias"])
 def test_tiny_models_match_transformers(kind, tmp_path):
     hf = _tiny_hf(kind, tmp_path)
     ours = LlamaModel.from_pretrained(tmp_path)
@@ -337,3 +340,110 @@ def test_kv_pool_is_sized_from_the_device_memory_when_not_given():
     assert Engine(m, tok, kv_cache_gb=0.01).kv_cache_gb == 0.01
     with pytest.raises(ValueError, match="kv_cache_gb must be > 0"):
         Engine(m, tok, kv_cache_gb=0)
+
+
+def _save(model_cls, cfg, path):
+    torch.manual_seed(0)
+    m = model_cls(cfg)
+    m.save_pretrained(path)
+    return path
+
+
+_COMMON = dict(vocab_size=97, hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=6,
+               num_key_value_heads=2, max_position_embeddings=256)
+
+
+@pytest.mark.parametrize("make, msg", [
+    (lambda t: (t.Qwen3ForCausalLM, t.Qwen3Config(**_COMMON)), "model_type 'qwen3' is not supported"),
+    (lambda t: (t.GemmaForCausalLM, t.GemmaConfig(**_COMMON, head_dim=8)), "model_type 'gemma' is not supported"),
+    (lambda t: (t.LlamaForCausalLM, t.LlamaConfig(**_COMMON, mlp_bias=True)), "mlp_bias"),
+    (lambda t: (t.LlamaForCausalLM, t.LlamaConfig(**_COMMON, hidden_act="gelu")), "hidden_act 'gelu'"),
+    (lambda t: (t.LlamaForCausalLM, t.LlamaConfig(**_COMMON, rope_parameters={
+        "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 4, "long_factor": [2.0] * 4,
+        "original_max_position_embeddings": 64})), "longrope"),
+])
+def test_architectures_and_options_it_does_not_compute_are_refused(make, msg, tmp_path):
+    """A checkpoint whose math is not this Llama-family model's is refused by name (it used to load and run as
+    Llama: Qwen3's q/k norms and Gemma's scaled embeddings were dropped, GELU ran as SiLU)."""
+    import transformers
+
+    cls, cfg = make(transformers)
+    _save(cls, cfg, tmp_path)
+    with pytest.raises(ValueError, match=msg):
+        LlamaModel.from_pretrained(tmp_path)
+
+
+def test_unused_checkpoint_weights_are_refused(tmp_path):
+    from safetensors.torch import load_file, save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    _save(LlamaForCausalLM, LlamaConfig(**_COMMON), tmp_path)
+    sd = load_file(str(tmp_path / "model.safetensors"))
+    sd["model.layers.0.self_attn.q_norm.weight"] = torch.ones(8)
+    save_file(sd, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"1 weight\(s\) this Llama-family model does not use.*q_norm"):
+        LlamaModel.from_pretrained(tmp_path)
+
+
+def test_a_sliding_window_shorter_than_the_context_caps_the_context(tmp_path):
+    """Full attention equals windowed attention only within the window: the engine's context stops there."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    _save(MistralForCausalLM, MistralConfig(**_COMMON, sliding_window=32), tmp_path)
+    assert LlamaModel.from_pretrained(tmp_path).c.max_position_embeddings == 32
+    _save(MistralForCausalLM, MistralConfig(**_COMMON, sliding_window=None), tmp_path)
+    assert LlamaModel.from_pretrained(tmp_path).c.max_position_embeddings == 256
+
+
+def test_end_of_generation_ids_of_the_generation_config_end_a_generation(tmp_path):
+    import json
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from fastrag.engine import Engine
+
+    class Tok:
+        eos_token_id = None
+
+    _save(LlamaForCausalLM, LlamaConfig(**_COMMON, eos_token_id=90), tmp_path)
+    m = LlamaModel.from_pretrained(tmp_path)
+    eng = Engine(m, Tok(), kv_cache_gb=0.01)
+    s = eng.new_sequence()
+    eng.start(s, [1, 2, 3], 12)
+    while eng.has_work:
+        eng.step()
+    assert len(s.out.ids) >= 2
+    stop = s.out.ids[1]  # the second greedy token, named an end-of-generation id in generation_config.json only
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [90, stop]}))
+    m = LlamaModel.from_pretrained(tmp_path)
+    assert set(m.c.eos_token_ids) == {90, stop}
+    eng = Engine(m, Tok(), kv_cache_gb=0.01)
+    s2 = eng.new_sequence()
+    eng.start(s2, [1, 2, 3], 12)
+    while eng.has_work:
+        eng.step()
+    assert s2.out.ended_by_eos and s2.out.ids == s.out.ids[:1]
+
+
+def test_float16_decodes_on_the_cpu(tmp_path):
+    """A float16 model decodes on the CPU (the masked softmax clamped with float32 bounds fp16 cannot hold)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from fastrag.engine import Engine
+
+    class Tok:
+        eos_token_id = None
+
+    _save(LlamaForCausalLM, LlamaConfig(**_COMMON, eos_token_id=None), tmp_path)
+    out = {}
+    for dt in (torch.float32, torch.float16):
+        eng = Engine(LlamaModel.from_pretrained(tmp_path, dtype=dt), Tok(), kv_cache_gb=0.01)
+        seqs = [eng.new_sequence() for _ in range(2)]
+        eng.start(seqs[0], [1, 2, 3], 6)
+        eng.start(seqs[1], [4, 5, 6, 7, 8, 9, 10], 6)
+        while eng.has_work:
+            eng.step()
+        out[dt] = [s.out for s in seqs]
+    for a, b in zip(out[torch.float32], out[torch.float16]):
+        assert len(b.ids) == 6 and all(x == x for x in b.entropy)
+        assert b.ids[0] == a.ids[0]  # the first token of a random model agrees across precisions

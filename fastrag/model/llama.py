@@ -146,6 +146,11 @@ def _import_module_ref(name: str) -> _ModuleRef:
     return _ModuleRef(importlib.import_module(name))
 
 
+# the architectures whose math is this file's: Llama, Mistral (without a window shorter than the context, see
+# ModelConfig.max_position_embeddings) and Qwen2 (q/k/v biases)
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
 @dataclass(slots=True)
 class ModelConfig:
     vocab_size: int
@@ -157,7 +162,10 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float = 1e-5
     tie_word_embeddings: bool = False
-    attention_bias: bool = False
+    attention_bias: bool = False  # q/k/v biases
+    o_bias: bool = False  # the output projection's bias (Llama's attention_bias; Qwen2 has none)
+    # the longest context the engine allows: the model's max_position_embeddings, or its sliding window when that
+    # is shorter (the engine attends to the whole context, which equals windowed attention only within the window)
     max_position_embeddings: int = 4096
     eos_token_ids: tuple[int, ...] = ()
 
@@ -167,17 +175,35 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf) -> "ModelConfig":
+        """From a transformers config of a supported architecture (SUPPORTED_MODEL_TYPES); anything the model
+        computes differently from Llama math is refused by name, never run as Llama."""
+        kind = getattr(hf, "model_type", None)
+        if kind not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"model_type {kind!r} is not supported: fastrag runs {', '.join(SUPPORTED_MODEL_TYPES)} "
+                             "checkpoints (its own Llama-family implementation)")
+        act = getattr(hf, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act {act!r} is not supported (the MLP is SiLU-gated)")
+        if getattr(hf, "mlp_bias", False):
+            raise ValueError("mlp_bias=True is not supported (the MLP projections have no bias)")
         eos = hf.eos_token_id
         eos = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
         heads = hf.num_attention_heads
+        max_pos = hf.max_position_embeddings
+        window = getattr(hf, "sliding_window", None)
+        if kind == "qwen2" and not getattr(hf, "use_sliding_window", False):
+            window = None
+        if isinstance(window, int) and 0 < window < max_pos:
+            max_pos = window  # within the window, full attention is windowed attention
+        llama_bias = bool(getattr(hf, "attention_bias", False)) and kind == "llama"
         return cls(
             vocab_size=hf.vocab_size, hidden_size=hf.hidden_size, intermediate_size=hf.intermediate_size,
             num_layers=hf.num_hidden_layers, num_heads=heads,
             num_kv_heads=getattr(hf, "num_key_value_heads", None) or heads,
             head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // heads,
             rms_norm_eps=hf.rms_norm_eps, tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-            attention_bias=bool(getattr(hf, "attention_bias", False) or hf.model_type == "qwen2"),
-            max_position_embeddings=hf.max_position_embeddings, eos_token_ids=eos,
+            attention_bias=llama_bias or kind == "qwen2", o_bias=llama_bias,
+            max_position_embeddings=max_pos, eos_token_ids=eos,
         )
 
 
@@ -253,7 +279,7 @@ class Layer(nn.Module):
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.qkv = Linear(c.hidden_size, q + 2 * kv, bias=c.attention_bias)  # fused q/k/v projection
-        self.o = Linear(q, c.hidden_size, bias=False)
+        self.o = Linear(q, c.hidden_size, bias=c.o_bias)
         self.gate_up = Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)  # fused gate/up
         self.down = Linear(c.intermediate_size, c.hidden_size, bias=False)
 
@@ -278,6 +304,9 @@ def _rope_inv_freq(hf, head_dim: int) -> tuple[torch.Tensor, float]:
     """Rotary inverse frequencies; non-default rope types (llama3, yarn, ...) use transformers' own init."""
     params = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
     kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "longrope":  # its frequencies depend on the sequence length (short/long factors): not modelled
+        raise ValueError("rope_scaling type 'longrope' is not supported (frequencies that change with the "
+                         "sequence length)")
     if kind == "default":
         theta = params.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
         return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)), 1.0
@@ -329,6 +358,11 @@ class LlamaModel(nn.Module):
         for f in files:
             sd.update(load_file(str(path / f)))
         model._load_hf_state_dict(sd, dtype, device)
+        gen = path / "generation_config.json"
+        if gen.exists():  # end-of-generation ids listed there only (instruct models) end a generation too
+            eos = json.loads(gen.read_text()).get("eos_token_id")
+            eos = eos if isinstance(eos, list) else ([eos] if isinstance(eos, int) else [])
+            model.c.eos_token_ids = tuple(dict.fromkeys([*model.c.eos_token_ids, *eos]))
         return model.eval()
 
     @classmethod
@@ -365,10 +399,26 @@ class LlamaModel(nn.Module):
             if c.attention_bias:
                 new[f"layers.{i}.qkv.bias"] = torch.cat([g(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
             new[f"layers.{i}.o.weight"] = g(p + "self_attn.o_proj.weight")
+            if c.o_bias:
+                new[f"layers.{i}.o.bias"] = g(p + "self_attn.o_proj.bias")
             new[f"layers.{i}.gate_up.weight"] = torch.cat([g(p + "mlp.gate_proj.weight"), g(p + "mlp.up_proj.weight")])
             new[f"layers.{i}.down.weight"] = g(p + "mlp.down_proj.weight")
         if not c.tie_word_embeddings:
             new["lm_head.weight"] = g("lm_head.weight")
+        # a checkpoint weight this model does not use means another computation (extra norms, biases): refuse
+        used = {k for i in range(c.num_layers) for k in (
+            f"model.layers.{i}.{n}" for n in (
+                "input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_proj.weight",
+                "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+                "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+                *(("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")
+                  if c.attention_bias else ()), *(("self_attn.o_proj.bias",) if c.o_bias else ())))}
+        used |= {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
+        unused = sorted(k for k in sd if k not in used and not k.endswith("rotary_emb.inv_freq"))
+        if unused:
+            raise ValueError(f"the checkpoint holds {len(unused)} weight(s) this Llama-family model does not use "
+                             f"(first: {', '.join(unused[:4])}): another architecture or options it does not "
+                             "implement")
         inv_freq = self.inv_freq
         self.to_empty(device=device)
         self.load_state_dict(new, strict=False, assign=False)
@@ -785,10 +835,11 @@ class LlamaModel(nn.Module):
             num = num + torch.matmul(e_ctx, vs)
             den = e_pre.sum(-1, keepdim=True) + e_ctx.sum(-1, keepdim=True)
         else:
-            mx = s_ctx.amax(-1, keepdim=True).clamp_min(-1e30)  # padding rows are fully masked
+            # padding rows are fully masked (bounds of the scores' own dtype: fp16 cannot hold 1e30)
+            mx = s_ctx.amax(-1, keepdim=True).clamp_min(torch.finfo(s_ctx.dtype).min)
             e_ctx = torch.exp(s_ctx - mx)
             num = torch.matmul(e_ctx, vs)
-            den = e_ctx.sum(-1, keepdim=True).clamp_min(1e-30)
+            den = e_ctx.sum(-1, keepdim=True).clamp_min(torch.finfo(e_ctx.dtype).tiny)
         o = (num / den).transpose(0, 1).reshape(B, H, T, D)
         if want_lse:  # [Hkv, B, G*T, 1] -> [B, H] (T = 1)
             return o, (mx.float() + den.float().log()).squeeze(-1).transpose(0, 1).reshape(B, H)
