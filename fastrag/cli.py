@@ -25,7 +25,8 @@ def _common(p: argparse.ArgumentParser) -> None:
                    "docs/beamsearchqa.md); default: the papers' per-dataset values")
     p.add_argument("--limit", type=int, help="first N questions")
     p.add_argument("--batch-size", type=int, default=32, help="questions in flight (decode batch)")
-    p.add_argument("--signals", help="signal backend (torch | cpp); default env FASTRAG_SIGNALS_BACKEND or torch")
+    p.add_argument("--signals", help="signal backend: auto (cuda > triton > torch on a GPU, torch on a CPU) | torch | "
+                   "cpp | triton | cuda; default $FASTRAG_SIGNALS_BACKEND, else auto")
     p.add_argument("--kv-cache-gb", type=float, default=None,
                    help="KV cache pool size in GiB (default: 8 on a CPU; on a GPU 80%% of the device's memory less "
                         "the model and room for activations)")
@@ -41,7 +42,8 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="0 (default): greedy; > 0: sample inside the fused signal kernel (run only; parity is greedy)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling with --temperature > 0 (e.g. 0.9)")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampling keys")
-    p.add_argument("--output", required=True, help="output directory (results.jsonl, metrics.json)")
+    p.add_argument("--output", required=True, help="output directory (run: results.jsonl, metrics.json, run.json; "
+                   "parity: parity.json and the engine/ and oracle/ run folders)")
     p.add_argument("--no-progress", action="store_true")
 
 

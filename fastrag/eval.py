@@ -1,12 +1,14 @@
 """Batch evaluation: run a method over a dataset, write results.jsonl incrementally, resume, score.
 
-`DIR/results.jsonl` gets one line per finished question (flushed and fsynced as it finishes), so a killed run
-loses at most the questions in flight; a rerun reads the file, skips every question already answered there and
-computes the rest (questions whose record is an error are computed again). `DIR/run.json` names what the answers
-depend on (method, config, model, retriever, corpus, decoding): a rerun of anything else into the folder is
-refused, and a record whose question differs from the data's question of that id too. `DIR/metrics.json` is rewritten at the end from all records. `DIR/runs.jsonl` keeps each run's
-questions computed and seconds (a killed run's too, from `DIR/progress.json`), so `all_runs` in metrics.json is the
-rate over every run that produced the results, not only the last one.
+`DIR/results.jsonl` gets one line per finished question (flushed and fsynced as it finishes), so a killed run loses
+at most the questions in flight; a rerun reads the file, skips every question already answered there and computes
+the rest (questions whose record is an error are computed again). `DIR/run.json` names what the answers depend on
+(method, config, model, retriever, corpus, decoding): a rerun of anything else into the folder is refused, and a
+record whose question differs from the data's question of that id too. `DIR/metrics.json` is rewritten at the end
+from all records (a rerun that computes nothing keeps the throughput and engine figures of the run before it:
+MEASURED_FIELDS). `DIR/runs.jsonl` keeps each run's questions computed and seconds (a killed run's too, from
+`DIR/progress.json`), so `all_runs` in metrics.json is the rate over every run that produced the results, not only
+the last one.
 """
 
 from __future__ import annotations
@@ -340,7 +342,8 @@ def summarize(opts_method: str, dataset: str, results: list[QuestionResult], wal
         # per-question counters of the policies (QuestionResult.counters), averaged over answered questions
         # (only counters some record carries: a method that keeps none must not report zeros)
         **{f"{k}_per_question": sum(r.counters.get(k, 0) for r in ok) / len(ok)
-           for k in ("reused_prompt_tokens", "generate_calls", "retrieval_wait_s", "short_retrievals")
+           for k in ("reused_prompt_tokens", "reused_generations", "generate_calls", "searches", "retrieval_wait_s",
+                     "short_retrievals")
            if any(k in r.counters for r in ok)},
     }
 
@@ -550,6 +553,24 @@ def _run_many(runs: list[RunOptions], engine=None, retriever=None) -> list[dict]
             metrics["overlap"] = sched.overlap
             # spaCy texts sent to worker processes (0 workers: all run on the scheduler's thread)
             metrics["text_workers"] = {"workers": sched.text_workers, "texts": sched.text_requests}
+        if not new:  # nothing computed now: the throughput and engine figures stay those of the last run that did
+            metrics |= _measured_fields(out / "metrics.json")
         (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
         out_metrics.append(metrics)
     return out_metrics
+
+
+# metrics.json fields measured while computing (not derived from the records): a rerun that computes nothing keeps
+# them from the run before it, so `python -m fastrag.perf DIR` and the throughput still describe a real run
+MEASURED_FIELDS = ("questions_per_s", "tokens_per_s", "wall_s", "engine", "kv_cache_gb", "model_costs",
+                   "cuda_graphs", "retrieval", "step_seconds", "overlap", "text_workers", "joint")
+
+
+def _measured_fields(path: Path) -> dict:
+    try:
+        old = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(old, dict) or not (old.get("computed_this_run") or old.get("measured_in_an_earlier_run")):
+        return {}
+    return {k: old[k] for k in MEASURED_FIELDS if k in old} | {"measured_in_an_earlier_run": True}

@@ -177,7 +177,10 @@ def main(argv: list[str] | None = None) -> None:
     gpu = torch.cuda.is_available()
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if gpu else torch.float32)
     figures = measure_device("cuda" if gpu else "cpu", dtype)
-    rows = report(args.runs, figures)
+    try:
+        rows = report(args.runs, figures)
+    except (ValueError, OSError) as e:
+        sys.exit(f"fastrag.perf: error: {e}")
     cols = list(rows[0])
     text = (f"- date: {dt.date.today().isoformat()}\n- device: {figures.device}, torch {torch.__version__}\n"
             f"- measured: copy {figures.copy_bytes_per_s / 1e9:.1f} GB/s (read + write), {figures.dtype} matmul "

@@ -147,6 +147,24 @@ def test_a_folder_another_process_writes_is_refused(setup):
     assert go(limit=2)["computed_this_run"] == 2  # free again
 
 
+def test_a_rerun_that_computes_nothing_keeps_the_measured_figures(setup):
+    go, tmp, _, _ = setup
+    first = go(limit=2)
+    assert first["computed_this_run"] == 2 and "engine" in first and first["searches_per_question"] == 1
+    for _ in range(2):  # (twice: a kept figure is kept again)
+        again = go(limit=2)
+        assert again["computed_this_run"] == 0 and again["measured_in_an_earlier_run"]
+        for k in ("questions_per_s", "engine", "model_costs", "step_seconds", "retrieval"):
+            assert again[k] == first[k], k
+    assert again["em"] == first["em"] and again["n"] == 2
+    # fastrag.perf on a folder whose metrics lack its fields: an error line, not a traceback
+    (tmp / "bare").mkdir()
+    (tmp / "bare" / "metrics.json").write_text(json.dumps({"n": 1}))
+    p = subprocess.run([sys.executable, "-m", "fastrag.perf", str(tmp / "bare")], capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode != 0 and "fastrag.perf: error:" in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+
 def test_reading_results_never_changes_the_file(tmp_path):
     """A progress count reads files that a worker is appending to: it must not cut or extend them (a record half
     written when the reader passed would be lost). Only a resume, under the folder's lock, repairs."""
