@@ -159,9 +159,14 @@ class Scheduler:
     """
 
     def __init__(self, engine: Engine, retriever, policy: Policy | None = None, max_inflight: int = 64,
-                 overlap: bool | None = None, text_workers: int | TextPool | None = None):
+                 overlap: bool | None = None, text_workers: int | TextPool | None = None,
+                 wait_for_search: bool = True):
         self.engine, self.retriever, self.policy = engine, retriever, policy
         self.max_inflight = max_inflight
+        # when nothing but a retrieval is left, step() waits for it (a batch run: nothing else to do); False: it
+        # returns at once without progress, so a caller that must stay responsive (the server's worker: new
+        # requests, cancellations, timeouts) comes back between its own short waits
+        self.wait_for_search = wait_for_search
         # run the methods' host logic while the device decodes (step()); None: on when the engine is on a GPU,
         # where the decode step runs asynchronously (on a CPU nothing overlaps, and results would only come later)
         if overlap is None:
@@ -335,8 +340,8 @@ class Scheduler:
         # retrieval: submit a batch if none is in flight (without overlap, with the queries the attention passes
         # just led to); collect a finished one
         self._submit_search()
-        if self._search is not None and (self._search[0].done()
-                                         or not (self.engine.has_work or launched or self._ready or self._texts)):
+        if self._search is not None and (self._search[0].done() or (
+                self.wait_for_search and not (self.engine.has_work or launched or self._ready or self._texts))):
             fut, items = self._search
             self._search = None
             docs = fut.result()
@@ -385,7 +390,7 @@ class Scheduler:
             if not (progressed or finished or self.engine.has_work or self._ready):
                 tw = time.perf_counter()
                 wait([f for f, _, _, _ in self._texts] + ([self._search[0]] if self._search else []),
-                     return_when=FIRST_COMPLETED)
+                     timeout=None if self.wait_for_search else 0.05, return_when=FIRST_COMPLETED)
                 t_wait += time.perf_counter() - tw
                 progressed = True
             if self._collect_texts(now=False):

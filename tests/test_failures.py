@@ -330,3 +330,127 @@ def test_nan_logits_end_only_their_own_question(tiny, tmp_path):
     assert "NaN" in (got[questions[1]]["error"] or ""), got[questions[1]]
     for q in (questions[0], questions[2]):
         assert got[q]["error"] is None and got[q]["prediction"] == want[q]["prediction"]
+
+
+# ------------------------------------------------------------------------------------- serving (round 2)
+class Slow(Passages):
+    """Searches that take `delay` seconds."""
+
+    def __init__(self, delay: float):
+        self.delay = delay
+
+    def search(self, queries, k):
+        import time
+
+        time.sleep(self.delay)
+        return super().search(queries, k)
+
+
+def test_a_slow_retrieval_does_not_stall_the_other_requests(client_of):
+    """While one question waits on a search, the server admits, decodes and answers the others (its worker used to
+    block on the search whenever nothing else was decoding)."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    c, _ = client_of(64, Slow(4.0))
+    with ThreadPoolExecutor(2) as ex:
+        slow = ex.submit(c.post, "/v1/completions", json={"prompt": "Who directed Jaws?", "retrieval": {
+            "method": "sr-rag", "dataset": "hotpotqa", "config": {"generate_max_length": 4, "fewshot": 0}}})
+        time.sleep(0.5)  # the search is running
+        t = time.perf_counter()
+        fast = ask(c, 0)
+        took = time.perf_counter() - t
+        assert fast.status_code == 200 and took < 2.5, (fast.status_code, took)
+        assert slow.result().status_code == 200
+
+
+def test_a_non_streaming_client_that_hangs_up_cancels_its_question(client_of):
+    """The ASGI app called directly: the client's disconnect arrives while its question waits on a search."""
+    import asyncio
+
+    c, ae = client_of(64, Slow(3.0))
+    body = json.dumps({"prompt": "Who directed Jaws?", "retrieval": {
+        "method": "sr-rag", "dataset": "hotpotqa", "config": {"generate_max_length": 4, "fewshot": 0}}}).encode()
+    sent = []
+
+    async def call():
+        msgs = [{"type": "http.request", "body": body, "more_body": False}]
+        t0 = asyncio.get_running_loop().time()
+
+        async def receive():  # (as uvicorn's: the disconnect is there at once once the client is gone)
+            if msgs:
+                return msgs.pop(0)
+            left = 0.3 - (asyncio.get_running_loop().time() - t0)
+            if left > 0:
+                await asyncio.sleep(left)
+            return {"type": "http.disconnect"}
+
+        async def send(m):
+            sent.append(m)
+
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+                 "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"",
+                 "root_path": "", "headers": [(b"content-type", b"application/json")], "client": ("t", 1),
+                 "server": ("t", 80)}
+        await c.app(scope, receive, send)
+
+    before = ae.metrics()["cancelled"]
+    asyncio.run(call())
+    assert sent and sent[0]["status"] == 499, sent[:1]
+    import time
+
+    deadline = time.time() + 10
+    while ae.metrics()["cancelled"] == before and time.time() < deadline:
+        time.sleep(0.05)
+    assert ae.metrics()["cancelled"] == before + 1
+
+
+def test_closing_the_engine_ends_the_questions_it_holds(tiny):
+    import asyncio
+
+    from fastrag.serving import AsyncEngine
+
+    ae = AsyncEngine(engine_with_blocks(tiny, 64), Slow(2.0), max_inflight=1, max_queue=4)
+
+    async def go():
+        cfg = {"generate_max_length": 4, "fewshot": 0}
+        its = [await ae.submit("Who directed Jaws?", method="sr-rag", config=cfg) for _ in range(2)]
+        first = [await its[0].__anext__()]  # the first is running (its search is under way)
+        await asyncio.sleep(0.3)
+        await asyncio.get_running_loop().run_in_executor(None, ae.close)
+        out = []
+        for it in its:
+            evs = []
+            async with asyncio.timeout(10):
+                async for ev in it:
+                    evs.append(ev)
+            out.append(evs)
+        return first, out
+
+    first, out = asyncio.run(go())
+    for evs in out:
+        assert evs and evs[-1].kind in ("error", "answer"), [e.kind for e in evs]
+    assert any(evs[-1].kind == "error" and "closed" in evs[-1].data["message"] for evs in out)
+
+
+def test_openai_fields_are_served_or_refused_and_usage_is_the_prompt_size(client_of):
+    c, _ = client_of(64)
+    r1, r2 = ask(c, 1), ask(c, 1)  # the second finds the demos and its own prompt cached
+    assert r1.status_code == 200 and r2.status_code == 200
+    u1, u2 = r1.json()["usage"], r2.json()["usage"]
+    assert u1["prompt_tokens"] == u2["prompt_tokens"] > 0  # the prompt's size, however much was cached
+    assert u2["prompt_tokens_details"]["cached_tokens"] > 0
+    assert ask(c, 0, model="smollm2", user="u1", n=1, temperature=0, logprobs=False, echo=False).status_code == 200
+    for extra, msg in (({"n": 2}, "n=1"), ({"stop": ["\n"]}, "stop"), ({"logprobs": 3}, "logprobs"),
+                       ({"echo": True}, "echo"), ({"temperature": 0.7}, "temperature=0.0"),
+                       ({"presence_penalty": 0.5}, "presence_penalty"), ({"best_of": 2}, "best_of")):
+        r = ask(c, 0, **extra)
+        assert r.status_code == 422 and msg in r.json()["error"]["message"], (extra, r.text)
+    r = c.post("/v1/completions", content=b'{"prompt": "who \\ud800 is it?"}',
+               headers={"content-type": "application/json"})
+    assert r.status_code == 422 and "lone surrogate" in r.json()["error"]["message"], r.text
+    r = ask(c, 0, stream=True, stream_options={"include_usage": True})
+    chunks = [json.loads(x[6:]) for x in r.text.split("\n\n") if x.startswith("data: {")]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["prompt_tokens"] > 0
+    metrics = c.get("/metrics").text
+    assert "fastrag_submitted_total" in metrics and "_created" not in metrics

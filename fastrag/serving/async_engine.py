@@ -72,7 +72,8 @@ class AsyncEngine:
             raise ValueError("max_inflight must be > 0 and max_queue >= 0")
         self.engine, self.retriever = engine, retriever
         self.max_queue = max_queue
-        self.scheduler = Scheduler(engine, retriever, max_inflight=max_inflight)
+        # (a retrieval in flight never blocks the worker: it admits, cancels and times out requests meanwhile)
+        self.scheduler = Scheduler(engine, retriever, max_inflight=max_inflight, wait_for_search=False)
         self._inbox: queue.Queue = queue.Queue()
         # (method, dataset, config) -> [policy, its shared prefix in the engine or None]; the least recently used
         # go beyond MAX_POLICIES (a question in flight keeps its own policy)
@@ -188,13 +189,16 @@ class AsyncEngine:
 
     def _worker(self) -> None:
         s = self.scheduler
+        msg = None
         while True:
-            try:
-                msg = self._inbox.get(block=not s.busy, timeout=None)
-            except queue.Empty:
-                msg = None
+            if msg is None:
+                try:
+                    msg = self._inbox.get(block=not s.busy, timeout=None)
+                except queue.Empty:
+                    msg = None
             while msg is not None:
                 if msg[0] == "stop":
+                    self._close_all()
                     s.close()
                     return
                 try:
@@ -212,9 +216,15 @@ class AsyncEngine:
                     msg = None
             if s.busy:
                 try:
-                    s.step()
+                    progressed = s.step()
                 except Exception as e:  # an engine failure: fail every question in flight, keep serving
                     self._fail_all(f"{type(e).__name__}: {e}")
+                    continue
+                if not progressed:  # only a retrieval in flight: wait a little for a message (handled at the top
+                    try:           # of the loop), then look again
+                        msg = self._inbox.get(timeout=0.005)
+                    except queue.Empty:
+                        msg = None
 
     def _handle(self, msg) -> None:
         if msg[0] == "cancel":
@@ -270,6 +280,22 @@ class AsyncEngine:
         with self._lock:
             self._pending -= 1
             self.stats[how] += 1
+
+    def _close_all(self) -> None:
+        """The engine is closing: every question it holds or has not yet taken ends with an error event (their
+        streams would wait for ever otherwise)."""
+        for handle in list(self._handles.values()):
+            self.scheduler.cancel(handle["ticket"])
+            self._done(handle, "failed")
+            handle["push"](Event("error", {"message": "the engine is closed"}))
+        while True:
+            try:
+                msg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if msg[0] == "submit":
+                self._done(msg[4], "failed")
+                msg[3](Event("error", {"message": "the engine is closed"}))
 
     def _fail_all(self, message: str) -> None:
         """The engine raised: every question it held ends with an error event; the worker serves on."""

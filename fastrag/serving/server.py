@@ -11,12 +11,14 @@ settings it uses, and the method's config (the same keys as its `--config` JSON)
 length of each generation round (`generate_max_length`; BeamSearchQA: `answer_max_tokens`). Non-streaming answers carry the prediction as the
 completion text and the method's whole trace under `retrieval`. With `"stream": true` the response is server-sent
 events: one chunk per generated token (OpenAI chunk format), `retrieval.search` / `retrieval.documents` /
-`retrieval.generate` events as the method decides, a last chunk with `finish_reason` and the trace, then
-`data: [DONE]`.
+`retrieval.generate` events as the method decides (the token chunks are every generation the method runs, draft
+rounds included), a last chunk with `finish_reason`, the answer and the trace, then `data: [DONE]`. OpenAI fields
+the server cannot honour (`n` > 1, `stop`, `logprobs`, `echo`, penalties, a decoding other than the server's) get a
+422; `usage.prompt_tokens` counts cached prompt tokens too (`prompt_tokens_details.cached_tokens`).
 
 Admission is bounded: beyond `max_queue` waiting questions a request gets 429 with Retry-After. A request that
 runs past `timeout_s` gets 504 (streaming: an error event) and its question is cancelled. A client that
-disconnects cancels its question; the others are not affected.
+disconnects (streaming or not) cancels its question; the others are not affected.
 """
 
 
@@ -44,11 +46,82 @@ def create_app(engine: AsyncEngine, timeout_s: float = 600.0, max_question_chars
         dataset: str = "hotpotqa"
         config: dict[str, Any] | None = None
 
+    class StreamOptions(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        include_usage: bool = False
+
+    sampling = getattr(getattr(engine, "scheduler", None), "engine", None)
+    sampling = getattr(sampling, "sampling", None)  # the server's decoding (fastrag serve --temperature ...)
+
     class Common(BaseModel):
+        # OpenAI's request fields: those the server honours, and those it accepts only at the value it serves
+        # (a request asking for more is refused, never silently served otherwise); any other field is refused
+        model_config = ConfigDict(extra="forbid")
         model: str | None = None
+        user: str | None = None
         stream: bool = False
+        stream_options: StreamOptions | None = None
         max_tokens: int | None = Field(default=None, ge=1, le=4096)
         retrieval: Retrieval = Field(default_factory=Retrieval)
+        n: int = 1
+        stop: str | list[str] | None = None
+        logprobs: bool | int | None = None
+        echo: bool = False
+        temperature: float | None = None
+        top_p: float | None = None
+        seed: int | None = None
+        presence_penalty: float | None = None
+        frequency_penalty: float | None = None
+        logit_bias: dict[str, float] | None = None
+
+        @field_validator("n")
+        @classmethod
+        def _n(cls, v):
+            if v != 1:
+                raise ValueError("only n=1 is served (one answer per question)")
+            return v
+
+        @field_validator("stop")
+        @classmethod
+        def _stop(cls, v):
+            if v:
+                raise ValueError("stop sequences are not supported: the method decides where its rounds end")
+            return None
+
+        @field_validator("logprobs", "echo")
+        @classmethod
+        def _off(cls, v, info):
+            if v:
+                raise ValueError(f"{info.field_name} is not supported")
+            return v
+
+        @field_validator("presence_penalty", "frequency_penalty")
+        @classmethod
+        def _no_penalty(cls, v, info):
+            if v:
+                raise ValueError(f"{info.field_name} is not supported (only 0)")
+            return v
+
+        @field_validator("logit_bias")
+        @classmethod
+        def _no_bias(cls, v):
+            if v:
+                raise ValueError("logit_bias is not supported")
+            return v
+
+        @field_validator("temperature", "top_p", "seed")
+        @classmethod
+        def _served(cls, v, info):
+            """Decoding is the server's (one engine, one sampler): a request may restate it, not change it."""
+            if v is None or sampling is None:
+                return v
+            served = getattr(sampling, info.field_name)
+            if info.field_name == "seed" and sampling.temperature <= 0:
+                return v  # greedy: no seed in play
+            if float(v) != float(served):
+                raise ValueError(f"this server decodes with {info.field_name}={served} (fastrag serve "
+                                 f"--{info.field_name.replace('_', '-')}); a request cannot change it")
+            return v
 
     class Completion(Common):
         prompt: str
@@ -58,6 +131,7 @@ def create_app(engine: AsyncEngine, timeout_s: float = 600.0, max_question_chars
         def _prompt(cls, v: str) -> str:
             if not v.strip():
                 raise ValueError("prompt is empty")
+            _unicode(v, "prompt")
             if len(v) > max_question_chars:
                 raise ValueError(f"prompt has {len(v)} characters; at most {max_question_chars}")
             return v
@@ -75,10 +149,17 @@ def create_app(engine: AsyncEngine, timeout_s: float = 600.0, max_question_chars
             users = [m for m in v if m.role == "user"]
             if not users or not users[-1].content.strip():
                 raise ValueError("messages need a non-empty user message (the question)")
+            _unicode(users[-1].content, "the user message")
             if len(users[-1].content) > max_question_chars:
                 raise ValueError(f"the user message has {len(users[-1].content)} characters; "
                                  f"at most {max_question_chars}")
             return v
+
+    def _unicode(v: str, what: str) -> None:
+        try:
+            v.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"{what} holds a lone surrogate at character {e.start} (not Unicode text)") from None
 
     app = FastAPI(title="fastrag", version="0.1.0")
     app.state.engine = engine
@@ -115,31 +196,56 @@ def create_app(engine: AsyncEngine, timeout_s: float = 600.0, max_question_chars
         except (ValueError, KeyError) as e:
             return None, _error(422, f"retrieval: {e}")
 
-    async def _answer(question: str, body: Common, chat: bool):
+    async def _drop(nxt: asyncio.Future) -> None:
+        """Cancel a pending wait for the next event (the question's stream closes: it is cancelled)."""
+        nxt.cancel()
+        try:
+            await nxt
+        except (asyncio.CancelledError, StopAsyncIteration):
+            pass
+
+    async def _answer(question: str, body: Common, chat: bool, request: Request):
         events, err = await _open(question, body)
         if err is not None:
             return err
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         if body.stream:
-            return StreamingResponse(_sse(events, rid, created, chat), media_type="text/event-stream",
+            usage = body.stream_options is not None and body.stream_options.include_usage
+            return StreamingResponse(_sse(events, rid, created, chat, usage), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        # the answer, while watching the client: one that hangs up cancels its question (its KV blocks and its
+        # place in the queue go to the others), as a streaming client's does
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        it = events.__aiter__()
         try:
-            async with asyncio.timeout(timeout_s):
-                async for ev in events:
-                    if ev.kind == "error":
-                        return _error(_error_status(ev.data["message"]), ev.data["message"])
-                    if ev.kind == "answer":
-                        return JSONResponse(_final(ev.data["result"], rid, created, chat))
-        except TimeoutError:
-            await events.aclose()
-            return _error(504, f"the question did not finish within {timeout_s:.0f}s")
-        return _error(500, "the engine ended the request without an answer")
+            while True:
+                nxt = asyncio.ensure_future(it.__anext__())
+                while not nxt.done():
+                    await asyncio.wait({nxt}, timeout=min(0.25, max(0.0, deadline - loop.time())))
+                    if nxt.done():
+                        break
+                    if loop.time() >= deadline:
+                        await _drop(nxt)
+                        return _error(504, f"the question did not finish within {timeout_s:.0f}s")
+                    if await request.is_disconnected():
+                        await _drop(nxt)
+                        return _error(499, "the client closed the request")
+                try:
+                    ev = nxt.result()
+                except StopAsyncIteration:
+                    return _error(500, "the engine ended the request without an answer")
+                if ev.kind == "error":
+                    return _error(_error_status(ev.data["message"]), ev.data["message"])
+                if ev.kind == "answer":
+                    return JSONResponse(_final(ev.data["result"], rid, created, chat))
+        finally:
+            await events.aclose()  # (a cancelled wait: the question is cancelled)
 
     def _final(result: dict, rid: str, created: int, chat: bool) -> dict:
         text = result.get("prediction", "")
-        usage = {"prompt_tokens": result.get("prefill_tokens", 0), "completion_tokens": result.get("decode_tokens", 0)}
-        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+        usage = _usage(result)
         choice = {"index": 0, "finish_reason": "stop"}
         if chat:
             choice["message"] = {"role": "assistant", "content": text}
@@ -148,7 +254,16 @@ def create_app(engine: AsyncEngine, timeout_s: float = 600.0, max_question_chars
         return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
                 "model": model_name, "choices": [choice], "usage": usage, "retrieval": result}
 
-    async def _sse(events, rid: str, created: int, chat: bool):
+    def _usage(result: dict) -> dict:
+        """Tokens of every generation the method ran: prompt tokens whether computed or taken from the cache
+        (`prompt_tokens_details.cached_tokens`: the cached part), and tokens decoded."""
+        cached = int((result.get("counters") or {}).get("reused_prompt_tokens", 0))
+        prompt = int(result.get("prefill_tokens", 0)) + cached
+        done = int(result.get("decode_tokens", 0))
+        return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+    async def _sse(events, rid: str, created: int, chat: bool, include_usage: bool = False):
         obj = "chat.completion.chunk" if chat else "text_completion"
 
         def chunk(text: str | None, finish: str | None = None, extra: dict | None = None) -> str:
@@ -176,6 +291,10 @@ def create_app(engine: AsyncEngine, timeout_s: float = 600.0, max_question_chars
                     elif ev.kind == "answer":
                         r = ev.data["result"]
                         yield chunk(None, "stop", {"retrieval": r, "answer": r.get("prediction", "")})
+                        if include_usage:  # (OpenAI's stream_options.include_usage: a last chunk, no choices)
+                            yield "data: " + json.dumps({"id": rid, "object": obj, "created": created,
+                                                         "model": model_name, "choices": [],
+                                                         "usage": _usage(r)}) + "\n\n"
                     elif ev.kind == "error":
                         yield "data: " + json.dumps({"id": rid, "object": "error",
                                                      "error": {"message": ev.data["message"]}}) + "\n\n"
@@ -187,13 +306,15 @@ def create_app(engine: AsyncEngine, timeout_s: float = 600.0, max_question_chars
         yield "data: [DONE]\n\n"
 
     @app.post("/v1/completions")
-    async def completions(body: Completion):
-        return await _answer(body.prompt, body, chat=False)
+    async def completions(body: Completion, request: Request):
+        return await _answer(body.prompt, body, chat=False, request=request)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: Chat):
+    async def chat_completions(body: Chat, request: Request):
+        # the question is the last user message: the method builds its own prompts (demos, documents), so
+        # system messages and earlier turns are not part of them
         question = [m for m in body.messages if m.role == "user"][-1].content
-        return await _answer(question, body, chat=True)
+        return await _answer(question, body, chat=True, request=request)
 
     @app.get("/health")
     async def health():
@@ -236,7 +357,17 @@ def prometheus_text(m: dict) -> str:
         Counter(f"fastrag_{key}", f"{key} since start", registry=reg).inc(m[key])
     for key, value in m["engine"].items():
         Counter(f"fastrag_engine_{key}", f"engine counter {key}", registry=reg).inc(value)
-    return generate_latest(reg).decode()
+    # the registry is built per scrape from the engine's totals: a counter's `_created` sample would be the scrape
+    # time, which a Prometheus reading it takes for a reset at every scrape (dropped here; prometheus_client's own
+    # switch for it is process-wide, and would change the metrics of an application that embeds the server)
+    def name(line: str) -> str:  # the metric a line is about ("# HELP name ...", "# TYPE name ...", "name value")
+        parts = line.split()
+        if line.startswith("#"):
+            return parts[2] if len(parts) > 2 else ""
+        return parts[0] if parts else ""
+
+    return "".join(line for line in generate_latest(reg).decode().splitlines(keepends=True)
+                   if not name(line).endswith("_created"))
 
 
 def serve(model: str = "smollm2", corpus: str | None = None, retriever: str = "bm25", host: str = "127.0.0.1",
