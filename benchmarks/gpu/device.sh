@@ -2,7 +2,9 @@
 # Run on a lent GPU machine (device tool, from the repository root, carry [".gpu_carry"] made by prepare.sh):
 #     bash benchmarks/gpu/device.sh STAGE [STAGE ...]
 # Stages (each logs to $OUT/logs/STAGE.log and leaves its tables in $OUT/results/; a failing stage does not stop the
-# ones after it; the setup runs first whenever this machine has not done it, so every call is self-contained):
+# ones after it; the setup runs first whenever this machine has not done it, so every call is self-contained). At
+# the end everything is packed into $OUT/all.tar.gz (the device tool returns at most 8 files), the markdown tables
+# also left beside it as files:
 #   diag      toolchain facts (compilers, pybind11 ABI) and a C++ argument error raised through fastrag._C, run
 #             under cuda-gdb so that a crash leaves a backtrace
 #   tests     the GPU test suite: kernels (Triton, CUDA) against fastrag/signals/reference.py, the Triton paged
@@ -32,6 +34,7 @@ export FASTRAG_CACHE=/tmp/fastrag_cache
 PY=${PYTHON:-python3}
 SHAPE=${E2E_SHAPE:-llama2-7b}  # make_random_model.py shape of the e2e model
 MODEL=/tmp/fastrag_model_$SHAPE
+RUNS=/tmp/fastrag_runs/bench_e2e_$SHAPE  # per shape: the oracle folders of another model are another run
 
 setup() {
     if [ -f /tmp/fastrag_setup_done ]; then return 0; fi
@@ -39,9 +42,13 @@ setup() {
     $PY -c "import torch, triton, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
 'triton', triton.__version__, 'transformers', transformers.__version__, \
 torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')"
+    if ! { [ -f "$C/site.tar.xz" ] && [ -f "$C/data.tar.xz" ] && [ -d "$C/tokenizer" ]; }; then
+        echo "no complete $C here: run benchmarks/gpu/prepare.sh and call with carry [\"$C\"]"
+        return 1
+    fi
     mkdir -p "$SITE" /tmp/fastrag_data
-    tar xJf "$C/site.tar.xz" -C "$SITE"
-    tar xJf "$C/data.tar.xz" -C /tmp/fastrag_data
+    tar xJf "$C/site.tar.xz" -C "$SITE" || return 1
+    tar xJf "$C/data.tar.xz" -C /tmp/fastrag_data || return 1
     # the GPU image's torch/transformers/triton stay; the extension is built against that torch (CUDA kernels too).
     # The image's CXX (/opt/gcc/bin/g++) is not the compiler of the libstdc++ the process loads at run time: an
     # extension it builds defines parts of libstdc++ itself (138 symbols on 2026-11-24), and formatting the message of
@@ -126,14 +133,14 @@ except RuntimeError as e:
         e2e)
             stage e2e $PY benchmarks/bench_e2e.py --model "$MODEL" --data-dir /tmp/fastrag_data \
                 --limit "${E2E_LIMIT:-64}" --batch-size "${E2E_BATCH:-128}" --oracle-limit "${E2E_ORACLE_LIMIT:-3}" \
-                --tuned-oracle-limit "${E2E_TUNED_LIMIT:-6}" --output /tmp/fastrag_runs/bench_e2e \
+                --tuned-oracle-limit "${E2E_TUNED_LIMIT:-6}" --output "$RUNS" \
                 ${E2E_PROFILE:+--profile "$OUT/results/e2e_engine.prof"} ${E2E_ARGS:-}
-            for f in /tmp/fastrag_runs/bench_e2e/*/engine/metrics.json; do  # also when the oracle part was cut short
+            for f in "$RUNS"/*/engine/metrics.json; do  # also when the oracle part was cut short
                 [ -f "$f" ] && cp "$f" "$OUT/results/e2e_engine_$(basename "$(dirname "$(dirname "$f")")").json"
             done
             # every side's per-question records (rounds, tokens, wall) in one file: with random weights the
             # recipes' work per question differs, and the records say by how much (lost with the machine before)
-            (cd /tmp/fastrag_runs/bench_e2e && find . -name results.jsonl -path '*/engine/*' -o -name results.jsonl \
+            (cd "$RUNS" && find . -name results.jsonl -path '*/engine/*' -o -name results.jsonl \
                 -path '*/oracle*/*' | tar czf "$OUT/results/e2e_records.tar.gz" -T -) || true
             ;;
         *) echo "unknown stage $st (diag, tests, kernels, decode, attn, pattn, model, e2e)"; exit 2 ;;
@@ -141,4 +148,10 @@ except RuntimeError as e:
     copy_results
 done
 copy_results
-ls -la "$OUT/results"
+# the device tool returns at most 8 files: everything (logs, tables, JSON, records) goes into one archive, and the
+# markdown tables also come back as files beside it, at most 7 of them
+tar czf "$OUT/all.tar.gz" -C "$OUT" logs results
+rm -rf "$OUT/logs"
+find "$OUT/results" -type f ! -name '*.md' -delete
+find "$OUT/results" -type f -name '*.md' | sort | tail -n +8 | xargs -r rm -f
+ls -la "$OUT" "$OUT/results"

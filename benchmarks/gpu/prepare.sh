@@ -18,8 +18,14 @@ PKGS="gguf==0.19.0 bm25s==0.3.16 PyStemmer==3.1.0 spacy==3.8.18 en-core-web-sm-v
 blis==1.3.4 cymem==2.0.16 preshed==3.0.15 murmurhash==1.0.16 srsly==2.5.6 wasabi==1.1.3 catalogue==2.0.10
 weasel==1.0.1 spacy-legacy==3.0.12 spacy-loggers==1.0.5 confection==1.3.4 cloudpathlib==0.26.0 smart-open==9.0.2
 pydantic==2.13.4 pydantic-core==2.46.4 annotated-types==0.7.0 typing-inspection==0.4.2"
-rm -rf "$C"
-mkdir -p "$C/wheels" "$C/site"
+# built beside the current carry and moved into place only when complete: a failed download (no registry) leaves
+# the working carry as it was
+NEW="$ROOT/.gpu_carry.new"
+trap 'rm -rf "$NEW"' EXIT
+rm -rf "$NEW"
+mkdir -p "$NEW/wheels" "$NEW/site"
+C_FINAL="$C"
+C="$NEW"
 # shellcheck disable=SC2086
 pip download --quiet --no-deps --only-binary=:all: --python-version "$PY" --platform manylinux2014_x86_64 \
     --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 --platform any -d "$C/wheels" $PKGS
@@ -31,7 +37,11 @@ rm -rf "$C/wheels" "$C/site"
 tar cJf "$C/data.tar.xz" -C "$SHARED" hotpotqa 2wikimultihopqa strategyqa corpus
 python -c "import sys; from fastrag.model.loading import load_tokenizer; load_tokenizer('smollm2').save_pretrained(sys.argv[1])" \
     "$C/tokenizer"
+rm -rf "$C_FINAL"
+mv "$C" "$C_FINAL"
+C="$C_FINAL"
 mkdir -p "$ROOT/.git/info"
 EXCL="$ROOT/.git/info/exclude"
 grep -qx '/.gpu_carry/' "$EXCL" 2>/dev/null || echo '/.gpu_carry/' >> "$EXCL"
+grep -qx '/.gpu_carry.new/' "$EXCL" 2>/dev/null || echo '/.gpu_carry.new/' >> "$EXCL"
 du -sh "$C" "$C"/*
