@@ -46,6 +46,13 @@ def create_app(engine: AsyncEngine, timeout_s: float = 600.0, max_question_chars
         dataset: str = "hotpotqa"
         config: dict[str, Any] | None = None
 
+    # OpenAI fields accepted only when off, and why
+    UNSUPPORTED = {"stop": "stop sequences are not supported: the method decides where its rounds end",
+                   "logprobs": "logprobs is not supported", "echo": "echo is not supported",
+                   "presence_penalty": "presence_penalty is not supported (only 0)",
+                   "frequency_penalty": "frequency_penalty is not supported (only 0)",
+                   "logit_bias": "logit_bias is not supported"}
+
     class StreamOptions(BaseModel):
         model_config = ConfigDict(extra="forbid")
         include_usage: bool = False
@@ -81,32 +88,11 @@ def create_app(engine: AsyncEngine, timeout_s: float = 600.0, max_question_chars
                 raise ValueError("only n=1 is served (one answer per question)")
             return v
 
-        @field_validator("stop")
+        @field_validator(*UNSUPPORTED)
         @classmethod
-        def _stop(cls, v):
+        def _unsupported(cls, v, info):  # accepted only when off (None, False, 0, empty)
             if v:
-                raise ValueError("stop sequences are not supported: the method decides where its rounds end")
-            return None
-
-        @field_validator("logprobs", "echo")
-        @classmethod
-        def _off(cls, v, info):
-            if v:
-                raise ValueError(f"{info.field_name} is not supported")
-            return v
-
-        @field_validator("presence_penalty", "frequency_penalty")
-        @classmethod
-        def _no_penalty(cls, v, info):
-            if v:
-                raise ValueError(f"{info.field_name} is not supported (only 0)")
-            return v
-
-        @field_validator("logit_bias")
-        @classmethod
-        def _no_bias(cls, v):
-            if v:
-                raise ValueError("logit_bias is not supported")
+                raise ValueError(UNSUPPORTED[info.field_name])
             return v
 
         @field_validator("temperature", "top_p", "seed")
