@@ -21,9 +21,10 @@ from fastrag.data.datasets import DataError, canonical_dataset
 
 MODES = ("reference", "streaming")
 QUERY_FORMULATIONS = ("real_words",)
-# `method` values of the published code that select DRAGIN (AttnWeightRAG): configs say "attn_entropy",
-# later main.py revisions also accept "dragin" and "attn_prob".
-DRAGIN_METHODS = ("attn_entropy", "dragin", "attn_prob")
+# `method` values of the published code that select DRAGIN (AttnWeightRAG) with entropy-weighted words: configs say
+# "attn_entropy", later main.py revisions also accept "dragin". ("attn_prob", which weights words by -log p instead,
+# is not implemented: refused by name.)
+DRAGIN_METHODS = ("attn_entropy", "dragin")
 
 
 class ConfigError(ValueError):
@@ -139,6 +140,9 @@ def load_dragin_config(path: str | Path, dataset: str | None = None, more_keys: 
     path = Path(path)
     raw = read_json_object(path)
     method = raw.get("method")
+    if method == "attn_prob":
+        raise ConfigError(f"{path}: field 'method' is 'attn_prob' (words weighted by -log p), which fastrag does not "
+                          "implement; DRAGIN here weights words by entropy ('attn_entropy' / 'dragin')")
     if method is not None and method not in DRAGIN_METHODS:
         raise ConfigError(
             f"{path}: field 'method' is {method!r}, which is not DRAGIN (expected one of {', '.join(DRAGIN_METHODS)})"

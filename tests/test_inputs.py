@@ -352,6 +352,13 @@ def test_dragin_config_keys_that_would_change_nothing_are_refused(tmp_path, patc
         load_dragin_config(p)
 
 
+def test_dragin_config_refuses_attn_prob(tmp_path):
+    p = tmp_path / "c.json"
+    p.write_text(json.dumps({"method": "attn_prob", "dataset": "hotpotqa"}))
+    with pytest.raises(ConfigError, match="attn_prob.*does not implement"):
+        load_dragin_config(p)
+
+
 def test_dragin_config_accepts_published_keys_a_bom_and_refuses_streaming_mode(tmp_path):
     from fastrag.methods.registry import get_method
 

@@ -527,8 +527,11 @@ def test_flare_look_ahead_keeps_the_token_that_ends_its_sentence(tok, head):
     r, eng, ret = run("flare", tok, world, retrieve_first=False, theta=0.8, beta=0.4)
     assert r.error is None, r.error
     assert r.rounds[0].trigger_sentence == (head + ").").strip()
-    # implicit query: s^ without its tokens of p <= beta; nothing left with no head: the question
-    assert ret.queries[0] == (head.strip() or "Where is Paris?")
+    # implicit query: s^ without its tokens of p <= beta; nothing left with no head: an empty query, no search
+    if head:
+        assert ret.queries[0] == head.strip() and r.rounds[0].query == head.strip()
+    else:
+        assert r.rounds[0].query is None and ret.queries == []
 
 
 @pytest.mark.parametrize("head", [" Paris is in France", ""])
@@ -588,3 +591,61 @@ def test_flare_instruct_call_cut_by_the_budget_is_written_whole_next(tok):
     r, eng, ret = run("flare-instruct", tok, lambda p: continuation(p, answer), look_ahead_tokens=n)
     assert ret.queries == ["capital of France"]
     assert r.prediction == "Paris is big. It lies in France. So the answer is France."
+
+
+def test_flare_whitespace_after_the_sentence_is_not_tested(tok):
+    """s^'s tokens stop at its last character: a low-probability newline between two sentences is no trigger."""
+    pieces = [(" Paris is in France.", HIGH, 0.1), ("\n", LOW, 2.0), (" So the answer is France.", HIGH, 0.1), None]
+    r, eng, ret = run("flare", tok, lambda p: continuation(p, pieces), retrieve_first=False, theta=0.8)
+    assert r.error is None and r.rounds[0].trigger_sentence is None, r.rounds
+    assert "Paris is in France." not in ret.queries  # (the next look-ahead opens with the newline: it is tested there)
+
+
+def test_flare_masked_runs_keep_the_pieces_apart(tok):
+    """Each masked run becomes a space (published FLARE): " Hyp" + [masked "ocr"] + "ite" reads "Hyp ite", not the
+    glued "Hypite" that BM25 would not match; engine and oracle alike; all masked: ""."""
+    from fastrag.methods.flare import FlareDirect
+    from fastrag.oracle.flare import FlareOracle
+
+    cfg = method_config("flare", "2wikimultihopqa", overrides={"fewshot": 0, "beta": 0.4})
+    ids = [tok.encode(x)[0] for x in (" Hyp", "ocr", "ite", " is", " big")]
+    assert all(len(tok.encode(x)) == 1 for x in (" Hyp", "ocr", "ite", " is", " big"))
+    p = [HIGH, LOW, HIGH, LOW, HIGH]
+    oracle = FlareOracle.__new__(FlareOracle)
+    oracle.tokenizer, oracle.config = tok, cfg
+    policy = FlareDirect(cfg, tok)
+    assert policy.implicit_query(ids, p) == oracle.implicit(ids, p) == "Hyp ite big"
+    assert policy.implicit_query(ids, [LOW] * 5) == oracle.implicit(ids, [LOW] * 5) == ""
+
+
+def test_dragin_qfs_hit_flags_line_up_with_the_written_words(tok):
+    """A trigger sentence whose words end with an empty one (a newline's) writes only its non-empty words into the
+    QFS text: the hit flags must line up with those (the hit on "Paris." landed on "is", and "Paris." became a
+    query word). Engine policy and oracle alike."""
+    from fastrag.config import dragin_config
+    from fastrag.methods.common import join
+    from fastrag.methods.dragin import DraginReference
+    from fastrag.oracle.dragin import DraginOracle
+    from fastrag.text.realwords import real_words
+
+    import dataclasses
+
+    cfg = dataclasses.replace(dragin_config("2wikimultihopqa"), fewshot=0, retrieve_keep_top_k=20)
+    q, text, kept = "Where is the Louvre?", "The Louvre is a museum.", ""
+    curr = ["So", "the", "answer", "is", "Paris.", ""]
+    hits = [False, False, False, False, True, False]
+    all_text = join(q, text, kept) + " " + " ".join(w for w in curr if w)
+    policy = DraginReference(cfg, tok)
+    ids = tok.encode(all_text)
+    T = len(ids)
+    rows = torch.tril(torch.ones(T, T, dtype=torch.float64))
+    rows = rows / rows.sum(-1, keepdim=True)
+    query = policy.qfs(all_text, ids, rows, curr, hits, real_words(all_text))
+    assert "Paris" not in query and "Louvre" in query, query
+
+    oracle = DraginOracle.__new__(DraginOracle)
+    oracle.tokenizer, oracle.config = tok, cfg
+    oracle.words = policy.words
+    oracle.last_layer_attention = lambda x: rows[None].expand(2, -1, -1)
+    oq = oracle.qfs(q, text, kept, curr, hits)
+    assert "Paris" not in oq and "Louvre" in oq, oq

@@ -148,9 +148,11 @@ class DraginReference:
         att = torch.stack([rows[l:r].mean(0) for l, r in spans])  # [W, T] word rows
         norm = att[:, 1:].sum(-1, keepdim=True) if cfg.qfs_skip_first else att.sum(-1, keepdim=True)
         att = att / norm
-        n_curr = len(curr_words)
-        first_curr = len(words) - n_curr
-        hit_idx = [first_curr + i for i, h in enumerate(curr_hits) if h and first_curr + i >= 0]
+        # all_text ends with the sentence's non-empty words (an empty word, a newline's, is not written there): the
+        # hit flags line up with those
+        flags = [h for w, h in zip(curr_words, curr_hits) if w]
+        first_curr = len(words) - len(flags)
+        hit_idx = [first_curr + i for i, h in enumerate(flags) if h and first_curr + i >= 0]
         cand = [i for i, w in enumerate(words) if matches_real_word(w, real) and i not in set(hit_idx)]
         k = cfg.retrieve_keep_top_k
         if hit_idx:

@@ -17,9 +17,8 @@ from __future__ import annotations
 from fastrag.config import FlareConfig, method_config
 from fastrag.data.exemplars import case_text, demo_text
 from fastrag.methods.common import (finish_answer, generate, join, probs, rag_prompt, search, sentences, stop,
-                                    token_char_ends, truncate_query)
+                                    token_char_ends, tokens_before, truncate_query)
 from fastrag.methods.registry import MethodSpec, register
-from fastrag.methods.token_rag import masked_text, token_spans
 from fastrag.trace import QuestionResult, Round
 
 MAIN, QGEN = 0, 2  # KV branches: the answer prompts; the explicit-query question prompts
@@ -73,18 +72,14 @@ class FlareDirect:
 
     def look_ahead(self, g):
         """`sent, n = yield from self.look_ahead(g)`: (first sentence text, its token count) of a look-ahead
-        generation; ("", 0) when it has none. s^'s tokens are those owned by it (`token_spans`), plus the token
-        holding its last character when that token runs into the next sentence (SmolLM2's `._` or `)).`): s^
-        always has at least one token, and its confidence test sees the token that ends it."""
+        generation; ("", 0) when it has none. s^'s tokens are those that start before its last character ends
+        (published FLARE's rule): the token holding that character even when it runs into the next sentence
+        (SmolLM2's `._` or `)).`), and no whitespace token after it."""
         new = self.tok.decode(g.ids, skip_special_tokens=True)
         sents = yield from sentences(new)
         if not sents:
             return "", 0
-        ends = token_char_ends(self.tok, g.ids)
-        _, r = token_spans(ends, sents)[0]
-        if r < len(ends) and (r == 0 or ends[r - 1] < sents[0].end):
-            r += 1
-        return sents[0].text, r
+        return sents[0].text, tokens_before(token_char_ends(self.tok, g.ids), sents[0].end)
 
     def __call__(self, ex):
         cfg, tok = self.cfg, self.tok
@@ -106,8 +101,12 @@ class FlareDirect:
                 break
             p = probs(g.logprob[:r])
             if any(x <= cfg.theta for x in p):
-                query, docs = yield from self.retrieve(res, q, case, text, sent, g.ids[:r], p)
-                res.rounds.append(Round(trigger_sentence=sent, query=query, doc_ids=[str(d.id) for d in docs]))
+                query, found = yield from self.retrieve(res, case, text, sent, g.ids[:r], p)
+                if query is None:  # every token of s^ masked: no search (an empty query); the documents stay
+                    res.rounds.append(Round(trigger_sentence=sent))
+                else:
+                    docs = found
+                    res.rounds.append(Round(trigger_sentence=sent, query=query, doc_ids=[str(d.id) for d in docs]))
                 g = yield from generate(res, rag_prompt(self.demos, docs, case, text), cfg.look_ahead_tokens, MAIN)
                 sent, _ = yield from self.look_ahead(g)
             else:
@@ -117,15 +116,27 @@ class FlareDirect:
                 break
         return (yield from finish_answer(res, tok, self.demos, case, text))
 
-    def implicit_query(self, q: str, ids, p: list[float]) -> str:
-        """s^ without the tokens of p <= beta; the question when nothing is left."""
-        query = masked_text(self.tok, ids, [x > self.cfg.beta for x in p])
-        return truncate_query(self.tok, query or q, self.cfg.max_query_tokens)
+    def implicit_query(self, ids, p: list[float]) -> str:
+        """s^ with its tokens of p <= beta masked: each masked run becomes a space (published FLARE's rule: the
+        pieces on either side stay apart), spaces collapsed; "" when nothing is left."""
+        runs, cur = [], []
+        for t, x in zip(ids, p):
+            if x > self.cfg.beta:
+                cur.append(t)
+            elif cur:
+                runs.append(cur)
+                cur = []
+        runs.append(cur)
+        query = " ".join(" ".join(self.tok.decode(r, skip_special_tokens=True) for r in runs if r).split())
+        return truncate_query(self.tok, query, self.cfg.max_query_tokens) if query else ""
 
-    def retrieve(self, res, q, case, text, sent, ids, p):
+    def retrieve(self, res, case, text, sent, ids, p):
+        """`query, docs = yield from self.retrieve(...)`; (None, None) when the query is empty (no search)."""
         cfg, tok = self.cfg, self.tok
         if cfg.query_formulation == "implicit":
-            query = self.implicit_query(q, ids, p)
+            query = self.implicit_query(ids, p)
+            if not query:
+                return None, None
             return query, (yield from search(res, query, cfg.retrieve_topk))
         questions = []
         for l, r in low_spans(ids, p, cfg.beta):
@@ -138,7 +149,9 @@ class FlareDirect:
             if qn:
                 questions.append(truncate_query(tok, qn, cfg.max_query_tokens))
         if not questions:  # no low-probability span (theta > p > beta) or no question came out: implicit query
-            query = self.implicit_query(q, ids, p)
+            query = self.implicit_query(ids, p)
+            if not query:
+                return None, None
             return query, (yield from search(res, query, cfg.retrieve_topk))
         ranked = []
         for qn in questions:

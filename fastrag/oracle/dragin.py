@@ -184,9 +184,11 @@ class DraginOracle:
         m = self.last_layer_attention(ids).to(torch.float64).mean(dim=0)  # [T, T]
         spans = self.words.spans(ids)
         words = self.words.texts(ids, spans)
-        # The sentence's words are the last len(curr) words of `all`, aligned with their hit flags.
-        start = len(words) - len(curr)
-        hit_words = [start + i for i, h in enumerate(hits) if h and start + i >= 0]
+        # The sentence's non-empty words (the only ones written into `all`) are its last words, aligned with their
+        # hit flags; an empty word (a newline's) has no place there
+        flags = [h for w, h in zip(curr, hits) if w]
+        start = len(words) - len(flags)
+        hit_words = [start + i for i, h in enumerate(flags) if h and start + i >= 0]
         rows = D.qfs_word_rows(m, spans, self.config.qfs_skip_first)
         scores = D.qfs_scores(rows, spans, hit_words)
         real = real_words(all_text)

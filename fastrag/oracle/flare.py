@@ -9,7 +9,6 @@ explicit queries — are written again here, plainly, so that the engine is chec
 
 from __future__ import annotations
 
-import math
 import time
 
 import torch
@@ -61,19 +60,14 @@ class FlareOracle:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def first_sentence_tokens(self, ids) -> tuple[str, int]:
-        """The first sentence of decode(ids) and how many tokens it takes: tokens are added one by one while the
-        text decoded with them ends at or before the start of the second sentence; then, if the sentence's last
-        character is not yet covered, one more (the token that holds it)."""
+        """The first sentence of decode(ids) and how many tokens it takes: a token belongs to it when the text
+        decoded before that token is shorter than the sentence's end (the token starts inside the sentence)."""
         full = self.text(ids)
         sents = split_sentences(full)
         if not sents:
             return "", 0
-        limit = sents[1].start if len(sents) > 1 else math.inf
         n = 0
-        while n < len(ids) and len(self.text(ids[: n + 1])) <= limit:
-            n += 1
-        # a token that holds the sentence's last character but runs past the next sentence's start stays with it
-        if n < len(ids) and len(self.text(ids[:n])) < sents[0].end:
+        while n < len(ids) and len(self.text(ids[:n])) < sents[0].end:
             n += 1
         return sents[0].text, n
 
@@ -83,10 +77,17 @@ class FlareOracle:
             query = self.tokenizer.decode(ids[-self.config.max_query_tokens:], skip_special_tokens=True).strip()
         return query, self.retriever.search([query], k=self.config.retrieve_topk)[0]
 
-    def implicit(self, question: str, ids, p) -> str:
-        kept = [t for t, x in zip(ids, p) if x > self.config.beta]
-        q = " ".join(self.text(kept).split())
-        return q or question
+    def implicit(self, ids, p) -> str:
+        """The tokens of p > beta, a space for each masked run; "" when every token is masked."""
+        pieces, run = [], []
+        for t, x in zip(ids, p):
+            if x > self.config.beta:
+                run.append(t)
+            else:
+                pieces.append(self.text(run))
+                run = []
+        pieces.append(self.text(run))
+        return " ".join(" ".join(pieces).split())
 
     def explicit(self, question, case, text, sent, ids, p):
         cfg = self.config
@@ -109,7 +110,8 @@ class FlareOracle:
             if line:
                 questions.append(line)
         if not questions:
-            return self.retrieve(self.implicit(question, ids, p))
+            q = self.implicit(ids, p)
+            return self.retrieve(q) if q else (None, None)
         lists, used = [], []
         for qn in questions:
             qq, docs = self.retrieve(qn)
@@ -142,10 +144,15 @@ class FlareOracle:
                 break
             if min(p[:n]) <= cfg.theta:
                 if cfg.query_formulation == "implicit":
-                    query, docs = self.retrieve(self.implicit(question, ids[:n], p[:n]))
+                    q = self.implicit(ids[:n], p[:n])
+                    query, found = self.retrieve(q) if q else (None, None)
                 else:
-                    query, docs = self.explicit(question, case, text, sent, ids[:n], p[:n])
-                rounds.append(Round(trigger_sentence=sent, query=query, doc_ids=[str(d.id) for d in docs]))
+                    query, found = self.explicit(question, case, text, sent, ids[:n], p[:n])
+                if query is None:  # every token masked: an empty query, no search; the documents stay
+                    rounds.append(Round(trigger_sentence=sent))
+                else:
+                    docs = found
+                    rounds.append(Round(trigger_sentence=sent, query=query, doc_ids=[str(d.id) for d in docs]))
                 ids, _ = self.generate(rag_prompt(self.demos, docs, case, text), cfg.look_ahead_tokens)
                 sent, _ = self.first_sentence_tokens(ids)
             else:
