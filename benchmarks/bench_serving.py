@@ -74,13 +74,13 @@ async def client(url: str, i: int, question: str, max_tokens: int, timeout: floa
                     if ev.get("object") == "error":
                         rec["problem"] = ev["error"]["message"]
                     elif ev.get("object") == "text_completion":
-                        if ev["choices"][0]["finish_reason"] is None:
+                        if ev["choices"][0]["finish_reason"] is not None:
+                            finals += 1
+                            rec["answer"] = ev["choices"][0]["text"]
+                        elif (ev.get("fastrag") or {}).get("event") == "token":  # progress: a decoded token
                             rec["tokens"] += 1
                             if rec["ttft"] is None:
                                 rec["ttft"] = time.perf_counter() - t0
-                        else:
-                            finals += 1
-                            rec["answer"] = ev.get("answer")
                 rec["latency"] = time.perf_counter() - t0
                 if rec["problem"] is None:
                     if not done:

@@ -122,13 +122,45 @@ def test_completion_and_stream_over_http(server, parts):
         assert s.status_code == 200 and s.headers["content-type"].startswith("text/event-stream")
         evs = sse_events(list(s.iter_lines()))
     assert evs[-1] == "[DONE]"
-    finals = [e for e in evs[:-1] if e.get("choices") and e["choices"][0]["finish_reason"] == "stop"]
-    assert len(finals) == 1 and finals[0]["answer"] == d["choices"][0]["text"]  # same question, same answer
-    toks = [e for e in evs[:-1] if e.get("object") == "text_completion" and e["choices"][0]["finish_reason"] is None]
-    assert toks and all(isinstance(e["choices"][0]["text"], str) for e in toks)
+    # every chunk is a text_completion chunk with one choice; the text joins into the non-streaming text
+    assert all(e["object"] == "text_completion" and len(e["choices"]) == 1 for e in evs[:-1])
+    assert "".join(e["choices"][0]["text"] for e in evs[:-1]) == d["choices"][0]["text"]  # same question, answer
+    finals = [e for e in evs[:-1] if e["choices"][0]["finish_reason"] == "stop"]
+    assert len(finals) == 1 and finals[0] is evs[-2] and finals[0]["retrieval"]["prediction"] == d["choices"][0]["text"]
+    # progress: every decoded token (drafts included) and every search, in the fastrag field
+    toks = [e["fastrag"] for e in evs[:-2] if e["fastrag"]["event"] == "token"]
+    # (a token ending in part of a UTF-8 character shows with the next one: at most one event per decoded token)
+    assert 0 < len(toks) <= finals[0]["retrieval"]["decode_tokens"] and all(isinstance(t["text"], str) for t in toks)
+    assert [e["fastrag"]["query"] for e in evs[:-2] if e["fastrag"]["event"] == "search"] == \
+        [x["query"] for x in finals[0]["retrieval"]["rounds"] if x["query"] is not None]
     chat = httpx.post(url + "/v1/chat/completions", timeout=300, json={
         "messages": [{"role": "user", "content": QUESTIONS[0]}], "max_tokens": 20})
     assert chat.status_code == 200 and chat.json()["choices"][0]["message"]["content"] == d["choices"][0]["text"]
+
+
+def test_the_official_openai_client_reads_the_stream(server):
+    """The `openai` package, unchanged, against the server: streamed text deltas join into the non-streaming text
+    (completions and chat), no chunk lacks its choice, the progress is in each chunk's `fastrag` field."""
+    import openai
+
+    url, _ = server
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    extra = {"retrieval": {"method": "dragin", "dataset": "hotpotqa"}}
+    q = QUESTIONS[1]
+    full = client.completions.create(model="smollm2", prompt=q, max_tokens=20, extra_body=extra)
+    text, progress, finish = "", [], []
+    for ch in client.completions.create(model="smollm2", prompt=q, max_tokens=20, stream=True, extra_body=extra):
+        text += ch.choices[0].text
+        finish.append(ch.choices[0].finish_reason)
+        progress.append((ch.model_extra or {}).get("fastrag"))
+    assert text == full.choices[0].text
+    assert finish[-1] == "stop" and set(finish[:-1]) == {None}
+    assert 0 < sum(p is not None and p["event"] == "token" for p in progress) <= full.usage.completion_tokens
+    msgs = [{"role": "user", "content": q}]
+    chat = client.chat.completions.create(model="smollm2", messages=msgs, max_tokens=20, extra_body=extra)
+    parts = [ch.choices[0].delta.content or "" for ch in client.chat.completions.create(
+        model="smollm2", messages=msgs, max_tokens=20, stream=True, extra_body=extra)]
+    assert "".join(parts) == chat.choices[0].message.content == full.choices[0].text
 
 
 @pytest.mark.parametrize("body, field", [

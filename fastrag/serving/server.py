@@ -10,9 +10,12 @@ The prompt is the question; the `retrieval` object picks the dynamic-RAG method,
 settings it uses, and the method's config (the same keys as its `--config` JSON). `max_tokens`, when given, is the
 length of each generation round (`generate_max_length`; BeamSearchQA: `answer_max_tokens`). Non-streaming answers carry the prediction as the
 completion text and the method's whole trace under `retrieval`. With `"stream": true` the response is server-sent
-events: one chunk per generated token (OpenAI chunk format), `retrieval.search` / `retrieval.documents` /
-`retrieval.generate` events as the method decides (the token chunks are every generation the method runs, draft
-rounds included), a last chunk with `finish_reason`, the answer and the trace, then `data: [DONE]`. OpenAI fields
+events an OpenAI client reads unchanged: every chunk has its one choice, and the text deltas join into exactly the
+non-streaming completion text (the prediction, sent in the last chunk with `finish_reason` and the trace under
+`retrieval`). Progress rides in each chunk's `fastrag` field beside an empty delta: `{"event": "token", "text",
+"token_id", "branch"}` for every decoded token of every generation the method runs (draft rounds included: a
+round a method throws away is progress, never completion text), and `search` / `documents` / `generate` events as
+the method decides; then `data: [DONE]`. OpenAI fields
 the server cannot honour (`n` > 1, `stop`, `logprobs`, `echo`, penalties, a decoding other than the server's) get a
 422; `usage.prompt_tokens` counts cached prompt tokens too (`prompt_tokens_details.cached_tokens`).
 
@@ -250,6 +253,11 @@ def create_app(engine: AsyncEngine, timeout_s: float = 600.0, max_question_chars
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
     async def _sse(events, rid: str, created: int, chat: bool, include_usage: bool = False):
+        """Server-sent events an OpenAI client reads as it reads OpenAI's: every line is a chunk with one choice
+        (the usage chunk alone has none), and the text deltas join into exactly the non-streaming completion text
+        (the prediction, in the last chunk). What the method does on the way (each decoded token of every
+        generation, draft rounds included, and each search) rides in the chunks' `fastrag` field with an empty
+        delta: a generation a method throws away never reaches the client's text."""
         obj = "chat.completion.chunk" if chat else "text_completion"
 
         def chunk(text: str | None, finish: str | None = None, extra: dict | None = None) -> str:
@@ -269,14 +277,11 @@ def create_app(engine: AsyncEngine, timeout_s: float = 600.0, max_question_chars
         try:
             async with asyncio.timeout(timeout_s):
                 async for ev in events:
-                    if ev.kind == "token":
-                        yield chunk(ev.data["text"], extra={"branch": ev.data["branch"]})
-                    elif ev.kind in ("search", "documents", "generate"):
-                        yield "data: " + json.dumps({"id": rid, "object": f"retrieval.{ev.kind}", **ev.data},
-                                                    ensure_ascii=False) + "\n\n"
+                    if ev.kind in ("token", "search", "documents", "generate"):
+                        yield chunk(None, extra={"fastrag": {"event": ev.kind, **ev.data}})
                     elif ev.kind == "answer":
                         r = ev.data["result"]
-                        yield chunk(None, "stop", {"retrieval": r, "answer": r.get("prediction", "")})
+                        yield chunk(r.get("prediction", ""), "stop", {"retrieval": r})
                         if include_usage:  # (OpenAI's stream_options.include_usage: a last chunk, no choices)
                             yield "data: " + json.dumps({"id": rid, "object": obj, "created": created,
                                                          "model": model_name, "choices": [],
