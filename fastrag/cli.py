@@ -42,6 +42,9 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="0 (default): greedy; > 0: sample inside the fused signal kernel (run only; parity is greedy)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling with --temperature > 0 (e.g. 0.9)")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampling keys")
+    p.add_argument("--answer-aliases", help="gold-answer aliases keyed by each question's answer_id (2WikiMultihopQA's "
+                   "id_aliases.json, as the published DRAGIN evaluation scores 2Wiki); scoring only: a rerun into a "
+                   "finished --output rescores its answers")
     p.add_argument("--output", required=True, help="output directory (run: results.jsonl, metrics.json, run.json; "
                    "parity: parity.json and the engine/ and oracle/ run folders)")
     p.add_argument("--no-progress", action="store_true")
@@ -111,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
                           batch_size=args.batch_size, signals=args.signals, kv_cache_gb=args.kv_cache_gb,
                           prefix_caching=not args.no_prefix_caching, threads=args.threads, progress=not args.no_progress, retriever=args.retriever,
                           overlap={"auto": None, "on": True, "off": False}[args.overlap],
-                          text_workers=args.text_workers, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+                          text_workers=args.text_workers, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                          answer_aliases=args.answer_aliases)
         if args.cmd == "parity" and args.temperature > 0:
             raise ValueError("--temperature: parity compares greedy decoding with the per-question oracle; "
                              "drop --temperature/--top-p for `fastrag parity`")

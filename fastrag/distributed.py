@@ -50,7 +50,7 @@ def _run_ray(opts: RunOptions, num_workers: int, max_retries: int, ray_address: 
 
     out = Path(opts.output)
     out.mkdir(parents=True, exist_ok=True)
-    examples = load_examples(opts.dataset, opts.data, limit=opts.limit)
+    examples = load_examples(opts.dataset, opts.data, limit=opts.limit, answer_aliases=opts.answer_aliases)
     check_manifest(out, run_identity(opts, method_config(opts)))
     done, todo = resume(out / "results.jsonl", examples)
     have = {r.qid for r in done}

@@ -65,6 +65,9 @@ class RunOptions:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
+    # gold-answer aliases keyed by each question's answer_id (2WikiMultihopQA's id_aliases.json, as the published
+    # DRAGIN evaluation reads it): scoring only, so a rerun into a finished folder rescores its answers with them
+    answer_aliases: str | None = None
 
     def __post_init__(self):
         from fastrag.methods.registry import get_method
@@ -94,14 +97,16 @@ class RunOptions:
         if self.text_workers is not None and (isinstance(self.text_workers, bool)
                                               or not isinstance(self.text_workers, int) or self.text_workers < 0):
             raise ValueError(f"--text-workers must be an int >= 0 (0: no worker processes), got {self.text_workers!r}")
-        for name in ("data", "corpus"):
-            p = Path(getattr(self, name))
+        for name in ("data", "corpus", "answer_aliases"):
+            if getattr(self, name) is None and name == "answer_aliases":
+                continue
+            p, flag = Path(getattr(self, name)), "--" + name.replace("_", "-")
             if p.is_dir():
-                raise ValueError(f"--{name} {p}: is a directory, expected a file")
+                raise ValueError(f"{flag} {p}: is a directory, expected a file")
             if not p.is_file():
-                raise FileNotFoundError(f"--{name} {p}: no such file")
+                raise FileNotFoundError(f"{flag} {p}: no such file")
             if not os.access(p, os.R_OK):
-                raise PermissionError(f"--{name} {p}: not readable")
+                raise PermissionError(f"{flag} {p}: not readable")
 
 
 def method_config(opts: RunOptions):
@@ -265,11 +270,44 @@ def resume(path: Path, examples: list[Example]) -> tuple[list[QuestionResult], l
     gold answers (a corrected data file changes the metrics of answers already computed)."""
     kept = [r for r in latest_records(path, examples, repair=True) if r.error is None]
     by_id = {e.qid: e for e in examples}
+    rescored = {}
     for r in kept:
+        before = (r.gold, r.metrics)
         r.gold = list(by_id[r.qid].answers)
         score_result(by_id[r.qid], r)
+        if (r.gold, r.metrics) != before:
+            rescored[r.qid] = r
+    if rescored:
+        _rewrite_records(path, rescored)
     have = {r.qid for r in kept}
     return kept, [e for e in examples if e.qid not in have]
+
+
+def _record_line(r: QuestionResult) -> str:
+    line = json.dumps(r.to_json(), ensure_ascii=False)
+    try:
+        line.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate ("\ud800" in the data): JSON escapes carry it exactly
+        line = json.dumps(r.to_json(), ensure_ascii=True)
+    return line
+
+
+def _rewrite_records(path: Path, records: dict[str, QuestionResult]) -> None:
+    """Replace the last record of each question in `records` (a resume rescored it against new gold answers), so
+    that results.jsonl agrees with metrics.json; the file is replaced whole (a crash leaves the old one)."""
+    lines = path.read_text(encoding="utf-8").split("\n")
+    last = {}
+    for i, line in enumerate(lines):
+        if line.strip():
+            last[json.loads(line)["qid"]] = i
+    for qid, r in records.items():
+        lines[last[qid]] = _record_line(r)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write("\n".join(lines))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 class ResultWriter:
@@ -277,12 +315,7 @@ class ResultWriter:
         self.f = open(path, "a", encoding="utf-8")
 
     def write(self, r: QuestionResult) -> None:
-        line = json.dumps(r.to_json(), ensure_ascii=False)
-        try:
-            line.encode("utf-8")
-        except UnicodeEncodeError:  # a lone surrogate ("\ud800" in the data): JSON escapes carry it exactly
-            line = json.dumps(r.to_json(), ensure_ascii=True)
-        self.f.write(line + "\n")
+        self.f.write(_record_line(r) + "\n")
         self.f.flush()
         os.fsync(self.f.fileno())
 
@@ -452,7 +485,7 @@ def _run_many(runs: list[RunOptions], engine=None, retriever=None) -> list[dict]
     plans = []  # per run: (opts, cfg, examples by id, done, todo)
     for o, out in zip(runs, outs):
         cfg = method_config(o)
-        examples = load_examples(o.dataset, o.data, limit=o.limit)
+        examples = load_examples(o.dataset, o.data, limit=o.limit, answer_aliases=o.answer_aliases)
         if o.qids is not None:
             keep = set(o.qids)
             examples = [e for e in examples if e.qid in keep]

@@ -70,7 +70,7 @@ def _run_oracle(opts: RunOptions, out: Path, recipe: str) -> tuple[list[Question
     if spec.make_oracle is None:
         raise ValueError(f"method {opts.method!r} has no per-question oracle; parity is not available for it")
     out.mkdir(parents=True, exist_ok=True)
-    examples = load_examples(opts.dataset, opts.data, limit=opts.limit)
+    examples = load_examples(opts.dataset, opts.data, limit=opts.limit, answer_aliases=opts.answer_aliases)
     check_manifest(out, run_identity(opts, method_config(opts), oracle=recipe))
     path = out / "results.jsonl"
     done, todo = resume(path, examples)
@@ -134,7 +134,8 @@ def parity(opts: RunOptions) -> dict:
     out = Path(opts.output)
     m_engine = run(replace(opts, output=str(out / "engine")))
     engine_results = latest_records(out / "engine" / "results.jsonl",
-                                    load_examples(opts.dataset, opts.data, limit=opts.limit))
+                                    load_examples(opts.dataset, opts.data, limit=opts.limit,
+                                                  answer_aliases=opts.answer_aliases))
     oracle_results, wall, computed = run_oracle(opts, out / "oracle")
     report = compare(engine_results, oracle_results, method_decisions(opts.method))
     report.update({

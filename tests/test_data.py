@@ -98,6 +98,47 @@ def test_2wiki_original_json_list_and_jsonl(tmp_path):
         assert (e.qid, e.question, e.answers, e.meta["answer_id"]) == ("x1", "Q?", ["yes"], "Q1")
 
 
+def test_2wiki_answer_aliases_as_the_published_evaluation_reads_them(tmp_path):
+    """id_aliases.json (one {Q_id, aliases, demonyms} per line): a question's gold answers gain the aliases of its
+    answer_id, after its own answer, without repeats, demonyms left out; the {id: [aliases]} form reads alike."""
+    recs = [{"_id": "x1", "question": "Q1?", "answer": "United States", "answer_id": "Q30"},
+            {"_id": "x2", "question": "Q2?", "answer": "Cork", "answer_id": "Q36647"},
+            {"_id": "x3", "question": "Q3?", "answer": "no", "answer_id": ""}]
+    data = _jsonl(tmp_path / "d.jsonl", recs)
+    lines = _jsonl(tmp_path / "id_aliases.json", [
+        {"Q_id": "Q30", "aliases": ["USA", "United States", "U.S."], "demonyms": ["American"]},
+        {"Q_id": "Q99", "aliases": ["elsewhere"], "demonyms": []}])
+    mapping = _json(tmp_path / "map.json", {"Q30": ["USA", "U.S."], "Q36647": "Corcaigh"})
+    ex = load_examples("2wikimultihopqa", data, answer_aliases=lines)
+    assert [e.answers for e in ex] == [["United States", "USA", "U.S."], ["Cork"], ["no"]]
+    ex = load_examples("2wikimultihopqa", data, answer_aliases=mapping)
+    assert [e.answers for e in ex] == [["United States", "USA", "U.S."], ["Cork", "Corcaigh"], ["no"]]
+    assert load_examples("2wikimultihopqa", data)[0].answers == ["United States"]  # none asked: none added
+
+
+@pytest.mark.parametrize("content, pattern", [
+    ('{"Q_id": "Q1", "aliases": ["a"]}\n{"Q_id": "Q2"}\n', r"id_aliases.json:2: .*'aliases'"),
+    ('{"Q_id": "Q1", "aliases": ["a"]}\n{"Q_id": 7, "aliases": ["b"]}\n', r"id_aliases.json:2: .*'Q_id'.*int"),
+    ('{"Q_id": "Q1", "aliases": ["a"]}\n{"Q_id": "Q1", "aliases": ["b"]}\n', r"id_aliases.json:2: .*'Q1'.*second"),
+    ('{"Q_id": "Q1", "aliases": [{"x": 1}]}\n', r"id_aliases.json:1: field 'aliases'"),
+    ('{"id": "Q1", "aliases": ["a"]}\n', r"id_aliases.json:1: .*'Q_id'"),
+    ('{"Q1": {"x": 1}}', r"id_aliases.json:1: field 'Q1'"),
+    ("", r"id_aliases.json: file is empty"),
+])
+def test_bad_answer_alias_files_name_line_and_field(tmp_path, content, pattern):
+    data = _jsonl(tmp_path / "d.jsonl", [{"_id": "x1", "question": "Q?", "answer": "a", "answer_id": "Q1"}])
+    (tmp_path / "id_aliases.json").write_text(content)
+    with pytest.raises(DataError, match=pattern):
+        load_examples("2wikimultihopqa", data, answer_aliases=tmp_path / "id_aliases.json")
+
+
+def test_answer_aliases_for_data_without_answer_ids_are_refused(tmp_path):
+    data = _json(tmp_path / "a.json", [{"test_id": 0, "question": "Q0", "answer": ["a"]}])
+    aliases = _jsonl(tmp_path / "id_aliases.json", [{"Q_id": "Q1", "aliases": ["b"]}])
+    with pytest.raises(DataError, match=r"a.json: no question has an 'answer_id'"):
+        load_examples("2wikimultihopqa", data, answer_aliases=aliases)
+
+
 def test_2wiki_list(tmp_path):
     p = _json(tmp_path / "a.json", [{"test_id": 0, "question": "Q0", "answer": ["a", "b"]},
                                     {"test_id": 1, "question": "Q1", "answer": "c"}])

@@ -192,6 +192,31 @@ def test_resumed_answers_are_scored_against_the_current_gold(setup):
                             for i, q in enumerate(QUESTIONS)))
     m = go(limit=2)
     assert m["computed_this_run"] == 0 and m["em"] == 1.0
+    # results.jsonl agrees with metrics.json: each question's last record carries the new gold and its score
+    recs = records(tmp / "o" / "results.jsonl")
+    assert len(recs) == 2 and all(r["metrics"]["em"] == 1.0 and r["gold"] == [preds[r["qid"]]] for r in recs)
+
+
+def test_answer_aliases_rescore_a_finished_run_without_computing_again(setup):
+    """--answer-aliases (2Wiki's id_aliases.json) is scoring only: a rerun into the finished folder with it keeps
+    every answer and scores it against the aliases too."""
+    go, tmp, _, _ = setup
+    data = tmp / "wiki.jsonl"
+    data.write_text("".join(json.dumps({"_id": f"w{i}", "question": q, "answer": f"gold {i}", "answer_id": f"Q{i}"})
+                            + "\n" for i, q in enumerate(QUESTIONS[:3])))
+    m = go(dataset="2wikimultihopqa", data=str(data))
+    assert m["computed_this_run"] == 3 and m["em"] == 0.0
+    preds = {r["qid"]: r["metrics"]["answer"] for r in records(tmp / "o" / "results.jsonl")}
+    assert all(p.strip() for p in preds.values()), preds
+    aliases = tmp / "id_aliases.json"  # the answers of w0 and w1 become aliases of their answer ids
+    aliases.write_text("".join(json.dumps({"Q_id": f"Q{i}", "aliases": [preds[f"w{i}"]], "demonyms": []}) + "\n"
+                               for i in range(2)))
+    m = go(dataset="2wikimultihopqa", data=str(data), answer_aliases=str(aliases))
+    assert m["computed_this_run"] == 0 and m["em"] == pytest.approx(2 / 3)
+    assert [r["gold"] for r in records(tmp / "o" / "results.jsonl")] == \
+        [["gold 0", preds["w0"]], ["gold 1", preds["w1"]], ["gold 2"]]
+    with pytest.raises(FileNotFoundError, match="--answer-aliases .*nope.json: no such file"):
+        go(dataset="2wikimultihopqa", data=str(data), answer_aliases=str(tmp / "nope.json"))
 
 
 def test_a_lone_surrogate_in_the_data_is_named_and_a_record_holding_one_is_still_written(tmp_path):

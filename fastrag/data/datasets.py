@@ -288,8 +288,45 @@ def _iirc_questions(rec: _Rec) -> Iterator[tuple[_Rec, Any]]:
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-def load_examples(dataset: str, path: str | Path, limit: int | None = None) -> list[Example]:
-    """Load up to `limit` questions of `path` (format detected from content) as `Example`s of `dataset`."""
+def load_answer_aliases(path: str | Path) -> dict[str, list[str]]:
+    """Gold-answer aliases by entity id, from the 2WikiMultihopQA release's `id_aliases.json` (one JSON object per
+    line: `{"Q_id": "Q36647", "aliases": [...], "demonyms": [...]}`; demonyms are not read, as in the published
+    DRAGIN evaluation) or from one JSON object mapping ids to alias lists. DataError names the file, line and
+    field of what it cannot read."""
+    path = Path(path)
+    out: dict[str, list[str]] = {}
+    recs = list(_records(path))
+    if len(recs) == 1 and "Q_id" not in recs[0].obj and "aliases" not in recs[0].obj:  # the form {id: [alias, ...]}
+        return {str(k): _str_list(recs[0], k, v) for k, v in recs[0].obj.items()}
+    for rec in recs:
+        qid = _need(rec, "Q_id", str)
+        aliases = _str_list(rec, "aliases", _need(rec, "aliases"))
+        if qid in out:
+            raise DataError(f"{rec.where}: id {qid!r} is listed a second time")
+        out[qid] = aliases
+    return out
+
+
+def with_answer_aliases(examples: list[Example], aliases: dict[str, list[str]], where: str = "") -> int:
+    """Add to each example's gold answers the aliases of its `answer_id` (2WikiMultihopQA's Wikidata id of the
+    answer), after the dataset's own answers and without repeats; returns how many examples gained one. Data
+    without any `answer_id` raises: the aliases could not apply to any question."""
+    if examples and not any(isinstance(e.meta.get("answer_id"), str) for e in examples):
+        raise DataError(f"{where or 'the data'}: no question has an 'answer_id' field, so answer aliases cannot "
+                        "apply (they are keyed by it: 2WikiMultihopQA's original dev.json format carries it)")
+    n = 0
+    for e in examples:
+        extra = [a for a in aliases.get(e.meta.get("answer_id") or "", []) if a not in e.answers]
+        if extra:
+            e.answers = e.answers + extra
+            n += 1
+    return n
+
+
+def load_examples(dataset: str, path: str | Path, limit: int | None = None,
+                  answer_aliases: str | Path | None = None) -> list[Example]:
+    """Load up to `limit` questions of `path` (format detected from content) as `Example`s of `dataset`; with
+    `answer_aliases` (an `id_aliases.json`), each question's gold answers gain the aliases of its `answer_id`."""
     name = canonical_dataset(dataset)
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
         raise DataError(f"limit must be None or an int >= 0, got {limit!r}")
@@ -341,6 +378,8 @@ def load_examples(dataset: str, path: str | Path, limit: int | None = None) -> l
     if not out and limit != 0:
         raise DataError(f"{path}: no question to run in the file (every record was skipped: e.g. IIRC questions "
                         "without an answer)")
+    if answer_aliases is not None:
+        with_answer_aliases(out, load_answer_aliases(answer_aliases), where=str(path))
     if no_gold:
         warnings.warn(f"{path}: {len(no_gold)} question(s) have no gold answer (first: {no_gold[0]}); they score 0",
                       UserWarning, stacklevel=2)
