@@ -41,6 +41,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0 (default): greedy; > 0: sample inside the fused signal kernel (run only; parity is greedy)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling with --temperature > 0 (e.g. 0.9)")
+    p.add_argument("--top-k", type=int, default=0, help="with --temperature > 0: the k most likely tokens only, before "
+                   "top-p (transformers' order; its generation default, which the published DRAGIN runs used, is "
+                   "50); 0 (default): off")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampling keys")
     p.add_argument("--answer-aliases", help="gold-answer aliases keyed by each question's answer_id (2WikiMultihopQA's "
                    "id_aliases.json, as the published DRAGIN evaluation scores 2Wiki); scoring only: a rerun into a "
@@ -79,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("--kv-cache-gb", type=float, default=None, help="as for run")
     sp.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; > 0: sampled answers")
     sp.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling with --temperature > 0")
+    sp.add_argument("--top-k", type=int, default=0, help="with --temperature > 0: the k most likely tokens only, "
+                    "before top-p; 0 (default): off")
     sp.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     if args.cmd == "index":
@@ -89,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             serve(model=args.model, corpus=args.corpus, retriever=args.retriever, host=args.host, port=args.port,
                   batch_size=args.batch_size, max_queue=args.max_queue, timeout_s=args.timeout,
-                  kv_cache_gb=args.kv_cache_gb, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+                  kv_cache_gb=args.kv_cache_gb, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                  top_k=args.top_k)
         except ValueError as e:
             print(f"fastrag: error: {e}", file=sys.stderr)
             return 2
@@ -115,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
                           prefix_caching=not args.no_prefix_caching, threads=args.threads, progress=not args.no_progress, retriever=args.retriever,
                           overlap={"auto": None, "on": True, "off": False}[args.overlap],
                           text_workers=args.text_workers, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-                          answer_aliases=args.answer_aliases)
+                          top_k=args.top_k, answer_aliases=args.answer_aliases)
         if args.cmd == "parity" and args.temperature > 0:
             raise ValueError("--temperature: parity compares greedy decoding with the per-question oracle; "
                              "drop --temperature/--top-p for `fastrag parity`")

@@ -43,6 +43,7 @@ class SamplingParams:
     temperature: float = 0.0  # 0: greedy
     top_p: float = 1.0
     seed: int = 0
+    top_k: int = 0  # 0: off; else only the k most likely tokens (ties kept) before top-p, as transformers samples
 
     def __post_init__(self):
         from fastrag.signals.checks import MIN_TEMPERATURE
@@ -52,6 +53,11 @@ class SamplingParams:
             raise ValueError(f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE:g}, got {t!r}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an int >= 0 (0: off), got {self.top_k!r}")
+        if self.top_k and self.temperature == 0:
+            raise ValueError(f"top_k={self.top_k} applies only when sampling: give a temperature > 0 too (greedy "
+                             "decoding takes the most likely token whatever k is)")
 
 
 @dataclass(slots=True)
@@ -601,7 +607,8 @@ class Engine:
             keys = torch.tensor([sampling_key(sp.seed, s.sample_key, len(s.out.ids)) & 0xFFFFFFFF for s in seqs],
                                 dtype=torch.int64)
             keys = self._h2d(keys) if logits.device == self.device else keys.to(logits.device)
-        sig = self.signals.decode_signals(logits, temperature=sp.temperature, rng_keys=keys, top_p=sp.top_p)
+        sig = self.signals.decode_signals(logits, temperature=sp.temperature, rng_keys=keys, top_p=sp.top_p,
+                                          top_k=sp.top_k)
         dev = torch.stack([sig.chosen.double(), sig.entropy.double(), sig.logprob.double()])
         if dev.device.type != "cuda":
             return dev, None

@@ -65,6 +65,9 @@ class RunOptions:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
+    # with temperature > 0: only the k most likely tokens (ties kept) before top-p, transformers' order (its
+    # generation default is 50: the published DRAGIN runs sampled with T 0.6, top-k 50, top-p 0.9); 0: off
+    top_k: int = 0
     # gold-answer aliases keyed by each question's answer_id (2WikiMultihopQA's id_aliases.json, as the published
     # DRAGIN evaluation reads it): scoring only, so a rerun into a finished folder rescores its answers with them
     answer_aliases: str | None = None
@@ -88,6 +91,11 @@ class RunOptions:
             raise ValueError(f"--temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE:g}, got {t!r}")
         if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
             raise ValueError(f"--top-p must be in (0, 1] (1: no nucleus filtering), got {self.top_p!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"--top-k must be an int >= 0 (0: no top-k filtering), got {self.top_k!r}")
+        if self.top_k and self.temperature == 0:
+            raise ValueError(f"--top-k {self.top_k} applies only when sampling: give --temperature > 0 too "
+                             "(greedy decoding takes the most likely token whatever k is)")
         if self.top_p < 1 and self.temperature == 0:
             raise ValueError(f"--top-p {self.top_p} applies only when sampling: give --temperature > 0 too "
                              "(greedy decoding has no nucleus)")
@@ -206,7 +214,9 @@ def run_identity(opts: "RunOptions", cfg, **more) -> dict:
     ident = {"method": opts.method, "config": c, "model": where(opts.model), "retriever": opts.retriever,
              "corpus": where(opts.corpus), "temperature": float(opts.temperature), "top_p": float(opts.top_p),
              "seed": int(opts.seed), "corpus_fingerprint": path_fingerprint(opts.corpus),
-             "model_fingerprint": path_fingerprint(model_file(opts.model)), **more}
+             "model_fingerprint": path_fingerprint(model_file(opts.model)),
+             **({"top_k": int(opts.top_k)} if opts.top_k else {}), **more}  # (top_k: only when on, so folders
+    # written before it existed keep their identity)
     return json.loads(json.dumps(ident))  # (as it reads back from the file)
 
 
@@ -327,7 +337,7 @@ def sampling_of(opts: RunOptions):
     """The engine's SamplingParams for a run's --temperature / --top-p / --seed."""
     from fastrag.engine import SamplingParams
 
-    return SamplingParams(temperature=opts.temperature, top_p=opts.top_p, seed=opts.seed)
+    return SamplingParams(temperature=opts.temperature, top_p=opts.top_p, seed=opts.seed, top_k=opts.top_k)
 
 
 def build_engine(model: str, batch_size: int, signals: str | None = None, kv_cache_gb: float | None = None,
@@ -475,7 +485,7 @@ def _run_many(runs: list[RunOptions], engine=None, retriever=None) -> list[dict]
     first = runs[0]
     for o in runs[1:]:
         for f in ("model", "corpus", "retriever", "batch_size", "signals", "kv_cache_gb", "prefix_caching",
-                  "temperature", "top_p", "seed", "overlap", "text_workers"):
+                  "temperature", "top_p", "top_k", "seed", "overlap", "text_workers"):
             if getattr(o, f) != getattr(first, f):
                 raise ValueError(f"run_many: runs must share --{f.replace('_', '-')}: {getattr(first, f)!r} "
                                  f"({first.dataset}) vs {getattr(o, f)!r} ({o.dataset})")
@@ -560,7 +570,7 @@ def _run_many(runs: list[RunOptions], engine=None, retriever=None) -> list[dict]
                                 "questions_per_s": computed / wall if wall > 0 else None,
                                 "tokens_per_s": tokens / wall if wall > 0 else None}
         sp = engine.sampling if engine is not None else sampling_of(o)  # what really decoded (a caller's engine)
-        metrics["sampling"] = {"temperature": sp.temperature, "top_p": sp.top_p, "seed": sp.seed}
+        metrics["sampling"] = {"temperature": sp.temperature, "top_p": sp.top_p, "top_k": sp.top_k, "seed": sp.seed}
         if engine is not None:
             metrics["engine"] = dict(engine.stats)
             metrics["kv_cache_gb"] = engine.kv_cache_gb

@@ -113,10 +113,11 @@ def test_graphed_decode_tracks_attention_like_eager():
     _same(got, eager)
 
 
-def test_graphed_decode_with_top_p_sampling_equals_eager():
+@pytest.mark.parametrize("top_k", [0, 20])
+def test_graphed_decode_with_top_p_sampling_equals_eager(top_k):
     prompts = _prompts(6, seed=3)
     max_new = [10, 4, 16, 8, 12, 3]
-    sp = SamplingParams(temperature=0.8, top_p=0.9, seed=11)
+    sp = SamplingParams(temperature=0.8, top_p=0.9, seed=11, top_k=top_k)
     eager, _ = _run(_engine(False, sampling=sp), prompts, max_new)
     got, _ = _run(_engine(True, sampling=sp), prompts, max_new)
     _same(got, eager)

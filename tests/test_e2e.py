@@ -134,12 +134,12 @@ def test_bad_arguments_give_clear_errors(tmp_path, bad, msg):
 
 
 def test_sampled_run_is_seeded_and_recorded(tmp_path, small_config):
-    """--temperature/--top-p/--seed: two runs with the same seed give the same answers and retrieval decisions
-    (sampling happens inside the fused kernel, keyed by the seeded generator), metrics.json records the settings,
-    and parity refuses sampling (its oracle decodes greedily)."""
+    """--temperature/--top-k/--top-p/--seed: two runs with the same seed give the same answers and retrieval
+    decisions (sampling happens inside the fused kernel, keyed by the seeded generator), metrics.json and run.json
+    record the settings, and parity refuses sampling (its oracle decodes greedily)."""
     common = ["--method", "dragin", "--dataset", "hotpotqa", "--data", DATA, "--corpus", CORPUS, "--config",
               small_config, "--limit", 2, "--batch-size", 2, "--no-progress", "--temperature", 0.7, "--top-p", 0.9,
-              "--seed", 5]
+              "--top-k", 40, "--seed", 5]
     recs = []
     for name in ("a", "b"):
         cli("run", *common, "--output", tmp_path / name)
@@ -147,7 +147,8 @@ def test_sampled_run_is_seeded_and_recorded(tmp_path, small_config):
         recs.append({r["qid"]: (r["prediction"], r["rounds"]) for r in map(json.loads, lines)})
     assert len(recs[0]) == 2 and recs[0] == recs[1]
     m = json.loads((tmp_path / "a" / "metrics.json").read_text())
-    assert m["sampling"] == {"temperature": 0.7, "top_p": 0.9, "seed": 5}
+    assert m["sampling"] == {"temperature": 0.7, "top_p": 0.9, "top_k": 40, "seed": 5}
+    assert json.loads((tmp_path / "a" / "run.json").read_text())["top_k"] == 40
     p = cli("parity", *common, "--output", tmp_path / "p", check=False)
     assert p.returncode == 2 and "--temperature" in p.stderr, p.stderr
 

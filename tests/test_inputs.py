@@ -282,7 +282,10 @@ def test_cli_errors_for_odd_arguments(tmp_path):
             "--limit", "1", "--no-progress"]
     for extra, msg in ((["--output", str(afile)], "is a file, expected a directory"),
                        (["--output", str(tmp_path / "o"), "--threads", "-1"], "--threads must be an int >= 1"),
-                       (["--output", str(tmp_path / "o"), "--top-p", "0.5"], "applies only when sampling")):
+                       (["--output", str(tmp_path / "o"), "--top-p", "0.5"], "applies only when sampling"),
+                       (["--output", str(tmp_path / "o"), "--top-k", "5"], "applies only when sampling"),
+                       (["--output", str(tmp_path / "o"), "--top-k", "-2", "--temperature", "0.5"],
+                        "--top-k must be an int >= 0")):
         p = subprocess.run([sys.executable, "-m", "fastrag", *base, *extra], capture_output=True, text=True)
         assert p.returncode == 2 and msg in p.stderr and "Traceback" not in p.stderr, p.stderr
     with pytest.raises(ValueError, match="is a directory"):

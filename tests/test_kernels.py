@@ -251,6 +251,70 @@ def test_decode_signals_top_p_vs_reference(backend, device, dtype, B, V, top_p, 
             f"a sampled token outside the nucleus (seed={seed})"
 
 
+def _top_k_logits(B: int, V: int, top_k: int, top_p: float, g, dtype) -> torch.Tensor:
+    """Random logits in `dtype` whose rows, after the top-k mask, are > 2e-5 of mass away from a top-p nucleus
+    boundary (as _top_p_logits; top_p = 1 has no boundary)."""
+    rows = []
+    for _ in range(200):
+        x = (torch.randn(1, V, generator=g) * 3).to(dtype)
+        ref = decode_signals_ref(x, 0.8, torch.zeros(1, dtype=torch.int64), top_p=top_p, top_k=top_k)
+        if float(ref["margin"][0]) > 2e-5:
+            rows.append(x)
+            if len(rows) == B:
+                return torch.cat(rows)
+    raise AssertionError(f"no {B} rows of V={V} away from the top_p={top_p} boundary after top_k={top_k}")
+
+
+@pytest.mark.parametrize("backend,device", KERNEL_BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("B,V", [(1, 7), (3, 4231), (2, 16411)])
+@pytest.mark.parametrize("top_k,top_p", [(1, 1.0), (3, 1.0), (50, 1.0), (50, 0.9), (7, 0.3), (10**6, 0.9)])
+@pytest.mark.parametrize("mode", ["sample", "chosen"])
+def test_decode_signals_top_k_vs_reference(backend, device, dtype, B, V, top_k, top_p, mode):
+    """Top-k before top-p (transformers' order): the chosen token, and entropy/logprob of the distribution left
+    after both filters (a chosen token outside it has logprob -inf); k >= V filters nothing."""
+    g, seed = _gen()
+    logits = _top_k_logits(B, V, top_k, top_p, g, dtype)
+    nonstop = torch.rand(V, generator=g) < 0.5
+    keys = torch.randint(0, 2**32, (B,), generator=g)
+    chosen = torch.randint(0, V, (B,), generator=g) if mode == "chosen" else None
+    if chosen is not None:
+        chosen[0] = logits[0].float().argmax()  # one kept for sure, the others mostly filtered out
+    ref = decode_signals_ref(logits, 0.8, keys, chosen, nonstop, top_p=top_p, top_k=top_k)
+    res = get_backend(backend).decode_signals(
+        logits.to(device), temperature=0.8, rng_keys=keys.to(device),
+        chosen=None if chosen is None else chosen.to(device), nonstop=nonstop.to(device),
+        out=_poisoned(B, device, ref["nonstop"]), top_p=top_p, top_k=top_k)
+    _check_decode(res, ref, dtype, f"{backend} top_k={top_k} top_p={top_p} {mode}", seed, sampled=mode == "sample")
+    if mode == "sample":
+        kth = logits.float().topk(min(top_k, V), dim=-1).values[:, -1]
+        picked = logits.float().gather(1, res.chosen.cpu()[:, None])[:, 0]
+        assert (picked >= kth).all(), f"a token outside the top {top_k} was sampled (seed={seed})"
+    if top_k == 1:  # one token left, or the tie group of the maximum (bf16/fp16 rows tie often): ln(#ties)
+        ties = (logits == logits.max(dim=-1, keepdim=True).values).sum(-1).double()
+        _close(res.entropy, ties.log(), "top-k 1 entropy", seed, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_signals_ref_top_k_top_p_is_transformers_sampling_distribution():
+    """The reference's warped distribution (temperature, then top-k, then top-p) is the one transformers'
+    sampling warpers give, which the published DRAGIN runs sampled from and took entropies of (random rows away
+    from a top-p boundary; transformers is the independent side)."""
+    from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    g, seed = _gen()
+    for t, k, p in ((0.6, 50, 0.9), (1.0, 5, 1.0), (0.7, 0, 0.8), (1.3, 200, 0.95)):
+        x = _top_k_logits(6, 3001, k, p, g, torch.float32).double()
+        warp = LogitsProcessorList([TemperatureLogitsWarper(t), *([TopKLogitsWarper(k)] if k else []),
+                                    *([TopPLogitsWarper(p)] if p < 1 else [])])
+        y = warp(torch.zeros(6, 1, dtype=torch.long), x.clone())
+        logp = torch.log_softmax(y, dim=-1)
+        ent = -torch.where(logp > float("-inf"), logp.exp() * logp, torch.zeros_like(logp)).sum(-1)
+        ref = decode_signals_ref(x, t, torch.arange(6), top_p=p, top_k=k)
+        _close(ref["entropy"], ent, f"entropy T={t} k={k} p={p}", seed, atol=1e-9, rtol=1e-9)
+        kept = torch.isfinite(y)
+        assert torch.equal(torch.isfinite(ref["score"]), kept), f"kept tokens T={t} k={k} p={p} (seed={seed})"
+
+
 @pytest.mark.parametrize("backend,device", KERNEL_BACKENDS)
 def test_decode_signals_top_p_ties_and_masks(backend, device):
     """A tie group straddling the nucleus boundary is kept whole; -inf tokens never enter it; a tiny top_p leaves

@@ -3,6 +3,8 @@ random-initialised by transformers, saved as an HF directory and loaded by us; a
 
 from __future__ import annotations
 
+import math
+
 import os
 
 import pytest
@@ -184,6 +186,15 @@ def test_sampling_is_seeded_and_top_p_limits_the_support():
     assert all(abs(h) < 1e-6 for h in tiny_p.entropy)  # entropy of the warped distribution (one token left)
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0.0)
+    top1 = sample(SamplingParams(temperature=1.0, top_k=1, seed=3))  # top-k 1: the argmax, whatever the draw
+    assert top1.ids == greedy.ids and all(abs(h) < 1e-6 for h in top1.entropy)
+    top5 = sample(SamplingParams(temperature=1.0, top_k=5, seed=3))  # entropy of 5 tokens at most: <= ln 5
+    assert all(0 < h <= math.log(5) + 1e-5 for h in top5.entropy), top5.entropy
+    plain = sample(SamplingParams(temperature=1.0, seed=3))  # (50 tokens: the unfiltered entropy is larger)
+    assert sum(plain.entropy) > sum(top5.entropy)
+    for bad in (dict(top_k=-1), dict(top_k=2.5), dict(top_k=True), dict(top_k=5)):  # (the last: greedy)
+        with pytest.raises(ValueError, match="top_k"):
+            SamplingParams(**bad)
 
 
 def test_sampled_tokens_depend_on_the_generation_key_not_on_the_batch():

@@ -107,19 +107,25 @@ class SignalBackend:
     def decode_signals(self, logits: torch.Tensor, *, temperature: float = 0.0,
                        rng_keys: torch.Tensor | None = None, chosen: torch.Tensor | None = None,
                        nonstop: torch.Tensor | None = None, out: DecodeSignals | tuple | None = None,
-                       top_p: float = 1.0) -> DecodeSignals:
+                       top_p: float = 1.0, top_k: int = 0) -> DecodeSignals:
         """All token signals of a decode step from logits [B, V] in one pass (reference.decode_signals_ref).
 
         temperature 0: greedy argmax, entropy of softmax(logits); > 0: Gumbel-max draw from softmax(logits / T)
         keyed by rng_keys [B] int64 (same keys, same logits -> same token on every backend). top_p < 1 (with
         temperature > 0): nucleus sampling, the distribution (and so entropy/logprob) restricted to the smallest
         set of most likely tokens holding top_p of the mass, ties kept (the kernels' nucleus path reads a row ten
-        times). chosen [B] int64 skips the choice. nonstop [V] bool: the non-stopword table (build_nonstop_table).
+        times). 0 < top_k < V (with temperature > 0): logits below each row's k-th largest are masked first (ties
+        kept), as transformers' top-k warper does before top-p; the mask is one torch op ahead of the backend's
+        kernel, which reads masked logits like any others. chosen [B] int64 skips the choice. nonstop [V] bool: the non-stopword table (build_nonstop_table).
         out: optional buffers (chosen [B] i64, entropy, logprob, prob [B] f32, nonstop [B] bool or None), written
         in place.
         """
-        checks.check_decode_signals(logits, temperature, rng_keys, chosen, nonstop, self.devices, top_p)
+        checks.check_decode_signals(logits, temperature, rng_keys, chosen, nonstop, self.devices, top_p, top_k)
         B, dev = logits.shape[0], logits.device
+        if temperature > 0 and 0 < top_k < logits.shape[1]:
+            from fastrag.signals.torch_backend import top_k_filter
+
+            logits = top_k_filter(logits, top_k)
         if out is None:
             f32 = dict(dtype=torch.float32, device=dev)
             out = DecodeSignals(torch.empty(B, dtype=torch.int64, device=dev), torch.empty(B, **f32),

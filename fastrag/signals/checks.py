@@ -97,9 +97,10 @@ def check_attention(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, sca
 
 def check_decode_signals(logits: torch.Tensor, temperature: float, rng_keys: torch.Tensor | None,
                          chosen: torch.Tensor | None, nonstop: torch.Tensor | None,
-                         devices: Collection[str], top_p: float = 1.0) -> None:
+                         devices: Collection[str], top_p: float = 1.0, top_k: int = 0) -> None:
     """logits [B, V] float; temperature >= 0 (0: greedy); rng_keys [B] int64 needed when sampling
-    (temperature > 0 and no `chosen`); chosen [B] int64 or None; nonstop [V] bool or None; 0 < top_p <= 1."""
+    (temperature > 0 and no `chosen`); chosen [B] int64 or None; nonstop [V] bool or None; 0 < top_p <= 1;
+    top_k int >= 0 (0: off)."""
     _check_tensor(logits, "logits", 2, FLOAT_DTYPES, devices)
     B, V = logits.shape
     if V == 0:
@@ -112,6 +113,8 @@ def check_decode_signals(logits: torch.Tensor, temperature: float, rng_keys: tor
                          f"overflows float32 below it), got {temperature!r}")
     if not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
         raise ValueError(f"top_p must be a number in (0, 1] (1: no nucleus filtering), got {top_p!r}")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+        raise ValueError(f"top_k must be an int >= 0 (0: no top-k filtering), got {top_k!r}")
     if chosen is not None:
         check_token_signals(logits, chosen, 1.0, devices)
     elif temperature > 0:

@@ -167,11 +167,14 @@ def top_p_nucleus_ref(y: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torc
 
 def decode_signals_ref(logits: torch.Tensor, temperature: float = 0.0, rng_keys: torch.Tensor | None = None,
                        chosen: torch.Tensor | None = None, nonstop: torch.Tensor | None = None,
-                       top_p: float = 1.0) -> dict:
+                       top_p: float = 1.0, top_k: int = 0) -> dict:
     """The decode-step token signals, float64. logits [B, V]; returns a dict of [B] tensors:
 
-    y = logits (temperature 0: greedy) or logits / temperature; with temperature > 0 and top_p < 1, y is then
-    warped: -inf outside the nucleus (top_p_nucleus_ref). p = softmax(y), the distribution the token is drawn from.
+    y = logits (temperature 0: greedy) or logits / temperature; with temperature > 0 and 0 < top_k < V, first every
+    logit below the row's k-th largest becomes -inf (ties with it kept: transformers' top-k rule); with temperature
+    > 0 and top_p < 1, y is then warped: -inf outside the nucleus of what is left (top_p_nucleus_ref). The order is
+    transformers' sampling warpers' (temperature, top-k, top-p). p = softmax(y), the distribution the token is
+    drawn from.
     chosen  i64: `chosen` if given; else argmax_v y_v (greedy, lowest index) or, temperature > 0, the Gumbel-max
                  draw argmax_v (y_v - ln(-ln u_v)) with u = sampling_uniform_ref(rng_keys, V) (lowest index on ties).
     entropy f64: -sum_v p_v ln p_v (masked -inf entries contribute 0);  logprob f64: ln p_chosen;
@@ -183,8 +186,12 @@ def decode_signals_ref(logits: torch.Tensor, temperature: float = 0.0, rng_keys:
     """
     if not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+        raise ValueError(f"top_k must be an int >= 0 (0: no top-k filtering), got {top_k!r}")
     x = logits.detach().cpu().to(torch.float64)
     B, V = x.shape
+    if temperature > 0 and 0 < top_k < V:
+        x = x.masked_fill(x < x.topk(top_k, dim=-1).values[:, -1:], float("-inf"))
     y = x if temperature == 0 else x / temperature
     margin = torch.full((B,), float("inf"), dtype=torch.float64)
     if temperature > 0 and top_p < 1:

@@ -76,6 +76,13 @@ def sampling_gumbel(rng_keys: torch.Tensor, V: int) -> torch.Tensor:
     return -torch.log(-torch.log(u))
 
 
+def top_k_filter(logits: torch.Tensor, top_k: int) -> torch.Tensor:
+    """logits [B, V] (any float dtype, any device) with -inf below each row's k-th largest value (ties with it
+    kept; reference.decode_signals_ref). A new tensor; no host synchronisation (CUDA-graph safe)."""
+    kth = logits.topk(top_k, dim=-1).values[:, -1:]
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
 def top_p_filter(y: torch.Tensor, top_p: float) -> torch.Tensor:
     """y [B, V] f32 with -inf outside each row's nucleus (reference.top_p_nucleus_ref: keep the tokens whose
     strictly-more-likely tokens hold less than top_p of the mass; boundary ties all kept). One sort per row."""
