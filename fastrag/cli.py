@@ -84,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling with --temperature > 0")
     sp.add_argument("--top-k", type=int, default=0, help="with --temperature > 0: the k most likely tokens only, "
                     "before top-p; 0 (default): off")
+    sp.add_argument("--served-model-name", help="the model id clients send and GET /v1/models lists (default: "
+                    "--model as given); a request naming another model gets 404")
     sp.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     if args.cmd == "index":
@@ -95,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
             serve(model=args.model, corpus=args.corpus, retriever=args.retriever, host=args.host, port=args.port,
                   batch_size=args.batch_size, max_queue=args.max_queue, timeout_s=args.timeout,
                   kv_cache_gb=args.kv_cache_gb, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-                  top_k=args.top_k)
+                  top_k=args.top_k, served_model_name=args.served_model_name)
         except ValueError as e:
             print(f"fastrag: error: {e}", file=sys.stderr)
             return 2

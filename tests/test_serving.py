@@ -161,6 +161,12 @@ def test_the_official_openai_client_reads_the_stream(server):
     parts = [ch.choices[0].delta.content or "" for ch in client.chat.completions.create(
         model="smollm2", messages=msgs, max_tokens=20, stream=True, extra_body=extra)]
     assert "".join(parts) == chat.choices[0].message.content == full.choices[0].text
+    # the model list clients ask first, and a request for a model not served here is a 404, not smollm2's answer
+    assert [m.id for m in client.models.list()] == ["smollm2"] and client.models.retrieve("smollm2").id == "smollm2"
+    with pytest.raises(openai.NotFoundError, match="not served here"):
+        client.completions.create(model="gpt-4o", prompt=q, max_tokens=20, extra_body=extra)
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4o")
 
 
 @pytest.mark.parametrize("body, field", [

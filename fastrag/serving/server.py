@@ -3,6 +3,7 @@
     POST /v1/completions        {"prompt": "question", "stream": false, "max_tokens": 64,
                                  "retrieval": {"method": "dragin", "dataset": "hotpotqa", "config": {...}}}
     POST /v1/chat/completions   {"messages": [{"role": "user", "content": "question"}], ...same extras}
+    GET  /v1/models             the served model (a request naming another model gets 404)
     GET  /health                {"status": "ok", ...}
     GET  /metrics               Prometheus text: queue depth, in flight, decode batch, tokens/s, retrievals/s, ...
 
@@ -167,10 +168,11 @@ def create_app(engine: AsyncEngine, timeout_s: float = 600.0, max_question_chars
         return JSONResponse(status_code=422, content={"error": {"type": "invalid_request_error",
                                                                 "message": "; ".join(errs), "fields": errs}})
 
-    def _error(status: int, message: str, headers: dict | None = None):
-        return JSONResponse(status_code=status, headers=headers,
-                            content={"error": {"type": "invalid_request_error" if status < 500 else "server_error",
-                                               "message": message}})
+    def _error(status: int, message: str, headers: dict | None = None, kind: str | None = None):
+        err = {"type": "invalid_request_error" if status < 500 else "server_error", "message": message}
+        if kind:
+            err["code"] = kind
+        return JSONResponse(status_code=status, headers=headers, content={"error": err})
 
     async def _open(question: str, body: Common):
         cfg = dict(body.retrieval.config or {})
@@ -194,6 +196,9 @@ def create_app(engine: AsyncEngine, timeout_s: float = 600.0, max_question_chars
             pass
 
     async def _answer(question: str, body: Common, chat: bool, request: Request):
+        if body.model is not None and body.model != model_name:
+            return _error(404, f"the model {body.model!r} is not served here; this server serves {model_name!r} "
+                          "(GET /v1/models)", kind="model_not_found")
         events, err = await _open(question, body)
         if err is not None:
             return err
@@ -307,6 +312,23 @@ def create_app(engine: AsyncEngine, timeout_s: float = 600.0, max_question_chars
         question = [m for m in body.messages if m.role == "user"][-1].content
         return await _answer(question, body, chat=True, request=request)
 
+    started = int(time.time())
+
+    def _model_card() -> dict:
+        return {"id": model_name, "object": "model", "created": started, "owned_by": "fastrag"}
+
+    @app.get("/v1/models")
+    async def models():
+        """The one model this server serves (OpenAI's model list: clients and UIs ask it first)."""
+        return {"object": "list", "data": [_model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != model_name:
+            return _error(404, f"the model {model_id!r} is not served here; this server serves {model_name!r}",
+                          kind="model_not_found")
+        return _model_card()
+
     @app.get("/health")
     async def health():
         m = engine.metrics()
@@ -364,9 +386,10 @@ def prometheus_text(m: dict) -> str:
 def serve(model: str = "smollm2", corpus: str | None = None, retriever: str = "bm25", host: str = "127.0.0.1",
           port: int = 8000, batch_size: int = 32, max_queue: int = 256, timeout_s: float = 600.0,
           kv_cache_gb: float | None = None, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
-          top_k: int = 0) -> None:
+          top_k: int = 0, served_model_name: str | None = None) -> None:
     """Serve the HTTP API (create_app). temperature/top_p/top_k/seed: the engine's decoding for every request
-    (greedy by default); a request's sampling keys come from its id (the client's qid, else its arrival number)."""
+    (greedy by default); a request's sampling keys come from its id (the client's qid, else its arrival number).
+    served_model_name: the model id of /v1/models and of requests (default: `model` as given)."""
     import uvicorn
 
     from fastrag.engine import SamplingParams
@@ -378,7 +401,7 @@ def serve(model: str = "smollm2", corpus: str | None = None, retriever: str = "b
     ret = make_retriever(retriever, corpus_path=corpus or str(BUNDLED / "wiki_passages.jsonl"))
     engine = AsyncEngine(eng, ret, max_inflight=2 * batch_size, max_queue=max_queue)
     try:
-        uvicorn.run(create_app(engine, timeout_s=timeout_s, model_name=model), host=host, port=port,
-                    log_level="info")
+        app = create_app(engine, timeout_s=timeout_s, model_name=served_model_name or model)
+        uvicorn.run(app, host=host, port=port, log_level="info")
     finally:
         engine.close()
