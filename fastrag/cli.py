@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
                           top_k=args.top_k, answer_aliases=args.answer_aliases)
         if args.cmd == "parity" and args.temperature > 0:
             raise ValueError("--temperature: parity compares greedy decoding with the per-question oracle; "
-                             "drop --temperature/--top-p for `fastrag parity`")
+                             "drop --temperature/--top-k/--top-p for `fastrag parity`")
         if args.cmd == "run" and args.ray:
             from fastrag.distributed import run_ray
 

@@ -122,5 +122,9 @@ def _run_ray(opts: RunOptions, num_workers: int, max_retries: int, ray_address: 
     metrics = summarize(opts.method, opts.dataset, results, wall, len(new),
                         sum(r.prefill_tokens + r.decode_tokens for r in new))
     metrics["ray"] = {"workers": min(num_workers, len(todo)) if todo else 0, "shard_retries": retries}
+    from fastrag.eval import sampling_of
+
+    sp = sampling_of(opts)
+    metrics["sampling"] = {"temperature": sp.temperature, "top_p": sp.top_p, "top_k": sp.top_k, "seed": sp.seed}
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
     return metrics

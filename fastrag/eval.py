@@ -18,6 +18,7 @@ import hashlib
 import json
 import math
 import os
+import shutil
 import time
 import warnings
 from dataclasses import dataclass
@@ -317,6 +318,7 @@ def _rewrite_records(path: Path, records: dict[str, QuestionResult]) -> None:
         f.write("\n".join(lines))
         f.flush()
         os.fsync(f.fileno())
+    shutil.copymode(path, tmp)  # (a group-writable results file in a shared folder stays so)
     os.replace(tmp, path)
 
 
@@ -334,7 +336,7 @@ class ResultWriter:
 
 
 def sampling_of(opts: RunOptions):
-    """The engine's SamplingParams for a run's --temperature / --top-p / --seed."""
+    """The engine's SamplingParams for a run's --temperature / --top-k / --top-p / --seed."""
     from fastrag.engine import SamplingParams
 
     return SamplingParams(temperature=opts.temperature, top_p=opts.top_p, seed=opts.seed, top_k=opts.top_k)

@@ -441,8 +441,9 @@ def test_openai_fields_are_served_or_refused_and_usage_is_the_prompt_size(client
     assert u1["prompt_tokens"] == u2["prompt_tokens"] > 0  # the prompt's size, however much was cached
     assert u2["prompt_tokens_details"]["cached_tokens"] > 0
     assert ask(c, 0, model="smollm2", user="u1", n=1, temperature=0, logprobs=False, echo=False).status_code == 200
+    assert ask(c, 0, model="", top_k=0).status_code == 200  # (no model named; top_k restated at the server's)
     for extra, msg in (({"n": 2}, "n=1"), ({"stop": ["\n"]}, "stop"), ({"logprobs": 3}, "logprobs"),
-                       ({"echo": True}, "echo"), ({"temperature": 0.7}, "temperature=0.0"),
+                       ({"echo": True}, "echo"), ({"temperature": 0.7}, "temperature=0.0"), ({"top_k": 50}, "top_k=0"),
                        ({"presence_penalty": 0.5}, "presence_penalty"), ({"best_of": 2}, "best_of")):
         r = ask(c, 0, **extra)
         assert r.status_code == 422 and msg in r.json()["error"]["message"], (extra, r.text)

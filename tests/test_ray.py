@@ -69,6 +69,7 @@ def test_ray_run_equals_single_process(tmp_path, cfg, single):
     assert m["n"] == N and m["ray"]["workers"] == 2 and m["ray"]["shard_retries"] == 0
     for k in ("em", "f1", "questions_per_s", "retrievals_per_question", "wall_s"):
         assert k in m
+    assert m["sampling"] == {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0}  # (as a single process)
     again = cli("run", "--ray", "--num-workers", 2, "--method", "dragin", "--dataset", "hotpotqa", "--data", DATA,
                 "--corpus", CORPUS, "--config", cfg, "--limit", N, "--output", out, "--no-progress")
     assert again.returncode == 0 and len(records(out)) == N  # a rerun adds nothing

@@ -300,10 +300,8 @@ def load_answer_aliases(path: str | Path) -> dict[str, list[str]]:
         return {str(k): _str_list(recs[0], k, v) for k, v in recs[0].obj.items()}
     for rec in recs:
         qid = _need(rec, "Q_id", str)
-        aliases = _str_list(rec, "aliases", _need(rec, "aliases"))
-        if qid in out:
-            raise DataError(f"{rec.where}: id {qid!r} is listed a second time")
-        out[qid] = aliases
+        out[qid] = _str_list(rec, "aliases", _need(rec, "aliases"))  # an id listed again: its last line wins
+        # (as the published loader reads the file)
     return out
 
 
@@ -378,8 +376,10 @@ def load_examples(dataset: str, path: str | Path, limit: int | None = None,
     if not out and limit != 0:
         raise DataError(f"{path}: no question to run in the file (every record was skipped: e.g. IIRC questions "
                         "without an answer)")
-    if answer_aliases is not None:
-        with_answer_aliases(out, load_answer_aliases(answer_aliases), where=str(path))
+    if answer_aliases is not None and out:
+        if with_answer_aliases(out, load_answer_aliases(answer_aliases), where=str(path)) == 0:
+            warnings.warn(f"{answer_aliases}: no question of {path} has an answer_id with aliases there (another "
+                          "dataset's file?); the gold answers are the data's own", UserWarning, stacklevel=2)
     if no_gold:
         warnings.warn(f"{path}: {len(no_gold)} question(s) have no gold answer (first: {no_gold[0]}); they score 0",
                       UserWarning, stacklevel=2)

@@ -80,6 +80,7 @@ def create_app(engine: AsyncEngine, timeout_s: float = 600.0, max_question_chars
         echo: bool = False
         temperature: float | None = None
         top_p: float | None = None
+        top_k: int | None = None  # (not OpenAI's; vLLM-style clients send it)
         seed: int | None = None
         presence_penalty: float | None = None
         frequency_penalty: float | None = None
@@ -99,7 +100,7 @@ def create_app(engine: AsyncEngine, timeout_s: float = 600.0, max_question_chars
                 raise ValueError(UNSUPPORTED[info.field_name])
             return v
 
-        @field_validator("temperature", "top_p", "seed")
+        @field_validator("temperature", "top_p", "top_k", "seed")
         @classmethod
         def _served(cls, v, info):
             """Decoding is the server's (one engine, one sampler): a request may restate it, not change it."""
@@ -196,7 +197,7 @@ def create_app(engine: AsyncEngine, timeout_s: float = 600.0, max_question_chars
             pass
 
     async def _answer(question: str, body: Common, chat: bool, request: Request):
-        if body.model is not None and body.model != model_name:
+        if body.model and body.model != model_name:  # (an empty model: the client names none)
             return _error(404, f"the model {body.model!r} is not served here; this server serves {model_name!r} "
                           "(GET /v1/models)", kind="model_not_found")
         events, err = await _open(question, body)
@@ -259,7 +260,7 @@ def create_app(engine: AsyncEngine, timeout_s: float = 600.0, max_question_chars
 
     async def _sse(events, rid: str, created: int, chat: bool, include_usage: bool = False):
         """Server-sent events an OpenAI client reads as it reads OpenAI's: every line is a chunk with one choice
-        (the usage chunk alone has none), and the text deltas join into exactly the non-streaming completion text
+        (the usage chunk and an error event, `{"error": ...}` as OpenAI sends it, have none), and the text deltas join into exactly the non-streaming completion text
         (the prediction, in the last chunk). What the method does on the way (each decoded token of every
         generation, draft rounds included, and each search) rides in the chunks' `fastrag` field with an empty
         delta: a generation a method throws away never reaches the client's text."""
