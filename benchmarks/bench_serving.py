@@ -4,8 +4,9 @@ Starts `python -m fastrag serve` as a subprocess (SmolLM2, BM25 over the bundled
 concurrent streaming `/v1/completions` requests (DRAGIN, HotpotQA prompts, `--max-tokens` per round) and checks
 that every request gets exactly one complete, well-formed stream (chunks, one final chunk with the answer, then
 [DONE]) or a 429 with Retry-After; that no request is lost or answered twice (the server's own counters agree);
-and samples the server's resident memory. Reports p50/p99 latency (request to last byte) and time to first token,
-throughput, and the memory peak in benchmarks/results/serving.md (+ .json).
+and samples the server's resident memory. Reports p50/p99 latency (request to last byte) and time to first token
+(the first decoded token's progress chunk, `fastrag.event == "token"`: the answer text itself comes in the last
+chunk), throughput, and the memory peak in benchmarks/results/serving.md (+ .json).
 
     python benchmarks/bench_serving.py --clients 64
 """
