@@ -211,18 +211,20 @@ def test_decode_signals_all_masked_row_stays_in_bounds(backend, device):
         assert 0 <= int(res.chosen[0]) < 3001 and int(res.chosen[1]) == 7, kw
 
 
-def _top_p_logits(B: int, V: int, top_p: float, g, dtype) -> torch.Tensor:
-    """Random logits in `dtype` whose rows are all > 2e-5 of probability mass away from a nucleus boundary
-    decision (so float32 kernels and the float64 reference must keep the same set); rows are redrawn until they
-    are (at V = 16k and top_p = 0.95 about 3 in 4 rows qualify)."""
+def _top_p_logits(B: int, V: int, top_p: float, g, dtype, top_k: int = 0) -> torch.Tensor:
+    """Random logits in `dtype` whose rows (after the top-k mask, with top_k) are all > 2e-5 of probability mass
+    away from a nucleus boundary decision (so float32 kernels and the float64 reference must keep the same set;
+    top_p = 1 has no boundary); rows are redrawn until they are (at V = 16k and top_p = 0.95 about 3 in 4 rows
+    qualify)."""
     rows = []
     for _ in range(200):
         x = (torch.randn(1, V, generator=g) * 3).to(dtype)
-        if float(decode_signals_ref(x, 0.8, torch.zeros(1, dtype=torch.int64), top_p=top_p)["margin"][0]) > 2e-5:
+        ref = decode_signals_ref(x, 0.8, torch.zeros(1, dtype=torch.int64), top_p=top_p, top_k=top_k)
+        if float(ref["margin"][0]) > 2e-5:
             rows.append(x)
             if len(rows) == B:
                 return torch.cat(rows)
-    raise AssertionError(f"no {B} rows of V={V} away from the top_p={top_p} boundary in 200 draws")
+    raise AssertionError(f"no {B} rows of V={V} away from the top_p={top_p} boundary (top_k={top_k}) in 200 draws")
 
 
 @pytest.mark.parametrize("backend,device", KERNEL_BACKENDS)
@@ -251,20 +253,6 @@ def test_decode_signals_top_p_vs_reference(backend, device, dtype, B, V, top_p, 
             f"a sampled token outside the nucleus (seed={seed})"
 
 
-def _top_k_logits(B: int, V: int, top_k: int, top_p: float, g, dtype) -> torch.Tensor:
-    """Random logits in `dtype` whose rows, after the top-k mask, are > 2e-5 of mass away from a top-p nucleus
-    boundary (as _top_p_logits; top_p = 1 has no boundary)."""
-    rows = []
-    for _ in range(200):
-        x = (torch.randn(1, V, generator=g) * 3).to(dtype)
-        ref = decode_signals_ref(x, 0.8, torch.zeros(1, dtype=torch.int64), top_p=top_p, top_k=top_k)
-        if float(ref["margin"][0]) > 2e-5:
-            rows.append(x)
-            if len(rows) == B:
-                return torch.cat(rows)
-    raise AssertionError(f"no {B} rows of V={V} away from the top_p={top_p} boundary after top_k={top_k}")
-
-
 @pytest.mark.parametrize("backend,device", KERNEL_BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("B,V", [(1, 7), (3, 4231), (2, 16411)])
@@ -274,7 +262,7 @@ def test_decode_signals_top_k_vs_reference(backend, device, dtype, B, V, top_k, 
     """Top-k before top-p (transformers' order): the chosen token, and entropy/logprob of the distribution left
     after both filters (a chosen token outside it has logprob -inf); k >= V filters nothing."""
     g, seed = _gen()
-    logits = _top_k_logits(B, V, top_k, top_p, g, dtype)
+    logits = _top_p_logits(B, V, top_p, g, dtype, top_k)
     nonstop = torch.rand(V, generator=g) < 0.5
     keys = torch.randint(0, 2**32, (B,), generator=g)
     chosen = torch.randint(0, V, (B,), generator=g) if mode == "chosen" else None
@@ -303,7 +291,7 @@ def test_decode_signals_ref_top_k_top_p_is_transformers_sampling_distribution():
 
     g, seed = _gen()
     for t, k, p in ((0.6, 50, 0.9), (1.0, 5, 1.0), (0.7, 0, 0.8), (1.3, 200, 0.95)):
-        x = _top_k_logits(6, 3001, k, p, g, torch.float32).double()
+        x = _top_p_logits(6, 3001, p, g, torch.float32, k).double()
         warp = LogitsProcessorList([TemperatureLogitsWarper(t), *([TopKLogitsWarper(k)] if k else []),
                                     *([TopPLogitsWarper(p)] if p < 1 else [])])
         y = warp(torch.zeros(6, 1, dtype=torch.long), x.clone())
