@@ -133,13 +133,8 @@ class FlareDirect:
     def retrieve(self, res, case, text, sent, ids, p):
         """`query, docs = yield from self.retrieve(...)`; (None, None) when the query is empty (no search)."""
         cfg, tok = self.cfg, self.tok
-        if cfg.query_formulation == "implicit":
-            query = self.implicit_query(ids, p)
-            if not query:
-                return None, None
-            return query, (yield from search(res, query, cfg.retrieve_topk))
         questions = []
-        for l, r in low_spans(ids, p, cfg.beta):
+        for l, r in (low_spans(ids, p, cfg.beta) if cfg.query_formulation == "explicit" else []):
             span = tok.decode(ids[l:r], skip_special_tokens=True).strip()
             if not span:
                 continue
@@ -148,7 +143,9 @@ class FlareDirect:
             qn = first_line(tok.decode(g.ids, skip_special_tokens=True))
             if qn:
                 questions.append(truncate_query(tok, qn, cfg.max_query_tokens))
-        if not questions:  # no low-probability span (theta > p > beta) or no question came out: implicit query
+        # the implicit query: its formulation's, or explicit's when no low-probability span (theta > p > beta) or
+        # no question came out
+        if not questions:
             query = self.implicit_query(ids, p)
             if not query:
                 return None, None
