@@ -56,6 +56,7 @@ def _run_ray(opts: RunOptions, num_workers: int, max_retries: int, ray_address: 
     have = {r.qid for r in done}
     t0 = time.perf_counter()
     retries = 0
+    shard_opts: list[RunOptions] = []
     if todo:
         n = min(num_workers, len(todo))
         # contiguous shards: each worker's questions come from one stretch of the file
@@ -126,5 +127,33 @@ def _run_ray(opts: RunOptions, num_workers: int, max_retries: int, ray_address: 
 
     sp = sampling_of(opts)
     metrics["sampling"] = {"temperature": sp.temperature, "top_p": sp.top_p, "top_k": sp.top_k, "seed": sp.seed}
+    # the driver's environment, with the devices the shards computed on (each shard's metrics.json names its own)
+    from fastrag.provenance import environment
+
+    if new:
+        env = environment()
+        devices = sorted({d for d in (_shard_device(Path(o.output)) for o in shard_opts) if d})
+        if devices:
+            env["device"] = "; ".join(devices)
+        metrics["environment"] = env
+    else:  # nothing computed: the environment of the run that computed the figures stays
+        old = _read_environment(out)
+        if old is not None:
+            metrics["environment"] = old
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
     return metrics
+
+
+def _read_environment(folder: Path) -> dict | None:
+    """The `environment` of a folder's metrics.json, None when it has none."""
+    try:
+        env = json.loads((folder / "metrics.json").read_text(encoding="utf-8")).get("environment")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return env if isinstance(env, dict) else None
+
+
+def _shard_device(folder: Path) -> str | None:
+    """The device a shard's own metrics.json names (None when it has none: a shard with nothing to compute)."""
+    env = _read_environment(folder)
+    return env.get("device") if env is not None else None

@@ -29,6 +29,7 @@ import torch
 from fastrag.cache.kv import OutOfBlocks
 from fastrag.data.datasets import Example, load_examples
 from fastrag.data.metrics import aggregate, score
+from fastrag.provenance import environment
 from fastrag.trace import QuestionResult
 
 BUNDLED = Path(__file__).resolve().parent / "data" / "bundled"
@@ -598,7 +599,10 @@ def _run_many(runs: list[RunOptions], engine=None, retriever=None) -> list[dict]
             metrics["overlap"] = sched.overlap
             # spaCy texts sent to worker processes (0 workers: all run on the scheduler's thread)
             metrics["text_workers"] = {"workers": sched.text_workers, "texts": sched.text_requests}
-        if not new:  # nothing computed now: the throughput and engine figures stay those of the last run that did
+        if new:  # where and with what the figures were measured (fastrag.provenance)
+            metrics["environment"] = environment(getattr(engine, "device", None))
+        else:  # nothing computed now: the throughput and engine figures (and their environment) stay those of the
+            # last run that did
             metrics |= _measured_fields(out / "metrics.json")
         (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
         out_metrics.append(metrics)
@@ -608,7 +612,7 @@ def _run_many(runs: list[RunOptions], engine=None, retriever=None) -> list[dict]
 # metrics.json fields measured while computing (not derived from the records): a rerun that computes nothing keeps
 # them from the run before it, so `python -m fastrag.perf DIR` and the throughput still describe a real run
 MEASURED_FIELDS = ("questions_per_s", "tokens_per_s", "wall_s", "engine", "kv_cache_gb", "model_costs",
-                   "cuda_graphs", "retrieval", "step_seconds", "overlap", "text_workers", "joint")
+                   "cuda_graphs", "retrieval", "step_seconds", "overlap", "text_workers", "joint", "environment")
 
 
 def _measured_fields(path: Path) -> dict:

@@ -19,6 +19,7 @@ import torch
 from fastrag.data.datasets import load_examples
 from fastrag.eval import (ResultWriter, RunOptions, check_manifest, latest_records, method_config, output_lock,
                           resume, run, run_identity, score_result)
+from fastrag.provenance import environment
 from fastrag.trace import QuestionResult
 
 
@@ -147,6 +148,9 @@ def parity(opts: RunOptions) -> dict:
         "engine_wall_s": m_engine.get("wall_s"), "oracle_wall_s": sum(r.wall_s for r in oracle_results),
         "engine_em": m_engine.get("em"),
         "oracle_em": _mean([r.metrics.get("em") for r in oracle_results if r.error is None]),
+        # where this report was made (both sides run in this process, on the GPU when there is one; a side resumed
+        # from an earlier run's records keeps that run's timings, and engine/metrics.json its environment)
+        "environment": environment("cuda" if torch.cuda.is_available() else None),
     })
     (out / "parity.json").write_text(json.dumps(report, indent=2, ensure_ascii=False))
     return report

@@ -13,6 +13,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from fastrag.eval import BUNDLED
 
@@ -178,6 +179,7 @@ def test_parity_on_a_random_model_of_another_shape(tmp_path, small_config, tiny_
     rep = json.loads((tmp_path / "p" / "parity.json").read_text())
     recs = [json.loads(x) for x in (tmp_path / "p" / "engine" / "results.jsonl").read_text().splitlines()]
     assert rep["n"] == 3 and rep["agreement"] == 1.0, rep
+    assert rep["environment"]["torch"] == torch.__version__ and rep["environment"]["device"], rep["environment"]
     assert sum(1 for r in recs for rd in r["rounds"] if rd["query"]) > 0, "no retrieval happened: a weak check"
 
 

@@ -154,7 +154,7 @@ def test_a_rerun_that_computes_nothing_keeps_the_measured_figures(setup):
     for _ in range(2):  # (twice: a kept figure is kept again)
         again = go(limit=2)
         assert again["computed_this_run"] == 0 and again["measured_in_an_earlier_run"]
-        for k in ("questions_per_s", "engine", "model_costs", "step_seconds", "retrieval"):
+        for k in ("questions_per_s", "engine", "model_costs", "step_seconds", "retrieval", "environment"):
             assert again[k] == first[k], k
     assert again["em"] == first["em"] and again["n"] == 2
     # fastrag.perf on a folder whose metrics lack its fields: an error line, not a traceback

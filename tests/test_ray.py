@@ -12,6 +12,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from fastrag.eval import BUNDLED
 
@@ -70,9 +71,15 @@ def test_ray_run_equals_single_process(tmp_path, cfg, single):
     for k in ("em", "f1", "questions_per_s", "retrievals_per_question", "wall_s"):
         assert k in m
     assert m["sampling"] == {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0}  # (as a single process)
+    # the environment names the device the shards computed on (each shard's own metrics.json), not the driver's
+    shard_devices = {json.loads((out / "shards" / str(i) / "metrics.json").read_text())["environment"]["device"]
+                     for i in range(2)}
+    assert m["environment"]["device"] == "; ".join(sorted(shard_devices)), (m["environment"], shard_devices)
+    assert m["environment"]["torch"] == torch.__version__
     again = cli("run", "--ray", "--num-workers", 2, "--method", "dragin", "--dataset", "hotpotqa", "--data", DATA,
                 "--corpus", CORPUS, "--config", cfg, "--limit", N, "--output", out, "--no-progress")
     assert again.returncode == 0 and len(records(out)) == N  # a rerun adds nothing
+    assert json.loads((out / "metrics.json").read_text())["environment"] == m["environment"]  # nor a new environment
     # the last two questions (shard 1's) failed in an earlier run: their error records are the latest in the main
     # file and in shard 1's folder. The rerun cuts [q4, q5] into shard 0 = {q4}, shard 1 = {q5}: q4's fresh answer
     # comes from shard 0, while shard 1's folder still holds q4's old error, which must not win the merge.

@@ -1,0 +1,79 @@
+"""Where and with what a run was measured: the `environment` block of metrics.json and parity.json.
+
+A throughput figure means little without its machine and versions, and a results folder outlives the terminal
+that made it, so every run writes them beside its numbers: the UTC time the run finished, the device (GPU name, or
+the CPU model with the cores and torch threads it used), the versions of Python, torch, transformers, triton and
+fastrag, the command line, and the git commit of the fastrag source when it runs from a checkout (with `dirty` when
+tracked files differ from it). Nothing here touches the device or imports a heavy package.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import platform
+import shlex
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+
+import torch
+
+_PACKAGES = ("torch", "transformers", "triton", "fastrag")
+
+
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo on Linux), else what `platform` knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace").splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and value.strip():
+                return value.strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def device_name(device: torch.device | str | None = None) -> str:
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    if dev.type == "cuda":
+        return torch.cuda.get_device_name(dev)
+    return f"{cpu_name()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads"
+
+
+def _version(name: str) -> str | None:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def git_commit(package: Path | None = None) -> dict | None:
+    """{"commit", "dirty"} of the git checkout whose top folder holds the `package` folder (default: fastrag's
+    own), None when there is none (an installed package)."""
+    root = (package or Path(__file__).resolve().parent).parent
+    if not (root / ".git").exists():
+        return None
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
+                              timeout=10)
+        if head.returncode != 0:
+            return None
+        status = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                                capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return {"commit": head.stdout.strip(), "dirty": bool(status.stdout.strip()) if status.returncode == 0 else None}
+
+
+def environment(device: torch.device | str | None = None) -> dict:
+    """The `environment` block written beside a run's measured figures (see the module doc)."""
+    return {
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "device": device_name(device),
+        "python": platform.python_version(),
+        **{name: _version(name) for name in _PACKAGES},
+        "command": shlex.join(sys.argv),
+        "git": git_commit(),
+    }
