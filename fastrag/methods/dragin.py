@@ -14,7 +14,7 @@ import torch
 from fastrag.config import DraginConfig
 from fastrag.data.exemplars import case_text, demo_text
 from fastrag.data.metrics import ANSWER_MAX_TOKENS, answer_prompt, complete_answer, needs_answer_generation
-from fastrag.methods.common import first_sentence, real_words, sentences
+from fastrag.methods.common import first_sentence, join, real_words, sentences, truncate_query
 from fastrag.scheduler import AttnColmax, AttnRows, Generate, Parallel, RealWords, Search, Sentences
 from fastrag.text.realwords import matches_real_word
 from fastrag.text.words import assign_words_to_sentences, sentence_word_ranges, word_boundaries
@@ -28,10 +28,6 @@ from fastrag.trace import QuestionResult, Round
 # cache still shares the full blocks a later prompt repeats. Measured on 12 HotpotQA questions (SmolLM2, CPU, the
 # same answers and queries either way): 13,078 prefilled tokens against 12,984 with a kept branch (+0.7%).
 PLAIN, RAG = 0, None
-
-
-def join(*parts: str) -> str:
-    return " ".join(p for p in parts if p)
 
 
 class DraginReference:
@@ -162,11 +158,7 @@ class DraginReference:
             keep = sorted(ranked[:k])
         else:
             keep = cand[:k]
-        query = " ".join(words[i] for i in keep)
-        qids = self.tok.encode(query)
-        if len(qids) > cfg.max_query_tokens:
-            query = self.tok.decode(qids[-cfg.max_query_tokens:], skip_special_tokens=True).strip()
-        return query
+        return truncate_query(self.tok, " ".join(words[i] for i in keep), cfg.max_query_tokens)
 
 
 def _dragin_config(dataset: str, path: str | None):

@@ -23,12 +23,11 @@ from __future__ import annotations
 
 from fastrag.config import DraginStreamingConfig, dragin_config, load_dragin_config
 from fastrag.data.exemplars import case_text as make_case
-from fastrag.methods.common import (STOP_PHRASE, finish_answer, generate, join, search, token_char_ends,
-                                    truncate_query)
+from fastrag.methods.common import (STOP_PHRASE, finish_answer, first_sentence, generate, join, real_words, search,
+                                    sentences, token_char_ends)
 from fastrag.methods.dragin import DraginReference
 from fastrag.methods.registry import MethodSpec, register
 from fastrag.methods.token_rag import token_spans
-from fastrag.methods.common import first_sentence, real_words, sentences
 from fastrag.scheduler import AttnColmax, AttnRows, Parallel, RealWords
 from fastrag.text.realwords import matches_real_word
 from fastrag.text.words import assign_words_to_sentences, sentence_word_ranges
@@ -122,8 +121,7 @@ class DraginStreaming(DraginReference):
                 rows_ids = tok.encode(all_text)
                 rows, real = yield Parallel([AttnRows(rows_ids), RealWords(all_text)])
                 res.prefill_tokens += len(rows_ids)
-                query = self.qfs(all_text, rows_ids, rows, words, hits, real)
-                query = truncate_query(tok, query, cfg.max_query_tokens)
+                query = self.qfs(all_text, rows_ids, rows, words, hits, real)  # truncated to max_query_tokens
                 docs = yield from search(res, query, cfg.retrieve_topk)
                 res.rounds.append(Round(trigger_sentence=sents[si].text,
                                         hit_words=[w for w, h in zip(words, hits) if h],
