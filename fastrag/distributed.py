@@ -48,6 +48,9 @@ def _run_ray(opts: RunOptions, num_workers: int, max_retries: int, ray_address: 
 
     from fastrag.data.datasets import load_examples
 
+    from fastrag.provenance import source_commit
+
+    source_commit()  # the commit of the code this run loaded, read before anything can change it
     out = Path(opts.output)
     out.mkdir(parents=True, exist_ok=True)
     examples = load_examples(opts.dataset, opts.data, limit=opts.limit, answer_aliases=opts.answer_aliases)

@@ -29,7 +29,7 @@ import torch
 from fastrag.cache.kv import OutOfBlocks
 from fastrag.data.datasets import Example, load_examples
 from fastrag.data.metrics import aggregate, score
-from fastrag.provenance import environment
+from fastrag.provenance import environment, source_commit
 from fastrag.trace import QuestionResult
 
 BUNDLED = Path(__file__).resolve().parent / "data" / "bundled"
@@ -485,6 +485,7 @@ def _run_many(runs: list[RunOptions], engine=None, retriever=None) -> list[dict]
     from fastrag.retrieval import make_retriever
     from fastrag.scheduler import Scheduler
 
+    source_commit()  # the commit of the code this run loaded (fastrag.provenance), before anything can change it
     first = runs[0]
     for o in runs[1:]:
         for f in ("model", "corpus", "retriever", "batch_size", "signals", "kv_cache_gb", "prefix_caching",

@@ -4,12 +4,14 @@ A throughput figure means little without its machine and versions, and a results
 that made it, so every run writes them beside its numbers: the UTC time the run finished, the device (GPU name, or
 the CPU model with the cores and torch threads it used), the versions of Python, torch, transformers, triton and
 fastrag, the command line, and the git commit of the fastrag source when it runs from a checkout (with `dirty` when
-tracked files differ from it). Nothing here touches the device or imports a heavy package.
+tracked files differ from it), read when the run starts. Nothing here touches the device or imports a heavy
+package.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import os
 import platform
 import shlex
@@ -67,6 +69,13 @@ def git_commit(package: Path | None = None) -> dict | None:
     return {"commit": head.stdout.strip(), "dirty": bool(status.stdout.strip()) if status.returncode == 0 else None}
 
 
+@functools.cache
+def source_commit() -> dict | None:
+    """`git_commit()` of fastrag's own source, read once per process: the code a run loaded, not what the checkout
+    holds when the run ends (a long run outlives edits and commits). `fastrag.eval` reads it when a run starts."""
+    return git_commit()
+
+
 def environment(device: torch.device | str | None = None) -> dict:
     """The `environment` block written beside a run's measured figures (see the module doc)."""
     return {
@@ -75,5 +84,5 @@ def environment(device: torch.device | str | None = None) -> dict:
         "python": platform.python_version(),
         **{name: _version(name) for name in _PACKAGES},
         "command": shlex.join(sys.argv),
-        "git": git_commit(),
+        "git": source_commit(),
     }

@@ -75,3 +75,16 @@ def test_the_command_line_is_recorded_as_run(tmp_path):
                        timeout=300)
     assert p.returncode == 0, p.stderr
     assert json.loads(p.stdout)["command"] == f"{script} --limit 8 'a b'"
+
+
+def test_the_commit_is_the_one_read_when_the_run_started(monkeypatch):
+    """A long run outlives commits: the environment names the commit of the code it loaded, read at its start."""
+    heads = iter([{"commit": "a" * 40, "dirty": False}, {"commit": "b" * 40, "dirty": False}])
+    monkeypatch.setattr(provenance, "git_commit", lambda package=None: next(heads))
+    provenance.source_commit.cache_clear()
+    try:
+        assert provenance.source_commit()["commit"] == "a" * 40  # (what fastrag.eval reads as a run starts)
+        assert provenance.environment()["git"]["commit"] == "a" * 40
+        assert provenance.environment()["git"]["commit"] == "a" * 40
+    finally:
+        provenance.source_commit.cache_clear()
