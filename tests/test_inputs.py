@@ -299,7 +299,10 @@ def test_ctrl_c_says_how_to_go_on_and_the_rerun_resumes(tiny, tmp_path):
     import signal
     import time
 
-    data = nq_file(tmp_path / "nq.jsonl", [f"who wrote book number {i}?" for i in range(40)])
+    # enough questions that the interrupt lands mid-run even when this process is scheduled late on a loaded machine
+    # (with 40, a loaded CI machine once let the run finish all of them and exit 0 before the signal was handled)
+    total = 200
+    data = nq_file(tmp_path / "nq.jsonl", [f"who wrote book number {i}?" for i in range(total)])
     cfg = tmp_path / "c.json"
     cfg.write_text(json.dumps({"generate_max_length": 24, "fewshot": 0}))
     out = tmp_path / "o"
@@ -319,7 +322,7 @@ def test_ctrl_c_says_how_to_go_on_and_the_rerun_resumes(tiny, tmp_path):
     p = subprocess.run(args, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-2000:]
     m = json.loads((out / "metrics.json").read_text())
-    assert m["n"] == 40 and m["computed_this_run"] == 40 - n_before
+    assert 0 < n_before < total and m["n"] == total and m["computed_this_run"] == total - n_before
 
 
 # --------------------------------------------------------------------------------------------- data files
