@@ -18,6 +18,7 @@ from pathlib import Path
 
 from fastrag.eval import (ResultWriter, RunError, RunOptions, check_manifest, latest_records, method_config,
                           output_lock, resume, run_identity, summarize)
+from fastrag.provenance import environment, source_commit
 
 
 def _shard_worker(opts: RunOptions, device: str | None) -> dict:
@@ -47,8 +48,6 @@ def _run_ray(opts: RunOptions, num_workers: int, max_retries: int, ray_address: 
     import ray
 
     from fastrag.data.datasets import load_examples
-
-    from fastrag.provenance import source_commit
 
     source_commit()  # the commit of the code this run loaded, read before anything can change it
     out = Path(opts.output)
@@ -131,11 +130,10 @@ def _run_ray(opts: RunOptions, num_workers: int, max_retries: int, ray_address: 
     sp = sampling_of(opts)
     metrics["sampling"] = {"temperature": sp.temperature, "top_p": sp.top_p, "top_k": sp.top_k, "seed": sp.seed}
     # the driver's environment, with the devices the shards computed on (each shard's metrics.json names its own)
-    from fastrag.provenance import environment
-
     if new:
         env = environment()
-        devices = sorted({d for d in (_shard_device(Path(o.output)) for o in shard_opts) if d})
+        shard_envs = [_read_environment(Path(o.output)) or {} for o in shard_opts]
+        devices = sorted({e["device"] for e in shard_envs if e.get("device")})
         if devices:
             env["device"] = "; ".join(devices)
         metrics["environment"] = env
@@ -154,9 +152,3 @@ def _read_environment(folder: Path) -> dict | None:
     except (OSError, ValueError, AttributeError):
         return None
     return env if isinstance(env, dict) else None
-
-
-def _shard_device(folder: Path) -> str | None:
-    """The device a shard's own metrics.json names (None when it has none: a shard with nothing to compute)."""
-    env = _read_environment(folder)
-    return env.get("device") if env is not None else None
