@@ -177,13 +177,27 @@ def _print_table(title: str, d: dict) -> None:
     t = Table(title=title)
     t.add_column("metric")
     t.add_column("value", justify="right")
-    for k, v in d.items():
-        if isinstance(v, dict):
-            v = json.dumps(v)
-        elif isinstance(v, float):
-            v = f"{v:.4g}"
-        t.add_row(k, str(v))
+    for k, v in _flat_rows(d):
+        t.add_row(k, v)
     Console().print(t)
+
+
+def _flat_rows(d: dict, prefix: str = "") -> list[tuple[str, str]]:
+    """(name, text) rows of a metrics dict: a nested dict's entries become rows of their own under dotted names
+    ("environment.device", "engine.decode_steps") instead of one wrapped JSON cell; floats to 4 significant digits,
+    lists as JSON."""
+    rows = []
+    for k, v in d.items():
+        name = f"{prefix}{k}"
+        if isinstance(v, dict):
+            rows.extend(_flat_rows(v, name + ".") if v else [(name, "{}")])
+        elif isinstance(v, float):
+            rows.append((name, f"{v:.4g}"))
+        elif isinstance(v, (list, tuple)):
+            rows.append((name, json.dumps(v)))
+        else:
+            rows.append((name, str(v)))
+    return rows
 
 
 if __name__ == "__main__":
