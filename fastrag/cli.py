@@ -132,16 +132,19 @@ def main(argv: list[str] | None = None) -> int:
 
             metrics = run_ray(opts, num_workers=args.num_workers)
             _print_table("fastrag run --ray", metrics)
+            print(_run_summary(metrics, args.output))
         elif args.cmd == "run":
             from fastrag.eval import run
 
             metrics = run(opts)
             _print_table("fastrag run", metrics)
+            print(_run_summary(metrics, args.output))
         else:
             from fastrag.parity import parity
 
             report = parity(opts)
             _print_table("fastrag parity", {k: v for k, v in report.items() if k != "disagreements"})
+            print(_parity_summary(report, args.output))
     except (ValueError, OSError, ImportError, RunError) as e:  # (OSError: files and folders, e.g. no writable index)
         print(f"fastrag: error: {e}", file=sys.stderr)
         return 2
@@ -180,6 +183,29 @@ def _print_table(title: str, d: dict) -> None:
     for k, v in _flat_rows(d):
         t.add_row(k, v)
     Console().print(t)
+
+
+def _fmt(v, spec: str) -> str:
+    return "n/a" if v is None else format(v, spec)
+
+
+def _run_summary(m: dict, output: str) -> str:
+    """The headline of a run in one line, printed under the (long) table so that it is the last thing seen."""
+    score = f"EM {_fmt(m.get('em'), '.3f')}, F1 {_fmt(m.get('f1'), '.3f')}"
+    if m.get("accuracy") is not None:
+        score += f", accuracy {m['accuracy']:.3f}"
+    return (f"{m.get('method')} on {m.get('dataset')}: {m.get('n')} questions, {m.get('errors', 0)} failed (scores over "
+            "the others); "
+            f"{score}; {_fmt(m.get('questions_per_s'), '.3g')} questions/s, {_fmt(m.get('tokens_per_s'), '.4g')} "
+            f"tokens/s, {_fmt(m.get('retrievals_per_question'), '.2f')} retrievals/question "
+            f"(all figures: {output}/metrics.json)")
+
+
+def _parity_summary(r: dict, output: str) -> str:
+    return (f"parity {r.get('method')} on {r.get('dataset')}: agreement {_fmt(r.get('agreement'), '.2f')} over "
+            f"{r.get('n')} questions, {len(r.get('disagreements') or [])} disagreements "
+            f"(listed in {output}/parity.json); EM engine {_fmt(r.get('engine_em'), '.3f')}, "
+            f"oracle {_fmt(r.get('oracle_em'), '.3f')}")
 
 
 def _flat_rows(d: dict, prefix: str = "") -> list[tuple[str, str]]:

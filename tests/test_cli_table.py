@@ -29,3 +29,23 @@ def test_printed_table_shows_each_nested_field_on_its_own_line(capsys):
     assert any("environment.python" in ln and "3.11.7" in ln for ln in lines)
     assert any("environment.torch" in ln and "2.13.0+cpu" in ln for ln in lines)
     assert not any("{" in ln for ln in lines)  # no JSON cell
+
+
+def test_run_summary_line_names_the_headline_figures_and_where_the_rest_is():
+    from fastrag.cli import _parity_summary, _run_summary
+
+    line = _run_summary({"method": "dragin", "dataset": "hotpotqa", "n": 8, "errors": 1, "em": 0.125, "f1": 0.15625,
+                         "accuracy": None, "questions_per_s": 0.1027, "tokens_per_s": 152.7,
+                         "retrievals_per_question": 2.25}, "runs/q")
+    assert line.startswith("dragin on hotpotqa: 8 questions, 1 failed (scores over the others);")
+    for part in ("EM 0.125", "F1 0.156", "0.103 questions/s", "152.7 tokens/s", "2.25 retrievals/question",
+                 "runs/q/metrics.json"):
+        assert part in line, part
+    assert "accuracy" not in line
+    sq = _run_summary({"method": "flare", "dataset": "strategyqa", "n": 0, "errors": 3, "em": None, "f1": None,
+                       "accuracy": 0.5, "questions_per_s": None}, "o")
+    assert "EM n/a, F1 n/a, accuracy 0.500" in sq and "3 failed" in sq
+    p = _parity_summary({"method": "flare", "dataset": "2wikimultihopqa", "n": 25, "agreement": 0.96,
+                         "disagreements": [{"id": "x"}], "engine_em": 0.0, "oracle_em": 0.04}, "runs/p")
+    assert "agreement 0.96 over 25 questions, 1 disagreements" in p and "runs/p/parity.json" in p
+    assert "oracle 0.040" in p
