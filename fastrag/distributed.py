@@ -17,7 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from fastrag.eval import (ResultWriter, RunError, RunOptions, check_manifest, latest_records, method_config,
-                          output_lock, resume, run_identity, summarize)
+                          output_lock, read_metrics, resume, run_identity, summarize)
 from fastrag.provenance import environment, source_commit
 
 
@@ -147,8 +147,5 @@ def _run_ray(opts: RunOptions, num_workers: int, max_retries: int, ray_address: 
 
 def _read_environment(folder: Path) -> dict | None:
     """The `environment` of a folder's metrics.json, None when it has none."""
-    try:
-        env = json.loads((folder / "metrics.json").read_text(encoding="utf-8")).get("environment")
-    except (OSError, ValueError, AttributeError):
-        return None
+    env = (read_metrics(folder / "metrics.json") or {}).get("environment")
     return env if isinstance(env, dict) else None

@@ -616,11 +616,17 @@ MEASURED_FIELDS = ("questions_per_s", "tokens_per_s", "wall_s", "engine", "kv_ca
                    "cuda_graphs", "retrieval", "step_seconds", "overlap", "text_workers", "joint", "environment")
 
 
-def _measured_fields(path: Path) -> dict:
+def read_metrics(path: Path) -> dict | None:
+    """A metrics.json as a dict; None when it is missing, unreadable or not a JSON object."""
     try:
         old = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        return {}
-    if not isinstance(old, dict) or not (old.get("computed_this_run") or old.get("measured_in_an_earlier_run")):
+        return None
+    return old if isinstance(old, dict) else None
+
+
+def _measured_fields(path: Path) -> dict:
+    old = read_metrics(path)
+    if old is None or not (old.get("computed_this_run") or old.get("measured_in_an_earlier_run")):
         return {}
     return {k: old[k] for k in MEASURED_FIELDS if k in old} | {"measured_in_an_earlier_run": True}

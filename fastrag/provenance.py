@@ -4,8 +4,7 @@ A throughput figure means little without its machine and versions, and a results
 that made it, so every run writes them beside its numbers: the UTC time the run finished, the device (GPU name, or
 the CPU model with the cores and torch threads it used), the versions of Python, torch, transformers, triton and
 fastrag, the command line, and the git commit of the fastrag source when it runs from a checkout (with `dirty` when
-tracked files differ from it), read when the run starts. Nothing here touches the device or imports a heavy
-package.
+tracked files differ from it), read when the run starts. It needs torch and the standard library only.
 """
 
 from __future__ import annotations
