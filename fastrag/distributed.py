@@ -17,7 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from fastrag.eval import (ResultWriter, RunError, RunOptions, check_manifest, latest_records, method_config,
-                          output_lock, read_metrics, resume, run_identity, summarize)
+                          measured_fields, output_lock, read_metrics, resume, run_identity, summarize)
 from fastrag.provenance import environment, source_commit
 
 
@@ -137,10 +137,9 @@ def _run_ray(opts: RunOptions, num_workers: int, max_retries: int, ray_address: 
         if devices:
             env["device"] = "; ".join(devices)
         metrics["environment"] = env
-    else:  # nothing computed: the environment of the run that computed the figures stays
-        old = _read_environment(out)
-        if old is not None:
-            metrics["environment"] = old
+    else:  # nothing computed: the throughput, the worker count and the environment of the run that computed the
+        # figures stay (as a single-process rerun keeps them), marked measured_in_an_earlier_run
+        metrics |= measured_fields(out / "metrics.json", extra=("ray",))
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
     return metrics
 

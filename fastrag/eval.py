@@ -604,7 +604,7 @@ def _run_many(runs: list[RunOptions], engine=None, retriever=None) -> list[dict]
             metrics["environment"] = environment(getattr(engine, "device", None))
         else:  # nothing computed now: the throughput and engine figures (and their environment) stay those of the
             # last run that did
-            metrics |= _measured_fields(out / "metrics.json")
+            metrics |= measured_fields(out / "metrics.json")
         (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
         out_metrics.append(metrics)
     return out_metrics
@@ -625,8 +625,10 @@ def read_metrics(path: Path) -> dict | None:
     return old if isinstance(old, dict) else None
 
 
-def _measured_fields(path: Path) -> dict:
+def measured_fields(path: Path, extra: tuple[str, ...] = ()) -> dict:
+    """The MEASURED_FIELDS (and `extra`) of the metrics.json at `path`, marked measured_in_an_earlier_run, for a
+    rerun that computes nothing; {} when that file describes no run that computed something."""
     old = read_metrics(path)
     if old is None or not (old.get("computed_this_run") or old.get("measured_in_an_earlier_run")):
         return {}
-    return {k: old[k] for k in MEASURED_FIELDS if k in old} | {"measured_in_an_earlier_run": True}
+    return {k: old[k] for k in MEASURED_FIELDS + extra if k in old} | {"measured_in_an_earlier_run": True}

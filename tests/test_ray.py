@@ -79,7 +79,11 @@ def test_ray_run_equals_single_process(tmp_path, cfg, single):
     again = cli("run", "--ray", "--num-workers", 2, "--method", "dragin", "--dataset", "hotpotqa", "--data", DATA,
                 "--corpus", CORPUS, "--config", cfg, "--limit", N, "--output", out, "--no-progress")
     assert again.returncode == 0 and len(records(out)) == N  # a rerun adds nothing
-    assert json.loads((out / "metrics.json").read_text())["environment"] == m["environment"]  # nor a new environment
+    kept = json.loads((out / "metrics.json").read_text())
+    assert kept["computed_this_run"] == 0 and kept["measured_in_an_earlier_run"] is True
+    # nor a new environment, nor throughput figures of a run that computed nothing: those of the run that did stay
+    for k in ("environment", "questions_per_s", "tokens_per_s", "wall_s", "ray"):
+        assert kept[k] == m[k], (k, kept.get(k), m[k])
     # the last two questions (shard 1's) failed in an earlier run: their error records are the latest in the main
     # file and in shard 1's folder. The rerun cuts [q4, q5] into shard 0 = {q4}, shard 1 = {q5}: q4's fresh answer
     # comes from shard 0, while shard 1's folder still holds q4's old error, which must not win the merge.
