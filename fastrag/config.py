@@ -71,7 +71,7 @@ class DraginConfig:
         _int(self, "generate_max_length", 1)
         _int(self, "retrieve_keep_top_k", 1)
         _int(self, "retrieve_topk", 1)
-        _int(self, "fewshot", 0)
+        _fewshot(self)
         _int(self, "max_query_tokens", 1)
         t = self.hallucination_threshold
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t):
@@ -94,6 +94,17 @@ def _int(cfg: DraginConfig, name: str, minimum: int) -> None:
     v = getattr(cfg, name)
     if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
         raise ConfigError(f"{name} must be an int >= {minimum}, got {v!r}")
+
+
+def _fewshot(cfg) -> None:
+    """fewshot: an int >= 0 and at most the exemplars `cfg.dataset` has (checked with the config, before a run
+    starts, so that the error names the config file)."""
+    _int(cfg, "fewshot", 0)
+    from fastrag.data.exemplars import load_exemplars
+
+    n = len(load_exemplars(cfg.dataset))
+    if cfg.fewshot > n:
+        raise ConfigError(f"fewshot is {cfg.fewshot} but {cfg.dataset} has only {n} exemplars")
 
 
 _FIELDS = tuple(f.name for f in fields(DraginConfig) if f.name != "extra")
@@ -240,7 +251,7 @@ class RagConfig:
         except DataError as e:
             raise ConfigError(f"dataset: {e}") from None
         _int(self, "generate_max_length", 1)
-        _int(self, "fewshot", 0)
+        _fewshot(self)
         _int(self, "retrieve_topk", 1)
         _int(self, "max_query_tokens", 1)
         _bools(self, "stop_case_insensitive")

@@ -224,7 +224,8 @@ def run_identity(opts: "RunOptions", cfg, **more) -> dict:
 
 def check_manifest(out: Path, identity: dict) -> None:
     """Write `out/run.json` for a new output folder; for one that has it, refuse a run of another identity (its
-    records would be reused as this run's answers). A folder from before manifests (results, no run.json) gets one."""
+    records would be reused as this run's answers) unless the folder holds no records yet (the run that wrote it
+    failed before computing anything). A folder from before manifests (results, no run.json) gets one."""
     path = out / MANIFEST
     if path.exists():
         try:
@@ -246,7 +247,10 @@ def check_manifest(out: Path, identity: dict) -> None:
                           for f in sorted(set(a) | set(b)) if a.get(f) != b.get(f)]
             else:
                 diffs.append(f"{k}: {a!r} there, {b!r} now")
-        if diffs:
+        if diffs and not _holds_records(out):  # a run that stopped before computing anything (a bad model path,
+            # corpus or config): the corrected run takes the folder over
+            added = True
+        elif diffs:
             raise ValueError(f"{out} holds the results of another run ({'; '.join(diffs[:4])}"
                              f"{'; ...' if len(diffs) > 4 else ''}): use another --output (or delete {path} to "
                              "add this run's records to that folder anyway)")
@@ -255,6 +259,12 @@ def check_manifest(out: Path, identity: dict) -> None:
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(identity, indent=2))
     tmp.replace(path)
+
+
+def _holds_records(out: Path) -> bool:
+    """Whether a run folder (or one of its subfolders: ray shards, parity's engine/ and oracle/) has a results file
+    with anything in it."""
+    return any(p.is_file() and p.stat().st_size > 0 for p in out.rglob("results.jsonl"))
 
 
 def latest_records(path: Path, examples: list[Example], repair: bool = False) -> list[QuestionResult]:

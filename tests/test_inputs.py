@@ -17,7 +17,7 @@ import torch
 
 from fastrag.config import ConfigError, load_dragin_config
 from fastrag.data.datasets import DataError, load_examples
-from fastrag.eval import BUNDLED, RunOptions, build_engine, run
+from fastrag.eval import BUNDLED, RunOptions, build_engine, check_manifest, run
 from fastrag.retrieval.base import Doc, Retriever
 
 CORPUS = BUNDLED / "wiki_passages.jsonl"
@@ -85,6 +85,31 @@ def test_a_rerun_of_another_run_into_the_folder_is_refused(setup):
     with pytest.raises(ValueError, match="seed: 0 there, 3 now"):
         go(temperature=0.5, seed=3, limit=3)
     assert len(records(tmp / "o" / "results.jsonl")) == 3  # nothing written by the refused runs
+
+
+def test_a_run_that_failed_before_computing_does_not_hold_the_folder(setup):
+    """A run that wrote run.json and then stopped before its first record (a model path that does not exist, a
+    corpus line without text) computed nothing: the corrected run into the same folder goes on; once a record is
+    there, another run is refused again."""
+    go, tmp, cfg, _ = setup
+    out = tmp / "o"
+    out.mkdir()
+    check_manifest(out, {"method": "sr-rag", "model": "/no/such/model", "config": {"fewshot": 0}})
+    assert go(limit=2)["computed_this_run"] == 2  # the fixed run goes on, and the folder is now its
+    assert json.loads((out / "run.json").read_text())["model"] != "/no/such/model"
+    with pytest.raises(ValueError, match=r"another run \(method: 'sr-rag' there, 'wo-rag' now"):
+        go(method="wo-rag", limit=2)
+    (out / "results.jsonl").write_text("")  # an empty results file holds nothing either
+    assert go(method="wo-rag", limit=2)["computed_this_run"] == 2
+
+
+def test_more_demos_than_the_dataset_has_is_a_config_error(setup):
+    go, tmp, _, _ = setup
+    bad = tmp / "bad.json"
+    bad.write_text(json.dumps({"generate_max_length": 4, "fewshot": 500}))
+    with pytest.raises(ConfigError, match=r"bad\.json: fewshot is 500 but nq has only \d+ exemplars"):
+        go(config=str(bad), limit=2)
+    assert not (tmp / "o" / "run.json").exists()  # refused before the folder is claimed
 
 
 def test_records_of_other_data_are_refused(setup):
