@@ -10,14 +10,14 @@ like a single-process run (with the wall time of the distributed run and a `ray`
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from dataclasses import replace
 from pathlib import Path
 
 from fastrag.eval import (ResultWriter, RunError, RunOptions, check_manifest, latest_records, method_config,
-                          measured_fields, output_lock, read_metrics, resume, run_identity, summarize)
+                          measured_fields, output_lock, read_metrics, resume, run_identity, summarize,
+                          write_json)
 from fastrag.provenance import environment, source_commit
 
 
@@ -140,7 +140,7 @@ def _run_ray(opts: RunOptions, num_workers: int, max_retries: int, ray_address: 
     else:  # nothing computed: the throughput, the worker count and the environment of the run that computed the
         # figures stay (as a single-process rerun keeps them), marked measured_in_an_earlier_run
         metrics |= measured_fields(out / "metrics.json", extra=("ray",))
-    (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    write_json(out / "metrics.json", metrics)
     return metrics
 
 

@@ -389,8 +389,9 @@ def summarize(opts_method: str, dataset: str, results: list[QuestionResult], wal
     return {
         "method": opts_method, "dataset": dataset, "n": len(results), "errors": len(results) - len(ok),
         "em": agg.get("em"), "f1": agg.get("f1"), "accuracy": agg.get("accuracy"),
-        "questions_per_s": computed / wall_s if wall_s > 0 else None,
-        "tokens_per_s": tokens / wall_s if wall_s > 0 else None,
+        # (None when this run computed nothing: no rate was measured; a rerun keeps the earlier run's figures)
+        "questions_per_s": computed / wall_s if computed and wall_s > 0 else None,
+        "tokens_per_s": tokens / wall_s if computed and wall_s > 0 else None,
         "retrievals_per_question": sum(r.retrievals for r in ok) / len(ok) if ok else None,
         "prefill_tokens_per_question": sum(r.prefill_tokens for r in ok) / len(ok) if ok else None,
         "decode_tokens_per_question": sum(r.decode_tokens for r in ok) / len(ok) if ok else None,
@@ -615,7 +616,7 @@ def _run_many(runs: list[RunOptions], engine=None, retriever=None) -> list[dict]
         else:  # nothing computed now: the throughput and engine figures (and their environment) stay those of the
             # last run that did
             metrics |= measured_fields(out / "metrics.json")
-        (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
+        write_json(out / "metrics.json", metrics)
         out_metrics.append(metrics)
     return out_metrics
 
@@ -624,6 +625,14 @@ def _run_many(runs: list[RunOptions], engine=None, retriever=None) -> list[dict]
 # them from the run before it, so `python -m fastrag.perf DIR` and the throughput still describe a real run
 MEASURED_FIELDS = ("questions_per_s", "tokens_per_s", "wall_s", "engine", "kv_cache_gb", "model_costs",
                    "cuda_graphs", "retrieval", "step_seconds", "overlap", "text_workers", "joint", "environment")
+
+
+def write_json(path: Path, obj: dict, **kw) -> None:
+    """Write a JSON file through a temporary file and a rename: a run killed while writing leaves the old file
+    whole (a torn metrics.json would lose the figures that a rerun computing nothing carries over)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, **kw), encoding="utf-8")
+    tmp.replace(path)
 
 
 def read_metrics(path: Path) -> dict | None:

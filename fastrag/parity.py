@@ -9,7 +9,6 @@ each resumable like `fastrag run`), so a rerun only computes what is missing.
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -18,7 +17,7 @@ import torch
 
 from fastrag.data.datasets import load_examples
 from fastrag.eval import (ResultWriter, RunOptions, check_manifest, latest_records, method_config, output_lock,
-                          resume, run, run_identity, score_result)
+                          resume, run, run_identity, score_result, write_json)
 from fastrag.provenance import environment
 from fastrag.trace import QuestionResult
 
@@ -152,7 +151,7 @@ def parity(opts: RunOptions) -> dict:
         # from an earlier run's records keeps that run's timings, and engine/metrics.json its environment)
         "environment": environment("cuda" if torch.cuda.is_available() else None),
     })
-    (out / "parity.json").write_text(json.dumps(report, indent=2, ensure_ascii=False))
+    write_json(out / "parity.json", report, ensure_ascii=False)
     return report
 
 

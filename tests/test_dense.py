@@ -80,6 +80,19 @@ def test_changed_corpus_is_reindexed(tmp_path, small_corpus):
     assert b.search(["Zanzibar is an archipelago."], 1)[0][0].id == "new1"
 
 
+def test_a_damaged_saved_index_is_built_again(tmp_path, small_corpus):
+    p = tmp_path / "c.jsonl"
+    p.write_text("\n".join(json.dumps(d) for d in small_corpus[1][:20]) + "\n", encoding="utf-8")
+    a = DenseRetriever(p, show_progress=False)
+    q = [small_corpus[1][3]["text"][:200]]
+    want = [d.id for d in a.search(q, 5)[0]]
+    f = a.index_dir / "index.faiss"
+    f.write_bytes(f.read_bytes()[:100])  # cut short after the build
+    with pytest.warns(RuntimeWarning, match="saved dense index unreadable .*building it again"):
+        b = DenseRetriever(p, show_progress=False)
+    assert b.built and [d.id for d in b.search(q, 5)[0]] == want
+
+
 def test_fastrag_index_cli_builds_both(tmp_path, small_corpus, capsys):
     from fastrag.cli import main
 

@@ -182,6 +182,13 @@ def test_a_rerun_that_computes_nothing_keeps_the_measured_figures(setup):
         for k in ("questions_per_s", "engine", "model_costs", "step_seconds", "retrieval", "environment"):
             assert again[k] == first[k], k
     assert again["em"] == first["em"] and again["n"] == 2
+    # no metrics.json to carry the figures over (deleted, or torn by a kill in an older version): no rate was
+    # measured, so none is reported (not 0 questions/s); the rate over all runs still comes from runs.jsonl
+    (tmp / "o" / "metrics.json").unlink()
+    bare = go(limit=2)
+    assert bare["computed_this_run"] == 0 and bare["questions_per_s"] is None and bare["tokens_per_s"] is None
+    assert "measured_in_an_earlier_run" not in bare and bare["all_runs"]["questions_per_s"] > 0
+    assert not list((tmp / "o").glob("*.tmp"))  # metrics.json is written through a temporary file
     # fastrag.perf on a folder whose metrics lack its fields: an error line, not a traceback
     (tmp / "bare").mkdir()
     (tmp / "bare" / "metrics.json").write_text(json.dumps({"n": 1}))

@@ -173,6 +173,21 @@ def test_index_persisted_next_to_corpus_and_reloaded(corpus):
     assert BM25Retriever(corpus, k1=0.9, show_progress=False).built
 
 
+@pytest.mark.parametrize("damaged", ["text/data.csc.index.npy", "docs.bin", "docs_offsets.npy"])
+def test_a_damaged_saved_index_is_built_again(corpus, damaged):
+    """A saved index whose file was cut short after its build (a full disk, a copy interrupted) is not trusted: a
+    warning names the folder and the index is built again, with the same results."""
+    r1 = BM25Retriever(corpus, show_progress=False)
+    want = r1.search(QUERIES, 5)
+    del r1
+    f = corpus.with_name("c.jsonl.bm25s") / damaged
+    f.write_bytes(f.read_bytes()[: max(1, f.stat().st_size // 2)])
+    with pytest.warns(RuntimeWarning, match=r"c\.jsonl\.bm25s: saved BM25 index unreadable .*building it again"):
+        r2 = BM25Retriever(corpus, show_progress=False)
+    assert r2.built and r2.search(QUERIES, 5) == want
+    assert not BM25Retriever(corpus, show_progress=False).built  # the rebuilt one is kept
+
+
 def test_concurrent_builds_wait_and_reuse(corpus):
     """A second process that finds no index while another builds it waits for the build lock, then takes the
     finished index instead of rebuilding over it (two benchmarks started together once deleted each other's files).
@@ -276,6 +291,32 @@ def test_dpr_tsv_format(tmp_path):
     assert list(iter_corpus(p)) == [("1", "Aaron", 'Aaron ( or ; "Ahärôn") is a prophet'), ("2", "Moses", "Moses led them.")]
     r = BM25Retriever(p, show_progress=False)
     assert [d.id for d in r.search(["prophet", "moses"], 2)[0]] == ["1"]
+
+
+def test_tsv_quotes_that_are_not_csv_quoting_are_text(tmp_path):
+    """One passage per line whatever its quotes: a field that only starts with a quoted phrase keeps its quotes, and
+    a quote never closed neither eats the lines after it nor moves their titles; csv quoting (a tab inside, ""
+    escapes) is still read."""
+    p = tmp_path / "q.tsv"
+    p.write_text('id\ttext\ttitle\r\n'
+                 'p1\t"To be or not to be" opens a soliloquy.\tHamlet\r\n'
+                 'p2\t"Star Wars is a 1977 film.\tStar Wars\n'
+                 'p3\tThe Godfather is a 1972 film.\tThe Godfather\n'
+                 'p4\tCasablanca is called "the best" film.\t"Casablanca"\n'
+                 'p5\t"a\tb ""c"""\tT\n')
+    assert list(iter_corpus(p)) == [
+        ("p1", "Hamlet", '"To be or not to be" opens a soliloquy.'),
+        ("p2", "Star Wars", '"Star Wars is a 1977 film.'),
+        ("p3", "The Godfather", "The Godfather is a 1972 film."),
+        ("p4", "Casablanca", 'Casablanca is called "the best" film.'),
+        ("p5", "T", 'a\tb "c"'),
+    ]
+
+
+def test_contents_without_a_title_line_is_text(tmp_path):
+    p = tmp_path / "c.jsonl"
+    p.write_text(json.dumps({"id": "c1", "contents": "Jaws is a 1975 film by Steven Spielberg."}) + "\n")
+    assert list(iter_corpus(p)) == [("c1", "", "Jaws is a 1975 film by Steven Spielberg.")]
 
 
 @pytest.mark.parametrize(

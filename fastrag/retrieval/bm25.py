@@ -36,7 +36,8 @@ from pathlib import Path
 import numpy as np
 
 from fastrag.retrieval.base import Doc, Retriever
-from fastrag.retrieval.corpus import CorpusError, corpus_format, corpus_fingerprint, iter_corpus
+from fastrag.retrieval.corpus import (READER_VERSION, CorpusError, corpus_format, corpus_fingerprint,
+                                     iter_corpus)
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +117,36 @@ def build_in_first_writable(candidates: list[Path], index, what: str, manifest: 
     raise OSError(f"no writable folder for the {what} index: " + "; ".join(errors))
 
 
+def open_index(candidates: list[Path], manifest: dict, build, load, what: str) -> tuple[Path, bool]:
+    """(index folder, built now) of the first candidate whose manifest equals `manifest`, loaded by `load(folder)`,
+    else of a new one from `build()`. A saved index that fails to load (a file truncated or damaged after it was
+    written) is built again once, with a warning naming the folder and the error; one that fails right after its
+    build is a CorpusError naming the folder."""
+    found = next((d for d in candidates if _read_manifest(d) == manifest), None)
+    built = found is None
+    if found is None:
+        found = build()
+    try:
+        load(found)
+        return found, built
+    except Exception as e:  # noqa: BLE001 (numpy, pickle, faiss and OS errors all mean: this folder is unusable)
+        if built:
+            raise CorpusError(f"{found}: the {what} index just built cannot be read ({type(e).__name__}: {e}); "
+                              "delete the folder and run again") from e
+        import warnings
+
+        warnings.warn(f"{found}: saved {what} index unreadable ({type(e).__name__}: {e}); building it again",
+                      RuntimeWarning, stacklevel=3)
+        (found / "manifest.json").unlink(missing_ok=True)
+    found = build()
+    try:
+        load(found)
+    except Exception as e:  # noqa: BLE001
+        raise CorpusError(f"{found}: the {what} index just built cannot be read ({type(e).__name__}: {e}); "
+                          "delete the folder and run again") from e
+    return found, True
+
+
 def write_manifest(d: Path, manifest: dict, n_docs: int) -> None:
     """Write the manifest last and atomically: its presence marks the index in d complete."""
     tmp = d / "manifest.json.tmp"
@@ -132,6 +163,9 @@ class _DocStore:
         with open(directory / "docs.bin", "rb") as f:
             size = os.fstat(f.fileno()).st_size
             self._blob = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
+        if len(self.offsets) % 3 != 1 or int(self.offsets[-1]) != size:  # a file cut short or replaced
+            raise ValueError(f"docs.bin holds {size} bytes, docs_offsets.npy ({len(self.offsets)} entries) "
+                             f"describes {int(self.offsets[-1]) if len(self.offsets) else 0}")
 
     def __len__(self) -> int:
         return (len(self.offsets) - 1) // 3
@@ -200,14 +234,14 @@ class BM25Retriever(Retriever):
 
         manifest = self._manifest()
         candidates = [Path(index_dir)] if index_dir is not None else self._default_dirs()
-        found = next((d for d in candidates if _read_manifest(d) == manifest), None)
-        self.built = found is None
-        if found is None:
-            found = self._build(candidates, manifest)
-        self.index_dir = found
+        self.index_dir, self.built = open_index(candidates, manifest, lambda: self._build(candidates, manifest),
+                                                self._open, "BM25")
+
+    def _open(self, found: Path) -> None:
         self._fields = {  # (None: a field in which no passage has a term)
             f: None if (found / f / _EMPTY).exists()
-            else bm25s.BM25.load(found / f, mmap=True, load_corpus=False, show_progress=False) for f in FIELDS
+            else self._bm25s.BM25.load(found / f, mmap=True, load_corpus=False, show_progress=False)
+            for f in FIELDS
         }
         self._store = _DocStore(found)
         self.n_docs = len(self._store)
@@ -218,6 +252,7 @@ class BM25Retriever(Retriever):
         st = self.corpus_path.stat()
         return {
             "format": _FORMAT,
+            "reader": READER_VERSION,
             "bm25s": self._bm25s.__version__,
             "corpus": str(self.corpus_path),
             "size": st.st_size,

@@ -3,8 +3,10 @@
 All formats yield `(id, title, text)` string triples in file order (the corpus order that breaks score ties).
 - jsonl `{id, title, text}`: one JSON object per line; blank lines are skipped.
 - jsonl `{id, contents}`: FlashRAG style, the first line of `contents` is the title and the rest the text;
-  a title in double quotes ('"Title"\\ntext', the wiki-18 dump) is unquoted.
-- DPR tsv (`psgs_w100.tsv`): a header line `id\\ttext\\ttitle`, then one passage per line (columns in header order).
+  a title in double quotes ('"Title"\\ntext', the wiki-18 dump) is unquoted; `contents` without a line break is
+  all text (no title).
+- DPR tsv (`psgs_w100.tsv`): a header line `id\\ttext\\ttitle`, then one passage per line (columns in header order);
+  csv-quoted fields are unquoted, any other quote is text.
 Passage ids must be unique (results, traces and FLARE's merge name passages by id): a repeated one is an error that
 names both lines.
 """
@@ -19,11 +21,19 @@ from pathlib import Path
 from typing import Iterator
 
 
+# How the readers turn a file into passages; saved in every index manifest, so that an index built by a reader that
+# read some file differently (2: tsv quotes that are not csv quoting stay text, `contents` without a line break is
+# text) is built again instead of trusted
+READER_VERSION = 2
+
+
 class CorpusError(ValueError):
     """A corpus file that cannot be read: names the file, the 1-based line and the field."""
 
 
 def _split_contents(contents: str) -> tuple[str, str]:
+    if "\n" not in contents:  # no title line: all of it is the passage's text
+        return "", contents.strip()
     title, _, text = contents.partition("\n")
     title = title.strip()
     if len(title) >= 2 and title[0] == '"' and title[-1] == '"':
@@ -83,38 +93,44 @@ def _iter_jsonl(path: Path) -> Iterator[tuple[str, str, str]]:
         yield str(rec["id"]), title, text
 
 
-def _iter_tsv(path: Path) -> Iterator[tuple[str, str, str]]:
+def _tsv_fields(line: str) -> list[str]:
+    """The tab-separated fields of one tsv line. A field in double quotes with "" escapes (how csv writers, and
+    the official DPR file, write a passage holding quotes or tabs) is unquoted; a line whose quotes do not follow
+    that rule (a field that only starts with a quoted phrase, a quote never closed) keeps its text as written,
+    quotes included, so one stray quote can neither eat the lines after it nor drop characters."""
+    if '"' not in line:
+        return line.split("\t")
     try:
-        yield from _iter_tsv_rows(path)
-    except UnicodeDecodeError as e:
-        raise CorpusError(f"{path}: not valid UTF-8 ({e.reason})") from e
-    except OSError as e:
-        raise CorpusError(f"{path}: cannot read corpus file ({e.strerror})") from e
+        return next(csv.reader([line], delimiter="\t", strict=True))
+    except csv.Error:
+        return line.split("\t")
 
 
 def _iter_tsv_rows(path: Path) -> Iterator[tuple[str, str, str]]:
-    with open(path, encoding="utf-8-sig", newline="") as f:  # (a byte-order mark is dropped)
-        # DPR passages contain double quotes; csv's QUOTE_NONE would keep them, but the official file quotes
-        # fields with embedded quotes ("" escaping), so the default dialect reads it correctly.
-        reader = csv.reader(f, delimiter="\t")
-        header = next(reader, None)
-        if header is None:
-            raise CorpusError(f"{path}:1: empty tsv (expected a header line 'id\\ttext\\ttitle')")
-        cols = {name.strip(): i for i, name in enumerate(header)}
-        for need in ("id", "text", "title"):
-            if need not in cols:
-                raise CorpusError(f"{path}:1: tsv header lacks column {need!r} (got {header})")
-        i_id, i_text, i_title = cols["id"], cols["text"], cols["title"]
-        width = len(header)
-        seen: dict[str, int] = {}
-        for row in reader:
-            lineno = reader.line_num
-            if not row or (len(row) == 1 and not row[0].strip()):
-                continue
-            if len(row) != width:
-                raise CorpusError(f"{path}:{lineno}: expected {width} tab-separated fields, got {len(row)}")
-            _check_unique(path, seen, row[i_id], lineno)
-            yield row[i_id], row[i_title], row[i_text]
+    # one passage per physical line (psgs_w100.tsv has no line breaks inside a passage)
+    lines = _lines(path)
+    header = None
+    for lineno, line in lines:
+        header = _tsv_fields(line.rstrip("\r\n"))
+        break
+    if header is None:
+        raise CorpusError(f"{path}:1: empty tsv (expected a header line 'id\\ttext\\ttitle')")
+    cols = {name.strip(): i for i, name in enumerate(header)}
+    for need in ("id", "text", "title"):
+        if need not in cols:
+            raise CorpusError(f"{path}:1: tsv header lacks column {need!r} (got {header})")
+    i_id, i_text, i_title = cols["id"], cols["text"], cols["title"]
+    width = len(header)
+    seen: dict[str, int] = {}
+    for lineno, line in lines:
+        line = line.rstrip("\r\n")
+        if not line.strip():
+            continue
+        row = _tsv_fields(line)
+        if len(row) != width:
+            raise CorpusError(f"{path}:{lineno}: expected {width} tab-separated fields, got {len(row)}")
+        _check_unique(path, seen, row[i_id], lineno)
+        yield row[i_id], row[i_title], row[i_text]
 
 
 def iter_corpus(path: str | os.PathLike) -> Iterator[tuple[str, str, str]]:
@@ -124,7 +140,7 @@ def iter_corpus(path: str | os.PathLike) -> Iterator[tuple[str, str, str]]:
         raise CorpusError(f"corpus file not found: {p}")
     if not os.access(p, os.R_OK):
         raise CorpusError(f"corpus file not readable: {p}")
-    return _iter_tsv(p) if corpus_format(p) == "tsv" else _iter_jsonl(p)
+    return _iter_tsv_rows(p) if corpus_format(p) == "tsv" else _iter_jsonl(p)
 
 
 def corpus_format(path: str | os.PathLike) -> str:

@@ -24,8 +24,9 @@ from pathlib import Path
 import numpy as np
 
 from fastrag.retrieval.base import Doc, Retriever
-from fastrag.retrieval.bm25 import _cache_root, _DocStore, _read_manifest, build_in_first_writable, write_manifest
-from fastrag.retrieval.corpus import CorpusError, corpus_format, corpus_fingerprint, iter_corpus
+from fastrag.retrieval.bm25 import _cache_root, _DocStore, build_in_first_writable, open_index, write_manifest
+from fastrag.retrieval.corpus import (READER_VERSION, CorpusError, corpus_format, corpus_fingerprint,
+                                     iter_corpus)
 
 log = logging.getLogger(__name__)
 
@@ -86,28 +87,27 @@ class DenseRetriever(Retriever):
 
         manifest = self._manifest()
         candidates = [Path(index_dir)] if index_dir is not None else self._default_dirs()
-        found = next((d for d in candidates if _read_manifest(d) == manifest), None)
-        self.built = found is None
-        if found is None:
-            found = self._build(candidates, manifest)
-        self.index_dir = found
-        index = faiss.read_index(str(found / "index.faiss"))
-        if self.device.startswith("cuda") and hasattr(faiss, "StandardGpuResources"):
-            self._gpu_res = faiss.StandardGpuResources()
-            index = faiss.index_cpu_to_gpu(self._gpu_res, 0, index)
+        self.index_dir, self.built = open_index(candidates, manifest, lambda: self._build(candidates, manifest),
+                                                self._open, "dense")
+
+    def _open(self, found: Path) -> None:
+        index = self._faiss.read_index(str(found / "index.faiss"))
+        store = _DocStore(found)
+        if index.ntotal != len(store):
+            raise CorpusError(f"{found}: index holds {index.ntotal} vectors for {len(store)} passages")
+        if self.device.startswith("cuda") and hasattr(self._faiss, "StandardGpuResources"):
+            self._gpu_res = self._faiss.StandardGpuResources()
+            index = self._faiss.index_cpu_to_gpu(self._gpu_res, 0, index)
         self.index = index
-        self._store = _DocStore(found)
-        self.n_docs = len(self._store)
-        if self.index.ntotal != self.n_docs:
-            raise CorpusError(f"{found}: index holds {self.index.ntotal} vectors for {self.n_docs} passages; "
-                              "delete the folder to rebuild it")
+        self._store = store
+        self.n_docs = len(store)
 
     # ---- index management -------------------------------------------------------------------------------
 
     def _manifest(self) -> dict:
         st = self.corpus_path.stat()
         cfg = self.encoder_path / "config.json"
-        return {"format": _FORMAT, "kind": "dense-flat-ip", "corpus": str(self.corpus_path), "size": st.st_size,
+        return {"format": _FORMAT, "reader": READER_VERSION, "kind": "dense-flat-ip", "corpus": str(self.corpus_path), "size": st.st_size,
                 "mtime_ns": st.st_mtime_ns, "fingerprint": corpus_fingerprint(self.corpus_path), "encoder": str(self.encoder_path), "dim": self.dim,
                 "encoder_config_sha1": hashlib.sha1(cfg.read_bytes()).hexdigest() if cfg.is_file() else None}
 
