@@ -161,6 +161,25 @@ def test_strategyqa(tmp_path):
     assert ex[0].meta["answer_bool"] is True and ex[0].meta["facts"] == ["f"] and ex[0].dataset == "strategyqa"
 
 
+def test_a_file_of_another_dataset_is_refused(tmp_path):
+    """A file read as a dataset it is not: scored (and prompted) as the wrong dataset, silently, unless refused."""
+    s = _json(tmp_path / "s.json", [{"qid": "s1", "question": "Q?", "answer": True}])
+    for other in ("hotpotqa", "nq"):
+        with pytest.raises(DataError, match=rf"s\.json\[0\]: this is a strategyqa file .* --dataset is {other}"):
+            load_examples(other, s)
+    passages = [{"title": "P", "questions": [{"qid": "i", "question": "q", "answer": {"type": "value",
+                                                                                      "answer_value": "3"}}]}]
+    with pytest.raises(DataError, match="this is a iirc file"):
+        load_examples("hotpotqa", _json(tmp_path / "i.json", passages))
+    h = _jsonl(tmp_path / "h.jsonl", [{"_id": "h1", "question": "Who?", "answer": "yes"},
+                                      {"_id": "h2", "question": "Who?", "answer": "Chief of Protocol"}])
+    with pytest.raises(DataError, match=r"h\.jsonl:2: --dataset strategyqa scores yes/no answers, but question 'h2'"):
+        load_examples("strategyqa", h)
+    assert [e.answers for e in load_examples("strategyqa", h, limit=1)] == [["yes"]]  # yes/no golds: fine
+    f = _jsonl(tmp_path / "f.jsonl", [{"id": "t", "question": "q?", "golden_answers": ["No"]}])
+    assert load_examples("strategyqa", f)[0].answers == ["No"]  # a FlashRAG StrategyQA file
+
+
 def test_nq_open_ids_are_generated_and_unique(tmp_path):
     p = _jsonl(tmp_path / "nq.jsonl", [{"question": "q", "answer": ["a"]}] * 3)
     ex = load_examples("nq", p)

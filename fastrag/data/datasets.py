@@ -221,6 +221,18 @@ def _detect(obj: dict) -> str | None:
     return None
 
 
+# formats that belong to one dataset: a file of one of them read as another dataset would be scored (and
+# prompted) as that other dataset without a word
+_FORMAT_DATASET = {"strategyqa": "strategyqa", "iirc": "iirc"}
+
+
+def _check_dataset(name: str, fmt: str, rec: _Rec) -> None:
+    own = _FORMAT_DATASET.get(fmt)
+    if own is not None and own != name:
+        raise DataError(f"{rec.where}: this is a {own} file (format {fmt!r}) but --dataset is {name}; pass "
+                        f"--dataset {own} or the {name} file")
+
+
 def read_text_file(path: Path, error: type[Exception]) -> str:
     """A UTF-8 text file's contents (a byte-order mark dropped); `error` naming the file, and the line of a byte that
     is not UTF-8, otherwise."""
@@ -348,6 +360,7 @@ def load_examples(dataset: str, path: str | Path, limit: int | None = None,
                     "StrategyQA (qid, question, answer: bool), NQ-open (question, answer[]), WebQuestions "
                     "(qId, qText, answers), FlashRAG (id, question, golden_answers), IIRC (passages with questions)"
                 )
+            _check_dataset(name, fmt, rec)
         if fmt == "iirc":
             rows = [_read_iirc_question(q, title) for q, title in _iirc_questions(rec)]
         else:
@@ -370,6 +383,9 @@ def load_examples(dataset: str, path: str | Path, limit: int | None = None,
                 if (bad := _SURROGATE.search(text)) is not None:
                     raise DataError(f"{rec.where}: {what} holds a lone surrogate (U+{ord(bad.group()):04X}, e.g. a "
                                     "'\\ud800' escape): not Unicode text a tokenizer can read")
+            if name == "strategyqa" and any(a.strip().lower() not in ("yes", "no") for a in answers):
+                raise DataError(f"{rec.where}: --dataset strategyqa scores yes/no answers, but question {qid!r} "
+                                f"has gold {answers[:3]}: a file of another dataset?")
             if not answers:
                 no_gold.append(qid)
             out.append(Example(qid=qid, question=question, answers=answers, dataset=name, meta=meta))
