@@ -267,6 +267,18 @@ def _holds_records(out: Path) -> bool:
     return any(p.is_file() and p.stat().st_size > 0 for p in out.rglob("results.jsonl"))
 
 
+def _where_they_differ(a: str, b: str, before: int = 30, after: int = 50) -> tuple[str, str]:
+    """Excerpts of two different texts around their first difference ("..." where cut), so that an error shows
+    what differs even in long texts with a common start."""
+    i = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    start = max(0, i - before)
+
+    def cut(t: str) -> str:
+        return ("..." if start else "") + t[start:i + after] + ("..." if len(t) > i + after else "")
+
+    return cut(a), cut(b)
+
+
 def latest_records(path: Path, examples: list[Example], repair: bool = False) -> list[QuestionResult]:
     """The last record of each of `examples` in a results file, in the examples' order (records of other questions
     are left out). A record whose question is not the example's of that id raises: the folder holds answers to
@@ -278,9 +290,9 @@ def latest_records(path: Path, examples: list[Example], repair: bool = False) ->
         if e is None:
             continue
         if r.question != e.question:
-            raise ValueError(f"{path}: line {line}: question {r.qid!r} reads {r.question[:80]!r} there but "
-                             f"{e.question[:80]!r} in the data: these results come from other data; use another "
-                             "--output")
+            there, here = _where_they_differ(r.question, e.question)
+            raise ValueError(f"{path}: line {line}: question {r.qid!r} reads {there!r} there but {here!r} in the "
+                             "data: these results come from other data; use another --output")
         latest[r.qid] = r
     return [latest[e.qid] for e in examples if e.qid in latest]
 

@@ -131,7 +131,11 @@ def compare(engine: list[QuestionResult], oracle: list[QuestionResult], decide=d
 
 
 def parity(opts: RunOptions) -> dict:
+    from fastrag.methods.registry import get_method
+
     out = Path(opts.output)
+    if get_method(opts.method).make_oracle is None:  # before the engine run, not after it
+        raise ValueError(f"method {opts.method!r} has no per-question oracle; parity is not available for it")
     m_engine = run(replace(opts, output=str(out / "engine")))
     engine_results = latest_records(out / "engine" / "results.jsonl",
                                     load_examples(opts.dataset, opts.data, limit=opts.limit,

@@ -118,6 +118,12 @@ def test_records_of_other_data_are_refused(setup):
     nq_file(data, ["an inserted question?"] + QUESTIONS)  # every later position-derived id shifts
     with pytest.raises(ValueError, match=r"results\.jsonl: line 1: question 'nq-0' reads .* other data"):
         go(limit=3)
+    long = "in which year did the author of the very long series of novels about the sea " + "x" * 60
+    nq_file(data, [long + "?"] + QUESTIONS)
+    go(output=str(tmp / "o2"), limit=1)
+    nq_file(data, [long + " Please?"] + QUESTIONS)  # the same first 130 characters: the message shows the end
+    with pytest.raises(ValueError, match=r"reads '\.\.\.x+\?' there but '\.\.\.x+ Please\?' in the data"):
+        go(output=str(tmp / "o2"), limit=1)
 
 
 def test_metrics_count_each_selected_question_once(setup):
@@ -467,3 +473,13 @@ def test_an_unsupported_corpus_suffix_leaves_no_index_folder(tmp_path):
     with pytest.raises(ValueError, match="unsupported corpus format '.txt'"):
         BM25Retriever(str(c), show_progress=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["passages.txt"]
+
+
+def test_parity_of_a_method_without_oracle_is_refused_before_any_work(tmp_path):
+    from fastrag.parity import parity
+
+    opts = RunOptions(method="sr-rag", dataset="hotpotqa", data=str(BUNDLED / "hotpotqa_dev20.jsonl"),
+                      corpus=str(CORPUS), output=str(tmp_path / "p"), limit=1, progress=False)
+    with pytest.raises(ValueError, match="'sr-rag' has no per-question oracle"):
+        parity(opts)
+    assert not (tmp_path / "p").exists()  # no engine run was made first
