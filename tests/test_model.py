@@ -173,3 +173,20 @@ def test_prompt_longer_than_context_is_rejected(smol):
     eng = _engine(ours, tok)
     with pytest.raises(ValueError, match="exceeds the model context"):
         eng.start(eng.new_sequence(), [1] * (ours.c.max_position_embeddings + 1), 4)
+
+
+def test_model_paths_that_cannot_load_name_the_problem(tmp_path):
+    with pytest.raises(FileNotFoundError, match="model not found: .*nowhere"):
+        resolve_model(tmp_path / "nowhere")
+    d = tmp_path / "hf"
+    d.mkdir()
+    with pytest.raises(FileNotFoundError, match="directory without config.json"):
+        resolve_model(d)
+    (d / "config.json").write_text('{"model_type": "llama", "hidden_size": 64}')
+    with pytest.raises(FileNotFoundError, match=r"hf: no tokenizer in the model directory \(expected one of"):
+        load_tokenizer(d)
+    (d / "tokenizer.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"hf: cannot load the model directory's tokenizer"):
+        load_tokenizer(d)
+    with pytest.raises(ValueError, match="unsupported model file"):
+        resolve_model(d / "config.json")

@@ -78,10 +78,21 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)  # another process converted it first
 
 
+# files that hold a tokenizer (fast, sentencepiece, BPE): a directory with none cannot be tokenized
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model")
+
+
 def load_tokenizer(name_or_path: str | os.PathLike):
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(resolve_model(name_or_path))
+    path = resolve_model(name_or_path)
+    if not any((path / f).is_file() for f in _TOKENIZER_FILES):
+        raise FileNotFoundError(f"{path}: no tokenizer in the model directory (expected one of "
+                                f"{', '.join(_TOKENIZER_FILES)})")
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, TypeError) as e:
+        raise ValueError(f"{path}: cannot load the model directory's tokenizer ({e})") from e
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return tok
