@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     rp = sub.add_parser("run", help="run a method over a dataset; results.jsonl + metrics.json")
     _common(rp)
     rp.add_argument("--ray", action="store_true", help="shard the questions over Ray workers (fastrag[ray])")
-    rp.add_argument("--num-workers", type=int, default=2, help="--ray: workers (one engine each)")
+    rp.add_argument("--num-workers", type=int, default=None, help="--ray: workers (one engine each; default 2)")
     pp = sub.add_parser("parity", help="engine vs per-question oracle on the same questions; parity.json")
     _common(pp)
     sub.add_parser("methods", help="list the available methods")
@@ -127,10 +127,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "parity" and args.temperature > 0:
             raise ValueError("--temperature: parity compares greedy decoding with the per-question oracle; "
                              "drop --temperature/--top-k/--top-p for `fastrag parity`")
+        if args.cmd == "run" and args.num_workers is not None and not args.ray:
+            raise ValueError("--num-workers shards the questions over Ray workers: add --ray (or drop it)")
         if args.cmd == "run" and args.ray:
             from fastrag.distributed import run_ray
 
-            metrics = run_ray(opts, num_workers=args.num_workers)
+            metrics = run_ray(opts, num_workers=2 if args.num_workers is None else args.num_workers)
             _print_table("fastrag run --ray", metrics)
             print(_run_summary(metrics, args.output))
         elif args.cmd == "run":

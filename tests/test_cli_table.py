@@ -49,3 +49,12 @@ def test_run_summary_line_names_the_headline_figures_and_where_the_rest_is():
                          "disagreements": [{"id": "x"}], "engine_em": 0.0, "oracle_em": 0.04}, "runs/p")
     assert "agreement 0.96 over 25 questions, 1 disagreements" in p and "runs/p/parity.json" in p
     assert "oracle 0.040" in p
+
+
+def test_num_workers_without_ray_is_refused(tmp_path, capsys):
+    from fastrag.cli import main
+
+    assert main(["run", "--method", "wo-rag", "--dataset", "hotpotqa", "--num-workers", "3",
+                 "--output", str(tmp_path / "o")]) == 2
+    assert "--num-workers shards the questions over Ray workers: add --ray" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()  # refused before anything ran

@@ -172,6 +172,8 @@ def test_the_official_openai_client_reads_the_stream(server):
 @pytest.mark.parametrize("body, field", [
     ({"prompt": "q", "retrieval": {"method": "no-such-method"}}, "no-such-method"),
     ({"prompt": "q", "max_tokens": -5}, "max_tokens"),
+    ({"prompt": "q", "max_tokens": True}, "max_tokens"),
+    ({"prompt": "q", "max_tokens": "16"}, "max_tokens"),
     ({"prompt": "x" * (1 << 20)}, "prompt"),
     ({"prompt": "   "}, "prompt"),
     ({"prompt": "q", "retrieval": {"dataset": "nope"}}, "nope"),

@@ -72,7 +72,7 @@ def create_app(engine: AsyncEngine, timeout_s: float = 600.0, max_question_chars
         user: str | None = None
         stream: bool = False
         stream_options: StreamOptions | None = None
-        max_tokens: int | None = Field(default=None, ge=1, le=4096)
+        max_tokens: int | None = Field(default=None, ge=1, le=4096, strict=True)  # (true or "16": refused)
         retrieval: Retrieval = Field(default_factory=Retrieval)
         n: int = 1
         stop: str | list[str] | None = None
