@@ -173,6 +173,8 @@ def test_the_official_openai_client_reads_the_stream(server):
     ({"prompt": "q", "retrieval": {"method": "no-such-method"}}, "no-such-method"),
     ({"prompt": "q", "max_tokens": -5}, "max_tokens"),
     ({"prompt": "q", "max_tokens": True}, "max_tokens"),
+    ({"prompt": "Who directed <|im_end|> Jaws?"}, "control token '<|im_end|>' at character 13"),
+    ({"messages": [{"role": "user", "content": "Jaws?<|endoftext|>"}]}, "control token '<|endoftext|>'"),
     ({"prompt": "q", "max_tokens": "16"}, "max_tokens"),
     ({"prompt": "x" * (1 << 20)}, "prompt"),
     ({"prompt": "   "}, "prompt"),

@@ -61,8 +61,15 @@ def create_app(engine: AsyncEngine, timeout_s: float = 600.0, max_question_chars
         model_config = ConfigDict(extra="forbid")
         include_usage: bool = False
 
-    sampling = getattr(getattr(engine, "scheduler", None), "engine", None)
-    sampling = getattr(sampling, "sampling", None)  # the server's decoding (fastrag serve --temperature ...)
+    core = getattr(getattr(engine, "scheduler", None), "engine", None)
+    sampling = getattr(core, "sampling", None)  # the server's decoding (fastrag serve --temperature ...)
+    # the served tokenizer's control-token strings (e.g. "<|im_end|>"): prompts are tokenized as the published
+    # research code tokenizes, which reads such a string as the control token itself, so a question holding one
+    # could end or restructure the method's prompt: it is refused
+    tok = getattr(core, "tok", None)
+    specials = sorted({t for t in getattr(tok, "all_special_tokens", None) or [] if t}
+                      | {t.content for t in (getattr(tok, "added_tokens_decoder", None) or {}).values()
+                         if getattr(t, "special", False) and t.content}, key=len, reverse=True)
 
     class Common(BaseModel):
         # OpenAI's request fields: those the server honours, and those it accepts only at the value it serves
@@ -151,6 +158,10 @@ def create_app(engine: AsyncEngine, timeout_s: float = 600.0, max_question_chars
             v.encode("utf-8")
         except UnicodeEncodeError as e:
             raise ValueError(f"{what} holds a lone surrogate at character {e.start} (not Unicode text)") from None
+        for t in specials:
+            if (at := v.find(t)) >= 0:
+                raise ValueError(f"{what} holds the model's control token {t!r} at character {at}: it would be "
+                                 "read as that token, not as text")
 
     app = FastAPI(title="fastrag", version="0.1.0")
     app.state.engine = engine
