@@ -123,7 +123,7 @@ def _run_ray(opts: RunOptions, num_workers: int, max_retries: int, ray_address: 
     results = latest_records(out / "results.jsonl", examples)  # (question order, the last record of each)
     new = [r for r in results if r.qid not in have]
     metrics = summarize(opts.method, opts.dataset, results, wall, len(new),
-                        sum(r.prefill_tokens + r.decode_tokens for r in new))
+                        sum(r.prefill_tokens + r.decode_tokens for r in new), sum(r.error is None for r in new))
     metrics["ray"] = {"workers": min(num_workers, len(todo)) if todo else 0, "shard_retries": retries}
     from fastrag.eval import sampling_of
 

@@ -278,7 +278,13 @@ class Engine:
                               f"{self.pool.num_blocks} are free now (sequences in flight hold the rest)")
         s = self.new_sequence()
         self.live.pop(id(s))  # its blocks pass to the SharedPrefix below
+        t0 = time.perf_counter()
         self._prefill([(s, ids[:n])], want_logits=False)
+        if self.device.type == "cuda":  # (set once per run: this wait is no per-step synchronisation)
+            torch.cuda.synchronize(self.device)
+        # its tokens count as prefilled (stats["prefill_tokens"]), so its seconds count as prefill time too: the
+        # perf floor of a run is built from those counters
+        self.stats["prefill_s"] += time.perf_counter() - t0
         blocks = list(s.table.blocks)
         slots = tensor_on(s.table.slots(0, n), self.device)
         pre = SharedPrefix(token_ids=ids[:n], blocks=blocks, slots=slots)  # owns the blocks' refcount

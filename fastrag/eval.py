@@ -395,19 +395,24 @@ def score_result(ex: Example, r: QuestionResult) -> None:
 
 
 def summarize(opts_method: str, dataset: str, results: list[QuestionResult], wall_s: float, computed: int,
-              tokens: int) -> dict:
+              tokens: int, answered: int | None = None) -> dict:
+    """The metrics of `results`; `computed` of them were computed in this run's `wall_s`, `answered` of those
+    without an error (default: all): questions_per_s counts the answered ones (a question that fails at once is no
+    throughput)."""
     ok = [r for r in results if r.error is None]
     agg = aggregate([r.metrics for r in ok]) if ok else {}
+    answered = computed if answered is None else answered
     return {
         "method": opts_method, "dataset": dataset, "n": len(results), "errors": len(results) - len(ok),
         "em": agg.get("em"), "f1": agg.get("f1"), "accuracy": agg.get("accuracy"),
         # (None when this run computed nothing: no rate was measured; a rerun keeps the earlier run's figures)
-        "questions_per_s": computed / wall_s if computed and wall_s > 0 else None,
+        "questions_per_s": answered / wall_s if computed and wall_s > 0 else None,
         "tokens_per_s": tokens / wall_s if computed and wall_s > 0 else None,
         "retrievals_per_question": sum(r.retrievals for r in ok) / len(ok) if ok else None,
         "prefill_tokens_per_question": sum(r.prefill_tokens for r in ok) / len(ok) if ok else None,
         "decode_tokens_per_question": sum(r.decode_tokens for r in ok) / len(ok) if ok else None,
         "wall_s": wall_s, "computed_this_run": computed,
+        "questions_measured": answered,  # (the questions behind the rates; carried over with them by a rerun)
         # per-question counters of the policies (QuestionResult.counters), averaged over answered questions
         # (only counters some record carries: a method that keeps none must not report zeros)
         **{f"{k}_per_question": sum(r.counters.get(k, 0) for r in ok) / len(ok)
@@ -543,6 +548,7 @@ def _run_many(runs: list[RunOptions], engine=None, retriever=None) -> list[dict]
         retriever = retriever or make_retriever(first.retriever, corpus_path=first.corpus,
                                                 show_progress=first.progress)
         policies = [make_policy(o.method, cfg, engine.tok) for o, cfg, *_ in plans]
+        t0 = time.perf_counter()  # (the shared demo prefixes are part of the run's work and of its clock)
         for pol in policies:
             try:
                 engine.set_prefix(pol.shared_prefix)
@@ -559,7 +565,6 @@ def _run_many(runs: list[RunOptions], engine=None, retriever=None) -> list[dict]
                 todo.append(e)
         desc = runs[0].method + "/" + "+".join(o.dataset for o in runs)
         bar = tqdm(total=len(todo), desc=desc, unit="q", disable=not first.progress)
-        t0 = time.perf_counter()
 
         def on_result(r: QuestionResult, ex):
             i = which[id(ex)]
@@ -590,7 +595,7 @@ def _run_many(runs: list[RunOptions], engine=None, retriever=None) -> list[dict]
         # tokens are counted by the engine for all runs together: each run gets its own records' share
         own_tokens = sum(r.prefill_tokens + r.decode_tokens for r in new)
         metrics = summarize(o.method, o.dataset, done + new, wall, len(new),
-                            tokens if len(runs) == 1 else own_tokens)
+                            tokens if len(runs) == 1 else own_tokens, sum(r.error is None for r in new))
         if len(runs) > 1:
             metrics["joint"] = {"runs": [f"{x.method}/{x.dataset}" for x in runs], "wall_s": wall,
                                 "computed_this_run": computed,
@@ -635,7 +640,7 @@ def _run_many(runs: list[RunOptions], engine=None, retriever=None) -> list[dict]
 
 # metrics.json fields measured while computing (not derived from the records): a rerun that computes nothing keeps
 # them from the run before it, so `python -m fastrag.perf DIR` and the throughput still describe a real run
-MEASURED_FIELDS = ("questions_per_s", "tokens_per_s", "wall_s", "engine", "kv_cache_gb", "model_costs",
+MEASURED_FIELDS = ("questions_per_s", "tokens_per_s", "wall_s", "questions_measured", "engine", "kv_cache_gb", "model_costs",
                    "cuda_graphs", "retrieval", "step_seconds", "overlap", "text_workers", "joint", "environment")
 
 

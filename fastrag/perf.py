@@ -155,7 +155,9 @@ def report(run_dirs: list[str], figures: DeviceFigures) -> list[dict]:
                              "was added; rerun it)")
         f = floor(m["engine"], m["model_costs"], figures)
         wall = (m.get("joint") or {}).get("wall_s", m["wall_s"])
-        rows.append({"run": f"{m['method']}/{m['dataset']}", "questions": m.get("computed_this_run"),
+        # (questions of the run that measured these figures: a rerun that computed nothing carries them over)
+        rows.append({"run": f"{m['method']}/{m['dataset']}",
+                     "questions": m.get("questions_measured", m.get("computed_this_run")),
                      "wall_s": wall, "floor_s": f["total_s"], "wall_over_floor": wall / f["total_s"]}
                     | phases(m, f))
     return rows
@@ -174,6 +176,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="matmul dtype of the rate (default: bfloat16 on a GPU, float32 on a CPU)")
     ap.add_argument("--output", default=None, help="also write the table to this markdown file")
     args = ap.parse_args(argv)
+    if args.output and not Path(args.output).resolve().parent.is_dir():
+        sys.exit(f"fastrag.perf: error: --output {args.output}: its folder does not exist")
     gpu = torch.cuda.is_available()
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if gpu else torch.float32)
     figures = measure_device("cuda" if gpu else "cpu", dtype)
@@ -191,7 +195,10 @@ def main(argv: list[str] | None = None) -> None:
         text += "| " + " | ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in r.values()) + " |\n"
     print(text)
     if args.output:
-        Path(args.output).write_text(text)
+        try:
+            Path(args.output).write_text(text)
+        except OSError as e:
+            sys.exit(f"fastrag.perf: error: --output {args.output}: {e.strerror}")
 
 
 if __name__ == "__main__":

@@ -154,8 +154,10 @@ def test_failed_questions_are_computed_again_on_a_rerun(setup):
     with pytest.warns(RuntimeWarning, match="retrieval failed"):
         m = go(limit=3, retriever=Passages(down=True))
     assert m["errors"] == 3
+    assert m["questions_per_s"] == 0 and m["questions_measured"] == 0  # failed questions are no throughput
     m = go(limit=3)
     assert m["errors"] == 0 and m["computed_this_run"] == 3 and m["n"] == 3
+    assert m["questions_per_s"] > 0 and m["questions_measured"] == 3
     recs = records(tmp / "o" / "results.jsonl")
     assert len(recs) == 6 and all(r["error"] for r in recs[:3]) and not any(r["error"] for r in recs[3:])
     assert go(limit=3)["computed_this_run"] == 0
@@ -185,7 +187,8 @@ def test_a_rerun_that_computes_nothing_keeps_the_measured_figures(setup):
     for _ in range(2):  # (twice: a kept figure is kept again)
         again = go(limit=2)
         assert again["computed_this_run"] == 0 and again["measured_in_an_earlier_run"]
-        for k in ("questions_per_s", "engine", "model_costs", "step_seconds", "retrieval", "environment"):
+        for k in ("questions_per_s", "questions_measured", "engine", "model_costs", "step_seconds", "retrieval",
+                  "environment"):
             assert again[k] == first[k], k
     assert again["em"] == first["em"] and again["n"] == 2
     # no metrics.json to carry the figures over (deleted, or torn by a kill in an older version): no rate was

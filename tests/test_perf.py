@@ -140,3 +140,10 @@ def test_report_reads_run_directories_and_names_what_is_missing(tmp_path):
     main([str(good), "--output", str(out)])
     text = out.read_text()
     assert "dragin/hotpotqa" in text and "| run | questions | wall_s | floor_s |" in text
+    with pytest.raises(SystemExit, match=r"--output .*nodir/x\.md: its folder does not exist"):
+        main([str(good), "--output", str(tmp_path / "nodir" / "x.md")])
+    # a rerun that computed nothing carries the figures over, with the count of questions behind them
+    m = json.loads((good / "metrics.json").read_text())
+    (good / "metrics.json").write_text(json.dumps(m | {"computed_this_run": 0, "questions_measured": 3,
+                                                       "measured_in_an_earlier_run": True}))
+    assert report([str(good)], dev)[0]["questions"] == 3

@@ -246,3 +246,13 @@ def test_tracked_tokens_are_never_taken_from_the_cache(model):  # noqa: F811
     assert got[0].ids == got[1].ids
     assert got[0].attn == pytest.approx(got[1].attn, rel=1e-5, abs=1e-6)
     assert len(got[0].attn) == len(ids) - track + len(got[0].ids)
+
+
+def test_a_shared_prefix_counts_its_prefill_time_with_its_tokens(model):  # noqa: F811
+    """set_prefix adds to prefill_tokens (the perf floor is built from it), so its seconds go to prefill_s too:
+    otherwise a run's measured prefill could come out below its own floor."""
+    eng = engine(model)
+    tokens0, secs0 = eng.stats["prefill_tokens"], eng.stats["prefill_s"]
+    pre = eng.set_prefix(" ".join(WORDS * 4))
+    assert pre is not None and eng.stats["prefill_tokens"] - tokens0 == len(pre.token_ids)
+    assert eng.stats["prefill_s"] > secs0
