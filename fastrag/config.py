@@ -184,9 +184,11 @@ def load_dragin_config(path: str | Path, dataset: str | None = None, more_keys: 
             raise ConfigError(f"{path}: unknown config field {k!r}: valid fields are {', '.join(_FIELDS)} (and the "
                               f"published files' bookkeeping keys {', '.join(sorted(PUBLISHED_EXTRA_KEYS))})")
     try:
-        return DraginConfig(**values, extra=extra)
+        cfg = DraginConfig(**values, extra=extra)
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}") from None
+    warn_not_applied(path, extra, cfg.dataset)
+    return cfg
 
 
 # ====================================================================================== baselines and FLARE
@@ -211,6 +213,37 @@ PUBLISHED_EXTRA_KEYS = frozenset({
     "config_path", "use_counter", "query_formulation", "sgpt_model_name_or_path", "sgpt_encode_file_path",
     "passage_file", "note", "batch_size",
 })
+# published keys that choose something a run does (which questions, which retriever, model or index): fastrag
+# takes those choices from its command line, so a file that sets one gets a warning naming where it goes instead
+NOT_APPLIED = {
+    "sample": "the first N questions: --limit N",
+    "shuffle": "question order: the data file's order is kept (shuffle the file beforehand)",
+    "retriever": "--retriever",
+    "es_index_name": "$FASTRAG_ES_INDEX",
+    "model_name_or_path": "--model",
+    "data_path": "--data",
+}
+
+
+def warn_not_applied(path: Path, extra: dict, dataset: str) -> None:
+    """One warning listing the keys of a config file that select what a run does but are taken from the command
+    line instead (NOT_APPLIED), and a file's "dataset" other than the run's (its values are applied to the run's
+    dataset)."""
+    notes = [f"{k}={extra[k]!r} ({NOT_APPLIED[k]})" for k in NOT_APPLIED if k in extra]
+    src = extra.get("source_dataset")
+    if isinstance(src, str):
+        try:
+            if canonical_dataset(src) != dataset:
+                notes.append(f"dataset={src!r} (the run's --dataset {dataset} is used: its exemplars, with this "
+                             "file's values)")
+        except DataError:
+            notes.append(f"dataset={src!r} (not a dataset name; the run's --dataset {dataset} is used)")
+    if notes:
+        import warnings
+
+        warnings.warn(f"{path}: not applied from the file: {'; '.join(notes)}", UserWarning, stacklevel=3)
+
+
 FIX_LENGTH_DEFAULTS = {"2wikimultihopqa": 16, "hotpotqa": 32, "iirc": 32, "strategyqa": 32, "nq": 32, "webq": 32}
 TOKEN_RAG_THRESHOLDS = {"2wikimultihopqa": 0.08, "hotpotqa": 0.1, "iirc": 0.1, "strategyqa": 0.06, "nq": 0.1,
                         "webq": 0.1}
@@ -370,7 +403,7 @@ def method_config(method: str, dataset: str, path: str | Path | None = None,
             ok = PUBLISHED_METHODS.get(method, ()) + (method,)
             if pm not in ok:
                 hint = ""
-                for ours, theirs in PUBLISHED_METHODS.items():
+                for ours, theirs in {**PUBLISHED_METHODS, "dragin": DRAGIN_METHODS}.items():
                     if pm in theirs:
                         hint = f" (that is fastrag's --method {ours})"
                 raise ConfigError(f"{path}: field 'method' is {pm!r}, which is not {method}{hint}")
@@ -388,8 +421,11 @@ def method_config(method: str, dataset: str, path: str | Path | None = None,
             raise ConfigError(f"{where}unknown config field {k!r} for {method}: valid fields are "
                               f"{', '.join(sorted(names))}")
     try:
-        return cls(**values, extra=extra)
+        cfg = cls(**values, extra=extra)
     except ConfigError as e:
         raise ConfigError(f"{where}{e}") from None
     except TypeError as e:  # a required field missing
         raise ConfigError(f"{where}{e}") from None
+    if path is not None:
+        warn_not_applied(path, extra, cfg.dataset)
+    return cfg

@@ -59,6 +59,13 @@ def test_config_file_takes_the_papers_letters_and_rejects_unknown_keys(tmp_path)
     p.write_text(json.dumps({"B": 0}))
     with pytest.raises(BeamConfigError, match="beam_size"):
         beamsearchqa_config("webq", p)
+    for both in ({"K": 2, "max_questions": 3}, {"max_questions": 3, "K": 2}):  # no silent last-one-wins
+        p.write_text(json.dumps(both))
+        with pytest.raises(BeamConfigError, match="both set max_questions: give one"):
+            beamsearchqa_config("webq", p)
+    p.write_text(json.dumps({"method": "attn_entropy", "model_name_or_path": "/m", "hallucination_threshold": 1.2}))
+    with pytest.raises(BeamConfigError, match=r"b\.json: field 'method' is 'attn_entropy': a config of another"):
+        beamsearchqa_config("webq", p)  # (a published DRAGIN file: named as such, not by its first unknown key)
 
 
 # ------------------------------------------------------------------------------------------------ parsing

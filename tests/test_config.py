@@ -72,12 +72,26 @@ def test_fewshot_zero_is_valid():
 def test_load_published_config(tmp_path):
     p = tmp_path / "DRAGIN.json"
     p.write_text(json.dumps(PUBLISHED_HOTPOTQA, indent=4))
-    c = load_dragin_config(p)
+    # the keys that choose the model, index, questions... are the command line's here: one warning names each
+    with pytest.warns(UserWarning, match=r"DRAGIN\.json: not applied from the file: .*es_index_name='39773_wiki' "
+                                         r"\(\$FASTRAG_ES_INDEX\); model_name_or_path='[^']*' \(--model\)"):
+        c = load_dragin_config(p)
     assert (c.dataset, c.generate_max_length, c.hallucination_threshold, c.retrieve_keep_top_k, c.fewshot) == (
         "hotpotqa", 100, 1.4, 35, 8)  # the file's values, not Table 9's
     assert c.extra["model_name_or_path"].endswith("llama2-13b-chat") and c.extra["es_index_name"] == "39773_wiki"
     assert c.extra["method"] == "attn_entropy" and "generate_max_length" not in c.extra
-    assert load_dragin_config(p, dataset="nq").dataset == "nq"
+    with pytest.warns(UserWarning, match=r"dataset='hotpotqa' \(the run's --dataset nq is used"):
+        assert load_dragin_config(p, dataset="nq").dataset == "nq"
+    p.write_text(json.dumps({"dataset": "HotpotQA", "hallucination_threshold": 1.4, "sample": 1000,
+                             "shuffle": False}))
+    with pytest.warns(UserWarning, match=r"sample=1000 \(the first N questions: --limit N\); shuffle=False"):
+        load_dragin_config(p)
+    p.write_text(json.dumps({"dataset": "HotpotQA", "hallucination_threshold": 1.4, "output_dir": "../result"}))
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # bookkeeping only (where the published code wrote): no warning
+        load_dragin_config(p)
 
 
 def test_load_2wiki_config_and_missing_keys_fall_back(tmp_path):

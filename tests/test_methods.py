@@ -365,6 +365,9 @@ def test_published_flare_config_is_token_rag(tmp_path):
     assert cfg.extra["model_name_or_path"] == "/x/llama2-13b-chat"
     with pytest.raises(ConfigError, match="token-rag"):
         method_config("flare", "2wikimultihopqa", path)
+    path.write_text(json.dumps({"method": "attn_entropy", "hallucination_threshold": 1.2}))
+    with pytest.raises(ConfigError, match=r"'attn_entropy', which is not wo-rag \(that is fastrag's --method dragin\)"):
+        method_config("wo-rag", "hotpotqa", path)
 
 
 @pytest.mark.parametrize("method, over, msg", [

@@ -85,12 +85,19 @@ def beamsearchqa_config(dataset: str, path: str | os.PathLike | None = None,
         from fastrag.config import read_json_object
 
         raw = read_json_object(path, BeamConfigError)
-        raw.pop("method", None)
+        pm = raw.pop("method", None)
+        if pm is not None and pm not in ("beamsearchqa", "BeamSearchQA"):  # e.g. a published DRAGIN file
+            raise BeamConfigError(f"{path}: field 'method' is {pm!r}: a config of another method, not beamsearchqa "
+                                  "(see `fastrag methods`)")
         values.update(raw)
     values.update(overrides or {})
     out: dict[str, Any] = {"dataset": dataset}
+    given: dict[str, str] = {}  # field -> the key that set it (a letter and its field name both given: refused)
     for k, v in values.items():
         name = _LETTERS.get(k, k)
+        if name in given and given[name] != k:
+            raise BeamConfigError(f"{where}{given[name]!r} and {k!r} both set {name}: give one")
+        given[name] = k
         if name not in _FIELDS or name == "dataset":
             if name == "dataset":
                 continue  # the run's --dataset wins over a file's
