@@ -389,3 +389,19 @@ def test_real_corpus_gold_in_top10(tmp_path_factory):
     print(f"\nBM25 {r.n_docs} passages: 64 queries in {dt * 1e3:.1f} ms ({dt / 64 * 1e3:.2f} ms/query); "
           f"any-gold@10 = {hits}/64")
     assert res[0] == top
+
+
+def test_chinese_text_is_searchable_character_by_character(tmp_path):
+    """Han text has no spaces: as Elasticsearch's standard tokenizer does, each ideograph is a term (a `\\w\\w+`
+    token would be a whole clause that no query repeats); Latin text is analysed as before beside it."""
+    p = tmp_path / "zh.jsonl"
+    p.write_text("\n".join(json.dumps(d, ensure_ascii=False) for d in [
+        {"id": "z1", "title": "月球", "text": "阿波罗17号是最后一次载人登月任务，于1972年12月。"},
+        {"id": "z2", "title": "长城", "text": "长城是中国古代的军事防御工程。"},
+        {"id": "e1", "title": "Moon landing", "text": "Apollo 17 was the last crewed mission to the Moon, in 1972."},
+    ]) + "\n", encoding="utf-8")
+    r = BM25Retriever(p, show_progress=False)
+    got = r.search(["阿波罗17号 登月", "长城", "中国的防御", "Apollo Moon mission"], 2)
+    assert [d.id for d in got[0]][0] == "z1" and [d.id for d in got[1]] == ["z2"]
+    assert got[2][0].id == "z2" and got[3][0].id == "e1"
+    assert r.analyze(["登月 Apollo"]) == [["登", "月", "apollo"]]

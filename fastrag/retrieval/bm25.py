@@ -10,7 +10,8 @@ where each s_f is Lucene BM25 over field f alone (own document frequencies and a
     s_f(d) = sum_{t in q} idf_f(t) * tf / (tf + k1 * (1 - b + b * |d_f| / avgdl_f)),
     idf_f(t) = ln(1 + (N - df_f(t) + 0.5) / (df_f(t) + 0.5)),
 
-with query terms counted with multiplicity. Analysis: lowercase, `\\w\\w+` tokens, English stopwords removed,
+with query terms counted with multiplicity. Analysis: lowercase, `\\w\\w+` tokens (a Han ideograph or hiragana
+character is a term of its own, as in Elasticsearch's standard tokenizer), English stopwords removed,
 Snowball English stemmer (PyStemmer) -- the bm25s recommendation, close to Elasticsearch's `english` analyzer.
 Known difference from Elasticsearch: avgdl_f counts passages with an empty field as length 0 (Lucene leaves
 them out of its field statistics); it only matters for corpora with empty titles.
@@ -29,6 +30,7 @@ import json
 import logging
 import mmap
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -43,7 +45,12 @@ log = logging.getLogger(__name__)
 
 FIELDS = ("title", "text")
 _EMPTY = "EMPTY"  # marks a field's index folder when no passage has a term in that field
-_FORMAT = 1
+_FORMAT = 2  # 2: CJK ideographs and kana are single-character terms
+# Han ideographs (with extension A and the compatibility block) and hiragana: written without spaces, so each
+# character is a term, as Elasticsearch's standard tokenizer makes them (a `\w\w+` token would be a whole clause)
+_CJK = "\u3040-\u309f\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff"
+_CJK_CHAR = re.compile(f"[{_CJK}]")
+_TOKEN_PATTERN = f"(?u)\\b\\w\\w+\\b|[{_CJK}]"
 _STOPWORDS = "en"
 _STEMMER = "english"
 
@@ -282,9 +289,7 @@ class BM25Retriever(Retriever):
         if not titles:
             raise CorpusError(f"{self.corpus_path}: the corpus holds no passages")
         for name, field in zip(FIELDS, (titles, texts)):
-            tokens = self._bm25s.tokenize(
-                field, stopwords=_STOPWORDS, stemmer=self._stemmer, show_progress=self.show_progress
-            )
+            tokens = self._tokenize(field, show_progress=self.show_progress)
             if (d / name).exists():
                 shutil.rmtree(d / name)
             if not tokens.vocab:  # no passage has a term in this field (e.g. a corpus without titles): it scores 0
@@ -309,11 +314,15 @@ class BM25Retriever(Retriever):
             out[f] = model.get_scores_from_ids(ids) if ids else np.zeros(self.n_docs, dtype=np.float32)
         return out
 
+    def _tokenize(self, texts: list[str], **kw):
+        """bm25s analysis of passages or queries (module docstring), CJK characters one term each."""
+        texts = [_CJK_CHAR.sub(r" \g<0> ", t) if _CJK_CHAR.search(t) else t for t in texts]
+        return self._bm25s.tokenize(texts, token_pattern=_TOKEN_PATTERN, stopwords=_STOPWORDS,
+                                    stemmer=self._stemmer, **kw)
+
     def analyze(self, queries: list[str]) -> list[list[str]]:
         """Analysed query terms (lowercase, stopwords removed, stemmed), one list per query."""
-        return self._bm25s.tokenize(
-            queries, stopwords=_STOPWORDS, stemmer=self._stemmer, return_ids=False, show_progress=False
-        )
+        return self._tokenize(queries, return_ids=False, show_progress=False)
 
     def search(self, queries: list[str], k: int) -> list[list[Doc]]:
         """Top-k passages per query by `max(s_title, s_text) + tie_breaker * min(...)` (module docstring).
