@@ -221,7 +221,8 @@ class Engine:
         self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "prefix_hit_tokens": 0, "own_hit_tokens": 0,
                       "decode_steps": 0, "prefill_calls": 0, "cached_hit_tokens": 0, "prefill_s": 0.0,
                       "decode_s": 0.0, "kv_waits": 0, "evictions": 0, "evicted_tokens": 0,
-                      "decode_ctx_tokens": 0, "decode_prefix_tokens": 0, "prefill_ctx_tokens": 0}
+                      "decode_ctx_tokens": 0, "decode_prefix_tokens": 0, "prefill_ctx_tokens": 0,
+                      "prefix_prefill_s": 0.0}  # (set_prefix's prefills: outside the steps, inside prefill_tokens)
         # decode steps replayed from CUDA graphs (fastrag/cuda_graphs.py): on by default on a GPU,
         # FASTRAG_CUDA_GRAPHS=0 turns them off; cuda_graphs=True on a CPU runs the same static-buffer protocol
         # without CUDA (emulated; how the tests check it)
@@ -282,9 +283,9 @@ class Engine:
         self._prefill([(s, ids[:n])], want_logits=False)
         if self.device.type == "cuda":  # (set once per run: this wait is no per-step synchronisation)
             torch.cuda.synchronize(self.device)
-        # its tokens count as prefilled (stats["prefill_tokens"]), so its seconds count as prefill time too: the
-        # perf floor of a run is built from those counters
-        self.stats["prefill_s"] += time.perf_counter() - t0
+        # its tokens count as prefilled (stats["prefill_tokens"]), so its seconds are kept too: fastrag.perf adds
+        # them to the steps' prefill_s against a floor built from those counters
+        self.stats["prefix_prefill_s"] += time.perf_counter() - t0
         blocks = list(s.table.blocks)
         slots = tensor_on(s.table.slots(0, n), self.device)
         pre = SharedPrefix(token_ids=ids[:n], blocks=blocks, slots=slots)  # owns the blocks' refcount
@@ -349,7 +350,8 @@ class Engine:
                              "tokens, or its length (the span starts with the first generated token)")
         if len(prompt_ids) + max_new_tokens > self.max_context:
             raise ValueError(f"prompt of {len(prompt_ids)} tokens + {max_new_tokens} new exceeds the model "
-                             f"context of {self.max_context} tokens")
+                             f"context of {self.max_context} tokens (the new tokens are the method's generation "
+                             "length: generate_max_length, BeamSearchQA's *_max_tokens, in its config)")
         pre = max((p for p in self.prefixes if p.matches(prompt_ids)), key=lambda p: p.length, default=None)
         # a sequence that could not hold its blocks even alone in the pool would wait forever: refuse it here, so
         # the caller (the scheduler: this question only) gets the error, not the whole run at a later step

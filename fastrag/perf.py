@@ -126,8 +126,9 @@ def phases(m: dict, f: dict) -> dict:
     """A run's phase seconds beside their floors `f` (from `floor`), and what its engine did."""
     st, sec = m["engine"], m.get("step_seconds") or {}
     return {
-        # the attention passes are prefill work in the counters; their seconds are the scheduler's
-        "prefill_and_passes_s": st["prefill_s"] + sec.get("attention_passes", 0.0),
+        # the attention passes are prefill work in the counters; their seconds are the scheduler's; the shared
+        # prefixes' prefill (set before the first step) is in the counters too
+        "prefill_and_passes_s": st["prefill_s"] + st.get("prefix_prefill_s", 0.0) + sec.get("attention_passes", 0.0),
         "prefill_floor_s": f["prefill_s"], "prefill_bound": f["prefill_bound"],
         "decode_s": st["decode_s"], "decode_floor_s": f["decode_s"], "decode_bound": f["decode_bound"],
         "decode_steps": st["decode_steps"],

@@ -68,6 +68,10 @@ def test_run_writes_results_and_metrics(run_dir):
             if rd["query"] is not None:
                 assert rd["trigger_sentence"] and rd["doc_ids"]
                 assert set(rd["doc_ids"]) <= corpus_ids
+        # the per-question counters every method keeps (docs/methods.md, "KV reuse and counters")
+        c = r["counters"]
+        assert c.get("searches", 0) == r["retrievals"] and c["generate_calls"] >= 1 + r["retrievals"]
+        assert c["reused_prompt_tokens"] > 0 and c.get("retrieval_wait_s", 0.0) >= 0
     m = json.loads((out / "metrics.json").read_text())
     for k in ("method", "dataset", "n", "em", "f1", "accuracy", "questions_per_s", "tokens_per_s",
               "retrievals_per_question", "wall_s"):

@@ -125,6 +125,10 @@ def test_report_reads_run_directories_and_names_what_is_missing(tmp_path):
     assert r["run"] == "dragin/hotpotqa" and r["floor_s"] == pytest.approx(1.53)
     assert r["wall_over_floor"] == pytest.approx(4.2 / 1.53) and r["mean_decode_batch"] == 8
     assert r["prefill_and_passes_s"] == pytest.approx(0.75) and r["decode_s"] == 2.5
+    m = json.loads((good / "metrics.json").read_text())  # the shared prefixes' prefill, timed apart, counts too
+    m["engine"]["prefix_prefill_s"] = 0.125
+    (good / "metrics.json").write_text(json.dumps(m))
+    assert report([str(good)], dev)[0]["prefill_and_passes_s"] == pytest.approx(0.875)
     assert r["methods_and_other_s"] == 0.7 and r["waiting_text_workers_s"] == 0.125
     old = tmp_path / "old"
     old.mkdir()

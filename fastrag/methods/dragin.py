@@ -14,8 +14,8 @@ import torch
 from fastrag.config import DraginConfig
 from fastrag.data.exemplars import case_text, demo_text
 from fastrag.data.metrics import ANSWER_MAX_TOKENS, answer_prompt, complete_answer, needs_answer_generation
-from fastrag.methods.common import first_sentence, join, real_words, sentences, truncate_query
-from fastrag.scheduler import AttnColmax, AttnRows, Generate, Parallel, RealWords, Search, Sentences
+from fastrag.methods.common import first_sentence, generate, join, real_words, search, sentences, truncate_query
+from fastrag.scheduler import AttnColmax, AttnRows, Parallel, RealWords, Sentences
 from fastrag.text.realwords import matches_real_word
 from fastrag.text.words import assign_words_to_sentences, sentence_word_ranges, word_boundaries
 from fastrag.trace import QuestionResult, Round
@@ -58,9 +58,7 @@ class DraginReference:
         text = ""
         while True:
             old_len = len(text)
-            g = yield Generate(self.demos + join(case, text), cfg.generate_max_length)
-            res.prefill_tokens += g.prefilled
-            res.decode_tokens += len(g.ids)
+            g = yield from generate(res, self.demos + join(case, text), cfg.generate_max_length)
             new_text = tok.decode(g.ids, skip_special_tokens=True)
             a, sents = [], []
             if g.ids:  # the attention pass and the sentence split at once (neither needs the other)
@@ -79,16 +77,14 @@ class DraginReference:
                 rows, real = yield Parallel([AttnRows(rows_ids), RealWords(all_text)])
                 res.prefill_tokens += len(rows_ids)
                 query = self.qfs(all_text, rows_ids, rows, words, hits, real)
-                docs = yield Search(query, cfg.retrieve_topk)
+                docs = yield from search(res, query, cfg.retrieve_topk)
                 res.rounds.append(Round(trigger_sentence=sents[si].text,
                                         hit_words=[w for w, h in zip(words, hits) if h],
                                         query=query, doc_ids=[d.id for d in docs]))
                 ctx = "".join(f"[{i}] {d.text}\n" for i, d in enumerate(docs, 1))
                 prompt = (self.demos + "Context:\n" + ctx + "Answer in the same format as before.\n"
                           + join(case, text, kept))
-                g = yield Generate(prompt, cfg.generate_max_length, branch=RAG)
-                res.prefill_tokens += g.prefilled
-                res.decode_tokens += len(g.ids)
+                g = yield from generate(res, prompt, cfg.generate_max_length, branch=RAG)
                 text = join(text, kept, (yield from first_sentence(tok.decode(g.ids, skip_special_tokens=True))))
             stop_text = text.lower() if cfg.stop_case_insensitive else text
             if len(tok.encode(text)) > cfg.generate_max_length or len(text) <= old_len \
@@ -96,9 +92,7 @@ class DraginReference:
                 break
         res.text = text
         if needs_answer_generation(text):  # the evaluator's one extra short generation (fastrag.data.metrics)
-            g = yield Generate(answer_prompt(self.demos, case, text), ANSWER_MAX_TOKENS)
-            res.prefill_tokens += g.prefilled
-            res.decode_tokens += len(g.ids)
+            g = yield from generate(res, answer_prompt(self.demos, case, text), ANSWER_MAX_TOKENS)
             text = complete_answer(text, tok.decode(g.ids, skip_special_tokens=True))
         res.prediction = text  # scored by fastrag.data.metrics.score (which extracts the answer)
         return res

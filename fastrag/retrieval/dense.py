@@ -82,7 +82,16 @@ class DenseRetriever(Retriever):
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.batch_size, self.show_progress = batch_size, show_progress
         self._faiss = faiss
-        self.model = SentenceTransformer(str(self.encoder_path), device=self.device, local_files_only=True)
+        from transformers.utils import logging as hf_logging
+
+        bar = hf_logging.is_progress_bar_enabled()
+        if not show_progress:  # (transformers' "Loading weights" bar too)
+            hf_logging.disable_progress_bar()
+        try:
+            self.model = SentenceTransformer(str(self.encoder_path), device=self.device, local_files_only=True)
+        finally:
+            if bar:
+                hf_logging.enable_progress_bar()
         self.dim = int(self.model.get_embedding_dimension())
 
         manifest = self._manifest()
