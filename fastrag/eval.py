@@ -640,8 +640,9 @@ def _run_many(runs: list[RunOptions], engine=None, retriever=None) -> list[dict]
 
 # metrics.json fields measured while computing (not derived from the records): a rerun that computes nothing keeps
 # them from the run before it, so `python -m fastrag.perf DIR` and the throughput still describe a real run
-MEASURED_FIELDS = ("questions_per_s", "tokens_per_s", "wall_s", "questions_measured", "engine", "kv_cache_gb", "model_costs",
-                   "cuda_graphs", "retrieval", "step_seconds", "overlap", "text_workers", "joint", "environment")
+MEASURED_FIELDS = ("questions_per_s", "tokens_per_s", "wall_s", "questions_measured", "engine", "kv_cache_gb",
+                   "model_costs", "cuda_graphs", "retrieval", "step_seconds", "overlap", "text_workers", "joint",
+                   "environment")
 
 
 def write_json(path: Path, obj: dict, **kw) -> None:

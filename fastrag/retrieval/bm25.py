@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 
 FIELDS = ("title", "text")
 _EMPTY = "EMPTY"  # marks a field's index folder when no passage has a term in that field
-_FORMAT = 2  # 2: CJK ideographs and kana are single-character terms
+_FORMAT = 2  # 2: Han ideographs and hiragana are single-character terms
 # Han ideographs (with extension A and the compatibility block) and hiragana: written without spaces, so each
 # character is a term, as Elasticsearch's standard tokenizer makes them (a `\w\w+` token would be a whole clause)
 _CJK = "\u3040-\u309f\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff"

@@ -116,8 +116,9 @@ class DenseRetriever(Retriever):
     def _manifest(self) -> dict:
         st = self.corpus_path.stat()
         cfg = self.encoder_path / "config.json"
-        return {"format": _FORMAT, "reader": READER_VERSION, "kind": "dense-flat-ip", "corpus": str(self.corpus_path), "size": st.st_size,
-                "mtime_ns": st.st_mtime_ns, "fingerprint": corpus_fingerprint(self.corpus_path), "encoder": str(self.encoder_path), "dim": self.dim,
+        return {"format": _FORMAT, "reader": READER_VERSION, "kind": "dense-flat-ip", "corpus": str(self.corpus_path),
+                "size": st.st_size, "mtime_ns": st.st_mtime_ns, "fingerprint": corpus_fingerprint(self.corpus_path),
+                "encoder": str(self.encoder_path), "dim": self.dim,
                 "encoder_config_sha1": hashlib.sha1(cfg.read_bytes()).hexdigest() if cfg.is_file() else None}
 
     def _default_dirs(self) -> list[Path]:
