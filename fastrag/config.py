@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from fastrag.data.datasets import DataError, canonical_dataset
+from fastrag.data.exemplars import load_exemplars
 
 MODES = ("reference", "streaming")
 QUERY_FORMULATIONS = ("real_words",)
@@ -100,8 +102,6 @@ def _fewshot(cfg) -> None:
     """fewshot: an int >= 0 and at most the exemplars `cfg.dataset` has (checked with the config, before a run
     starts, so that the error names the config file)."""
     _int(cfg, "fewshot", 0)
-    from fastrag.data.exemplars import load_exemplars
-
     n = len(load_exemplars(cfg.dataset))
     if cfg.fewshot > n:
         raise ConfigError(f"fewshot is {cfg.fewshot} but {cfg.dataset} has only {n} exemplars")
@@ -239,8 +239,6 @@ def warn_not_applied(path: Path, extra: dict, dataset: str) -> None:
         except DataError:
             notes.append(f"dataset={src!r} (not a dataset name; the run's --dataset {dataset} is used)")
     if notes:
-        import warnings
-
         warnings.warn(f"{path}: not applied from the file: {'; '.join(notes)}", UserWarning, stacklevel=3)
 
 

@@ -395,13 +395,11 @@ def score_result(ex: Example, r: QuestionResult) -> None:
 
 
 def summarize(opts_method: str, dataset: str, results: list[QuestionResult], wall_s: float, computed: int,
-              tokens: int, answered: int | None = None) -> dict:
+              tokens: int, answered: int) -> dict:
     """The metrics of `results`; `computed` of them were computed in this run's `wall_s`, `answered` of those
-    without an error (default: all): questions_per_s counts the answered ones (a question that fails at once is no
-    throughput)."""
+    without an error: questions_per_s counts the answered ones (a question that fails at once is no throughput)."""
     ok = [r for r in results if r.error is None]
     agg = aggregate([r.metrics for r in ok]) if ok else {}
-    answered = computed if answered is None else answered
     return {
         "method": opts_method, "dataset": dataset, "n": len(results), "errors": len(results) - len(ok),
         "em": agg.get("em"), "f1": agg.get("f1"), "accuracy": agg.get("accuracy"),

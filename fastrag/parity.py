@@ -62,13 +62,10 @@ def run_oracle(opts: RunOptions, out: Path, recipe: str = "published") -> tuple[
 def _run_oracle(opts: RunOptions, out: Path, recipe: str) -> tuple[list[QuestionResult], float, int]:
     from tqdm import tqdm
 
-    from fastrag.methods.registry import get_method
     from fastrag.model.loading import load_tokenizer
     from fastrag.retrieval import make_retriever
 
-    spec = get_method(opts.method)
-    if spec.make_oracle is None:
-        raise ValueError(f"method {opts.method!r} has no per-question oracle; parity is not available for it")
+    spec = _with_oracle(opts.method)
     out.mkdir(parents=True, exist_ok=True)
     examples = load_examples(opts.dataset, opts.data, limit=opts.limit, answer_aliases=opts.answer_aliases)
     check_manifest(out, run_identity(opts, method_config(opts), oracle=recipe))
@@ -130,12 +127,19 @@ def compare(engine: list[QuestionResult], oracle: list[QuestionResult], decide=d
             "disagreements": rows}
 
 
-def parity(opts: RunOptions) -> dict:
+def _with_oracle(method: str):
+    """The method's spec; ValueError when it has no per-question oracle."""
     from fastrag.methods.registry import get_method
 
+    spec = get_method(method)
+    if spec.make_oracle is None:
+        raise ValueError(f"method {method!r} has no per-question oracle; parity is not available for it")
+    return spec
+
+
+def parity(opts: RunOptions) -> dict:
     out = Path(opts.output)
-    if get_method(opts.method).make_oracle is None:  # before the engine run, not after it
-        raise ValueError(f"method {opts.method!r} has no per-question oracle; parity is not available for it")
+    _with_oracle(opts.method)  # (refused before the engine run, not after it)
     m_engine = run(replace(opts, output=str(out / "engine")))
     engine_results = latest_records(out / "engine" / "results.jsonl",
                                     load_examples(opts.dataset, opts.data, limit=opts.limit,

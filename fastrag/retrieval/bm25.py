@@ -33,6 +33,7 @@ import os
 import re
 import shutil
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -130,28 +131,21 @@ def open_index(candidates: list[Path], manifest: dict, build, load, what: str) -
     written) is built again once, with a warning naming the folder and the error; one that fails right after its
     build is a CorpusError naming the folder."""
     found = next((d for d in candidates if _read_manifest(d) == manifest), None)
-    built = found is None
-    if found is None:
-        found = build()
-    try:
-        load(found)
-        return found, built
-    except Exception as e:  # noqa: BLE001 (numpy, pickle, faiss and OS errors all mean: this folder is unusable)
+    while True:
+        built = found is None
         if built:
-            raise CorpusError(f"{found}: the {what} index just built cannot be read ({type(e).__name__}: {e}); "
-                              "delete the folder and run again") from e
-        import warnings
-
-        warnings.warn(f"{found}: saved {what} index unreadable ({type(e).__name__}: {e}); building it again",
-                      RuntimeWarning, stacklevel=3)
-        (found / "manifest.json").unlink(missing_ok=True)
-    found = build()
-    try:
-        load(found)
-    except Exception as e:  # noqa: BLE001
-        raise CorpusError(f"{found}: the {what} index just built cannot be read ({type(e).__name__}: {e}); "
-                          "delete the folder and run again") from e
-    return found, True
+            found = build()
+        try:
+            load(found)
+            return found, built
+        except Exception as e:  # noqa: BLE001 (numpy, pickle, faiss and OS errors all mean: this folder is unusable)
+            if built:
+                raise CorpusError(f"{found}: the {what} index just built cannot be read ({type(e).__name__}: {e}); "
+                                  "delete the folder and run again") from e
+            warnings.warn(f"{found}: saved {what} index unreadable ({type(e).__name__}: {e}); building it again",
+                          RuntimeWarning, stacklevel=3)
+            (found / "manifest.json").unlink(missing_ok=True)
+            found = None
 
 
 def write_manifest(d: Path, manifest: dict, n_docs: int) -> None:

@@ -109,12 +109,10 @@ def _tsv_fields(line: str) -> list[str]:
 def _iter_tsv_rows(path: Path) -> Iterator[tuple[str, str, str]]:
     # one passage per physical line (psgs_w100.tsv has no line breaks inside a passage)
     lines = _lines(path)
-    header = None
-    for lineno, line in lines:
-        header = _tsv_fields(line.rstrip("\r\n"))
-        break
-    if header is None:
+    first = next(lines, None)
+    if first is None:
         raise CorpusError(f"{path}:1: empty tsv (expected a header line 'id\\ttext\\ttitle')")
+    header = _tsv_fields(first[1].rstrip("\r\n"))
     cols = {name.strip(): i for i, name in enumerate(header)}
     for need in ("id", "text", "title"):
         if need not in cols:
