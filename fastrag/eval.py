@@ -6,9 +6,9 @@ the rest (questions whose record is an error are computed again). `DIR/run.json`
 (method, config, model, retriever, corpus, decoding): a rerun of anything else into the folder is refused, and a
 record whose question differs from the data's question of that id too. `DIR/metrics.json` is rewritten at the end
 from all records (a rerun that computes nothing keeps the throughput and engine figures of the run before it:
-MEASURED_FIELDS). `DIR/runs.jsonl` keeps each run's questions computed and seconds (a killed run's too, from
-`DIR/progress.json`), so `all_runs` in metrics.json is the rate over every run that produced the results, not only
-the last one.
+MEASURED_FIELDS). `DIR/runs.jsonl` keeps each run's questions computed, answered (without an error) and seconds (a
+killed run's too, from `DIR/progress.json`), so `all_runs` in metrics.json is the rate of answered questions over
+every run that produced the results, not only the last one.
 """
 
 from __future__ import annotations
@@ -420,18 +420,21 @@ def summarize(opts_method: str, dataset: str, results: list[QuestionResult], wal
     }
 
 
-def _write_progress(out: Path, computed: int, wall_s: float) -> None:
-    """How far the current run got (questions finished, seconds since it started computing): a run killed before
-    its end (a machine taken back) still counts in the rate over all runs of the directory."""
+def _write_progress(out: Path, computed: int, answered: int, wall_s: float) -> None:
+    """How far the current run got (questions finished, those of them without an error, seconds since it started
+    computing): a run killed before its end (a machine taken back) still counts in the rate over all runs of the
+    directory."""
     tmp = out / "progress.json.tmp"
-    tmp.write_text(json.dumps({"computed": computed, "wall_s": wall_s}))
+    tmp.write_text(json.dumps({"computed": computed, "answered": answered, "wall_s": wall_s}))
     tmp.replace(out / "progress.json")
 
 
 def _close_progress(out: Path) -> dict:
     """Move the last run's progress into DIR/runs.jsonl (one line per run that computed something) and return the
-    totals over all runs: {"runs", "computed", "wall_s", "questions_per_s"}. A killed run counts up to its last
-    finished question (the work in flight when it died is not counted, and neither is its lost time)."""
+    totals over all runs: {"runs", "computed", "answered", "wall_s", "questions_per_s"}. The rate counts answered
+    questions, as `questions_per_s` of one run does (a line written before runs recorded `answered` counts all its
+    computed ones). A killed run counts up to its last finished question (the work in flight when it died is not
+    counted, and neither is its lost time)."""
     prog, hist = out / "progress.json", out / "runs.jsonl"
     if prog.exists():
         try:
@@ -450,9 +453,10 @@ def _close_progress(out: Path) -> dict:
             except json.JSONDecodeError:
                 continue
     computed = sum(r["computed"] for r in recs)
+    answered = sum(r.get("answered", r["computed"]) for r in recs)
     wall = sum(r["wall_s"] for r in recs)
-    return {"runs": len(recs), "computed": computed, "wall_s": wall,
-            "questions_per_s": computed / wall if wall > 0 else None}
+    return {"runs": len(recs), "computed": computed, "answered": answered, "wall_s": wall,
+            "questions_per_s": answered / wall if wall > 0 else None}
 
 
 def run(opts: RunOptions, engine=None, retriever=None) -> dict:
@@ -463,12 +467,16 @@ def run(opts: RunOptions, engine=None, retriever=None) -> dict:
 @contextlib.contextmanager
 def output_lock(out: Path):
     """Hold `out/.lock` for the length of a run: a second process writing the same folder at once would append
-    every question again. It fails at once, naming the folder. (Where fcntl is missing, nothing is locked.)"""
+    every question again. It fails at once, naming the folder. (Where fcntl is missing, nothing is locked.)
+
+    A run that fails before its first record (a refused config, a missing model) leaves no folder it created
+    behind: the folders made here are removed again when they hold nothing but the lock and `run.json`."""
     try:
         import fcntl
     except ImportError:  # pragma: no cover - not on Linux/macOS
         yield
         return
+    made = [d for d in (out, *out.parents) if not d.exists()]  # created here, deepest first
     out.mkdir(parents=True, exist_ok=True)
     with open(out / ".lock", "a") as f:
         try:
@@ -478,8 +486,27 @@ def output_lock(out: Path):
                              "--output") from None
         try:
             yield
+        except BaseException:
+            if made:  # (still holding the lock: a process that opened it meanwhile is refused, not let in)
+                _remove_unused(made)
+            raise
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _remove_unused(made: list[Path]) -> None:
+    """Remove the run folder made[0] if it holds only the lock and run.json, then each parent in `made` left
+    empty; stop at the first that holds anything else."""
+    out = made[0]
+    try:
+        if not {p.name for p in out.iterdir()} <= {".lock", "run.json"}:
+            return
+        for name in ("run.json", ".lock"):
+            (out / name).unlink(missing_ok=True)
+        for d in made:
+            d.rmdir()
+    except OSError:  # something appeared meanwhile (another process's lock or records): it stays
+        return
 
 
 def run_many(runs: list[RunOptions], engine=None, retriever=None) -> list[dict]:
@@ -538,6 +565,7 @@ def _run_many(runs: list[RunOptions], engine=None, retriever=None) -> list[dict]
         _close_progress(out)
     t0 = time.perf_counter()
     news: list[list[QuestionResult]] = [[] for _ in runs]
+    answered = [0] * len(runs)
     sched = None
     tok0 = 0
     if any(p[4] for p in plans):
@@ -569,7 +597,8 @@ def _run_many(runs: list[RunOptions], engine=None, retriever=None) -> list[dict]
             score_result(ex, r)
             writers[i].write(r)
             news[i].append(r)
-            _write_progress(outs[i], len(news[i]), time.perf_counter() - t0)
+            answered[i] += r.error is None
+            _write_progress(outs[i], len(news[i]), answered[i], time.perf_counter() - t0)
             bar.update(1)
 
         try:

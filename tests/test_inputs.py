@@ -112,6 +112,26 @@ def test_more_demos_than_the_dataset_has_is_a_config_error(setup):
     assert not (tmp / "o" / "run.json").exists()  # refused before the folder is claimed
 
 
+def test_a_refused_run_leaves_no_folder_it_made(setup):
+    """A run that fails before its first record removes the folders it created (the output and its missing
+    parents); a folder that was there before stays, with what an earlier run put in it."""
+    go, tmp, cfg, data = setup
+    bad = tmp / "bad.json"
+    bad.write_text(json.dumps({"generate_max_length": 4, "fewshot": 500}))
+    with pytest.raises(ConfigError):  # refused while the config is read
+        go(output=str(tmp / "new" / "deeper" / "o"), config=str(bad), limit=2)
+    assert not (tmp / "new").exists() and tmp.exists()
+    with pytest.raises(FileNotFoundError):  # failed after claiming the folder (run.json), before a record
+        run(RunOptions(method="sr-rag", dataset="nq", data=str(data), corpus=str(CORPUS), config=str(cfg),
+                       output=str(tmp / "p" / "o"), model=str(tmp / "no-such-model"), limit=2, progress=False))
+    assert not (tmp / "p").exists()
+    (tmp / "o").mkdir()
+    check_manifest(tmp / "o", {"method": "sr-rag", "model": "/no/such/model", "config": {"fewshot": 0}})
+    with pytest.raises(ConfigError):
+        go(config=str(bad), limit=2)
+    assert (tmp / "o" / "run.json").exists()  # not made by the refused run: it stays
+
+
 def test_records_of_other_data_are_refused(setup):
     go, tmp, _, data = setup
     go(limit=3)

@@ -90,21 +90,31 @@ def test_runs_must_share_the_engine_settings(tmp_path):
 
 def test_run_history_totals(tmp_path):
     """runs.jsonl keeps each run's questions and seconds; a killed run's progress.json joins it when the next run
-    starts; a torn progress file loses that run's time only."""
+    starts; a torn progress file loses that run's time only. The rate counts answered questions (not the ones that
+    failed), as one run's questions_per_s does; a line from before `answered` was recorded counts all its own."""
     from fastrag.eval import _close_progress, _write_progress
 
-    assert _close_progress(tmp_path) == {"runs": 0, "computed": 0, "wall_s": 0, "questions_per_s": None}
-    _write_progress(tmp_path, 3, 30.0)
-    _write_progress(tmp_path, 5, 50.0)  # the latest state replaces the earlier one
-    assert _close_progress(tmp_path) == {"runs": 1, "computed": 5, "wall_s": 50.0, "questions_per_s": 0.1}
+    assert _close_progress(tmp_path) == {"runs": 0, "computed": 0, "answered": 0, "wall_s": 0,
+                                         "questions_per_s": None}
+    _write_progress(tmp_path, 3, 3, 30.0)
+    _write_progress(tmp_path, 5, 5, 50.0)  # the latest state replaces the earlier one
+    assert _close_progress(tmp_path) == {"runs": 1, "computed": 5, "answered": 5, "wall_s": 50.0,
+                                         "questions_per_s": 0.1}
     assert not (tmp_path / "progress.json").exists()
-    _write_progress(tmp_path, 0, 10.0)  # a run that finished nothing adds no line
+    _write_progress(tmp_path, 0, 0, 10.0)  # a run that finished nothing adds no line
     assert _close_progress(tmp_path)["runs"] == 1
     (tmp_path / "progress.json").write_text('{"computed": 4, "wall')
     got = _close_progress(tmp_path)
     assert got["runs"] == 1 and got["computed"] == 5
-    _write_progress(tmp_path, 15, 50.0)
-    assert _close_progress(tmp_path) == {"runs": 2, "computed": 20, "wall_s": 100.0, "questions_per_s": 0.2}
+    _write_progress(tmp_path, 15, 15, 50.0)
+    assert _close_progress(tmp_path) == {"runs": 2, "computed": 20, "answered": 20, "wall_s": 100.0,
+                                         "questions_per_s": 0.2}
+    _write_progress(tmp_path, 10, 0, 1.0)  # ten questions that all failed at once: no throughput
+    assert _close_progress(tmp_path) == {"runs": 3, "computed": 30, "answered": 20, "wall_s": 101.0,
+                                         "questions_per_s": 20 / 101.0}
+    with (tmp_path / "runs.jsonl").open("a") as f:  # written before runs recorded `answered`
+        f.write(json.dumps({"computed": 4, "wall_s": 9.0}) + "\n")
+    assert _close_progress(tmp_path)["questions_per_s"] == 24 / 110.0
 
 
 def test_a_small_kv_pool_evicts_and_fails_only_what_cannot_fit(tmp_path, short_cfg):
