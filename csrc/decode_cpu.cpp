@@ -24,6 +24,7 @@ void decode_row(const T* x, int64_t V, float inv_t, bool sample, uint32_t key, i
   double m = -std::numeric_limits<double>::infinity(), s = 0.0, u = 0.0;
   float best = kNegInf;
   int64_t best_i = -1;
+  bool has_nan = false;  // (std::max drops a NaN: a chunk of -inf and NaN would otherwise look fully masked)
   for (int64_t c0 = 0; c0 < V; c0 += kChunk) {
     const int64_t n = std::min(kChunk, V - c0);
     float cmax = kNegInf;
@@ -31,6 +32,7 @@ void decode_row(const T* x, int64_t V, float inv_t, bool sample, uint32_t key, i
       const float y = static_cast<float>(x[c0 + i]) * inv_t;
       buf[i] = y;
       cmax = std::max(cmax, y);
+      has_nan |= std::isnan(y);
       const float score =
           sample ? y - std::log(-std::log(sampling_uniform(key, static_cast<uint32_t>(c0 + i)))) : y;
       if (score > best || best_i < 0) {  // strict: ties keep the lowest index; NaN never wins
@@ -54,12 +56,13 @@ void decode_row(const T* x, int64_t V, float inv_t, bool sample, uint32_t key, i
       const float d = buf[i] - mf;
       const float e = std::exp(d);
       cs += e;
-      cu += d * e;
+      cu += e > 0.f ? d * e : 0.f;  // (d = -inf when y - m overflows float32: its e^d = 0 weighs nothing)
     }
     s += cs;
     u += cu;
   }
-  const int64_t c = chosen >= 0 ? chosen : best_i;
+  const int64_t c = chosen >= 0 ? chosen : std::max<int64_t>(best_i, 0);  // (best_i < 0: an all-NaN row)
+  if (has_nan) s = std::numeric_limits<double>::quiet_NaN();  // no distribution: NaN entropy and logprob
   const double log_s = std::log(s);
   const double l = static_cast<double>(static_cast<float>(x[c]) * inv_t) - m - log_s;
   *out_c = c;

@@ -24,6 +24,7 @@ void token_signals_row(const T* x, int64_t V, float inv_t, int64_t chosen, float
   double s = 0.0, u = 0.0;
   float best = kNegInf;
   int64_t best_i = 0;
+  bool has_nan = false;  // (std::max drops a NaN: a chunk of -inf and NaN would otherwise look fully masked)
   for (int64_t c0 = 0; c0 < V; c0 += kChunk) {
     const int64_t n = std::min(kChunk, V - c0);
     float cmax = kNegInf;
@@ -36,6 +37,7 @@ void token_signals_row(const T* x, int64_t V, float inv_t, int64_t chosen, float
       const float y = v * inv_t;
       buf[i] = y;
       cmax = std::max(cmax, y);
+      has_nan |= std::isnan(y);
     }
     if (cmax == kNegInf) continue;  // fully masked chunk
     if (cmax > m) {
@@ -54,11 +56,12 @@ void token_signals_row(const T* x, int64_t V, float inv_t, int64_t chosen, float
       const float d = y - mf;
       const float e = std::exp(d);
       cs += e;
-      cu += d * e;
+      cu += e > 0.f ? d * e : 0.f;  // (d = -inf when y - m overflows float32: its e^d = 0 weighs nothing)
     }
     s += cs;
     u += cu;
   }
+  if (has_nan) s = std::numeric_limits<double>::quiet_NaN();  // no distribution: NaN entropy and logprob
   const double log_s = std::log(s);
   *entropy = static_cast<float>(log_s - u / s);
   const int64_t c = chosen < 0 ? best_i : chosen;

@@ -27,7 +27,7 @@ __device__ __forceinline__ void push(State& st, float y, float score, int32_t i)
   if (y > st.m) {  // one exp per element: rescale the state, the new element weighs e^0 = 1
     if (st.s > 0.f) {
       const float r = __expf(st.m - y);
-      st.u = r * (st.u + (st.m - y) * st.s);
+      st.u = r > 0.f ? r * (st.u + (st.m - y) * st.s) : 0.f;  // (r = 0 when m - y overflows: the old state weighs 0)
       st.s = r * st.s + 1.f;
     } else {  // the first unmasked element: m was -inf, and (-inf) * 0 would make u NaN
       st.u = 0.f;
@@ -38,7 +38,7 @@ __device__ __forceinline__ void push(State& st, float y, float score, int32_t i)
     const float d = y - st.m;
     const float e = __expf(d);
     st.s += e;
-    st.u += d * e;
+    st.u += e > 0.f ? d * e : 0.f;  // (d = -inf where y - m overflows float32: a tiny temperature)
   }
 }
 
@@ -51,7 +51,7 @@ __device__ __forceinline__ State merge(State a, const State& b) {
   if (m == kNegInf) return a;
   const float ra = a.s > 0.f ? __expf(a.m - m) : 0.f;
   const float rb = b.s > 0.f ? __expf(b.m - m) : 0.f;
-  a.u = (a.s > 0.f ? ra * (a.u + (a.m - m) * a.s) : 0.f) + (b.s > 0.f ? rb * (b.u + (b.m - m) * b.s) : 0.f);
+  a.u = (ra > 0.f ? ra * (a.u + (a.m - m) * a.s) : 0.f) + (rb > 0.f ? rb * (b.u + (b.m - m) * b.s) : 0.f);
   a.s = ra * a.s + rb * b.s;
   a.m = m;
   return a;
@@ -148,7 +148,7 @@ __global__ void decode_combine_kernel(const T* __restrict__ logits, int64_t B, i
   }
   for (int o = 16; o > 0; o >>= 1) st = merge(st, shfl_state(st, o));
   if (lane != 0) return;
-  int64_t c = chosen ? chosen[b] : static_cast<int64_t>(st.idx);
+  int64_t c = chosen ? chosen[b] : (st.idx == INT32_MAX ? 0 : static_cast<int64_t>(st.idx));  // (all -inf: 0)
   c = c < 0 ? 0 : (c >= V ? V - 1 : c);  // the glue validates on the CPU; on the GPU never read out of bounds
   const float m = st.m == kNegInf ? 0.f : st.m;
   const float log_s = logf(st.s);
@@ -257,7 +257,7 @@ __global__ void __launch_bounds__(kThreads) decode_top_p_kernel(const T* __restr
     const float d = y - m;
     const float e = __expf(d);
     sn += e;
-    un += d * e;
+    un += e > 0.f ? d * e : 0.f;
     const float score = score_of<kSample>(y, key, static_cast<int32_t>(i));
     if (score > best || (score == best && static_cast<int32_t>(i) < best_i)) {
       best = score;
@@ -288,7 +288,7 @@ __global__ void __launch_bounds__(kThreads) decode_top_p_kernel(const T* __restr
     fin.s += other.s;
     fin.u += other.u;
   }
-  int64_t c = chosen ? chosen[b] : static_cast<int64_t>(fin.idx);
+  int64_t c = chosen ? chosen[b] : (fin.idx == INT32_MAX ? 0 : static_cast<int64_t>(fin.idx));
   c = c < 0 ? 0 : (c >= V ? V - 1 : c);
   const float yc = to_float(row[c]) * inv_t;
   const bool in = yc != kNegInf && order_key(yc) >= k0;

@@ -26,14 +26,16 @@ from fastrag.kernels import INTERPRETED
 def _paged_decode_partial_kernel(
     q_ptr, k_ptr, v_ptr, tab_ptr, len_ptr, acc_ptr, ml_ptr,
     stride_qb, stride_qh, stride_kh, stride_ks, stride_vh, stride_vs, stride_tb,
-    scale, SPLIT_LEN, NSPLIT, H,
+    scale, SPLIT_LEN, NSPLIT, H, MAX_CTX, NB_POOL,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr,
     BLOCK_N: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
 ):
     i_b = tl.program_id(0).to(tl.int64)
     i_kh = tl.program_id(1).to(tl.int64)  # int64: a head's offset in a pool of more than 2**31 elements
     i_s = tl.program_id(2)
-    n_ctx = tl.load(len_ptr + i_b)
+    # (lengths and block ids are checked on the host for CPU tensors only, as every kernel here: on a GPU they are
+    # clamped and masked so that any value stays inside the table and the pool)
+    n_ctx = tl.minimum(tl.maximum(tl.load(len_ptr + i_b), 0), MAX_CTX)
     o_g = tl.arange(0, G_PAD)
     o_d = tl.arange(0, D_PAD)
     m_g = o_g < G
@@ -52,6 +54,7 @@ def _paged_decode_partial_kernel(
         o_n = n0 + tl.arange(0, BLOCK_N)
         m_n = o_n < n_end
         blk = tl.load(tab_ptr + i_b * stride_tb + o_n // BS, mask=m_n, other=0).to(tl.int64)
+        m_n = m_n & (blk >= 0) & (blk < NB_POOL)
         slot = blk * BS + (o_n % BS).to(tl.int64)
         # k, v: [BLOCK_N, D_PAD] rows of this kv head, in the pool's dtype (bf16/fp16 tensor-core dots with f32
         # accumulation; fp32 pools multiply in IEEE fp32, not tf32)
@@ -68,8 +71,9 @@ def _paged_decode_partial_kernel(
             b_s = tl.dot(b_q, tl.trans(b_k)) * scale
         b_s = tl.where(m_n[None, :], b_s, float("-inf"))
         b_m_new = tl.maximum(b_m, tl.max(b_s, axis=1))
-        b_alpha = tl.exp(b_m - b_m_new)
-        b_p = tl.exp(b_s - b_m_new[:, None])
+        b_m_safe = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)  # (a tile of masked block ids only)
+        b_alpha = tl.exp(b_m - b_m_safe)
+        b_p = tl.exp(b_s - b_m_safe[:, None])
         b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
         if IEEE:
             b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p, b_v, input_precision="ieee")
@@ -119,7 +123,8 @@ def paged_decode_attention_lse(q: torch.Tensor, k_pool: torch.Tensor, v_pool: to
     ctx_lens [B] int (own keys, the new token's included); prefix_slots must be empty (shared prefixes are merged
     by the caller). num_splits, block_n, num_warps, num_stages: launch settings of the partial kernel (None:
     the launcher's and Triton's defaults; benchmarks/bench_paged_attention.py sweeps them). Raises ValueError
-    naming a bad argument.
+    naming a bad argument (lengths and block ids too, for CPU tensors; on a GPU out-of-range values are clamped
+    and masked in the kernel instead of costing a device sync).
     """
     if prefix_slots.numel():
         raise ValueError("prefix_slots: the Triton paged decode attention covers the own context only; merge "
@@ -140,6 +145,23 @@ def paged_decode_attention_lse(q: torch.Tensor, k_pool: torch.Tensor, v_pool: to
     if ctx_blocks.dim() != 2 or ctx_blocks.shape[0] != B or ctx_lens.shape != (B,):
         raise ValueError(f"ctx_blocks must be [B={B}, NB] and ctx_lens [B], got {tuple(ctx_blocks.shape)} and "
                          f"{tuple(ctx_lens.shape)}")
+    if ctx_blocks.dtype not in (torch.int32, torch.int64) or ctx_lens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"ctx_blocks and ctx_lens must be int32/int64, got {ctx_blocks.dtype} and {ctx_lens.dtype}")
+    if not (isinstance(block_size, int) and block_size > 0) or k_pool.shape[1] % block_size:
+        raise ValueError(f"block_size must be a positive int dividing the pool's {k_pool.shape[1]} slots, got "
+                         f"{block_size!r}")
+    max_ctx, pool_blocks = ctx_blocks.shape[1] * block_size, k_pool.shape[1] // block_size
+    if ctx_lens.device.type == "cpu" and ctx_blocks.device.type == "cpu" and B:
+        for b in range(B):
+            n = int(ctx_lens[b])
+            if not 0 <= n <= max_ctx:
+                raise ValueError(f"ctx_lens[{b}] = {n} is outside [0, {max_ctx}] ({ctx_blocks.shape[1]} blocks x "
+                                 f"{block_size})")
+            used = ctx_blocks[b, :triton.cdiv(n, block_size)]
+            bad = ((used < 0) | (used >= pool_blocks)).nonzero()
+            if bad.numel():
+                j = int(bad[0, 0])
+                raise ValueError(f"ctx_blocks[{b}, {j}] = {int(used[j])} is outside the pool's {pool_blocks} blocks")
     G = H // Hkv
     out = torch.empty(B, H, D, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, H, dtype=torch.float32, device=q.device)
@@ -148,7 +170,6 @@ def paged_decode_attention_lse(q: torch.Tensor, k_pool: torch.Tensor, v_pool: to
     q = q.contiguous() if q.stride(2) != 1 else q
     tab = ctx_blocks.contiguous()
     lens = ctx_lens.contiguous()
-    max_ctx = ctx_blocks.shape[1] * block_size
     if num_splits is None:
         if q.device.type == "cuda":  # about 2 programs per SM in all
             sms = torch.cuda.get_device_properties(q.device).multi_processor_count
@@ -164,7 +185,7 @@ def paged_decode_attention_lse(q: torch.Tensor, k_pool: torch.Tensor, v_pool: to
     _paged_decode_partial_kernel[(B, Hkv, nsplit)](
         q, k_pool, v_pool, tab, lens, acc, ml,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
-        tab.stride(0), float(scale), split_len, nsplit, H,
+        tab.stride(0), float(scale), split_len, nsplit, H, max_ctx, pool_blocks,
         # the interpreter multiplies bf16 tiles in tl.dot as raw integers (garbage scores): there every tile is
         # upcast to float32 first, as in attn_stats.py
         G=G, G_PAD=g_pad, D=D, D_PAD=d_pad, BS=block_size, BLOCK_N=block_n,

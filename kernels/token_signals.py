@@ -76,9 +76,11 @@ def _token_signals_partial_kernel(
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # fully masked so far: keep everything at 0
         alpha = tl.exp(m - m_safe)
         b_e = tl.exp(b_y - m_safe)
-        b_d = tl.where(b_y == float("-inf"), 0.0, b_y - m_safe)  # 0 * ln 0 := 0, never (-inf) * 0
-        # u' = r (u + (m - m') s) + sum d e, r = e^{m - m'};  (m - m') s is 0 (not NaN) while s = 0
-        u = alpha * u + alpha * tl.where(s > 0, m - m_safe, 0.0) * s + tl.sum(b_d * b_e, axis=0)
+        # 0 * ln 0 := 0, never (-inf) * 0: also where y - m overflows float32 (d = -inf, e = 0; a tiny temperature)
+        b_de = tl.where(b_e > 0, (b_y - m_safe) * b_e, 0.0)
+        # u' = r (u + (m - m') s) + sum d e, r = e^{m - m'};  (m - m') s is 0 (not NaN) while s = 0, and the old
+        # state weighs 0 when r = 0
+        u = tl.where(alpha > 0, alpha * (u + tl.where(s > 0, m - m_safe, 0.0) * s), 0.0) + tl.sum(b_de, axis=0)
         s = alpha * s + tl.sum(b_e, axis=0)
         m = m_new
     best = tl.max(b_best, axis=0)
@@ -112,13 +114,14 @@ def _token_signals_combine_kernel(
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     b_r = tl.exp(b_m - m_safe)
     s = tl.sum(b_s * b_r, axis=0)
-    u = tl.sum(b_r * (b_u + tl.where(b_s > 0, b_m - m_safe, 0.0) * b_s), axis=0)
+    u = tl.sum(tl.where(b_r > 0, b_r * (b_u + tl.where(b_s > 0, b_m - m_safe, 0.0) * b_s), 0.0), axis=0)
     best = tl.max(b_best, axis=0)
-    if HAS_CHOSEN:
-        c = tl.load(chosen_ptr + i_b)
+    if HAS_CHOSEN:  # (checked on the CPU only: clamped so that any value stays inside the row)
+        c = tl.minimum(tl.maximum(tl.load(chosen_ptr + i_b), 0), V - 1)
     else:
-        # an all -inf row leaves no index: clamp so the load below stays inside the row
-        c = tl.minimum(tl.min(tl.where(b_best == best, b_idx, 2147483647), axis=0), V - 1).to(tl.int64)
+        # an all -inf row leaves no index: index 0, as the reference
+        c = tl.min(tl.where(b_best == best, b_idx, 2147483647), axis=0)
+        c = tl.where(c == 2147483647, 0, c).to(tl.int64)
     y_c = tl.load(x_ptr + i_b * stride_xb + c * stride_xv).to(tl.float32) * inv_t
     log_s = tl.log(s)
     lp = y_c - m_safe - log_s
@@ -197,7 +200,7 @@ def _token_signals_top_p_kernel(
         b_d = tl.where(b_in, b_y - m, 0.0)
         b_e = tl.where(b_in, tl.exp(b_d), 0.0)
         sn += tl.sum(b_e, axis=0)
-        un += tl.sum(b_d * b_e, axis=0)
+        un += tl.sum(tl.where(b_e > 0, b_d * b_e, 0.0), axis=0)  # (d = -inf where y - m overflows float32)
         if SAMPLE:
             b_score = _gumbel_score(b_y, key, o_v)
         else:
@@ -207,11 +210,12 @@ def _token_signals_top_p_kernel(
         b_best = tl.where(upd, b_score, b_best)
         b_best_i = tl.where(upd, o_v, b_best_i)
     best = tl.max(b_best, axis=0)
-    if HAS_CHOSEN:
-        c = tl.load(chosen_ptr + i_b)
+    if HAS_CHOSEN:  # (checked on the CPU only: clamped so that any value stays inside the row)
+        c = tl.minimum(tl.maximum(tl.load(chosen_ptr + i_b), 0), V - 1)
     else:
-        # an all -inf row leaves no index: clamp so the load below stays inside the row
-        c = tl.minimum(tl.min(tl.where(b_best == best, b_best_i, 2147483647), axis=0), V - 1).to(tl.int64)
+        # an all -inf row leaves no index: index 0, as the reference
+        c = tl.min(tl.where(b_best == best, b_best_i, 2147483647), axis=0)
+        c = tl.where(c == 2147483647, 0, c).to(tl.int64)
     y_c = tl.load(row + c * stride_xv).to(tl.float32) * inv_t
     c_in = (y_c > float("-inf")) & (_order_key(y_c) >= prefix)
     log_s = tl.log(sn)

@@ -352,32 +352,71 @@ def test_decode_signals_top_p_signed_zeros_tie(backend, device, dtype):
 
 
 @pytest.mark.parametrize("backend,device", KERNEL_BACKENDS)
-@pytest.mark.parametrize("kw", [dict(), dict(temperature=0.7), dict(temperature=0.7, top_p=0.9), dict(chosen=True)],
-                         ids=["greedy", "sample", "top_p", "chosen"])
+@pytest.mark.parametrize("kw", [dict(), dict(temperature=0.7), dict(temperature=0.7, top_p=0.9), dict(chosen=True),
+                                dict(temperature=0.7, top_k=40)],
+                         ids=["greedy", "sample", "top_p", "chosen", "top_k"])
 def test_decode_signals_rows_with_nan_have_no_distribution(backend, device, kw):
-    """A row holding a NaN logit (one, the last, all) gives a NaN entropy and a non-finite logprob, as the
-    reference does (the engine ends such a generation with an error: nothing is drawn from it), and a chosen
-    index inside the vocabulary; the other rows are unaffected."""
+    """A row holding a NaN logit (one, the last, all, one in a 512-wide span that is otherwise -inf) gives a NaN
+    entropy and a non-finite logprob, as the reference does (the engine ends such a generation with an error:
+    nothing is drawn from it), and a chosen index inside the vocabulary; the other rows are unaffected. The -inf
+    span is what a top-k mask leaves around a NaN (torch's topk ranks NaN first): the C++ path reads the row in
+    512-wide chunks and once took such a chunk for fully masked."""
     g, seed = _gen()
-    B, V = 4, 300
+    B, V = 5, 1100
     x = torch.randn(B, V, generator=g)
     x[0, 5] = float("nan")
     x[1] = float("nan")
     x[2, V - 1] = float("nan")
+    x[3, 512:1024] = NEG_INF
+    x[3, 600] = float("nan")
     keys = torch.randint(0, 2**32, (B,), generator=g)
     chosen = torch.randint(0, V, (B,), generator=g) if kw.get("chosen") else None
-    t, top_p = kw.get("temperature", 0.0), kw.get("top_p", 1.0)
-    ref = decode_signals_ref(x, t, keys if t > 0 else None, chosen, top_p=top_p)
-    assert torch.isnan(ref["entropy"][:3]).all() and torch.isnan(ref["logprob"][:3]).all()
+    t, top_p, top_k = kw.get("temperature", 0.0), kw.get("top_p", 1.0), kw.get("top_k", 0)
+    ref = decode_signals_ref(x, t, keys if t > 0 else None, chosen, top_p=top_p, top_k=top_k)
+    assert torch.isnan(ref["entropy"][:4]).all() and torch.isnan(ref["logprob"][:4]).all()
     res = get_backend(backend).decode_signals(
         x.to(device), temperature=t, rng_keys=keys.to(device) if t > 0 else None,
-        chosen=None if chosen is None else chosen.to(device), top_p=top_p, out=_poisoned(B, device))
+        chosen=None if chosen is None else chosen.to(device), top_p=top_p, top_k=top_k, out=_poisoned(B, device))
     ent, lp, c = res.entropy.cpu(), res.logprob.cpu(), res.chosen.cpu()
-    assert torch.isnan(ent[:3]).all(), f"{backend}: entropy {ent.tolist()} (seed={seed})"
-    assert not torch.isfinite(lp[:3]).any(), f"{backend}: logprob {lp.tolist()} (seed={seed})"
+    assert torch.isnan(ent[:4]).all(), f"{backend}: entropy {ent.tolist()} (seed={seed})"
+    assert not torch.isfinite(lp[:4]).any(), f"{backend}: logprob {lp.tolist()} (seed={seed})"
     assert ((c >= 0) & (c < V)).all(), f"{backend}: chosen {c.tolist()}"
-    _close(ent[3:], ref["entropy"][3:], f"{backend} clean row entropy", seed, **TOKEN_TOL)
-    _close(lp[3:], ref["logprob"][3:], f"{backend} clean row logprob", seed, **TOKEN_TOL)
+    _close(ent[4:], ref["entropy"][4:], f"{backend} clean row entropy", seed, **TOKEN_TOL)
+    _close(lp[4:], ref["logprob"][4:], f"{backend} clean row logprob", seed, **TOKEN_TOL)
+
+
+@pytest.mark.parametrize("backend,device", KERNEL_BACKENDS)
+@pytest.mark.parametrize("top_p", [1.0, 0.5])
+def test_decode_signals_at_the_smallest_temperature(backend, device, top_p):
+    """At MIN_TEMPERATURE the scaled logits stay finite in float32, but their spread can exceed float32's range
+    (y - m = -inf for the smallest): such entries weigh exactly 0, never (-inf) * 0 = NaN. V = 5000 spans several
+    chunks of every kernel, so the running state's rescaling meets the same spread."""
+    from fastrag.signals.checks import MIN_TEMPERATURE
+
+    g, seed = _gen()
+    V = 5000
+    x = torch.randn(2, V, generator=g) * 1e7
+    x[0, 4500] = 2e8  # the max, in a late chunk: earlier chunks' states are rescaled by e^{-inf} = 0
+    x[0, 10] = -2e8
+    x[1, 3] = 2e8
+    x[1, 4999] = -2e8
+    keys = torch.randint(0, 2**32, (2,), generator=g)
+    ref = decode_signals_ref(x, MIN_TEMPERATURE, keys, top_p=top_p)
+    res = get_backend(backend).decode_signals(x.to(device), temperature=MIN_TEMPERATURE, rng_keys=keys.to(device),
+                                              top_p=top_p, out=_poisoned(2, device))
+    assert res.chosen.cpu().tolist() == ref["chosen"].tolist() == [4500, 3]
+    _close(res.entropy, ref["entropy"], f"{backend} entropy", seed, atol=1e-6, rtol=0)
+    _close(res.logprob, ref["logprob"], f"{backend} logprob", seed, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("backend,device", KERNEL_BACKENDS)
+def test_decode_signals_out_without_a_flag_buffer(backend, device):
+    """With no nonstop table, out= may be the four buffers alone; any other length is an error naming `out`."""
+    x = torch.randn(3, 40).to(device)
+    res = get_backend(backend).decode_signals(x, out=_poisoned(3, device)[:4])
+    assert res.nonstop is None and res.chosen.cpu().tolist() == x.cpu().argmax(-1).tolist()
+    with pytest.raises(ValueError, match=r"out must be a tuple \(chosen, entropy, logprob, prob, nonstop\), got 3"):
+        get_backend(backend).decode_signals(x, out=_poisoned(3, device)[:3])
 
 
 def test_top_p_nucleus_reference_matches_transformers_warper():

@@ -89,6 +89,27 @@ def test_bad_input_is_a_clear_error(bad, match):
         paged_decode_attention_lse(**kw)
 
 
+@pytest.mark.skipif(DEV != "cpu", reason="on a GPU lengths and block ids are clamped in the kernel, not read back")
+@pytest.mark.parametrize("bad, match", [
+    (dict(ctx_lens=torch.tensor([3, 65])), r"ctx_lens\[1\] = 65 is outside \[0, 64\]"),
+    (dict(ctx_lens=torch.tensor([-1, 5])), r"ctx_lens\[0\] = -1"),
+    (dict(ctx_lens=torch.tensor([3.0, 5.0])), "ctx_lens must be int32/int64"),
+    (dict(ctx_blocks=torch.tensor([[0, 1, 2, 3], [1, 4, 0, 0]])), r"ctx_blocks\[1, 1\] = 4 is outside the pool's 4"),
+    (dict(ctx_blocks=torch.tensor([[-1, 1, 2, 3], [0, 0, 0, 0]])), r"ctx_blocks\[0, 0\] = -1"),
+    (dict(block_size=24), "block_size must be a positive int dividing the pool's 64 slots"),
+])
+def test_bad_lengths_and_block_ids_are_named(bad, match):
+    """CPU tensors: a length beyond the table or a used block id outside the pool is an error naming the entry
+    (it would read outside the pool); block ids past a sequence's length are not read and not checked."""
+    kw = dict(q=torch.zeros(2, 4, 8), k_pool=torch.zeros(2, 64, 8), v_pool=torch.zeros(2, 64, 8),
+              prefix_slots=torch.empty(0, dtype=torch.long), ctx_blocks=torch.zeros(2, 4, dtype=torch.long),
+              ctx_lens=torch.tensor([3, 17]), block_size=16, scale=0.3)
+    unused = kw | dict(ctx_blocks=torch.tensor([[0, 99, -5, 7], [3, 2, 99, -1]]))
+    assert paged_decode_attention_lse(**unused)[1].isfinite().all()
+    with pytest.raises(ValueError, match=match):
+        paged_decode_attention_lse(**(kw | bad))
+
+
 class _Tok:
     eos_token_id = None
 

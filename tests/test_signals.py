@@ -222,6 +222,42 @@ def test_token_signals_masked_rows(backend, dtype):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_token_signals_rows_without_a_distribution(backend):
+    """A row holding a NaN or +inf logit, or none finite, has a NaN entropy as in the reference (not 0, which would
+    read as a certain token) and an argmax inside the vocabulary; rows beside it are unaffected. V = 1100 spans
+    three of the C++ path's 512-wide chunks; row 0's NaN sits in a chunk that is otherwise all -inf."""
+    g, seed = _gen()
+    V = 1100
+    logits = torch.randn(5, V, generator=g) * 3
+    logits[0, 512:1024] = NEG_INF
+    logits[0, 600] = float("nan")
+    logits[1, 3] = float("nan")
+    logits[2, 900] = float("inf")
+    logits[3] = NEG_INF
+    res = get_backend(backend).token_signals(logits, out=_poisoned_token_out(5))
+    ent_r, lp_r, am_r = token_signals_ref(logits)
+    assert torch.isnan(ent_r[:4]).all()
+    assert torch.isnan(res.entropy[:4]).all(), f"{backend}: entropy {res.entropy.tolist()} (seed={seed})"
+    assert ((res.argmax >= 0) & (res.argmax < V)).all(), f"{backend}: argmax {res.argmax.tolist()}"
+    assert int(res.argmax[3]) == int(am_r[3]) == 0  # no finite logit: index 0, as the reference
+    _assert_close(res.entropy[4:], ent_r[4:], f"{backend} clean row entropy", seed, **TOKEN_TOL)
+    _assert_close(res.logprob[4:], lp_r[4:], f"{backend} clean row logprob", seed, **TOKEN_TOL)
+
+
+def test_signal_arguments_take_numpy_scalars():
+    """numpy numbers are numbers: a temperature, top_p or top_k read from a numpy array is taken as its value."""
+    np = pytest.importorskip("numpy")
+    be = get_backend("torch")
+    x = torch.randn(2, 50)
+    keys = torch.tensor([1, 2])
+    a = be.decode_signals(x, temperature=np.float32(0.5), rng_keys=keys, top_p=np.float64(0.9), top_k=np.int64(5))
+    b = be.decode_signals(x, temperature=0.5, rng_keys=keys, top_p=0.9, top_k=5)
+    assert torch.equal(a.chosen, b.chosen) and torch.equal(a.entropy, b.entropy)
+    assert torch.equal(be.token_signals(x, temperature=np.float32(0.5)).entropy,
+                       be.token_signals(x, temperature=0.5).entropy)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_token_signals_non_contiguous(backend):
     g, seed = _gen()
     base = torch.randn(4231, 6, generator=g) * 3  # logits = base.T is a transposed view
@@ -295,6 +331,10 @@ TOKEN_BAD = [
     ("chosen", dict(chosen=torch.zeros(3, dtype=torch.int64))),
     ("chosen", dict(chosen=torch.tensor([0, 11]))),
     ("temperature", dict(temperature=0.0)),
+    ("temperature", dict(temperature=1e-40)),  # 1 / T overflows float32
+    ("temperature", dict(temperature=float("inf"))),
+    ("temperature", dict(temperature=True)),
+    ("out", dict(out=(torch.zeros(2), torch.zeros(2)))),
     ("out.entropy", dict(out=(torch.zeros(3), torch.zeros(2), torch.zeros(2, dtype=torch.int64)))),
     ("out.argmax", dict(out=(torch.zeros(2), torch.zeros(2), torch.zeros(2)))),
 ]

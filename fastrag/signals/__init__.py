@@ -79,6 +79,7 @@ class SignalBackend:
         """
         checks.check_token_signals(logits, chosen, temperature, self.devices)
         if out is not None:
+            checks.check_out_tuple(out, "out", TokenSignals._fields)
             B = logits.shape[0]
             for buf, name, dtype in zip(out, ("out.entropy", "out.logprob", "out.argmax"),
                                         (torch.float32, torch.float32, torch.int64)):
@@ -122,16 +123,19 @@ class SignalBackend:
         """
         checks.check_decode_signals(logits, temperature, rng_keys, chosen, nonstop, self.devices, top_p, top_k)
         B, dev = logits.shape[0], logits.device
-        if temperature > 0 and 0 < top_k < logits.shape[1]:
+        if temperature > 0 and 0 < int(top_k) < logits.shape[1]:
             from fastrag.signals.torch_backend import top_k_filter
 
-            logits = top_k_filter(logits, top_k)
+            logits = top_k_filter(logits, int(top_k))
         if out is None:
             f32 = dict(dtype=torch.float32, device=dev)
             out = DecodeSignals(torch.empty(B, dtype=torch.int64, device=dev), torch.empty(B, **f32),
                                 torch.empty(B, **f32), torch.empty(B, **f32),
                                 None if nonstop is None else torch.empty(B, dtype=torch.bool, device=dev))
         else:
+            if nonstop is None and isinstance(out, (tuple, list)) and len(out) == 4:
+                out = (*out, None)  # (no table: no flag buffer)
+            checks.check_out_tuple(out, "out", DecodeSignals._fields)
             out = DecodeSignals(*out)
             for buf, name, dtype in zip(out[:4], ("out.chosen", "out.entropy", "out.logprob", "out.prob"),
                                         (torch.int64, torch.float32, torch.float32, torch.float32)):

@@ -8,6 +8,7 @@ device sync on every decode step, so GPU kernels must stay safe for any value in
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Collection, Sequence
 
 import torch
@@ -32,6 +33,22 @@ def _check_same_device(x: torch.Tensor, name: str, ref: torch.Tensor, ref_name: 
         raise ValueError(f"{name} is on {x.device} but {ref_name} is on {ref.device}")
 
 
+def _real(x: object) -> bool:
+    """A real number (Python's or numpy's), not a bool."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def _integer(x: object) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def check_out_tuple(out: object, name: str, fields: Sequence[str]) -> None:
+    """An `out=` argument is a tuple of exactly len(fields) buffers, in that order."""
+    if not isinstance(out, (tuple, list)) or len(out) != len(fields):
+        got = f"{len(out)} items" if isinstance(out, (tuple, list)) else type(out).__name__
+        raise ValueError(f"{name} must be a tuple ({', '.join(fields)}), got {got}")
+
+
 def check_out(out: object, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
     """An `out=` buffer is written in place: exact shape, dtype, device, and contiguous."""
     if not isinstance(out, torch.Tensor):
@@ -48,13 +65,14 @@ def check_out(out: object, name: str, shape: tuple[int, ...], dtype: torch.dtype
 
 def check_token_signals(logits: torch.Tensor, chosen: torch.Tensor | None, temperature: float,
                         devices: Collection[str]) -> None:
-    """logits: [B, V] float; chosen: [B] int64 in [0, V) or None; temperature > 0."""
+    """logits: [B, V] float; chosen: [B] int64 in [0, V) or None; temperature a finite number >= MIN_TEMPERATURE."""
     _check_tensor(logits, "logits", 2, FLOAT_DTYPES, devices)
     B, V = logits.shape
     if V == 0:
         raise ValueError("logits must have a non-empty vocabulary dimension, got V=0")
-    if not (isinstance(temperature, (int, float)) and temperature > 0):
-        raise ValueError(f"temperature must be a number > 0, got {temperature!r}")
+    if not (_real(temperature) and math.isfinite(temperature) and temperature >= MIN_TEMPERATURE):
+        raise ValueError(f"temperature must be a finite number >= {MIN_TEMPERATURE:g} (logits / T overflows float32 "
+                         f"below it), got {temperature!r}")
     if chosen is None:
         return
     _check_tensor(chosen, "chosen", 1, (torch.int64,), devices)
@@ -86,7 +104,7 @@ def check_attention(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, sca
         raise ValueError(f"q heads H={H} must be a multiple of k heads Hkv={Hkv} (grouped-query attention)")
     if lengths.shape[0] != B:
         raise ValueError(f"lengths must have shape ({B},) to match q {tuple(q.shape)}, got {tuple(lengths.shape)}")
-    if not isinstance(scale, (int, float)):
+    if not _real(scale):
         raise ValueError(f"scale must be a number, got {type(scale).__name__}")
     if lengths.device.type == "cpu" and B > 0:
         bad = ((lengths < 0) | (lengths > T)).nonzero()
@@ -107,13 +125,13 @@ def check_decode_signals(logits: torch.Tensor, temperature: float, rng_keys: tor
         raise ValueError("logits must have a non-empty vocabulary dimension, got V=0")
     if V >= 2**31 - 1:
         raise ValueError(f"logits vocabulary V={V} does not fit the kernels' int32 token index")
-    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature)
+    if not (_real(temperature) and math.isfinite(temperature)
             and (temperature == 0 or temperature >= MIN_TEMPERATURE)):
         raise ValueError(f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE:g} (logits / T "
                          f"overflows float32 below it), got {temperature!r}")
-    if not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
+    if not (_real(top_p) and 0 < top_p <= 1):
         raise ValueError(f"top_p must be a number in (0, 1] (1: no nucleus filtering), got {top_p!r}")
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+    if not _integer(top_k) or top_k < 0:
         raise ValueError(f"top_k must be an int >= 0 (0: no top-k filtering), got {top_k!r}")
     if chosen is not None:
         check_token_signals(logits, chosen, 1.0, devices)
@@ -163,7 +181,7 @@ def check_attn_decode(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torc
         raise ValueError(f"k_cache head dim {Dk} must match q head dim {D}")
     if Hkv == 0 or H % Hkv != 0:
         raise ValueError(f"q heads H={H} must be a multiple of k_cache heads Hkv={Hkv} (grouped-query attention)")
-    if not (isinstance(block_size, int) and block_size > 0):
+    if not (_integer(block_size) and block_size > 0):
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
     if num_slots % block_size:
         raise ValueError(f"k_cache slots ({num_slots}) must be a multiple of block_size ({block_size})")
@@ -184,7 +202,7 @@ def check_attn_decode(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torc
         raise ValueError("amax must be contiguous (it is updated in place)")
     if row_out is not None:
         check_out(row_out, "row_out", (B, L), torch.float32, q.device)
-    if not isinstance(scale, (int, float)):
+    if not _real(scale):
         raise ValueError(f"scale must be a number, got {type(scale).__name__}")
     if q.device.type == "cpu" and B > 0:
         for x, name in ((ctx_lens, "ctx_lens"), (span_start, "span_start")):

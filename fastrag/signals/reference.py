@@ -22,7 +22,8 @@ def token_signals_ref(logits: torch.Tensor, chosen: torch.Tensor | None = None, 
     """(entropy [B] f64, logprob [B] f64, argmax [B] i64) of softmax(logits [B, V] / temperature).
 
     `chosen` [B] int64 selects the token whose log-probability is returned (the argmax when None).
-    A row needs at least one finite logit.
+    A row with no distribution (a NaN or +inf logit, or no finite one) has a NaN entropy; its argmax is any index
+    inside the vocabulary (0 here).
     """
     x = logits.to(torch.float64) / temperature  # [B, V]
     B, V = x.shape
@@ -34,6 +35,7 @@ def token_signals_ref(logits: torch.Tensor, chosen: torch.Tensor | None = None, 
     mx = x.max(dim=-1, keepdim=True).values
     idx = torch.arange(V).expand(B, V)
     argmax = torch.where(x == mx, idx, V).min(dim=-1).values
+    argmax = torch.where(argmax == V, 0, argmax)  # (a row with a NaN: no value equals its NaN max)
     pick = argmax if chosen is None else chosen.to(torch.int64)
     logprob = logp.gather(1, pick[:, None])[:, 0]
     return entropy, logprob, argmax

@@ -21,8 +21,9 @@ def token_signals(logits: torch.Tensor, chosen: torch.Tensor | None = None, temp
         x = x / temperature
     logp = x - torch.logsumexp(x, dim=-1, keepdim=True)  # [B, V]
     p = logp.exp()
-    # 0 * ln 0 := 0; p * logp is 0 * -inf = NaN on masked entries.
-    entropy = -torch.where(p > 0, p * logp, 0.0).sum(-1)
+    # 0 * ln 0 := 0; p * logp is 0 * -inf = NaN on masked entries. A NaN p (a NaN or +inf logit, an all -inf
+    # row) stays NaN: such a row has no distribution.
+    entropy = -torch.where((p > 0) | p.isnan(), p * logp, 0.0).sum(-1)
     argmax = logits.argmax(dim=-1)  # torch returns the first maximal index
     pick = argmax if chosen is None else chosen
     logprob = logp.gather(1, pick[:, None])[:, 0]

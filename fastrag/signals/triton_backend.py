@@ -14,9 +14,16 @@ from fastrag.signals import TokenSignals
 
 def _kernels():
     try:
-        import fastrag.kernels as k
+        import triton  # noqa: F401
     except ImportError as e:
         raise ImportError(f"triton is not installed ({e}); pip install triton==3.9.0") from e
+    try:
+        import fastrag.kernels as k
+    except ModuleNotFoundError as e:
+        if e.name != "fastrag.kernels":
+            raise
+        raise ImportError("fastrag.kernels (the repository's kernels/ folder) is not importable: fastrag runs from a "
+                          "source tree that is not installed; pip install -e . there") from e
     return k
 
 
