@@ -24,7 +24,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="the method's config JSON (DRAGIN: the published format; see docs/methods.md, "
                    "docs/beamsearchqa.md); default: the papers' per-dataset values")
     p.add_argument("--limit", type=int, help="first N questions")
-    p.add_argument("--batch-size", type=int, default=32, help="questions in flight (decode batch)")
+    p.add_argument("--batch-size", type=int, default=32, help="decode batch (2x this many questions in flight)")
     p.add_argument("--signals", help="signal backend: auto (cuda > triton > torch on a GPU, torch on a CPU) | torch | "
                    "cpp | triton | cuda; default $FASTRAG_SIGNALS_BACKEND, else auto")
     p.add_argument("--kv-cache-gb", type=float, default=None,

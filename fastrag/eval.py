@@ -235,7 +235,9 @@ def check_manifest(out: Path, identity: dict) -> None:
         except (json.JSONDecodeError, UnicodeDecodeError, OSError, ValueError) as e:
             raise ValueError(f"{path}: unreadable ({e}); delete it to go on writing to {out}") from None
         diffs, added = [], False
-        for k in sorted(set(old) | set(identity)):
+        # (what the run is first: method, model, retriever, corpus, decoding; the config's fields after them)
+        keys = [k for k in identity if k != "config"] + sorted(set(old) - set(identity) - {"config"}) + ["config"]
+        for k in keys:
             a, b = old.get(k), identity.get(k)
             if a == b:
                 continue
@@ -251,9 +253,9 @@ def check_manifest(out: Path, identity: dict) -> None:
             # corpus or config): the corrected run takes the folder over
             added = True
         elif diffs:
-            raise ValueError(f"{out} holds the results of another run ({'; '.join(diffs[:4])}"
-                             f"{'; ...' if len(diffs) > 4 else ''}): use another --output (or delete {path} to "
-                             "add this run's records to that folder anyway)")
+            more = f"; and {len(diffs) - 4} more" if len(diffs) > 4 else ""
+            raise ValueError(f"{out} holds the results of another run ({'; '.join(diffs[:4])}{more}): use another "
+                             f"--output (or delete {path} to add this run's records to that folder anyway)")
         if not added:
             return
     tmp = path.with_suffix(".json.tmp")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 import subprocess
 import sys
 import warnings
@@ -85,6 +86,20 @@ def test_a_rerun_of_another_run_into_the_folder_is_refused(setup):
     with pytest.raises(ValueError, match="seed: 0 there, 3 now"):
         go(temperature=0.5, seed=3, limit=3)
     assert len(records(tmp / "o" / "results.jsonl")) == 3  # nothing written by the refused runs
+
+
+def test_the_refusal_names_what_the_run_is_before_config_fields(tmp_path):
+    """Another method with many config differences: the message leads with the method (not cut off behind four
+    config fields) and says how many differences it left out."""
+    out = tmp_path / "o"
+    out.mkdir()
+    cfg = {f"f{i}": i for i in range(6)}
+    check_manifest(out, {"method": "dragin", "model": "m", "config": cfg})
+    (out / "results.jsonl").write_text(json.dumps({"qid": "q0"}) + "\n")
+    with pytest.raises(ValueError) as e:
+        check_manifest(out, {"method": "flare", "model": "m", "config": {k: v + 1 for k, v in cfg.items()}})
+    assert re.search(r"another run \(method: 'dragin' there, 'flare' now; config\.f0: 0 there, 1 now; .*; and 3 "
+                     r"more\)", str(e.value)), str(e.value)
 
 
 def test_a_run_that_failed_before_computing_does_not_hold_the_folder(setup):

@@ -355,6 +355,21 @@ def test_missing_empty_and_binary_corpus(tmp_path):
         list(iter_corpus(tmp_path / "b.jsonl"))
 
 
+def test_a_failed_index_build_leaves_no_folder(tmp_path):
+    """A corpus error found while the index is built (a repeated id) leaves no half-written index folder that the
+    build created; an index folder that was there before stays."""
+    bad = tmp_path / "dup.jsonl"
+    bad.write_text('{"id": "a", "text": "x"}\n{"id": "a", "text": "y"}\n')
+    with pytest.raises(CorpusError, match="repeats line 1"):
+        BM25Retriever(bad, show_progress=False)
+    assert not (tmp_path / "dup.jsonl.bm25s").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dup.jsonl"]
+    (tmp_path / "dup.jsonl.bm25s").mkdir()
+    with pytest.raises(CorpusError, match="repeats line 1"):
+        BM25Retriever(bad, show_progress=False)
+    assert (tmp_path / "dup.jsonl.bm25s").is_dir()
+
+
 # ---- the real corpus ----------------------------------------------------------------------------------
 
 DATA = Path("/work/shared/data")

@@ -110,6 +110,7 @@ def build_in_first_writable(candidates: list[Path], index, what: str, manifest: 
         try:
             if not _writable(d):
                 raise PermissionError(f"{d} is (inside) a read-only folder")
+            made = not d.exists()
             d.mkdir(parents=True, exist_ok=True)
             held.enter_context(_build_lock(d))
         except OSError as e:
@@ -120,7 +121,12 @@ def build_in_first_writable(candidates: list[Path], index, what: str, manifest: 
             if manifest is not None and _read_manifest(d) == manifest:
                 return d
             (d / "manifest.json").unlink(missing_ok=True)
-            index(d)
+            try:
+                index(d)
+            except BaseException:
+                if made:  # a build that failed (a corpus error) leaves no half-written folder of its own behind
+                    shutil.rmtree(d, ignore_errors=True)
+                raise
         return d
     raise OSError(f"no writable folder for the {what} index: " + "; ".join(errors))
 
