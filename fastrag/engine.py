@@ -268,6 +268,9 @@ class Engine:
         n = len(ids) // self.pool.block_size * self.pool.block_size
         if n == 0:
             return None
+        if len(ids) >= self.max_context:  # no prompt that starts with it could fit a generated token
+            raise ValueError(f"a shared prefix of {len(ids)} tokens leaves no room in the model context of "
+                             f"{self.max_context} tokens")
         for p in self.prefixes:
             if p.token_ids == ids[:n]:
                 return p
@@ -338,6 +341,7 @@ class Engine:
         """
         if not prompt_ids:
             raise ValueError("empty prompt")
+        self._check_ids(prompt_ids, "prompt_ids")
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
         if id(s) not in self.live:
@@ -413,6 +417,14 @@ class Engine:
             s.track_from = s.amax = None
         self._adopt_cached(s)
         self.waiting.append(s)
+
+    def _check_ids(self, ids: list[int], what: str) -> None:
+        """Token ids must be ints inside the model's vocabulary (an embedding lookup would fail a later step)."""
+        V = self.model.c.vocab_size
+        lo, hi = min(ids), max(ids)
+        if not (isinstance(lo, int) and isinstance(hi, int)) or lo < 0 or hi >= V:
+            bad = next(t for t in ids if not isinstance(t, int) or not 0 <= t < V)
+            raise ValueError(f"{what} holds token id {bad!r}, outside the model's vocabulary [0, {V})")
 
     def _pinned_blocks(self) -> int:
         """Blocks no sequence can ever get: the shared prefixes' and the CUDA graphs' scratch block."""
@@ -824,9 +836,12 @@ class Engine:
         if kind not in ("colmax", "rows"):
             raise ValueError(f"attention pass kind must be 'colmax' or 'rows', got {kind!r}")
         for x in seqs:
+            if not x:
+                raise ValueError("an attention pass over an empty token sequence")
             if len(x) > self.max_context:
                 raise ValueError(f"an attention pass over {len(x)} tokens exceeds the model context of "
                                  f"{self.max_context} tokens")
+            self._check_ids(x, "an attention pass's sequence")
         pending = PendingPasses(kind, [len(x) for x in seqs])
         order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
         i = 0

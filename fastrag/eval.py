@@ -472,7 +472,8 @@ def output_lock(out: Path):
     every question again. It fails at once, naming the folder. (Where fcntl is missing, nothing is locked.)
 
     A run that fails before its first record (a refused config, a missing model) leaves no folder it created
-    behind: the folders made here are removed again when they hold nothing but the lock and `run.json`."""
+    behind: the folders made here are removed again when they hold nothing but the lock, `run.json` and an empty
+    `results.jsonl`."""
     try:
         import fcntl
     except ImportError:  # pragma: no cover - not on Linux/macOS
@@ -497,13 +498,15 @@ def output_lock(out: Path):
 
 
 def _remove_unused(made: list[Path]) -> None:
-    """Remove the run folder made[0] if it holds only the lock and run.json, then each parent in `made` left
-    empty; stop at the first that holds anything else."""
+    """Remove the run folder made[0] if it holds only the lock, run.json and an empty results.jsonl, then each
+    parent in `made` left empty; stop at the first that holds anything else."""
     out = made[0]
     try:
-        if not {p.name for p in out.iterdir()} <= {".lock", "run.json"}:
+        names = {p.name for p in out.iterdir()}
+        if not names <= {".lock", "run.json", "results.jsonl"} or (
+                "results.jsonl" in names and (out / "results.jsonl").stat().st_size):
             return
-        for name in ("run.json", ".lock"):
+        for name in ("results.jsonl", "run.json", ".lock"):
             (out / name).unlink(missing_ok=True)
         for d in made:
             d.rmdir()

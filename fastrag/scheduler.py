@@ -214,8 +214,19 @@ class Scheduler:
         try:
             while self.busy:
                 self.step()
+        except BaseException:  # (Ctrl-C, an on_result that raised, an engine error): the engine is left clean
+            self.abort()
+            raise
         finally:
             self.close()
+
+    def abort(self) -> int:
+        """Cancel every question queued or in flight: their sequences leave the engine and their KV blocks go back
+        to the pool, so that an engine shared with later runs starts them with nothing left over. run() does this
+        when it is interrupted. Returns how many questions were cancelled."""
+        n = sum(self.cancel(t) for t in [*self._tickets.values(), *self._todo])
+        self._ready.clear()
+        return n
 
     # ------------------------------------------------------------------ online use
     def submit(self, example, on_result: Callable[[QuestionResult], None], policy: Policy | None = None,
@@ -663,14 +674,16 @@ class Scheduler:
         retrieval fails (a SearchFailure in their place) end their questions."""
         t = time.perf_counter()
         try:
-            out = self.retriever.search([r.query for r in reqs], max(r.k for r in reqs))
-            if len(out) != len(reqs):
-                raise RuntimeError(f"the retriever returned {len(out)} result lists for {len(reqs)} queries")
+            out = _result_lists(self.retriever.search([r.query for r in reqs], max(r.k for r in reqs)), len(reqs))
         except Exception:
+            out = None
+        if out is None or any(isinstance(d, SearchFailure) for d in out):
+            # the batch raised, or returned something unusable for some query: each query alone, so that only
+            # those whose retrieval really fails (a SearchFailure in their place) end their questions
             out = []
             for r in reqs:
                 try:
-                    out.append(self.retriever.search([r.query], r.k)[0])
+                    out += _result_lists(self.retriever.search([r.query], r.k), 1, strict=True)
                 except Exception as e:
                     out.append(SearchFailure(f"{type(e).__name__}: {e}"))
             failed = [d for d in out if isinstance(d, SearchFailure)]
@@ -688,6 +701,35 @@ class SearchFailure:
     """In place of a query's documents: its retrieval raised (the message says how)."""
 
     message: str
+
+
+def _result_lists(out, n: int, strict: bool = False) -> list:
+    """A retriever's answer to n queries, checked: n lists of documents (objects with str id, title and text),
+    each as a list; a query whose list is not one gets a SearchFailure naming what came back. A wrong number of
+    lists (or no sequence at all) raises, naming it (strict: a bad list raises too)."""
+    if isinstance(out, (str, bytes, dict)) or not hasattr(out, "__len__") or not hasattr(out, "__getitem__"):
+        raise TypeError(f"the retriever returned {type(out).__name__}, not a list of result lists (one per query)")
+    if len(out) != n:
+        raise RuntimeError(f"the retriever returned {len(out)} result lists for {n} quer{'y' if n == 1 else 'ies'}")
+    checked = []
+    for docs in out:
+        why = None
+        if isinstance(docs, (str, bytes, dict)) or not isinstance(docs, (list, tuple)):
+            why = f"a {type(docs).__name__}, not a list of documents"
+        else:
+            for j, d in enumerate(docs):
+                bad = [f for f in ("id", "title", "text") if not isinstance(getattr(d, f, None), str)]
+                if bad:
+                    why = (f"a list whose document {j} is a {type(d).__name__} with no str {', '.join(bad)} "
+                           "(a Doc(id, title, text) is expected)")
+                    break
+        if why is not None:
+            if strict:
+                raise TypeError(f"the retriever returned {why}")
+            checked.append(SearchFailure(f"the retriever returned {why}"))
+        else:
+            checked.append(list(docs))
+    return checked
 
 
 @dataclass(slots=True)

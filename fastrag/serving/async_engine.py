@@ -133,6 +133,9 @@ class AsyncEngine:
                      config: dict | None = None, qid: str | None = None) -> AsyncIterator[Event]:
         if self._closed:
             raise RuntimeError("the engine is closed")
+        if not self.alive:
+            raise RuntimeError("the engine's worker thread has stopped (an error it could not recover from: see the "
+                               "log); make a new AsyncEngine")
         if not isinstance(question, str) or not question.strip():
             raise ValueError("question must be a non-empty string")
         key = self.policy(method, dataset, config)
@@ -148,7 +151,11 @@ class AsyncEngine:
         handle = {"ticket": None, "finished": False, "policy": self._policies[key][0]}
 
         def push(ev: Event):
-            loop.call_soon_threadsafe(out.put_nowait, ev)
+            try:
+                loop.call_soon_threadsafe(out.put_nowait, ev)
+            except RuntimeError:  # the client's event loop is closed: nobody reads this stream, its question ends
+                if not handle["finished"]:
+                    self._inbox.put(("cancel", handle))
 
         self._inbox.put(("submit", key, q, push, handle))
         return self._events(out, handle)
