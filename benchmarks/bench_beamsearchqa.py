@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import platform
+import shlex
 import shutil
 import sys
 import time
@@ -29,6 +29,7 @@ import torch
 from fastrag.eval import RunOptions, read_results, run
 from fastrag.methods.registry import available, get_method
 from fastrag.parity import _rate, compare, method_decisions, run_oracle
+from fastrag.provenance import cpu_name
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared" / "data"
@@ -144,9 +145,10 @@ def main() -> None:
                 sys.exit(f"--carry {ds}: {prev_path} has no rows for that dataset")
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else \
-        f"CPU {platform.processor() or platform.machine()} x{torch.get_num_threads()} threads"
+        f"CPU {cpu_name()} x{torch.get_num_threads()} threads"
     t_start = time.perf_counter()
     rows, speed, parity_rows = [], [], []
+    timed_now = {}  # dataset -> (engine questions computed, oracle questions computed) by this invocation
     for ds in args.datasets:
         if ds in args.carry:
             rows += [r for r in previous["rows"] if r["dataset"] == ds]
@@ -165,16 +167,18 @@ def main() -> None:
             # metrics.json (and the rate measured there) with a run that computed nothing
             done = len(read_results(out / "results.jsonl")) >= args.limit and (out / "metrics.json").exists()
             if "engine" in args.phases and not done:
-                run(RunOptions(method=method, dataset=ds, data=str(DATA[ds]), corpus=str(CORPUS), output=str(out),
+                m = run(RunOptions(method=method, dataset=ds, data=str(DATA[ds]), corpus=str(CORPUS), output=str(out),
                                config=args.config if method == METHOD else None, limit=args.limit,
                                batch_size=args.batch_size, prefix_caching=caching))
+                if method == METHOD and caching:
+                    timed_now[ds] = (m["computed_this_run"], timed_now.get(ds, (0, 0))[1])
             if "report" in args.phases:
                 rows.append(row_for(label, ds, out))
         orc_dir = base / "oracle"
         if args.oracle_limit > 0 and "oracle" in args.phases:
             opts = RunOptions(method=METHOD, dataset=ds, data=str(DATA[ds]), corpus=str(CORPUS), output=str(orc_dir),
                               config=args.config, limit=args.oracle_limit, batch_size=args.batch_size)
-            run_oracle(opts, orc_dir)
+            timed_now[ds] = (timed_now.get(ds, (0, 0))[0], run_oracle(opts, orc_dir)[2])
         if "report" not in args.phases:
             continue
         if args.oracle_limit > 0:
@@ -188,7 +192,9 @@ def main() -> None:
                           "oracle_prefill_tok_per_q": o_row["prefill_tok_per_q"],
                           "engine_llm_calls_per_q": e_row["llm_calls_per_q"],
                           "engine_reused_calls_per_q": e_row["reused_calls_per_q"],
-                          "oracle_llm_calls_per_q": o_row["llm_calls_per_q"]})
+                          "oracle_llm_calls_per_q": o_row["llm_calls_per_q"],
+                          "engine_timed_this_run": timed_now.get(ds, (0, 0))[0],
+                          "oracle_timed_this_run": timed_now.get(ds, (0, 0))[1]})
             eng = read_results(base / METHOD / "results.jsonl")
             rep = compare(eng, orc, method_decisions(METHOD))
             parity_rows.append({"dataset": ds, "pair": "engine vs oracle", "n": rep["n"],
@@ -219,8 +225,8 @@ def main() -> None:
             return sum(v * n for v, n in vals) / sum(n for _, n in vals) if vals else None
         parity_rows.append({"dataset": "all", "pair": "engine vs oracle", "n": n_all, "agreement": pooled("agreement"),
                             "answer_agreement": pooled("answer_agreement"), "path_agreement": pooled("path_agreement")})
-    cmd = "python " + " ".join([str(Path(sys.argv[0]).relative_to(ROOT)) if Path(sys.argv[0]).is_absolute()
-                                else sys.argv[0], *sys.argv[1:]])
+    cmd = "python " + shlex.join([str(Path(sys.argv[0]).relative_to(ROOT)) if Path(sys.argv[0]).is_absolute()
+                                  else sys.argv[0], *sys.argv[1:]])
     cfg = get_method(METHOD).make_config("nq", args.config)
     res = Path(args.results)
     res.mkdir(parents=True, exist_ok=True)
@@ -248,7 +254,12 @@ def main() -> None:
         + "\nllm_calls_per_q shows — for methods whose records do not count their generate calls.\n"
     )
     if speed:
-        md += ("\n## BeamSearchQA: engine vs per-question oracle (same run)\n\n"
+        same = all(r.get("engine_timed_this_run") == r["engine_n"] and r.get("oracle_timed_this_run") == r["oracle_n"]
+                   for r in speed if r["dataset"] != "all")
+        md += ("\n## BeamSearchQA: engine vs per-question oracle" + (" (both timed in this run)" if same else "")
+               + "\n\n" + ("" if same else "Not all of these rates were measured by this invocation: "
+                             "`*_timed_this_run` counts the questions each side computed now; the others are "
+                             "records (and their seconds) of an earlier run into the same folders.\n\n")
                + table(speed, list(speed[0])))
     if parity_rows:
         md += ("\n## Decisions compared (final answer and chosen path): engine vs oracle on the oracle's questions"

@@ -16,13 +16,15 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import platform
+import shlex
 import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
+
+from fastrag.provenance import cpu_name  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -107,12 +109,12 @@ def main() -> None:
                 r = rows[-1]
                 print(f"{name} B={B} ctx={ctx}: {r['kernel_ms']:.2f} ms, {r['kernel_gb_s']:.1f} GB/s "
                       f"({r['of_read_bw']:.2f} of read bw), torch {r['torch_ms']:.2f} ms", flush=True)
-    cmd = "python " + " ".join([str(Path(sys.argv[0]).relative_to(ROOT)) if Path(sys.argv[0]).is_absolute()
-                                else sys.argv[0], *sys.argv[1:]])
+    cmd = "python " + shlex.join([str(Path(sys.argv[0]).relative_to(ROOT)) if Path(sys.argv[0]).is_absolute()
+                                  else sys.argv[0], *sys.argv[1:]])
     cols = ["shape", "batch", "ctx", "kv_mb", "kernel_ms", "kernel_gb_s", "of_read_bw", "torch_ms",
             "speedup_vs_torch"]
     md = (f"# C++ paged decode attention on the CPU\n\n- date: {dt.date.today().isoformat()}\n"
-          f"- device: CPU {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads\n"
+          f"- device: CPU {cpu_name()}, {torch.get_num_threads()} threads\n"
           f"- torch {torch.__version__}\n- read bandwidth measured in this run: {bw:.1f} GB/s (sum over 512 MB)\n"
           f"- blocks of {args.block_size} rows in random order; fp32; medians of {args.reps} calls\n"
           f"- command: `{cmd}`\n\n"

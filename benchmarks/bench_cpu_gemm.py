@@ -4,10 +4,10 @@ Two parts, both timed in one process with the two GEMMs alternated:
 
 1. Each projection shape of the model (default: the embedded SmolLM2-135M; `--shape llama-2-7b` for that model's
    shapes) at row counts of decode (1-32 sequences) and of a prefill chunk (512): median time, achieved GB/s of
-   weight read (the fewest bytes the product must move), GFLOP/s, and the oneDNN speed-up. The machine's read
+   weight read (the weight's bytes over the time: at 512 rows the activations outweigh it), GFLOP/s, and the oneDNN speed-up. The machine's read
    bandwidth and square-matrix rate are measured in the same run for scale. Each shape cycles over enough copies
    of its weight (30 for a layer projection, as many as the model has layers) that the caches do not serve them.
-2. A whole decode step of the real SmolLM2 in the engine (batch 1, 8 and 32 sequences, each with ~1.6k tokens of
+2. A whole decode step of the real SmolLM2 in the engine (batch 1, 8 and 32 sequences, each with ~1.4k tokens of
    context), switching the model between the two GEMMs with `fastrag.model.linear.set_cpu_gemm`.
 
     python benchmarks/bench_cpu_gemm.py             # writes benchmarks/results/cpu_gemm.md and .json
@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import platform
+import shlex
 import statistics
 import sys
 import time
@@ -32,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from fastrag.model.linear import Linear, onednn_available  # noqa: E402
+from fastrag.provenance import cpu_name  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 
@@ -62,7 +63,7 @@ def cpu_name() -> str:
                 return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return cpu_name()
 
 
 def machine_figures(reps: int) -> dict:
@@ -119,7 +120,8 @@ def engine_rows(batches: list[int], reps: int) -> list[dict]:
     model = LlamaModel.from_pretrained(hf).eval()
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     prefix = " ".join(["The river flows past the old mill and under the stone bridge."] * 70)
-    own = tok.encode(" Question: where is the bridge? " + "Evidence passage words. " * 120)
+    # (the prompt starts with the prefix's ids, so the engine attaches the shared prefix to every sequence)
+    own = tok.encode(prefix) + tok.encode(" Question: where is the bridge? " + "Evidence passage words. " * 120)
     out = []
     for B in batches:
         eng = Engine(model, tok, kv_cache_gb=1.0, max_batch=B)
@@ -140,7 +142,7 @@ def engine_rows(batches: list[int], reps: int) -> list[dict]:
                 eng.step()
                 times[mode].append(time.perf_counter() - t)
         tt, to = statistics.median(times["torch"]), statistics.median(times["onednn"])
-        row = {"batch": B, "context": len(seqs[0].tokens) + eng.prefix.length, "torch_step_ms": tt * 1e3,
+        row = {"batch": B, "context": len(seqs[0].tokens), "torch_step_ms": tt * 1e3,
                "onednn_step_ms": to * 1e3, "speedup": tt / to, "onednn_tokens_per_s": B / to}
         print(f"engine B={B}: torch {tt*1e3:.1f} ms  onednn {to*1e3:.1f} ms  x{tt/to:.2f}", flush=True)
         out.append(row)
@@ -164,7 +166,7 @@ def main() -> None:
     print(f"machine: read {fig['read_GBps']:.1f} GB/s, fp32 matmul {fig['matmul_GFLOPps']:.0f} GFLOP/s", flush=True)
     shapes = shape_rows(args.shape, args.rows, reps)
     steps = [] if args.quick else engine_rows(args.batch, max(3, reps // 2))
-    cmd = "python " + " ".join([Path(sys.argv[0]).as_posix()] + sys.argv[1:])
+    cmd = "python " + shlex.join([Path(sys.argv[0]).as_posix()] + sys.argv[1:])
     head = (f"# CPU fp32 GEMM: torch's default vs oneDNN with a prepacked weight\n\n"
             f"- date: {dt.date.today().isoformat()}\n"
             f"- device: CPU {cpu_name()}, {torch.get_num_threads()} threads, "

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import gc
+import shlex
 import sys
 from pathlib import Path
 
@@ -39,6 +40,8 @@ from make_random_model import SHAPES, hf_shape  # noqa: E402
 
 from fastrag.engine import Engine  # noqa: E402
 from fastrag.model.llama import LlamaModel  # noqa: E402
+from fastrag.perf import model_costs  # noqa: E402
+from fastrag.provenance import versions  # noqa: E402
 
 
 class _Tok:
@@ -107,13 +110,13 @@ def main() -> None:
         out = Path(args.results) / f"{stem}.md"
         out.parent.mkdir(parents=True, exist_ok=True)
         lines = [f"# Decode step with and without fused signals ({tag})", "",
-                 f"- device: {device_name(dev)}; date {dt.date.today().isoformat()}; torch {torch.__version__}",
+                 f"- device: {device_name(dev)}; date {dt.date.today().isoformat()}; {versions('torch', 'triton')}",
                  f"- model: {label} shape ({shape['num_hidden_layers']} layers, hidden {shape['hidden_size']}, "
                  f"{shape['num_attention_heads']} / {shape['num_key_value_heads']} heads, vocabulary "
                  f"{shape['vocab_size']}), random {str(dtype).split('.')[-1]} weights; context (tokens per sequence) "
                  "per row",
                  f"- measured copy bandwidth {bw / 1e9:.1f} GB/s; roofline = (weights + KV read) / bandwidth",
-                 f"- command: `python benchmarks/bench_decode.py {' '.join(sys.argv[1:])}`",
+                 f"- command: `python benchmarks/bench_decode.py {shlex.join(sys.argv[1:])}`",
                  "- plain = forward + argmax + host copy of the tokens; signals = forward + fused decode_signals + one "
                  "host copy of (token, entropy, logprob); plain_again = plain timed a second time (the noise floor); "
                  f"signals+attn = signals plus, for every sequence, the in-context attention statistics of its last "
@@ -153,7 +156,8 @@ def main() -> None:
             write()
             continue
         model, eng, seqs = build(shape, dtype, dev, B, ctx, None)
-        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        # weights a step streams: all but the embedding table, of which it reads B rows (fastrag.perf.model_costs)
+        weight_bytes = model_costs(model)["weight_bytes_per_step"]
         kv_read = 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * hd * dtype.itemsize * ctx * B
 
         def plain():

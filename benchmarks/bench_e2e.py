@@ -20,7 +20,7 @@ import argparse
 import datetime as dt
 import gc
 import json
-import platform
+import shlex
 import shutil
 import sys
 import time
@@ -31,6 +31,7 @@ import torch
 
 from fastrag.eval import RunOptions, read_results, run, run_many
 from fastrag.parity import _rate, compare, method_decisions, run_oracle
+from fastrag.provenance import cpu_name
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared" / "data"
@@ -153,7 +154,7 @@ def print_largest_blocks(n: int = 15) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--datasets", nargs="+", default=["hotpotqa", "2wikimultihopqa"])
+    ap.add_argument("--datasets", nargs="+", default=["hotpotqa", "2wikimultihopqa"], choices=list(DATA))
     ap.add_argument("--limit", type=int, default=50)
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--model", default="smollm2", help="engine and oracle model: smollm2 or an HF directory")
@@ -194,7 +195,7 @@ def main() -> None:
     args = ap.parse_args()
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else \
-        f"CPU {platform.processor() or platform.machine()} x{torch.get_num_threads()} threads"
+        f"CPU {cpu_name()} x{torch.get_num_threads()} threads"
     outs = {ds: Path(args.output) / ds for ds in args.datasets}
     data_dir = Path(args.data_dir)
     opts = {ds: RunOptions(method="dragin", dataset=ds, data=str(data_dir / FILES[ds]),
@@ -237,13 +238,15 @@ def main() -> None:
         torch.cuda.empty_cache()
     rows, reports = [], {}
     eng_all, orc_all = [], []
+    oracle_now = {"published": 0, "tuned": 0}  # oracle questions this invocation computed (the rest: earlier records)
     for ds in args.datasets:
         out = outs[ds]
         if not args.report_only:
-            run_oracle(replace(opts[ds], output=str(out), limit=args.oracle_limit or args.limit), out / "oracle")
+            oracle_now["published"] += run_oracle(replace(opts[ds], output=str(out),
+                                                          limit=args.oracle_limit or args.limit), out / "oracle")[2]
             if args.tuned_oracle_limit:
-                run_oracle(replace(opts[ds], output=str(out), limit=args.tuned_oracle_limit), out / "oracle-tuned",
-                           recipe="tuned")
+                oracle_now["tuned"] += run_oracle(replace(opts[ds], output=str(out), limit=args.tuned_oracle_limit),
+                                                  out / "oracle-tuned", recipe="tuned")[2]
         eng = read_results(out / "engine" / "results.jsonl")
         orc = read_results(out / "oracle" / "results.jsonl")
         rep = report_from(out, eng, orc)
@@ -302,8 +305,8 @@ def main() -> None:
     reports["all"] = {k: v for k, v in rep_all.items() if k != "disagreements"} | {
         "engine_wall_s": e_wall, "engine_questions_computed": n_e,
         "engine_mode": "separate" if args.separate_engine_runs or joint is None else "joint"}
-    cmd = "python " + " ".join([str(Path(sys.argv[0]).relative_to(ROOT)) if Path(sys.argv[0]).is_absolute()
-                                else sys.argv[0], *sys.argv[1:]])
+    cmd = "python " + shlex.join([str(Path(sys.argv[0]).relative_to(ROOT)) if Path(sys.argv[0]).is_absolute()
+                                  else sys.argv[0], *sys.argv[1:]])
     tag = "cuda" if torch.cuda.is_available() else "cpu"
     res = Path(args.results)
     res.mkdir(parents=True, exist_ok=True)
@@ -314,6 +317,9 @@ def main() -> None:
             f"- settings: DRAGIN paper Table 9 per dataset, greedy; engine batch {args.batch_size}\n"
             f"- engine: {'one run per dataset' if reports['all']['engine_mode'] == 'separate' else 'one joint run over all datasets (per-dataset speed not separable: see the all row)'}; "
             f"engine wall {e_wall:.0f} s for {n_e} questions\n"
+            f"- oracle questions timed by this invocation: published recipe {oracle_now['published']} of "
+            f"{len(orc_all)}, tuned {oracle_now['tuned']} (the others' seconds are records of an earlier run into the "
+            "same folders, on the machine named in their metrics)\n"
             f"- scheduler overlap (the methods' host logic run while the device decodes the next step): "
             f"{args.overlap if args.overlap != 'auto' else ('on' if torch.cuda.is_available() else 'off')}\n"
             + (f"- warm-up: before the timed run, an untimed engine run over the first {args.warmup} questions "

@@ -1,6 +1,6 @@
 """The host-side work around the engine's steps: what a GPU run cannot hide behind its decode steps.
 
-Five measurements, each with its baseline in the same run:
+Four measurements (the first with a second part), each with its baseline in the same run:
 1. Host preparation of a graphed decode step: `Engine._decode_graphed` at batch 128 with the graph's forward stubbed
    out (inputs, positions, KV slots and the block table of every row): the work the launch does before the device can
    start, per step.
@@ -24,7 +24,6 @@ import argparse
 import contextlib
 import datetime as dt
 import json
-import platform
 import random
 import shlex
 import statistics
@@ -34,6 +33,8 @@ import types
 from pathlib import Path
 
 import torch
+
+from fastrag.provenance import cpu_name  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -230,7 +231,7 @@ def main() -> int:
     ap.add_argument("--note", default="", help="what else ran on the machine")
     args = ap.parse_args()
     threads = torch.get_num_threads()
-    device = f"CPU {platform.processor() or platform.machine()} x{threads} threads"
+    device = f"CPU {cpu_name()} x{threads} threads"
     prep = host_prep(args.reps)
     step = step_host(args.reps)
     pool = text_pool(args.texts, args.workers)

@@ -5,7 +5,8 @@ nucleus sampling (top_p 0.9, the radix-select kernels) at V = 128256; the
 decode attention statistics (running max over the generated span, and the QFS row) at H = 32, D = 128, contexts
 1k-8k, spans 64-512 (Llama-2-7B's last layer). Each row: median time, achieved GB/s (the fewest bytes the op must
 move: each input read once, each output written once) and the fraction of the HBM bandwidth measured in the same
-run by a large device-to-device copy. Inputs rotate among several buffers so the L2 cache does not serve them.
+run by a large device-to-device copy. Inputs (logits, and the key cache of the attention ops) rotate among enough
+copies to exceed twice the cache, so that it does not serve them.
 The target (DESIGN.md "Performance model"): token-signal kernel >= 70% of measured bandwidth at B >= 64.
 
     python benchmarks/bench_kernels.py                 # GPU: the full sweep; CPU: small shapes, torch vs C++
@@ -19,7 +20,7 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime as dt
-import platform
+import shlex
 import statistics
 import sys
 import time
@@ -30,6 +31,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from fastrag.provenance import cpu_name, versions  # noqa: E402
 from fastrag.signals import BackendUnavailableError, get_backend  # noqa: E402
 from fastrag.signals.reference import decode_signals_ref  # noqa: E402
 
@@ -39,7 +41,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 def device_name(dev: torch.device) -> str:
     if dev.type == "cuda":
         return torch.cuda.get_device_name(dev)
-    return f"CPU {platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
+    return f"CPU {cpu_name()} ({torch.get_num_threads()} threads)"
 
 
 def timeit(fn, dev: torch.device, reps: int, warmup: int = 3) -> float:
@@ -73,7 +75,7 @@ def measure_bandwidth(dev: torch.device) -> float:
     return 2 * n / t
 
 
-def rotating(make, total_bytes: int, one_bytes: int, cap: int = 16):
+def rotating(make, total_bytes: int, one_bytes: int, cap: int = 4096):
     """Several input sets whose sum exceeds total_bytes (so repeated calls do not hit in cache)."""
     k = max(2, min(cap, -(-total_bytes // max(one_bytes, 1))))
     return [make() for _ in range(k)]
@@ -122,14 +124,15 @@ def bench_token(dev, bes, bw, Bs, Vs, dtype, reps, cache_bytes, top_p: float | N
     return rows
 
 
-def bench_attn(dev, bes, bw, Bs, ctxs, spans, dtype, reps, H=32, D=128, bs=16) -> list[dict]:
+def bench_attn(dev, bes, bw, Bs, ctxs, spans, dtype, reps, cache_bytes, H=32, D=128, bs=16) -> list[dict]:
     rows = []
     el = torch.tensor([], dtype=dtype).element_size()
     for B in Bs:
         for ctx in ctxs:
             NB = ctx // bs
             nb_pool = B * NB
-            k_cache = torch.randn(H, nb_pool * bs, D, device=dev).to(dtype)
+            one = H * nb_pool * bs * D * el
+            k_caches = rotating(lambda: torch.randn(H, nb_pool * bs, D, device=dev).to(dtype), 2 * cache_bytes, one)
             bt = torch.randperm(nb_pool, device=dev).reshape(B, NB)
             ctx_lens = torch.full((B,), ctx, dtype=torch.int64, device=dev)
             q = torch.randn(B, H, D, device=dev).to(dtype)
@@ -138,13 +141,17 @@ def bench_attn(dev, bes, bw, Bs, ctxs, spans, dtype, reps, H=32, D=128, bs=16) -
                 start = ctx_lens - S
                 amax = torch.rand(B, H, S, device=dev)
                 for want_row in (False, True):
-                    moved = B * H * S * D * el + 2 * B * H * S * 4 + B * H * D * el
+                    # keys read once (the span's, or with the row all ctx of them, the span's among them), q, the
+                    # running max read and written, and the row written
+                    moved = B * H * (ctx if want_row else S) * D * el + 2 * B * H * S * 4 + B * H * D * el
                     if want_row:
-                        moved += B * H * ctx * D * el + B * ctx * 4
+                        moved += B * ctx * 4
                     for name, be in bes.items():
+                        it = iter(range(1 << 30))
+
                         def call():
-                            be.attn_decode_update(q, k_cache, bt, ctx_lens, start, lse, bs, D**-0.5, amax,
-                                                  want_row=want_row)
+                            be.attn_decode_update(q, k_caches[next(it) % len(k_caches)], bt, ctx_lens, start, lse,
+                                                  bs, D**-0.5, amax, want_row=want_row)
                         t = timeit(call, dev, reps)
                         kern = "attn_decode+row" if want_row else "attn_decode"
                         rows.append(dict(kernel=kern, backend=name, B=B, ctx=ctx, span=S,
@@ -161,8 +168,8 @@ def write(rows, dev, bw, args, note: str) -> Path:
     md = RESULTS / f"kernels_{tag}.md"
     lines = [f"# Signal kernels: roofline ({tag})", "",
              f"- device: {device_name(dev)}", f"- date: {dt.date.today().isoformat()}",
-             f"- torch {torch.__version__}; measured copy bandwidth: {bw / 1e9:.1f} GB/s (read + write)",
-             f"- command: `{' '.join(['python', 'benchmarks/bench_kernels.py', *sys.argv[1:]])}`", f"- {note}", "",
+             f"- {versions('torch', 'triton')}; measured copy bandwidth: {bw / 1e9:.1f} GB/s (read + write)",
+             f"- command: `{shlex.join(['python', 'benchmarks/bench_kernels.py', *sys.argv[1:]])}`", f"- {note}", "",
              "GB/s counts the fewest bytes each op must move (inputs once, outputs once); frac = GB/s / measured "
              "copy bandwidth. Median over repeated calls, inputs rotated through buffers larger than the cache.", ""]
     for kernel in dict.fromkeys(r["kernel"] for r in rows):
@@ -200,7 +207,7 @@ def main() -> None:
         rows = bench_token(dev, bes, bw, Bs, Vs, torch.bfloat16, reps, cache)
         rows += bench_token(dev, bes, bw, [1, 64], [128256], torch.bfloat16, reps, cache, top_p=0.9)
         rows += bench_attn(dev, bes, bw, [1, 16, 64], [1024, 4096, 8192] if not args.quick else [1024],
-                           [64, 512], torch.bfloat16, reps)
+                           [64, 512], torch.bfloat16, reps, cache)
         note = "GPU run: bf16 logits and keys."
     else:
         reps = args.reps or 5
@@ -208,7 +215,7 @@ def main() -> None:
         rows = bench_token(dev, bes, bw, Bs, Vs, torch.float32, reps, 64 << 20)
         rows += bench_token(dev, bes, bw, [1, 16], [128256], torch.float32, reps, 64 << 20, top_p=0.9)
         rows += bench_attn(dev, bes, bw, [1, 16], [1024, 4096] if not args.quick else [1024], [64, 512],
-                           torch.float32, reps)
+                           torch.float32, reps, 64 << 20)
         note = ("CPU run, small shapes (no B=256, no 8k context), fp32; Triton/CUDA need a GPU: GPU not measured. "
                 "Torch vs the C++ CPU kernels only.")
     if args.note:

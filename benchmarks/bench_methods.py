@@ -17,7 +17,6 @@ import argparse
 import datetime as dt
 import functools
 import json
-import platform
 import random
 import shlex
 import sys
@@ -27,6 +26,7 @@ from pathlib import Path
 import torch
 
 from fastrag.eval import RunOptions, build_engine, read_results, run
+from fastrag.provenance import cpu_name
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared" / "data"
@@ -95,8 +95,8 @@ def fmt(v, nd=3):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--methods", nargs="+", default=METHODS)
-    ap.add_argument("--datasets", nargs="+", default=list(DATA))
+    ap.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS)
+    ap.add_argument("--datasets", nargs="+", default=list(DATA), choices=list(DATA))
     ap.add_argument("--limit", type=int, default=200)
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--model", default="smollm2")
@@ -126,7 +126,7 @@ def main() -> None:
     from fastrag.retrieval.bm25 import BM25Retriever
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else \
-        f"CPU {platform.processor() or platform.machine()} x{torch.get_num_threads()} threads"
+        f"CPU {cpu_name()} x{torch.get_num_threads()} threads"
     eng = ret = None
     rows, metrics, carried = [], {}, set()
     for ds in args.datasets:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import shlex
 import sys
 from pathlib import Path
 
@@ -27,6 +28,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_kernels import device_name, measure_bandwidth, timeit  # noqa: E402
+
+from fastrag.provenance import versions  # noqa: E402
 
 # (label, launcher keyword arguments); {} = the launcher's defaults, what the engine runs
 VARIANTS = [("default", {}), ("block_n 32", {"block_n": 32}), ("block_n 128", {"block_n": 128}),
@@ -98,12 +101,13 @@ def main() -> None:
 
     def write():
         lines = [f"# Triton paged decode attention against the copy bandwidth ({tag})", "",
-                 f"- device: {device_name(dev)}; date {dt.date.today().isoformat()}; torch {torch.__version__}",
+                 f"- device: {device_name(dev)}; date {dt.date.today().isoformat()}; {versions('torch', 'triton')}",
                  f"- shape: one layer, H={H}, Hkv={Hkv}, D={D}, {str(dtype).split('.')[-1]}, blocks of {bs} "
                  "tokens scattered over the pool; every sequence holds the whole context",
                  f"- measured copy bandwidth {bw / 1e9:.1f} GB/s (read + written); GB/s = K and V bytes read / "
                  f"median time of {reps} calls; max diff = largest difference from the default's output",
-                 f"- command: `python benchmarks/bench_paged_attention.py {' '.join(sys.argv[1:])}`", "",
+                 f"- command: `{'TRITON_INTERPRET=1 ' if INTERPRETED else ''}python benchmarks/bench_paged_attention.py "
+                 f"{shlex.join(sys.argv[1:])}`", "",
                  "| B | ctx | variant | ms | GB/s | of copy bandwidth | max diff |", "|---|---|---|---|---|---|---|"]
         for r in rows:
             if "error" in r:

@@ -24,7 +24,6 @@ import argparse
 import datetime as dt
 import functools
 import json
-import platform
 import shlex
 import statistics
 import sys
@@ -32,6 +31,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from fastrag.provenance import cpu_name  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -127,7 +128,7 @@ def main() -> int:
     gpu = torch.cuda.is_available()
     reps = args.reps or (20 if gpu else 5)
     device = torch.cuda.get_device_name() if gpu else \
-        f"CPU {platform.processor() or platform.machine()} x{torch.get_num_threads()} threads"
+        f"CPU {cpu_name()} x{torch.get_num_threads()} threads"
     rows = run(reps, args.shapes, args.cases)
     cmd = "python benchmarks/bench_prefill_attention.py " + shlex.join(sys.argv[1:])
     lines = [

@@ -21,7 +21,7 @@ import argparse
 import datetime as dt
 import json
 import os
-import platform
+import shlex
 import signal
 import subprocess
 import sys
@@ -160,10 +160,12 @@ def main() -> None:
     import ray
     import torch
 
+    from fastrag.provenance import cpu_name
+
     device = "cpu"
-    cmd = "python benchmarks/bench_ray.py " + " ".join(sys.argv[1:])
-    report = {"date": dt.date.today().isoformat(), "device": device, "machine": platform.processor() or
-              platform.machine(), "cpus": os.cpu_count(), "torch": torch.__version__, "ray": ray.__version__,
+    cmd = "python benchmarks/bench_ray.py " + shlex.join(sys.argv[1:])
+    report = {"date": dt.date.today().isoformat(), "device": device, "machine": cpu_name(), "cpus": os.cpu_count(),
+              "torch": torch.__version__, "ray": ray.__version__,
               "command": cmd, "method": a.method, "dataset": a.dataset, "n": n, "batch_size": a.batch_size,
               "num_workers": a.num_workers, "single": {"em": sm["em"], "f1": sm["f1"], "wall_s": sm["wall_s"]},
               "runs": rows}

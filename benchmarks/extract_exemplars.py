@@ -9,9 +9,9 @@ string carries its own period, giving ".."), and IIRC "Mr T's" (the code writes 
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
-import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,7 +47,11 @@ def extract(text: str) -> dict[str, list[dict[str, str]]]:
 
 
 def main() -> None:
-    paper = Path(sys.argv[1]) if len(sys.argv) > 1 else PAPER
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("paper", nargs="?", type=Path, default=PAPER, help="the paper's text (default: %(default)s)")
+    paper = ap.parse_args().paper
+    if not paper.is_file():
+        raise SystemExit(f"no such file: {paper}")
     ex = extract(paper.read_text(encoding="utf-8"))
     OUT.mkdir(parents=True, exist_ok=True)
     for name, items in ex.items():

@@ -50,6 +50,12 @@ def _version(name: str) -> str | None:
         return None
 
 
+def versions(*names: str) -> str:
+    """'torch X, triton Y, ...' of installed packages (a missing one reads 'not installed'): a results table's
+    provenance line."""
+    return ", ".join(f"{n} {_version(n) or 'not installed'}" for n in names)
+
+
 def git_commit(package: Path | None = None) -> dict | None:
     """{"commit", "dirty"} of the git checkout whose top folder holds the `package` folder (default: fastrag's
     own), None when there is none (an installed package)."""
