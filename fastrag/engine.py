@@ -9,6 +9,7 @@ that any sequence computed for the same tokens), and only the rest is prefilled.
 from __future__ import annotations
 
 import math
+import numbers
 import os
 import time
 from dataclasses import dataclass, field
@@ -419,11 +420,12 @@ class Engine:
         self.waiting.append(s)
 
     def _check_ids(self, ids: list[int], what: str) -> None:
-        """Token ids must be ints inside the model's vocabulary (an embedding lookup would fail a later step)."""
+        """Token ids must be integers (Python's or numpy's) inside the model's vocabulary (an embedding lookup would
+        fail a later step)."""
         V = self.model.c.vocab_size
         lo, hi = min(ids), max(ids)
-        if not (isinstance(lo, int) and isinstance(hi, int)) or lo < 0 or hi >= V:
-            bad = next(t for t in ids if not isinstance(t, int) or not 0 <= t < V)
+        if not (isinstance(lo, numbers.Integral) and isinstance(hi, numbers.Integral)) or lo < 0 or hi >= V:
+            bad = next(t for t in ids if not isinstance(t, numbers.Integral) or not 0 <= t < V)
             raise ValueError(f"{what} holds token id {bad!r}, outside the model's vocabulary [0, {V})")
 
     def _pinned_blocks(self) -> int:

@@ -139,7 +139,13 @@ def test_engine_refuses_token_ids_outside_the_vocabulary_and_a_prefix_longer_tha
         eng.start(s, [1, 2, V], 4)
     with pytest.raises(ValueError, match="token id -1"):
         eng.start(s, [-1, 2], 4)
+    with pytest.raises(ValueError, match="token id 2.0"):
+        eng.start(s, [1, 2.0], 4)
     assert not eng.waiting and not eng.running
+    np = pytest.importorskip("numpy")
+    eng.start(s, list(np.array([1, 2, 3])), 2)  # numpy ints are ids like any others
+    while eng.has_work:
+        eng.step()
     eng.release(s)
     with pytest.raises(ValueError, match="empty token sequence"):
         eng.attention_passes([[]], "colmax")
