@@ -61,7 +61,7 @@ void decode_row(const T* x, int64_t V, float inv_t, bool sample, uint32_t key, i
     s += cs;
     u += cu;
   }
-  const int64_t c = chosen >= 0 ? chosen : std::max<int64_t>(best_i, 0);  // (best_i < 0: an all-NaN row)
+  const int64_t c = chosen >= 0 ? chosen : best_i;
   if (has_nan) s = std::numeric_limits<double>::quiet_NaN();  // no distribution: NaN entropy and logprob
   const double log_s = std::log(s);
   const double l = static_cast<double>(static_cast<float>(x[c]) * inv_t) - m - log_s;

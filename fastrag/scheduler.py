@@ -714,7 +714,7 @@ def _result_lists(out, n: int, strict: bool = False) -> list:
     checked = []
     for docs in out:
         why = None
-        if isinstance(docs, (str, bytes, dict)) or not isinstance(docs, (list, tuple)):
+        if not isinstance(docs, (list, tuple)):
             why = f"a {type(docs).__name__}, not a list of documents"
         else:
             for j, d in enumerate(docs):

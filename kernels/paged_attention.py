@@ -152,16 +152,17 @@ def paged_decode_attention_lse(q: torch.Tensor, k_pool: torch.Tensor, v_pool: to
                          f"{block_size!r}")
     max_ctx, pool_blocks = ctx_blocks.shape[1] * block_size, k_pool.shape[1] // block_size
     if ctx_lens.device.type == "cpu" and ctx_blocks.device.type == "cpu" and B:
-        for b in range(B):
-            n = int(ctx_lens[b])
-            if not 0 <= n <= max_ctx:
-                raise ValueError(f"ctx_lens[{b}] = {n} is outside [0, {max_ctx}] ({ctx_blocks.shape[1]} blocks x "
-                                 f"{block_size})")
-            used = ctx_blocks[b, :triton.cdiv(n, block_size)]
-            bad = ((used < 0) | (used >= pool_blocks)).nonzero()
-            if bad.numel():
-                j = int(bad[0, 0])
-                raise ValueError(f"ctx_blocks[{b}, {j}] = {int(used[j])} is outside the pool's {pool_blocks} blocks")
+        bad = ((ctx_lens < 0) | (ctx_lens > max_ctx)).nonzero()
+        if bad.numel():
+            b = int(bad[0, 0])
+            raise ValueError(f"ctx_lens[{b}] = {int(ctx_lens[b])} is outside [0, {max_ctx}] ({ctx_blocks.shape[1]} "
+                             f"blocks x {block_size})")
+        used = torch.arange(ctx_blocks.shape[1])[None, :] * block_size < ctx_lens[:, None]  # blocks the keys read
+        bad = (used & ((ctx_blocks < 0) | (ctx_blocks >= pool_blocks))).nonzero()
+        if bad.numel():
+            b, j = int(bad[0, 0]), int(bad[0, 1])
+            raise ValueError(f"ctx_blocks[{b}, {j}] = {int(ctx_blocks[b, j])} is outside the pool's {pool_blocks} "
+                             "blocks")
     G = H // Hkv
     out = torch.empty(B, H, D, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, H, dtype=torch.float32, device=q.device)

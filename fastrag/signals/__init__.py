@@ -123,10 +123,11 @@ class SignalBackend:
         """
         checks.check_decode_signals(logits, temperature, rng_keys, chosen, nonstop, self.devices, top_p, top_k)
         B, dev = logits.shape[0], logits.device
-        if temperature > 0 and 0 < int(top_k) < logits.shape[1]:
+        top_k = int(top_k)  # (a numpy integer too)
+        if temperature > 0 and 0 < top_k < logits.shape[1]:
             from fastrag.signals.torch_backend import top_k_filter
 
-            logits = top_k_filter(logits, int(top_k))
+            logits = top_k_filter(logits, top_k)
         if out is None:
             f32 = dict(dtype=torch.float32, device=dev)
             out = DecodeSignals(torch.empty(B, dtype=torch.int64, device=dev), torch.empty(B, **f32),
