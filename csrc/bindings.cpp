@@ -131,7 +131,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_signals_cuda", &g::decode_signals_cuda, "fused decode-step signals, CUDA", py::arg("logits"),
         py::arg("temperature"), py::arg("rng_keys"), py::arg("chosen"), py::arg("nonstop"), py::arg("out_chosen"),
         py::arg("out_entropy"), py::arg("out_logprob"), py::arg("out_prob"), py::arg("out_flag"),
-        py::arg("num_splits") = 0, py::arg("top_p") = 1.0);
+        py::arg("num_splits") = 0, py::arg("top_p") = 1.0, py::arg("greedy") = false);
   m.def("attn_decode_update_cuda", &g::attn_decode_update_cuda, "decode attention statistics, CUDA", py::arg("q"),
         py::arg("k_cache"), py::arg("block_tables"), py::arg("ctx_lens"), py::arg("span_start"), py::arg("lse"),
         py::arg("block_size"), py::arg("scale"), py::arg("amax"), py::arg("row") = py::none());

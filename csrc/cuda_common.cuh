@@ -24,5 +24,6 @@ __device__ __forceinline__ float warp_max(float v) {
 }
 
 constexpr float kNegInf = -__builtin_huge_valf();
+constexpr float kPosInf = __builtin_huge_valf();
 
 }  // namespace fastrag::cuda

@@ -28,7 +28,7 @@ void decode_signals_cuda(torch::Tensor logits, double temperature, std::optional
                          std::optional<torch::Tensor> chosen, std::optional<torch::Tensor> nonstop,
                          torch::Tensor out_chosen, torch::Tensor out_entropy, torch::Tensor out_logprob,
                          torch::Tensor out_prob, std::optional<torch::Tensor> out_flag, int64_t num_splits,
-                         double top_p);
+                         double top_p, bool greedy);
 void attn_decode_update_cuda(torch::Tensor q, torch::Tensor k_cache, torch::Tensor block_tables,
                              torch::Tensor ctx_lens, torch::Tensor span_start, torch::Tensor lse, int64_t block_size,
                              double scale, torch::Tensor amax, std::optional<torch::Tensor> row);

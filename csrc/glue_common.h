@@ -30,7 +30,7 @@ inline void check_decode_args(const torch::Tensor& logits, double temperature, d
                               const std::optional<torch::Tensor>& rng_keys, const std::optional<torch::Tensor>& chosen,
                               const std::optional<torch::Tensor>& nonstop, const torch::Tensor& oc,
                               const torch::Tensor& oe, const torch::Tensor& ol, const torch::Tensor& op,
-                              const std::optional<torch::Tensor>& of) {
+                              const std::optional<torch::Tensor>& of, bool greedy = false) {
   FR_CHECK_DIM(logits, 2, "logits");
   FR_CHECK_FLOAT(logits, "logits");
   const auto dev = logits.device();
@@ -43,7 +43,7 @@ inline void check_decode_args(const torch::Tensor& logits, double temperature, d
     FR_CHECK_DTYPE(*chosen, at::kLong, "chosen");
     FR_CHECK_DEVICE(*chosen, dev, "chosen");
     TORCH_CHECK(chosen->size(0) == B, "chosen must have shape [", B, "], got ", chosen->sizes());
-  } else if (temperature > 0.0) {
+  } else if (temperature > 0.0 && !greedy) {
     TORCH_CHECK(rng_keys.has_value(), "rng_keys [B] int64 is required when sampling (temperature > 0)");
   }
   if (rng_keys.has_value()) {

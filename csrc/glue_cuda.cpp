@@ -33,14 +33,15 @@ void decode_signals_cuda(torch::Tensor logits, double temperature, std::optional
                          std::optional<torch::Tensor> chosen, std::optional<torch::Tensor> nonstop,
                          torch::Tensor out_chosen, torch::Tensor out_entropy, torch::Tensor out_logprob,
                          torch::Tensor out_prob, std::optional<torch::Tensor> out_flag, int64_t num_splits,
-                         double top_p) {
+                         double top_p, bool greedy) {
   FR_CHECK_CUDA(logits, "logits");
   check_decode_args(logits, temperature, top_p, rng_keys, chosen, nonstop, out_chosen, out_entropy, out_logprob,
-                    out_prob, out_flag);
+                    out_prob, out_flag, greedy);
   const c10::cuda::CUDAGuard guard(logits.device());
   const int64_t B = logits.size(0), V = logits.size(1);
   logits = logits.contiguous();
-  const bool sample = temperature > 0.0 && !chosen.has_value();
+  // greedy: the argmax, with the signals of softmax(logits / temperature) (token_signals)
+  const bool sample = temperature > 0.0 && !chosen.has_value() && !greedy;
   torch::Tensor ch = chosen.has_value() ? chosen->contiguous() : torch::Tensor();
   torch::Tensor keys = sample ? rng_keys->contiguous() : torch::Tensor();
   const int64_t chunks = (V + kSplitAlign - 1) / kSplitAlign;

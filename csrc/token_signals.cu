@@ -24,15 +24,19 @@ __device__ __forceinline__ void push(State& st, float y, float score, int32_t i)
     st.idx = i;
   }
   if (y == kNegInf) return;  // masked: 0 * ln 0 = 0
+  if (isnan(y) || y == kPosInf) {  // no distribution (the reference: NaN entropy and logprob); s stays NaN
+    st.s = st.u = __int_as_float(0x7fc00000);
+    return;
+  }
   if (y > st.m) {  // one exp per element: rescale the state, the new element weighs e^0 = 1
     if (st.s > 0.f) {
       const float r = __expf(st.m - y);
       st.u = r > 0.f ? r * (st.u + (st.m - y) * st.s) : 0.f;  // (r = 0 when m - y overflows: the old state weighs 0)
       st.s = r * st.s + 1.f;
-    } else {  // the first unmasked element: m was -inf, and (-inf) * 0 would make u NaN
+    } else if (st.s == 0.f) {  // the first unmasked element: m was -inf, and (-inf) * 0 would make u NaN
       st.u = 0.f;
       st.s = 1.f;
-    }
+    }  // (s NaN: a NaN came before; it stays)
     st.m = y;
   } else {
     const float d = y - st.m;
@@ -48,6 +52,11 @@ __device__ __forceinline__ State merge(State a, const State& b) {
     a.idx = b.idx;
   }
   const float m = fmaxf(a.m, b.m);
+  if (isnan(a.s) || isnan(b.s)) {  // a NaN on either side (its lane may hold nothing else: m = -inf) stays
+    a.s = a.u = __int_as_float(0x7fc00000);
+    a.m = m;
+    return a;
+  }
   if (m == kNegInf) return a;
   const float ra = a.s > 0.f ? __expf(a.m - m) : 0.f;
   const float rb = b.s > 0.f ? __expf(b.m - m) : 0.f;

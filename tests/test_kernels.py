@@ -356,33 +356,37 @@ def test_decode_signals_top_p_signed_zeros_tie(backend, device, dtype):
                                 dict(temperature=0.7, top_k=40)],
                          ids=["greedy", "sample", "top_p", "chosen", "top_k"])
 def test_decode_signals_rows_with_nan_have_no_distribution(backend, device, kw):
-    """A row holding a NaN logit (one, the last, all, one in a 512-wide span that is otherwise -inf) gives a NaN
-    entropy and a non-finite logprob, as the reference does (the engine ends such a generation with an error:
-    nothing is drawn from it), and a chosen index inside the vocabulary; the other rows are unaffected. The -inf
-    span is what a top-k mask leaves around a NaN (torch's topk ranks NaN first): the C++ path reads the row in
-    512-wide chunks and once took such a chunk for fully masked."""
+    """A row holding a NaN logit (one, the last, all, one in a 512-wide span that is otherwise -inf) or a +inf one
+    gives a NaN entropy and a non-finite logprob, as the reference does (the engine ends such a generation with an
+    error: nothing is drawn from it), and a chosen index inside the vocabulary; the other rows are unaffected. The
+    -inf span is what a top-k mask leaves around a NaN (torch's topk ranks NaN first): the C++ path reads the row
+    in 512-wide chunks and once took such a chunk for fully masked; the CUDA kernel's online state once forgot a
+    NaN at the next larger logit, and a warp lane holding only -inf and a NaN."""
     g, seed = _gen()
-    B, V = 5, 1100
+    B, V = 7, 1100
     x = torch.randn(B, V, generator=g)
     x[0, 5] = float("nan")
     x[1] = float("nan")
     x[2, V - 1] = float("nan")
     x[3, 512:1024] = NEG_INF
     x[3, 600] = float("nan")
+    x[4, 300] = float("inf")
+    x[5, 512:1024] = NEG_INF
+    x[5, 700] = float("inf")
     keys = torch.randint(0, 2**32, (B,), generator=g)
     chosen = torch.randint(0, V, (B,), generator=g) if kw.get("chosen") else None
     t, top_p, top_k = kw.get("temperature", 0.0), kw.get("top_p", 1.0), kw.get("top_k", 0)
     ref = decode_signals_ref(x, t, keys if t > 0 else None, chosen, top_p=top_p, top_k=top_k)
-    assert torch.isnan(ref["entropy"][:4]).all() and torch.isnan(ref["logprob"][:4]).all()
+    assert torch.isnan(ref["entropy"][:6]).all() and not torch.isfinite(ref["logprob"][:6]).any()
     res = get_backend(backend).decode_signals(
         x.to(device), temperature=t, rng_keys=keys.to(device) if t > 0 else None,
         chosen=None if chosen is None else chosen.to(device), top_p=top_p, top_k=top_k, out=_poisoned(B, device))
     ent, lp, c = res.entropy.cpu(), res.logprob.cpu(), res.chosen.cpu()
-    assert torch.isnan(ent[:4]).all(), f"{backend}: entropy {ent.tolist()} (seed={seed})"
-    assert not torch.isfinite(lp[:4]).any(), f"{backend}: logprob {lp.tolist()} (seed={seed})"
+    assert torch.isnan(ent[:6]).all(), f"{backend}: entropy {ent.tolist()} (seed={seed})"
+    assert not torch.isfinite(lp[:6]).any(), f"{backend}: logprob {lp.tolist()} (seed={seed})"
     assert ((c >= 0) & (c < V)).all(), f"{backend}: chosen {c.tolist()}"
-    _close(ent[4:], ref["entropy"][4:], f"{backend} clean row entropy", seed, **TOKEN_TOL)
-    _close(lp[4:], ref["logprob"][4:], f"{backend} clean row logprob", seed, **TOKEN_TOL)
+    _close(ent[6:], ref["entropy"][6:], f"{backend} clean row entropy", seed, **TOKEN_TOL)
+    _close(lp[6:], ref["logprob"][6:], f"{backend} clean row logprob", seed, **TOKEN_TOL)
 
 
 @pytest.mark.parametrize("backend,device", KERNEL_BACKENDS)

@@ -31,18 +31,35 @@ TOKEN_TOL = dict(atol=2e-5, rtol=2e-5)
 ATTN_TOL = dict(atol=2e-6, rtol=1e-5)
 
 
-def _backend_names() -> list:
-    out = []
-    for name in ("torch", "cpp", "triton"):  # (Triton under TRITON_INTERPRET=1 on a CPU-only machine)
-        try:
-            get_backend(name)
-            out.append(name)
-        except BackendUnavailableError as e:
-            out.append(pytest.param(name, marks=pytest.mark.skip(reason=str(e))))
-    return out
+CUDA = torch.cuda.is_available()
 
 
-BACKENDS = _backend_names()
+def _case(name: str, device: str):
+    """(backend, device of the inputs), skipped with the reason when the backend is missing or runs elsewhere."""
+    try:
+        be = get_backend(name)
+    except BackendUnavailableError as e:
+        return pytest.param(name, device, marks=pytest.mark.skip(reason=str(e)), id=f"{name}-{device}")
+    if device not in be.devices:
+        return pytest.param(name, device, marks=pytest.mark.skip(reason=f"{name} runs on {sorted(be.devices)}"),
+                            id=f"{name}-{device}")
+    return pytest.param(name, device, id=f"{name}-{device}")
+
+
+# Triton on the GPU, or on the CPU under TRITON_INTERPRET=1; C++ on the CPU; CUDA on the GPU; torch on the CPU.
+BACKENDS = [_case("torch", "cpu"), _case("cpp", "cpu"), _case("triton", "cuda" if CUDA else "cpu"),
+            _case("cuda", "cuda")]
+
+
+def _on(device: str, kwargs: dict) -> dict:
+    """The tensors of `kwargs` (a call's arguments, tuples of tensors included) on `device`; meta tensors stay."""
+    def move(v):
+        if isinstance(v, torch.Tensor) and v.device.type != "meta":
+            return v.to(device)
+        if isinstance(v, tuple):
+            return type(v)(*map(move, v)) if hasattr(v, "_fields") else tuple(map(move, v))
+        return v
+    return {k: move(v) for k, v in kwargs.items()}
 
 
 @pytest.fixture(autouse=True)
@@ -60,8 +77,8 @@ def _gen() -> tuple[torch.Generator, int]:
 
 
 def _assert_close(actual, expected, what: str, seed: int, **tol) -> None:
-    actual = actual.double()
-    expected = expected.double()
+    actual = actual.detach().cpu().double()
+    expected = expected.detach().cpu().double()
     assert not torch.isnan(actual).any(), f"{what}: NaN at {torch.isnan(actual).nonzero()[:5].tolist()} (seed={seed})"
     if not torch.allclose(actual, expected, **tol):
         err = (actual - expected).abs()
@@ -169,41 +186,42 @@ def test_colmax_ref_matches_transformers_attentions(monkeypatch):
 # ---------------------------------------------------------------- backends vs reference
 
 
-def _poisoned_token_out(B: int) -> TokenSignals:
-    return TokenSignals(torch.full((B,), float("nan")), torch.full((B,), float("nan")),
-                        torch.full((B,), -7, dtype=torch.int64))
+def _poisoned_token_out(B: int, device: str = "cpu") -> TokenSignals:
+    return TokenSignals(torch.full((B,), float("nan"), device=device), torch.full((B,), float("nan"), device=device),
+                        torch.full((B,), -7, dtype=torch.int64, device=device))
 
 
 # Odd shapes: every B in (1, 3, 9) and every V in (7, 41, 4231, 49152), without the full cross product.
 TOKEN_SHAPES = [(1, 7), (9, 7), (3, 41), (1, 4231), (9, 4231), (3, 49152), (9, 49152)]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend,device", BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("B,V", TOKEN_SHAPES)
-def test_token_signals_vs_reference(backend, dtype, B, V):
+def test_token_signals_vs_reference(backend, device, dtype, B, V):
     g, seed = _gen()
     be = get_backend(backend)
     logits = (torch.randn(B, V, generator=g) * 4).to(dtype)
     chosen = torch.randint(0, V, (B,), generator=g)
     temperature = 0.6 if B == 3 else 1.0
     ent_r, lp_r, am_r = token_signals_ref(logits, chosen, temperature)
-    out = _poisoned_token_out(B)
-    res = be.token_signals(logits, chosen, temperature, out=out)
+    out = _poisoned_token_out(B, device)
+    res = be.token_signals(logits.to(device), chosen.to(device), temperature, out=out)
     assert res.entropy.data_ptr() == out.entropy.data_ptr(), "out= buffer was not written in place"
     _assert_close(res.entropy, ent_r, f"{backend} entropy", seed, **TOKEN_TOL)
     _assert_close(res.logprob, lp_r, f"{backend} logprob", seed, **TOKEN_TOL)
-    assert torch.equal(res.argmax, am_r), f"{backend} argmax {res.argmax} != {am_r} (seed={seed})"
+    assert torch.equal(res.argmax.cpu(), am_r), f"{backend} argmax {res.argmax} != {am_r} (seed={seed})"
     # Without `chosen` the logprob is that of the argmax.
-    ent2, lp2, am2 = be.token_signals(logits, temperature=temperature)
+    ent2, lp2, am2 = be.token_signals(logits.to(device), temperature=temperature)
     _, lp2_r, _ = token_signals_ref(logits, None, temperature)
     assert ent2.dtype == torch.float32 and lp2.dtype == torch.float32 and am2.dtype == torch.int64
     _assert_close(lp2, lp2_r, f"{backend} logprob(argmax)", seed, **TOKEN_TOL)
+    assert torch.equal(am2.cpu(), am_r), f"{backend} argmax without chosen {am2} != {am_r} (seed={seed})"
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend,device", BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_token_signals_masked_rows(backend, dtype):
+def test_token_signals_masked_rows(backend, device, dtype):
     g, seed = _gen()
     V = 4231
     logits = (torch.randn(4, V, generator=g) * 3).to(dtype)
@@ -212,7 +230,8 @@ def test_token_signals_masked_rows(backend, dtype):
     logits[1, 1234] = 2.5
     logits[2, :4000] = NEG_INF  # a masked prefix longer than one C++ chunk
     logits[3, 17] = logits[3, 4200] = 50.0  # tie at the max
-    res = get_backend(backend).token_signals(logits, out=_poisoned_token_out(4))
+    res = get_backend(backend).token_signals(logits.to(device), out=_poisoned_token_out(4, device))
+    res = TokenSignals(*(t.cpu() for t in res))
     ent_r, lp_r, am_r = token_signals_ref(logits)
     _assert_close(res.entropy, ent_r, f"{backend} entropy", seed, **TOKEN_TOL)
     _assert_close(res.logprob, lp_r, f"{backend} logprob", seed, **TOKEN_TOL)
@@ -221,8 +240,8 @@ def test_token_signals_masked_rows(backend, dtype):
     assert torch.equal(res.argmax, am_r)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_token_signals_rows_without_a_distribution(backend):
+@pytest.mark.parametrize("backend,device", BACKENDS)
+def test_token_signals_rows_without_a_distribution(backend, device):
     """A row holding a NaN or +inf logit, or none finite, has a NaN entropy as in the reference (not 0, which would
     read as a certain token) and an argmax inside the vocabulary; rows beside it are unaffected. V = 1100 spans
     three of the C++ path's 512-wide chunks; row 0's NaN sits in a chunk that is otherwise all -inf."""
@@ -234,7 +253,8 @@ def test_token_signals_rows_without_a_distribution(backend):
     logits[1, 3] = float("nan")
     logits[2, 900] = float("inf")
     logits[3] = NEG_INF
-    res = get_backend(backend).token_signals(logits, out=_poisoned_token_out(5))
+    res = get_backend(backend).token_signals(logits.to(device), out=_poisoned_token_out(5, device))
+    res = TokenSignals(*(t.cpu() for t in res))
     ent_r, lp_r, am_r = token_signals_ref(logits)
     assert torch.isnan(ent_r[:4]).all()
     assert torch.isnan(res.entropy[:4]).all(), f"{backend}: entropy {res.entropy.tolist()} (seed={seed})"
@@ -257,18 +277,18 @@ def test_signal_arguments_take_numpy_scalars():
                        be.token_signals(x, temperature=0.5).entropy)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_token_signals_non_contiguous(backend):
+@pytest.mark.parametrize("backend,device", BACKENDS)
+def test_token_signals_non_contiguous(backend, device):
     g, seed = _gen()
-    base = torch.randn(4231, 6, generator=g) * 3  # logits = base.T is a transposed view
-    chosen_base = torch.randint(0, 4231, (12,), generator=g)
+    base = (torch.randn(4231, 6, generator=g) * 3).to(device)  # logits = base.T is a transposed view
+    chosen_base = torch.randint(0, 4231, (12,), generator=g).to(device)
     for logits, chosen in ((base.T, chosen_base[::2]), (base.T[:, ::3], chosen_base[1::2] % 1410)):
         assert not logits.is_contiguous()
         res = get_backend(backend).token_signals(logits, chosen)
-        ent_r, lp_r, am_r = token_signals_ref(logits.contiguous(), chosen.contiguous())
+        ent_r, lp_r, am_r = token_signals_ref(logits.cpu().contiguous(), chosen.cpu().contiguous())
         _assert_close(res.entropy, ent_r, f"{backend} entropy", seed, **TOKEN_TOL)
         _assert_close(res.logprob, lp_r, f"{backend} logprob", seed, **TOKEN_TOL)
-        assert torch.equal(res.argmax, am_r)
+        assert torch.equal(res.argmax.cpu(), am_r)
 
 
 # (B, H, Hkv, D, T): each value of B (1, 3, 9), H/Hkv ((9, 3), (4, 4), (6, 2)), D (8, 64), T (1, 5, 37)
@@ -279,10 +299,10 @@ ATTN_SHAPES = [
 ]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend,device", BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("B,H,Hkv,D,T", ATTN_SHAPES)
-def test_attention_vs_reference(backend, dtype, B, H, Hkv, D, T):
+def test_attention_vs_reference(backend, device, dtype, B, H, Hkv, D, T):
     g, seed = _gen()
     be = get_backend(backend)
     q = torch.randn(B, H, T, D, generator=g).to(dtype)
@@ -290,28 +310,30 @@ def test_attention_vs_reference(backend, dtype, B, H, Hkv, D, T):
     lengths = torch.randint(0, T + 1, (B,), generator=g)
     lengths[0] = T  # at least one full sequence
     scale = D**-0.5
-    out = torch.full((B, T), float("nan"))
-    a = be.causal_attn_colmax(q, k, lengths, scale, out=out)
+    qd, kd, nd = q.to(device), k.to(device), lengths.to(device)
+    out = torch.full((B, T), float("nan"), device=device)
+    a = be.causal_attn_colmax(qd, kd, nd, scale, out=out)
     assert a.data_ptr() == out.data_ptr()
     _assert_close(a, causal_attn_colmax_ref(q, k, lengths, scale), f"{backend} colmax", seed, **ATTN_TOL)
-    out_m = torch.full((B, T, T), float("nan"))
-    m = be.causal_attn_mean_rows(q, k, lengths, scale, out=out_m)
+    out_m = torch.full((B, T, T), float("nan"), device=device)
+    m = be.causal_attn_mean_rows(qd, kd, nd, scale, out=out_m)
     _assert_close(m, causal_attn_mean_rows_ref(q, k, lengths, scale), f"{backend} mean_rows", seed, **ATTN_TOL)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_attention_non_contiguous(backend):
+@pytest.mark.parametrize("backend,device", BACKENDS)
+def test_attention_non_contiguous(backend, device):
     """The model's natural layout [B, T, H, D].transpose(1, 2), and a strided slice of the head dim."""
     g, seed = _gen()
     B, T, H, Hkv, D = 3, 19, 6, 2, 16
-    q = torch.randn(B, T, H, 2 * D, generator=g).transpose(1, 2)[..., ::2]
-    k = torch.randn(B, T, Hkv, D, generator=g).transpose(1, 2)
-    lengths = torch.tensor([19, 7, 0])[::1]
+    q = torch.randn(B, T, H, 2 * D, generator=g).to(device).transpose(1, 2)[..., ::2]
+    k = torch.randn(B, T, Hkv, D, generator=g).to(device).transpose(1, 2)
+    lengths = torch.tensor([19, 7, 0], device=device)[::1]
     assert not q.is_contiguous() and not k.is_contiguous()
     be = get_backend(backend)
-    _assert_close(be.causal_attn_colmax(q, k, lengths, 0.25), causal_attn_colmax_ref(q, k, lengths, 0.25),
+    qc, kc, nc = q.cpu(), k.cpu(), lengths.cpu()
+    _assert_close(be.causal_attn_colmax(q, k, lengths, 0.25), causal_attn_colmax_ref(qc, kc, nc, 0.25),
                   f"{backend} colmax", seed, **ATTN_TOL)
-    _assert_close(be.causal_attn_mean_rows(q, k, lengths, 0.25), causal_attn_mean_rows_ref(q, k, lengths, 0.25),
+    _assert_close(be.causal_attn_mean_rows(q, k, lengths, 0.25), causal_attn_mean_rows_ref(qc, kc, nc, 0.25),
                   f"{backend} mean_rows", seed, **ATTN_TOL)
 
 
@@ -353,18 +375,23 @@ ATTN_BAD = [
 ]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend,device", BACKENDS)
 @pytest.mark.parametrize("name,bad", TOKEN_BAD, ids=[f"{n}-{i}" for i, (n, _) in enumerate(TOKEN_BAD)])
-def test_token_signals_rejects(backend, name, bad):
-    kwargs = dict(logits=_L, chosen=None, temperature=1.0) | bad
+def test_token_signals_rejects(backend, device, name, bad):
+    if device != "cpu" and name == "chosen" and bad["chosen"].dtype == torch.int64 and bad["chosen"].shape == (2,):
+        pytest.skip("value checks read tensor contents: CPU only (GPU kernels clamp chosen into the vocabulary)")
+    kwargs = _on(device, dict(logits=_L, chosen=None, temperature=1.0) | bad)
     with pytest.raises(ValueError, match=name):
         get_backend(backend).token_signals(**kwargs)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend,device", BACKENDS)
 @pytest.mark.parametrize("name,bad", ATTN_BAD, ids=[f"{n}-{i}" for i, (n, _) in enumerate(ATTN_BAD)])
-def test_attention_rejects(backend, name, bad):
-    kwargs = dict(q=_Q, k=_K, lengths=_N, scale=0.5) | bad
+def test_attention_rejects(backend, device, name, bad):
+    n = bad.get("lengths")
+    if device != "cpu" and n is not None and n.shape == (2,) and not n.is_floating_point():
+        pytest.skip("value checks read tensor contents: CPU only (GPU kernels mask out-of-range positions)")
+    kwargs = _on(device, dict(q=_Q, k=_K, lengths=_N, scale=0.5) | bad)
     be = get_backend(backend)
     with pytest.raises(ValueError, match=name):
         be.causal_attn_colmax(**kwargs)

@@ -36,7 +36,7 @@ def token_signals(logits, chosen, temperature, out):
                            torch.empty(B, dtype=torch.int64, device=dev))
     prob = torch.empty(B, device=dev)
     load_cuda_extension().decode_signals_cuda(logits, float(temperature), None, None, None, out[2], out[0], out[1],
-                                              prob, None, 0)
+                                              prob, None, 0, greedy=True)
     if chosen is not None:  # ln p_c = ln p_argmax + y_c - y_argmax
         y_c = logits.gather(1, chosen[:, None])[:, 0].float() / temperature
         y_a = logits.gather(1, out[2][:, None])[:, 0].float() / temperature
