@@ -269,3 +269,37 @@ def test_tuned_oracle_reads_the_same_last_layer_attention_as_eager():
     torch.testing.assert_close(tuned.last_layer_attention(gen.ids), published.last_layer_attention(gen.ids),
                                atol=1e-5, rtol=1e-4)
     assert tuned.rind(gen) == published.rind(gen)
+
+
+def test_query_truncation_counts_the_query_tokens_only_under_a_bos_adding_tokenizer():
+    """A Llama-style tokenizer adds BOS to every encode: the published retriever cuts queries with
+    add_special_tokens=False and decodes with skip_special_tokens=True, so a query of exactly max tokens stays whole
+    and no '<s>'-like text enters a query (the engine's rule and the oracle's agree)."""
+    from types import SimpleNamespace
+
+    from tokenizers.processors import TemplateProcessing
+
+    from fastrag.methods.common import truncate_query
+    from fastrag.oracle.dragin import DraginOracle
+
+    try:
+        from fastrag.model.loading import load_tokenizer
+
+        tok = load_tokenizer("smollm2")
+    except (FileNotFoundError, ImportError, OSError) as e:
+        pytest.skip(f"embedded tokenizer not available: {e}")
+    bos = tok.convert_ids_to_tokens(1)
+    tok._tokenizer.post_processor = TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, 1)])
+    query = "Arthur's Magazine first published"
+    own = tok.encode(query, add_special_tokens=False)
+    assert tok.encode(query)[0] == 1 and tok.encode(query)[1:] == own  # the tokenizer adds BOS
+    n = len(own)
+    oracle = SimpleNamespace(tokenizer=tok, config=SimpleNamespace(max_query_tokens=n))
+    assert truncate_query(tok, query, n) == query
+    assert DraginOracle.truncate_query(oracle, query) == query
+    oracle.config.max_query_tokens = n + 5  # a short query is the query, not '<BOS> query'
+    assert DraginOracle.truncate_query(oracle, query) == query == truncate_query(tok, query, n + 5)
+    cut = tok.decode(own[-(n - 1):]).strip()
+    oracle.config.max_query_tokens = n - 1
+    assert truncate_query(tok, query, n - 1) == cut == DraginOracle.truncate_query(oracle, query)
+    assert bos not in cut

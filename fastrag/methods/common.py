@@ -47,8 +47,9 @@ def stop(text: str, old_len: int, n_tokens: int, max_len: int, case_insensitive:
 
 
 def truncate_query(tok, query: str, max_tokens: int) -> str:
-    """Left-truncate a query to its last `max_tokens` tokens (the published retriever's rule)."""
-    ids = tok.encode(query)
+    """Left-truncate a query to its last `max_tokens` tokens (the published retriever's rule: the query's own
+    tokens, without the BOS a Llama tokenizer adds, which would take one of the 64 places)."""
+    ids = tok.encode(query, add_special_tokens=False)
     if len(ids) <= max_tokens:
         return query
     return tok.decode(ids[-max_tokens:], skip_special_tokens=True).strip()

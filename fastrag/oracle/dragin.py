@@ -194,9 +194,14 @@ class DraginOracle:
         real = real_words(all_text)
         hit_set = set(hit_words)
         candidate = [matches_real_word(w, real) and i not in hit_set for i, w in enumerate(words)]
-        query = " ".join(D.select_query_words(words, candidate, scores, self.config.retrieve_keep_top_k))
-        # Left-truncate to the last max_query_tokens tokens, as the published retriever does.
-        return self.tokenizer.decode(self.encode(query)[-self.config.max_query_tokens:]).strip()
+        return self.truncate_query(" ".join(D.select_query_words(words, candidate, scores,
+                                                                 self.config.retrieve_keep_top_k)))
+
+    def truncate_query(self, query: str) -> str:
+        """The last max_query_tokens tokens of the query, as the published retriever cuts it: the query's own tokens
+        (no BOS), decoded without special tokens."""
+        ids = self.tokenizer.encode(query, add_special_tokens=False)
+        return self.tokenizer.decode(ids[-self.config.max_query_tokens:], skip_special_tokens=True).strip()
 
     # ------------------------------------------------------------------ one question
 

@@ -72,7 +72,7 @@ class FlareOracle:
         return sents[0].text, n
 
     def retrieve(self, query: str) -> list:
-        ids = self.tokenizer.encode(query)
+        ids = self.tokenizer.encode(query, add_special_tokens=False)  # (a BOS is no query token)
         if len(ids) > self.config.max_query_tokens:
             query = self.tokenizer.decode(ids[-self.config.max_query_tokens:], skip_special_tokens=True).strip()
         return query, self.retriever.search([query], k=self.config.retrieve_topk)[0]
