@@ -6,7 +6,9 @@ instead. Then, per dataset, the oracle as the published recipe runs it (plain tr
 batch size 1, the whole prompt re-prefilled by `generate` every round and an extra attention forward per round),
 resuming from its earlier records (its rate is n / sum of per-question times), and the decision-by-decision parity;
 with --tuned-oracle-limit N also the oracle in its best honest per-question configuration (bf16 on a GPU, SDPA,
-batch size 1) on the first N questions of each dataset. --model takes an HF directory (e.g. a random-initialised
+batch size 1) on N questions of each dataset. The oracles time --oracle-limit / --tuned-oracle-limit of the engine's
+questions spread evenly over them (the tuned ones among the published recipe's), each after an untimed warm-up
+(spaCy, a first generate, a search). --model takes an HF directory (e.g. a random-initialised
 Llama-2-7B shape from benchmarks/make_random_model.py) for GPU runs; the oracle runs on the GPU when there is one.
 Writes `benchmarks/results/e2e_<device>.md` (+ .json): questions/s of both over all questions and their ratio, and
 per dataset the tokens prefilled/decoded and retrievals per question, parity and EM.
@@ -29,9 +31,10 @@ from pathlib import Path
 
 import torch
 
+from fastrag.data.datasets import load_examples
 from fastrag.eval import RunOptions, read_results, run, run_many
 from fastrag.parity import _rate, compare, method_decisions, run_oracle
-from fastrag.provenance import cpu_name
+from fastrag.provenance import cpu_name, device_name
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared" / "data"
@@ -42,6 +45,29 @@ FILES = {
 }
 DATA = {ds: SHARED / f for ds, f in FILES.items()}
 CORPUS = SHARED / "corpus" / "wiki_passages.jsonl"
+
+
+def spread(ids: list[str], n: int) -> list[str]:
+    """n of `ids` spread evenly over them (the first, the last and equal steps between): the oracle's questions
+    sample the engine's whole run, not the head of the data file, whose cost per question may differ."""
+    if n >= len(ids):
+        return list(ids)
+    if n <= 1:
+        return list(ids[:n])
+    return [ids[round(i * (len(ids) - 1) / (n - 1))] for i in range(n)]
+
+
+def oracle_devices(folders: list[Path]) -> list[str]:
+    """The devices the oracle records in `folders` were timed on (their runs.jsonl lines; 'unrecorded' for a folder
+    with records from before these lines were written)."""
+    seen = []
+    for f in folders:
+        lines = (f / "runs.jsonl").read_text(encoding="utf-8").splitlines() if (f / "runs.jsonl").exists() else []
+        devs = [json.loads(x)["environment"]["device"] for x in lines if x.strip()]
+        if not devs and (f / "results.jsonl").exists():
+            devs = ["unrecorded"]
+        seen += [d for d in devs if d not in seen]
+    return seen
 
 
 def per_q(results, key):
@@ -242,10 +268,14 @@ def main() -> None:
     for ds in args.datasets:
         out = outs[ds]
         if not args.report_only:
-            oracle_now["published"] += run_oracle(replace(opts[ds], output=str(out),
-                                                          limit=args.oracle_limit or args.limit), out / "oracle")[2]
-            if args.tuned_oracle_limit:
-                oracle_now["tuned"] += run_oracle(replace(opts[ds], output=str(out), limit=args.tuned_oracle_limit),
+            ids = [e.qid for e in load_examples(ds, opts[ds].data, limit=args.limit)]
+            pub = spread(ids, args.oracle_limit or args.limit)
+            oracle_now["published"] += run_oracle(replace(opts[ds], output=str(out), qids=tuple(pub)),
+                                                  out / "oracle")[2]
+            if args.tuned_oracle_limit:  # the published recipe's questions first: same-question rates below
+                n_t = args.tuned_oracle_limit
+                tuned = spread(pub, n_t) if n_t <= len(pub) else spread(ids, n_t)
+                oracle_now["tuned"] += run_oracle(replace(opts[ds], output=str(out), qids=tuple(tuned)),
                                                   out / "oracle-tuned", recipe="tuned")[2]
         eng = read_results(out / "engine" / "results.jsonl")
         orc = read_results(out / "oracle" / "results.jsonl")
@@ -305,6 +335,8 @@ def main() -> None:
     reports["all"] = {k: v for k, v in rep_all.items() if k != "disagreements"} | {
         "engine_wall_s": e_wall, "engine_questions_computed": n_e,
         "engine_mode": "separate" if args.separate_engine_runs or joint is None else "joint"}
+    o_devs = oracle_devices([outs[ds] / sub for ds in args.datasets for sub in ("oracle", "oracle-tuned")])
+    here = device_name("cuda" if torch.cuda.is_available() else None)  # as the oracles' runs.jsonl name it
     cmd = "python " + shlex.join([str(Path(sys.argv[0]).relative_to(ROOT)) if Path(sys.argv[0]).is_absolute()
                                   else sys.argv[0], *sys.argv[1:]])
     tag = "cuda" if torch.cuda.is_available() else "cpu"
@@ -317,10 +349,14 @@ def main() -> None:
             f"- settings: DRAGIN paper Table 9 per dataset, greedy; engine batch {args.batch_size}\n"
             f"- engine: {'one run per dataset' if reports['all']['engine_mode'] == 'separate' else 'one joint run over all datasets (per-dataset speed not separable: see the all row)'}; "
             f"engine wall {e_wall:.0f} s for {n_e} questions\n"
-            f"- oracle questions timed by this invocation: published recipe {oracle_now['published']} of "
-            f"{len(orc_all)}, tuned {oracle_now['tuned']} (the others' seconds are records of an earlier run into the "
-            "same folders, on the machine named in their metrics)\n"
-            f"- scheduler overlap (the methods' host logic run while the device decodes the next step): "
+            f"- oracle questions: per dataset, --oracle-limit / --tuned-oracle-limit of the engine's questions spread "
+            f"evenly over them (the first, the last, equal steps between); timed by this invocation: published "
+            f"recipe {oracle_now['published']} of {len(orc_all)}, tuned {oracle_now['tuned']} (the others' seconds "
+            f"are records of an earlier run into the same folders); oracle timings measured on: "
+            f"{', '.join(o_devs) or 'none'}"
+            + (f" -- NOT ONLY THIS RUN'S DEVICE ({here}): the ratios mix machines\n"
+               if any(d != here for d in o_devs) else "\n")
+            + f"- scheduler overlap (the methods' host logic run while the device decodes the next step): "
             f"{args.overlap if args.overlap != 'auto' else ('on' if torch.cuda.is_available() else 'off')}\n"
             + (f"- warm-up: before the timed run, an untimed engine run over the first {args.warmup} questions "
                f"of each dataset (Triton kernels compiled)\n" if args.warmup else "")

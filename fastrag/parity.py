@@ -9,6 +9,7 @@ each resumable like `fastrag run`), so a rerun only computes what is missing.
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -53,10 +54,29 @@ def oracle_model(model: str, recipe: str = "published"):
 
 
 def run_oracle(opts: RunOptions, out: Path, recipe: str = "published") -> tuple[list[QuestionResult], float, int]:
-    """Per-question oracle over the same questions (model per `oracle_model(recipe)`); returns (results, wall
-    seconds, questions computed). The folder is locked while it runs."""
+    """Per-question oracle over the same questions (model per `oracle_model(recipe)`; `opts.qids`: only these of
+    the data file's first `opts.limit`, each of which must be there); returns (results, wall seconds, questions
+    computed). The folder is locked while it runs. Each invocation that computes something appends its
+    environment (device, versions, command), questions and seconds to `out/runs.jsonl`, so timings reused later
+    say where they were measured."""
     with output_lock(out):
         return _run_oracle(opts, out, recipe)
+
+
+def warm_oracle(model, tok, retriever) -> None:
+    """Untimed first-use costs, as the engine's clock does not pay them either (its warm-up run, its text workers):
+    the spaCy pipeline's load, the device's first forward and generate (CUDA context, cuBLAS handles), a search."""
+    from fastrag.text.nlp import get_nlp
+
+    get_nlp()("Warm up the pipeline.")
+    ids = torch.tensor([tok.encode("Warm up the model.")], device=model.device)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    with torch.no_grad():
+        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=False,
+                       pad_token_id=pad)
+    retriever.search(["warm up"], k=1)
+    if model.device.type == "cuda":
+        torch.cuda.synchronize(model.device)
 
 
 def _run_oracle(opts: RunOptions, out: Path, recipe: str) -> tuple[list[QuestionResult], float, int]:
@@ -68,18 +88,25 @@ def _run_oracle(opts: RunOptions, out: Path, recipe: str) -> tuple[list[Question
     spec = _with_oracle(opts.method)
     out.mkdir(parents=True, exist_ok=True)
     examples = load_examples(opts.dataset, opts.data, limit=opts.limit, answer_aliases=opts.answer_aliases)
+    if opts.qids is not None:
+        wanted = set(opts.qids)
+        missing = wanted - {e.qid for e in examples}
+        if missing:
+            raise ValueError(f"{len(missing)} oracle question id(s) are not among the first {opts.limit} of "
+                             f"{opts.data}: {sorted(missing)[:3]}")
+        examples = [e for e in examples if e.qid in wanted]
     check_manifest(out, run_identity(opts, method_config(opts), oracle=recipe))
     path = out / "results.jsonl"
     done, todo = resume(path, examples)
-    wall = 0.0
+    n_kept, wall = len(done), 0.0
     if todo:
         tok = load_tokenizer(opts.model)
-        oracle = spec.make_oracle(oracle_model(opts.model, recipe), tok,
-                                  make_retriever(opts.retriever, corpus_path=opts.corpus,
-                                                 show_progress=opts.progress),
-                                 method_config(opts))
+        model = oracle_model(opts.model, recipe)
+        retriever = make_retriever(opts.retriever, corpus_path=opts.corpus, show_progress=opts.progress)
+        oracle = spec.make_oracle(model, tok, retriever, method_config(opts))
+        warm_oracle(model, tok, retriever)
         w = ResultWriter(path)
-        t0 = time.perf_counter()  # after loading, like the engine's clock
+        t0 = time.perf_counter()  # after loading and warming, like the engine's clock
         try:
             for ex in tqdm(todo, desc=f"oracle/{opts.dataset}", unit="q", disable=not opts.progress):
                 t = time.perf_counter()
@@ -95,6 +122,11 @@ def _run_oracle(opts: RunOptions, out: Path, recipe: str) -> tuple[list[Question
         finally:
             w.close()
             wall = time.perf_counter() - t0
+            computed = len(done) - n_kept
+            if computed > 0:
+                with open(out / "runs.jsonl", "a", encoding="utf-8") as f:
+                    f.write(json.dumps({"recipe": recipe, "computed": computed, "wall_s": wall,
+                                        "environment": environment(model.device)}) + "\n")
     return latest_records(path, examples), wall, len(todo)
 
 

@@ -153,6 +153,26 @@ def test_bench_e2e_floor_rows_one_per_engine():
     assert [(x["run"], x["engine_wall_s"]) for x in rows] == [("hotpotqa", 9.0)]
 
 
+def test_bench_e2e_oracle_questions_spread_over_the_run_and_their_devices_are_named(tmp_path):
+    """The oracles time questions spread over the engine's (not the data file's head), the tuned ones among the
+    published recipe's; the devices their timings came from are read from each oracle folder's runs.jsonl."""
+    be = load("bench_e2e")
+    ids = [f"q{i}" for i in range(10)]
+    assert be.spread(ids, 3) == ["q0", "q4", "q9"]  # round(4.5) = 4
+    assert be.spread(ids, 2) == ["q0", "q9"] and be.spread(ids, 1) == ["q0"] and be.spread(ids, 0) == []
+    assert be.spread(ids, 12) == ids and len(set(be.spread(ids, 7))) == 7
+    pub = be.spread(ids, 4)
+    assert set(be.spread(pub, 2)) <= set(pub)
+    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    for f in (a, b, c):
+        f.mkdir()
+    env = lambda d: json.dumps({"recipe": "published", "computed": 1, "wall_s": 1.0, "environment": {"device": d}})
+    (a / "runs.jsonl").write_text(env("GPU X") + "\n" + env("GPU Y") + "\n")
+    (b / "runs.jsonl").write_text(env("GPU X") + "\n")
+    (c / "results.jsonl").write_text("{}\n")  # records from before runs.jsonl
+    assert be.oracle_devices([a, b, c, tmp_path / "missing"]) == ["GPU X", "GPU Y", "unrecorded"]
+
+
 def test_bench_decode_runs_a_named_shape(tmp_path, monkeypatch):
     """bench_decode builds the shape it is given (`--shape`, make_random_model's shapes with their published
     vocabularies), names the table after it when it is not the device's default, and fills every cell."""

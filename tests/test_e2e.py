@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -185,6 +186,30 @@ def test_parity_on_a_random_model_of_another_shape(tmp_path, small_config, tiny_
     assert rep["n"] == 3 and rep["agreement"] == 1.0, rep
     assert rep["environment"]["torch"] == torch.__version__ and rep["environment"]["device"], rep["environment"]
     assert sum(1 for r in recs for rd in r["rounds"] if rd["query"]) > 0, "no retrieval happened: a weak check"
+
+
+def test_oracle_times_the_questions_asked_and_records_where(tmp_path, small_config, tiny_model):
+    """run_oracle computes only `opts.qids` (what bench_e2e spreads over the engine's questions), after an untimed
+    warm-up, and appends the device and versions of each invocation that computed something to runs.jsonl; a
+    question id outside the first `limit` is refused by name."""
+    from fastrag.data.datasets import load_examples
+    from fastrag.eval import RunOptions
+    from fastrag.parity import run_oracle
+    from fastrag.provenance import device_name
+
+    ids = [e.qid for e in load_examples("hotpotqa", str(DATA), limit=4)]
+    opts = RunOptions(method="dragin", dataset="hotpotqa", data=str(DATA), corpus=str(CORPUS), output=str(tmp_path),
+                      model=str(tiny_model), config=str(small_config), limit=4, progress=False,
+                      qids=(ids[0], ids[3]))
+    res, wall, n = run_oracle(opts, tmp_path / "o")
+    assert [r.qid for r in res] == [ids[0], ids[3]] and n == 2 and wall > 0
+    assert all(r.error is None and r.wall_s > 0 for r in res)
+    lines = [json.loads(x) for x in (tmp_path / "o" / "runs.jsonl").read_text().splitlines()]
+    assert len(lines) == 1 and lines[0]["computed"] == 2 and lines[0]["environment"]["device"] == device_name()
+    _, _, n = run_oracle(opts, tmp_path / "o")  # nothing to compute: no new line
+    assert n == 0 and len((tmp_path / "o" / "runs.jsonl").read_text().splitlines()) == 1
+    with pytest.raises(ValueError, match="not among the first 4"):
+        run_oracle(replace(opts, qids=("no-such-question",)), tmp_path / "o")
 
 
 @pytest.mark.parametrize("cmd", ["run", "parity"])
