@@ -781,15 +781,27 @@ class Engine:
         # tokens with a key so far (the one fed now included) can receive attention
         starts = [s.track_from - s.base for s in seqs]
         cols = [min(s.amax.shape[1], s.table.num_tokens + 1 - st) for s, st in zip(seqs, starts)]
-        amax = torch.zeros(len(seqs), q.shape[1], max(cols), dtype=torch.float32, device=self.device)
-        for i, (s, n) in enumerate(zip(seqs, cols)):
-            amax[i, :, :n] = s.amax[:, :n]
+        width = max(cols)  # the span columns any tracked sequence has keys for (the kernel's S)
+        same_cap = len({s.amax.shape[1] for s in seqs}) == 1  # (one method's generations: all of them)
+        if same_cap:  # a fixed number of copies whatever the batch, not two small copies per sequence: the kernel
+            # leaves each sequence's columns past its keys unchanged, so whole rows can go in and come back
+            whole = torch.stack([s.amax for s in seqs])  # [R, H, cap]
+            amax = whole if width == whole.shape[2] else whole[:, :, :width].contiguous()
+        else:
+            amax = torch.zeros(len(seqs), q.shape[1], width, dtype=torch.float32, device=self.device)
+            for i, (s, n) in enumerate(zip(seqs, cols)):
+                amax[i, :, :n] = s.amax[:, :n]
         self.signals.attn_decode_update(q.contiguous(), self.pool.k[-1], batch.ctx_blocks.index_select(0, idx),
                                         batch.ctx_lens.index_select(0, idx),
                                         self._h2d(torch.tensor(starts, dtype=torch.long)),
                                         lse.float().contiguous(), self.pool.block_size, self.model.scale, amax)
-        for i, (s, n) in enumerate(zip(seqs, cols)):
-            s.amax[:, :n] = amax[i, :, :n]
+        if same_cap:
+            if amax is not whole:
+                whole[:, :, :width] = amax
+            torch._foreach_copy_([s.amax for s in seqs], list(whole.unbind(0)))
+        else:
+            for i, (s, n) in enumerate(zip(seqs, cols)):
+                s.amax[:, :n] = amax[i, :, :n]
 
     def _h2d(self, t: torch.Tensor) -> torch.Tensor:
         """A host tensor on the engine's device. On a GPU through pinned memory with non_blocking: a copy from

@@ -121,6 +121,11 @@ def _fused_decode_ops():
     return _ModuleRef(fused_decode), mode == "1" and INTERPRETED
 
 
+def _real_positions(lens: list[int], T: int, device) -> torch.Tensor:
+    """[N] int64 flat positions (row-major over [B, T]) of each row's first lens[b] tokens, built on the host."""
+    return tensor_on(np.concatenate([np.arange(n) + b * T for b, n in enumerate(lens)]), device)
+
+
 class _ModuleRef:
     """A module's functions as attributes, copied and pickled by reference (a model that holds a module itself
     cannot be deep-copied or sent to another process)."""
@@ -229,6 +234,8 @@ class AttnBatch:
                             context (the input of the attention-statistics kernels); None: not wanted.
     lens:                   optional host list, per row the number of real new tokens (valid's row sums): with it
                             the forward lays out a packed prefill without reading valid back from the device
+    valid_index:            [N] flat positions of the real tokens (row-major), set by a padded prefill from `lens`
+                            so that writing the KV needs no boolean indexing (a host synchronisation per layer)
     """
 
     write_slots: torch.Tensor
@@ -243,6 +250,7 @@ class AttnBatch:
     prefix_groups: list["PrefixGroup"] | None = None
     last_layer: dict | None = None
     lens: list[int] | None = None
+    valid_index: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -455,6 +463,8 @@ class LlamaModel(nn.Module):
         mask_ctx = self._ctx_mask(batch)
         if T > 1:  # the prefill mask over [prefix | context] is the same for every layer: build it once
             mask_ctx = (mask_ctx, self._prefill_mask(batch, mask_ctx))
+            if batch.lens is not None and sum(batch.lens) < B * T:
+                batch.valid_index = _real_positions(batch.lens, T, ids.device)
         stats_at = len(self.layers) - 1 if batch.last_layer is not None and T == 1 else -1
         for li, layer in enumerate(self.layers):
             q, k, v = layer.project_qk(x, cos, sin)
@@ -522,7 +532,7 @@ class LlamaModel(nn.Module):
         B, T = ids.shape
         if batch.lens is not None:  # [N] real tokens, row-major (= write_slots order), laid out on the host
             lens = list(batch.lens)
-            flat = tensor_on(np.concatenate([np.arange(n) + b * T for b, n in enumerate(lens)]), ids.device)
+            flat = _real_positions(lens, T, ids.device)
         else:
             flat = batch.valid.reshape(-1).nonzero().squeeze(-1)
             lens = batch.valid.sum(1).tolist()
@@ -672,9 +682,13 @@ class LlamaModel(nn.Module):
         k, v = k.transpose(0, 1).reshape(Hkv, -1, D), v.transpose(0, 1).reshape(Hkv, -1, D)
         if k.shape[1] != b.write_slots.numel():
             # padding to skip (a prefill batch). A decode step (T = 1) has one real token per row: no boolean
-            # mask, whose indexing waits for the GPU (a host synchronisation per layer) and cannot be graph-captured
-            flat = b.valid.reshape(-1)
-            k, v = k[:, flat], v[:, flat]
+            # mask, whose indexing waits for the GPU (a host synchronisation per layer) and cannot be graph-captured;
+            # a prefill laid out from host lengths has the real positions as an index (no synchronisation either)
+            if b.valid_index is not None:
+                k, v = k.index_select(1, b.valid_index), v.index_select(1, b.valid_index)
+            else:
+                flat = b.valid.reshape(-1)
+                k, v = k[:, flat], v[:, flat]
         kp.index_copy_(1, b.write_slots, k)
         vp.index_copy_(1, b.write_slots, v)
 
