@@ -220,3 +220,21 @@ def test_real_smollm2_tracked_attention_and_streaming_dragin(tmp_path):
     eng.clear_prefixes()
     m = run(opts, engine=eng)
     assert m["errors"] == 0 and m["n"] == 1 and m["decode_tokens_per_question"] > 0
+
+
+@pytest.mark.parametrize("news", [(8, 8, 8, 8), (8, 5, 8, 3)], ids=["one_capacity", "mixed_capacities"])
+def test_tracked_sequences_at_different_points_share_a_step(model, news):
+    """Tracked sequences of different prompt lengths in one decode batch, with one span capacity (the engine moves
+    all rows to the kernel at once) or several (row by row): each sequence's maxima are its own."""
+    eng = Engine(model, ByteTok(), block_size=8, kv_cache_gb=0.01, signals="torch")
+    prompts = [ByteTok().encode(f"Q{i}: {'y' * (5 * i)}? A:") for i in range(4)]
+    seqs = [eng.new_sequence() for _ in prompts]
+    for s, p, n in zip(seqs, prompts, news):
+        eng.start(s, p, n, track_from=len(p) - 2)
+    while eng.has_work:
+        eng.step()
+    for s, p, n in zip(seqs, prompts, news):
+        assert len(s.out.ids) == n
+        exp = expected_attn(model, p + s.out.ids, fed=len(p) + n - 1, track_from=len(p) - 2)
+        torch.testing.assert_close(torch.tensor(s.out.attn, dtype=torch.float64), torch.tensor(exp, dtype=torch.float64),
+                                   atol=2e-6, rtol=1e-4)
