@@ -184,11 +184,13 @@ def test_real_question_structural_invariants():
 
     # Record every generation so trigger sentences can be checked against what the model really produced.
     generated: list[str] = []
+    with_scores: list[bool] = []
     real_generate = oracle.generate
 
-    def spy(prompt, n):
-        g = real_generate(prompt, n)
+    def spy(prompt, n, **kw):
+        g = real_generate(prompt, n, **kw)
         generated.append(g.text)
+        with_scores.append(kw.get("scores", True))
         return g
 
     oracle.generate = spy
@@ -196,6 +198,7 @@ def test_real_question_structural_invariants():
     retrieved = 0
     for qid, question, gold in _hotpot_questions(6):
         generated.clear()
+        with_scores.clear()
         t0 = time.perf_counter()
         res = oracle.run(qid, question, gold)
         print(f"\noracle {qid}: {time.perf_counter() - t0:.1f}s, {len(res.rounds)} rounds, "
@@ -206,6 +209,8 @@ def test_real_question_structural_invariants():
         assert res.retrievals == sum(r.query is not None for r in res.rounds)
         # every generate call counted (plain rounds, retrieval rounds, the evaluator's answer generation)
         assert res.llm_calls == len(generated) >= len(res.rounds) + res.retrievals
+        # scores (entropies) only where RIND reads them, as the published code: one plain generation per round
+        assert sum(with_scores) == len(res.rounds), with_scores
         for r in res.rounds:
             if r.query is None:
                 assert r.trigger_sentence is None and not r.doc_ids and not r.hit_words

@@ -107,8 +107,10 @@ class DraginOracle:
         return self.tokenizer.encode(text)
 
     @torch.no_grad()
-    def generate(self, prompt: str, max_new_tokens: int) -> Generation:
-        """Greedy `model.generate` on the full prompt (re-prefilled every call), no stop strings, ends at EOS."""
+    def generate(self, prompt: str, max_new_tokens: int, scores: bool = True) -> Generation:
+        """Greedy `model.generate` on the full prompt (re-prefilled every call), no stop strings, ends at EOS.
+        scores=False (the retrieval round's and the answer's generations, whose entropies no rule reads): no
+        scores kept, as the published code keeps none there; Generation.entropy is then empty."""
         ids = self.encode(prompt)
         input_ids = torch.tensor([ids], device=self.model.device)  # [1, P]
         out = self.model.generate(
@@ -116,18 +118,18 @@ class DraginOracle:
             attention_mask=torch.ones_like(input_ids),
             max_new_tokens=max_new_tokens,
             do_sample=False,
-            output_scores=True,
+            output_scores=scores,
             return_dict_in_generate=True,
             pad_token_id=self._pad_id,
         )
         new = out.sequences[0, len(ids):].tolist()  # [N]
-        entropy = D.token_entropy(torch.stack([s[0] for s in out.scores]).cpu()) if new else torch.zeros(0)
+        entropy = D.token_entropy(torch.stack([s[0] for s in out.scores]).cpu()) if scores and new else torch.zeros(0)
         self._prefill += len(ids)
         self._decode += len(new)
         self._calls += 1
         # A final EOS belongs to neither the text nor the signals.
         if new and new[-1] in self.eos_ids:
-            new, entropy = new[:-1], entropy[:-1]
+            new, entropy = new[:-1], entropy[: len(new) - 1]
         text = self.tokenizer.decode(new, skip_special_tokens=True)
         return Generation(ids=new, text=text, entropy=entropy)
 
@@ -218,7 +220,7 @@ class DraginOracle:
         if not needs_answer_generation(text):
             return text
         case = case_text(question, self.config.dataset)
-        gen = self.generate(answer_prompt(self.demos, case, text), ANSWER_MAX_TOKENS)
+        gen = self.generate(answer_prompt(self.demos, case, text), ANSWER_MAX_TOKENS, scores=False)
         return complete_answer(text, gen.text)
 
     def run(self, qid: str, question: str, gold: list[str]) -> QuestionResult:
@@ -245,7 +247,7 @@ class DraginOracle:
                 curr = words[l:r]
                 query = self.qfs(question, text, kept, curr, trig.hits)
                 docs = self.retriever.search([query], k=self.config.retrieve_topk)[0]
-                out = self.generate(self.retrieval_prompt(question, text, kept, docs), L)
+                out = self.generate(self.retrieval_prompt(question, text, kept, docs), L, scores=False)
                 text = join(text, kept, first_sentence(out.text))
                 rounds.append(Round(
                     trigger_sentence=sentences[trig.sentence].text,
