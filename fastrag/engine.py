@@ -443,9 +443,10 @@ class Engine:
         if len(hit) <= have:
             return False
         self.pool.share(hit)  # before the own blocks go: they may be among the hits
+        # (the own tokens kept so far, a partial last block's included, are already in own_hit_tokens)
+        self.stats["cached_hit_tokens"] += len(hit) * bs - s.table.num_tokens
         s.table.free()
         s.table.blocks, s.table.num_tokens = hit, len(hit) * bs
-        self.stats["cached_hit_tokens"] += (len(hit) - have) * bs
         end = len(s.tokens) if s.track_from is None else max(s.track_from, s.computed)
         s.pending_prompt = s.tokens[s.computed: end]
         s.out.prefilled = len(s.tokens) - s.computed
@@ -554,7 +555,7 @@ class Engine:
     def step_finish(self, st: "PendingStep") -> list[SeqState]:
         """`step()`'s second half: wait for the launched step's host copy, append the sampled tokens, and return the
         sequences whose generation finished (the prefill's and the decode step's)."""
-        finished = st.finished
+        finished = [s for s in st.finished if id(s) in self.live]  # (one released since the launch is gone)
         if st.batch:
             t1 = time.perf_counter()
             batch = st.batch
@@ -596,16 +597,25 @@ class Engine:
 
     def _evict_idle(self, keep: SeqState) -> bool:
         """Free the own caches of sequences that are not decoding (waiting for a prefill, or between two
-        generations of their question); they prefill their whole prompt again when they next run."""
+        generations of their question); they prefill their whole prompt again when they next run. A sequence
+        between two generations also lets go of its shared prefix (its next start shares a prefix still held):
+        a prefix dropped by `drop_prefix`, or one no waiting or running sequence uses, can then give its blocks
+        back, which the room a start() was promised counted on."""
         running = {id(s) for s in self.running}
+        waiting = {id(s) for s in self.waiting}
         freed = False
         for s in self.live.values():
-            if s is keep or id(s) in running or not s.table.blocks:
+            if s is keep or id(s) in running:
+                continue
+            if id(s) not in waiting and s.prefix is not None:  # (its tokens stay: callers read them)
+                self.pool.release(s.prefix.blocks)
+                s.prefix = None
+            if not s.table.blocks:  # a prefix share alone: no own block comes back, so no eviction counted
                 continue
             self.stats["evictions"] += 1
             self.stats["evicted_tokens"] += s.table.num_tokens
             s.table.free()
-            if s in self.waiting:
+            if id(s) in waiting:
                 s.pending_prompt = s.tokens[s.base: s.track_from]  # tracked tokens are fed by decode steps
                 s.out.prefilled = len(s.tokens) - s.base
             freed = True
