@@ -89,7 +89,8 @@ def _time(fn, reps, dev) -> float:
     return statistics.median(ts)
 
 
-def run(reps: int, shapes: list[str], cases: list[str]) -> list[dict]:
+def run(reps: int, shapes: list[str], cases: list[str], on_row=None) -> list[dict]:
+    """Every (shape, case) cell; `on_row(rows)` after each, so a crash in a later cell keeps the earlier ones."""
     from fastrag.model.llama import masked_attention
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -115,6 +116,8 @@ def run(reps: int, shapes: list[str], cases: list[str]) -> list[dict]:
                          "tokens_per_s_native": B * T / tn, "tokens_per_s_expand": B * T / te,
                          "native_backends": acc_n, "expand_backends": acc_e, "max_abs_diff": err})
             del args, native, expand
+            if on_row is not None:
+                on_row(rows)
     return rows
 
 
@@ -129,13 +132,24 @@ def main() -> int:
     reps = args.reps or (20 if gpu else 5)
     device = torch.cuda.get_device_name() if gpu else \
         f"CPU {cpu_name()} x{torch.get_num_threads()} threads"
-    rows = run(reps, args.shapes, args.cases)
     cmd = "python benchmarks/bench_prefill_attention.py " + shlex.join(sys.argv[1:])
+    stem = f"prefill_attention_{'gpu' if gpu else 'cpu'}"
+    total = len(args.shapes) * len(args.cases)
+    rows = run(reps, args.shapes, args.cases,  # the tables are written after every cell: a crash keeps the rest
+               on_row=lambda rows: _write(rows, stem, device, gpu, reps, cmd, args.note, partial=len(rows) < total))
+    print((RESULTS / f"{stem}.md").read_text())
+    print(f"wrote {RESULTS / stem}.md ({len(rows)} of {total} cells)")
+    return 0
+
+
+def _write(rows: list[dict], stem: str, device: str, gpu: bool, reps: int, cmd: str, note: str,
+           partial: bool) -> None:
     lines = [
         f"# Masked prefill attention with grouped-query heads: SDPA enable_gqa vs repeated keys ({device})", "",
         f"- date: {dt.date.today()}; torch {torch.__version__}; "
         f"{'bf16' if gpu else 'float32'}; {reps} timed calls per cell (median); command: `{cmd.strip()}`",
-        f"- other load: {args.note or 'none stated'}",
+        f"- other load: {note or 'none stated'}",
+        *([f"- PARTIAL: {len(rows)} cells so far (the run was still going, or stopped here)"] if partial else []),
         "- native: one SDPA call with `enable_gqa` (the engine's default); expand: keys and values repeated to every "
         "query head (`FASTRAG_PREFILL_GQA=expand`). backends: those that accept the call when tried alone. "
         "TFLOP/s counts both GEMMs over the whole masked score matrix.", "",
@@ -151,14 +165,10 @@ def main() -> int:
             f"{', '.join(r['expand_backends']) or 'none'} | {r['max_abs_diff']:.1e} |")
     lines.append("")
     RESULTS.mkdir(parents=True, exist_ok=True)
-    stem = f"prefill_attention_{'gpu' if gpu else 'cpu'}"
     (RESULTS / f"{stem}.md").write_text("\n".join(lines))
     (RESULTS / f"{stem}.json").write_text(json.dumps({"device": device, "date": str(dt.date.today()),
                                                       "torch": torch.__version__, "command": cmd.strip(),
-                                                      "rows": rows}, indent=1))
-    print("\n".join(lines))
-    print(f"wrote {RESULTS / stem}.md")
-    return 0
+                                                      "partial": partial, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":
