@@ -29,7 +29,7 @@ import torch
 from fastrag.eval import RunOptions, read_results, run
 from fastrag.methods.registry import available, get_method
 from fastrag.parity import _rate, compare, method_decisions, run_oracle
-from fastrag.provenance import cpu_name
+from fastrag.provenance import cpu_name, versions
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared" / "data"
@@ -233,7 +233,8 @@ def main() -> None:
     md = (
         "# BeamSearchQA vs wo-RAG vs SR-RAG, engine vs per-question oracle\n\n"
         + (f"{args.note}\n\n" if args.note else "")
-        + f"- date: {dt.date.today().isoformat()}\n- device: {device}\n- torch {torch.__version__}\n"
+        + f"- date: {dt.date.today().isoformat()}\n- device: {device}\n"
+        f"- {versions('torch', 'transformers', 'triton')}\n"
         "- model: SmolLM2-135M-Instruct (embedded GGUF, fp32, greedy); retriever: BM25 (bm25s) over the 13.5k-passage "
         "corpus in ../shared/data/corpus (HotpotQA/2Wiki paragraphs; NQ-open and WebQuestions have no supporting "
         "corpus here, so their accuracy is a pipeline check, not a claim)\n"

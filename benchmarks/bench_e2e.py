@@ -34,7 +34,7 @@ import torch
 from fastrag.data.datasets import load_examples
 from fastrag.eval import RunOptions, read_results, run, run_many
 from fastrag.parity import _rate, compare, method_decisions, run_oracle
-from fastrag.provenance import cpu_name, device_name
+from fastrag.provenance import cpu_name, device_name, versions
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared" / "data"
@@ -343,7 +343,8 @@ def main() -> None:
     res = Path(args.results)
     res.mkdir(parents=True, exist_ok=True)
     head = (f"# DRAGIN end to end: engine vs per-question oracle ({tag})\n\n"
-            f"- date: {dt.date.today().isoformat()}\n- device: {device}\n- torch {torch.__version__}\n"
+            f"- date: {dt.date.today().isoformat()}\n- device: {device}\n"
+            f"- {versions('torch', 'transformers', 'triton')}\n"
             f"- model: {'SmolLM2-135M-Instruct (embedded GGUF)' if args.model == 'smollm2' else args.model} "
             f"({'bf16' if torch.cuda.is_available() else 'fp32'} engine), BM25 (bm25s) over the 13.5k-passage corpus\n"
             f"- settings: DRAGIN paper Table 9 per dataset, greedy; engine batch {args.batch_size}\n"
