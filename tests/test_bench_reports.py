@@ -173,6 +173,19 @@ def test_bench_e2e_oracle_questions_spread_over_the_run_and_their_devices_are_na
     assert be.oracle_devices([a, b, c, tmp_path / "missing"]) == ["GPU X", "GPU Y", "unrecorded"]
 
 
+def test_bench_e2e_oracle_rate_without_its_answer_generations():
+    """The conservative ratio counts the oracle's per-question answer generations (batched afterwards by the
+    published evaluate.py) as free; a record from before their timing leaves it unknown, not priced at zero."""
+    from fastrag.trace import QuestionResult
+
+    be = load("bench_e2e")
+    rs = [QuestionResult(qid="a", question="", gold=[], wall_s=10.0, counters={"answer_generation_s": 2.0}),
+          QuestionResult(qid="b", question="", gold=[], wall_s=6.0, counters={"answer_generation_s": 0.0})]
+    assert be.rate_without_answer_generation(rs) == pytest.approx(2 / 14)
+    assert be.rate_without_answer_generation(rs + [QuestionResult(qid="c", question="", gold=[], wall_s=5.0)]) is None
+    assert be.rate_without_answer_generation([]) is None
+
+
 def test_bench_decode_runs_a_named_shape(tmp_path, monkeypatch):
     """bench_decode builds the shape it is given (`--shape`, make_random_model's shapes with their published
     vocabularies), names the table after it when it is not the device's default, and fills every cell."""

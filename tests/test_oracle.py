@@ -206,6 +206,7 @@ def test_real_question_structural_invariants():
         assert res.error is None and res.qid == qid and res.rounds
         assert isinstance(res.text, str) and isinstance(res.prediction, str) and res.prediction.strip()
         assert res.prefill_tokens > 0 and res.decode_tokens > 0 and res.wall_s > 0
+        assert 0 <= res.counters["answer_generation_s"] < res.wall_s
         assert res.retrievals == sum(r.query is not None for r in res.rounds)
         # every generate call counted (plain rounds, retrieval rounds, the evaluator's answer generation)
         assert res.llm_calls == len(generated) >= len(res.rounds) + res.retrievals

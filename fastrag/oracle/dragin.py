@@ -257,11 +257,13 @@ class DraginOracle:
                 ))
             if self._stop(text, old_len):
                 break
+        t_answer = time.perf_counter()
         prediction = self.answer(question, text)
+        answer_s = time.perf_counter() - t_answer  # the published code runs this part afterwards, batched
         return QuestionResult(
             qid=qid, question=question, gold=list(gold), text=text, prediction=prediction, rounds=rounds,
             prefill_tokens=self._prefill, decode_tokens=self._decode, wall_s=time.perf_counter() - t0,
-            llm_calls=self._calls,
+            llm_calls=self._calls, counters={"answer_generation_s": answer_s},
         )
 
 
