@@ -13,22 +13,14 @@ import os
 import sys
 
 import pytest
-import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "fuzz"))
 
 import engine_fuzz as F  # noqa: E402
+from backend_cases import one_thread  # noqa: E402,F401 (autouse)
 import sched_fuzz as S  # noqa: E402
 
 from fastrag.engine import Engine  # noqa: E402
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _engine_seed(seed: int) -> None:

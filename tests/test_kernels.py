@@ -19,6 +19,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any fastrag.kernels import
 
+from backend_cases import backend_case, one_thread  # noqa: E402,F401 (one_thread: autouse)
 from fastrag.signals import BackendUnavailableError, get_backend  # noqa: E402
 from fastrag.signals.reference import (  # noqa: E402
     attn_decode_update_ref,
@@ -35,29 +36,10 @@ TOKEN_TOL = dict(atol=2e-5, rtol=2e-5)
 NEG_INF = float("-inf")
 
 
-def _case(name: str, device: str):
-    try:
-        be = get_backend(name)
-    except BackendUnavailableError as e:
-        return pytest.param(name, device, marks=pytest.mark.skip(reason=str(e)), id=f"{name}-{device}")
-    if device not in be.devices:
-        return pytest.param(name, device, marks=pytest.mark.skip(reason=f"{name} runs on {sorted(be.devices)}"),
-                            id=f"{name}-{device}")
-    return pytest.param(name, device, id=f"{name}-{device}")
-
-
 # (backend, device of the inputs): Triton on the GPU or under the interpreter, C++ on the CPU, CUDA on the GPU,
 # and the torch backend (the engine's CPU default and the baseline of the decision-parity test).
-KERNEL_BACKENDS = [_case("triton", "cuda" if CUDA else "cpu"), _case("cpp", "cpu"), _case("cuda", "cuda"),
-                   _case("torch", "cpu")]
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+KERNEL_BACKENDS = [backend_case("triton", "cuda" if CUDA else "cpu"), backend_case("cpp", "cpu"),
+                   backend_case("cuda", "cuda"), backend_case("torch", "cpu")]
 
 
 def _gen():

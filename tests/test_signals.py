@@ -13,6 +13,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any fastrag.kernels import
 
+from backend_cases import backend_case, one_thread  # noqa: E402,F401 (one_thread: autouse)
 from fastrag import signals  # noqa: E402
 from fastrag.signals import BackendUnavailableError, TokenSignals, get_backend  # noqa: E402
 from fastrag.signals.reference import (  # noqa: E402
@@ -34,21 +35,9 @@ ATTN_TOL = dict(atol=2e-6, rtol=1e-5)
 CUDA = torch.cuda.is_available()
 
 
-def _case(name: str, device: str):
-    """(backend, device of the inputs), skipped with the reason when the backend is missing or runs elsewhere."""
-    try:
-        be = get_backend(name)
-    except BackendUnavailableError as e:
-        return pytest.param(name, device, marks=pytest.mark.skip(reason=str(e)), id=f"{name}-{device}")
-    if device not in be.devices:
-        return pytest.param(name, device, marks=pytest.mark.skip(reason=f"{name} runs on {sorted(be.devices)}"),
-                            id=f"{name}-{device}")
-    return pytest.param(name, device, id=f"{name}-{device}")
-
-
 # Triton on the GPU, or on the CPU under TRITON_INTERPRET=1; C++ on the CPU; CUDA on the GPU; torch on the CPU.
-BACKENDS = [_case("torch", "cpu"), _case("cpp", "cpu"), _case("triton", "cuda" if CUDA else "cpu"),
-            _case("cuda", "cuda")]
+BACKENDS = [backend_case("torch", "cpu"), backend_case("cpp", "cpu"),
+            backend_case("triton", "cuda" if CUDA else "cpu"), backend_case("cuda", "cuda")]
 
 
 def _on(device: str, kwargs: dict) -> dict:
@@ -60,15 +49,6 @@ def _on(device: str, kwargs: dict) -> dict:
             return type(v)(*map(move, v)) if hasattr(v, "_fields") else tuple(map(move, v))
         return v
     return {k: move(v) for k, v in kwargs.items()}
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny ops on a shared 2-core machine spend more time in OpenMP barriers than computing: run single-threaded."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _gen() -> tuple[torch.Generator, int]:
