@@ -183,6 +183,36 @@ def test_async_engine_survives_a_client_loop_that_closed(go):
         ae.close()
 
 
+def test_async_engine_cancels_a_stream_dropped_unread(go):
+    """A caller that submits and lets the returned stream go without reading it (an error of its own between
+    submit and the first read, say): the question is cancelled, as one whose reader breaks away, instead of running
+    to its end for nobody. aclose() on a stream never read cancels too."""
+    import gc
+
+    from fastrag.serving.async_engine import AsyncEngine
+
+    ae = AsyncEngine(go.engine, Passages())
+    cfg = {"generate_max_length": 64, "fewshot": 0}
+    try:
+        async def drop():
+            stream = await ae.submit("who wrote book number 3?", method="sr-rag", dataset="nq", config=cfg)
+            del stream
+            gc.collect()
+            closed = await ae.submit("who wrote book number 4?", method="sr-rag", dataset="nq", config=cfg)
+            await closed.aclose()
+            assert [ev async for ev in closed] == []  # (a closed stream ends at once)
+            # (the loop stays open meanwhile: a closed loop would end the questions by another path)
+            deadline = time.time() + 60
+            while (ae.stats["cancelled"] + ae.stats["finished"] < 2 or ae.scheduler.busy) and time.time() < deadline:
+                await asyncio.sleep(0.02)
+            return dict(ae.stats)
+        stats = asyncio.run(drop())
+        assert stats["cancelled"] == 2 and stats["finished"] == 0
+        assert not go.engine.running and not go.engine.waiting and not go.engine.live
+    finally:
+        ae.close()
+
+
 def test_async_engine_submit_after_its_worker_died_is_an_error(go):
     from fastrag.serving.async_engine import AsyncEngine
 

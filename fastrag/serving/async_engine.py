@@ -11,8 +11,8 @@ worker fills through `loop.call_soon_threadsafe`, and `submit` returns an async 
     Event("answer", {"result": QuestionResult.to_json()})the final answer and the whole trace (always last)
     Event("error", {"message"})                          the question failed (last)
 
-Leaving the iterator early (`break`, a client that disconnects, `asyncio.timeout`) cancels the question: its
-sequences leave the batch and their KV blocks go back to the pool.
+Leaving the iterator early (`break`, `aclose()`, a client that disconnects, `asyncio.timeout`), or dropping it
+unread, cancels the question: its sequences leave the batch and their KV blocks go back to the pool.
 """
 
 from __future__ import annotations
@@ -25,10 +25,11 @@ import tempfile
 import threading
 import time
 import traceback
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import AsyncIterator
+from typing import Callable
 
 from fastrag.cache.kv import OutOfBlocks
 
@@ -37,6 +38,42 @@ from fastrag.cache.kv import OutOfBlocks
 class Event:
     kind: str
     data: dict = field(default_factory=dict)
+
+
+class EventStream:
+    """One question's events (what `AsyncEngine.submit` returns), an async iterator that ends after its answer or
+    error event. The question is cancelled when the stream ends before that: `aclose()`, an exception or a
+    cancellation (`asyncio.timeout`) while waiting for an event, or the stream dropped by its owner, read or not
+    (`break` out of `async for` and let it go)."""
+
+    __slots__ = ("_out", "_ended", "_cancel", "__weakref__")
+
+    def __init__(self, out: asyncio.Queue, handle: dict, cancel: Callable[[dict], None]):
+        self._out = out
+        self._ended = False
+        self._cancel = weakref.finalize(self, cancel, handle)  # (holds the handle, not the stream)
+        self._cancel.atexit = False
+
+    def __aiter__(self) -> "EventStream":
+        return self
+
+    async def __anext__(self) -> Event:
+        if self._ended:
+            raise StopAsyncIteration
+        try:
+            ev = await self._out.get()
+        except BaseException:  # cancelled while waiting: the reader is gone
+            await self.aclose()
+            raise
+        if ev.kind in ("answer", "error"):
+            self._ended = True
+            self._cancel.detach()  # (it has ended: nothing to cancel)
+        return ev
+
+    async def aclose(self) -> None:
+        """End the stream; a question still running is cancelled."""
+        self._ended = True
+        self._cancel()  # (once: a finalizer runs at most once)
 
 
 class QueueFull(RuntimeError):
@@ -130,7 +167,7 @@ class AsyncEngine:
         return key
 
     async def submit(self, question: str, method: str = "dragin", dataset: str = "hotpotqa",
-                     config: dict | None = None, qid: str | None = None) -> AsyncIterator[Event]:
+                     config: dict | None = None, qid: str | None = None) -> EventStream:
         if self._closed:
             raise RuntimeError("the engine is closed")
         if not self.alive:
@@ -154,11 +191,10 @@ class AsyncEngine:
             try:
                 loop.call_soon_threadsafe(out.put_nowait, ev)
             except RuntimeError:  # the client's event loop is closed: nobody reads this stream, its question ends
-                if not handle["finished"]:
-                    self._inbox.put(("cancel", handle))
+                self._cancel(handle)
 
         self._inbox.put(("submit", key, q, push, handle))
-        return self._events(out, handle)
+        return EventStream(out, handle, self._cancel)
 
     def metrics(self) -> dict:
         s = self.scheduler
@@ -183,16 +219,10 @@ class AsyncEngine:
         up = time.perf_counter() - self._t0
         return (self._pending / (done / up)) if done else 5.0
 
-    async def _events(self, out: asyncio.Queue, handle: dict) -> AsyncIterator[Event]:
-        try:
-            while True:
-                ev = await out.get()
-                yield ev
-                if ev.kind in ("answer", "error"):
-                    return
-        finally:
-            if not handle["finished"]:
-                self._inbox.put(("cancel", handle))
+    def _cancel(self, handle: dict) -> None:
+        """Cancel a question whose stream ended early (any thread: the worker applies it)."""
+        if not handle["finished"]:
+            self._inbox.put(("cancel", handle))
 
     def _worker(self) -> None:
         s = self.scheduler
