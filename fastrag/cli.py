@@ -37,6 +37,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--text-workers", type=int, default=None,
                    help="processes for the methods' spaCy work (0: in the main process; default: with overlap all "
                         "cores but two, at most 8, else 0)")
+    p.add_argument("--search-concurrency", type=int, default=None,
+                   help="retrieval batches in flight at once (default: what the retriever serves: 4 for "
+                        "elasticsearch, 1 for bm25 and dense)")
     p.add_argument("--threads", type=int, help="torch CPU threads")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0 (default): greedy; > 0: sample inside the fused signal kernel (run only; parity is greedy)")
@@ -122,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
                           batch_size=args.batch_size, signals=args.signals, kv_cache_gb=args.kv_cache_gb,
                           prefix_caching=not args.no_prefix_caching, threads=args.threads, progress=not args.no_progress, retriever=args.retriever,
                           overlap={"auto": None, "on": True, "off": False}[args.overlap],
-                          text_workers=args.text_workers, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                          text_workers=args.text_workers, search_concurrency=args.search_concurrency,
+                          temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                           top_k=args.top_k, answer_aliases=args.answer_aliases)
         if args.cmd == "parity" and args.temperature > 0:
             raise ValueError("--temperature: parity compares greedy decoding with the per-question oracle; "

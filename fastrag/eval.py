@@ -57,6 +57,9 @@ class RunOptions:
     # processes for the methods' spaCy work (Scheduler.text_workers; 0: on the scheduler's thread); None: with overlap
     # all cores but two, at most 8 (fastrag.text.pool.auto_text_workers), else 0
     text_workers: int | None = None
+    # retrieval batches in flight at once (Scheduler.search_concurrency); None: what the retriever serves
+    # (Retriever.concurrent_searches: 4 for Elasticsearch, 1 for the in-process ones)
+    search_concurrency: int | None = None
     progress: bool = True
     retriever: str = "bm25"  # bm25 | dense | elasticsearch (fastrag.retrieval.RETRIEVERS)
     qids: tuple[str, ...] | None = None  # only these questions of the file (a shard of a distributed run)
@@ -107,6 +110,10 @@ class RunOptions:
         if self.text_workers is not None and (isinstance(self.text_workers, bool)
                                               or not isinstance(self.text_workers, int) or self.text_workers < 0):
             raise ValueError(f"--text-workers must be an int >= 0 (0: no worker processes), got {self.text_workers!r}")
+        if self.search_concurrency is not None and (isinstance(self.search_concurrency, bool)
+                                                    or not isinstance(self.search_concurrency, int)
+                                                    or self.search_concurrency < 1):
+            raise ValueError(f"--search-concurrency must be an int >= 1, got {self.search_concurrency!r}")
         for name in ("data", "corpus", "answer_aliases"):
             if getattr(self, name) is None and name == "answer_aliases":
                 continue
@@ -547,7 +554,7 @@ def _run_many(runs: list[RunOptions], engine=None, retriever=None) -> list[dict]
     first = runs[0]
     for o in runs[1:]:
         for f in ("model", "corpus", "retriever", "batch_size", "signals", "kv_cache_gb", "prefix_caching",
-                  "temperature", "top_p", "top_k", "seed", "overlap", "text_workers"):
+                  "temperature", "top_p", "top_k", "seed", "overlap", "text_workers", "search_concurrency"):
             if getattr(o, f) != getattr(first, f):
                 raise ValueError(f"run_many: runs must share --{f.replace('_', '-')}: {getattr(first, f)!r} "
                                  f"({first.dataset}) vs {getattr(o, f)!r} ({o.dataset})")
@@ -611,7 +618,7 @@ def _run_many(runs: list[RunOptions], engine=None, retriever=None) -> list[dict]
             # leave holes in the decode batch
             sched = Scheduler(engine, retriever, lambda ex: policies[which[id(ex)]](ex),
                               max_inflight=2 * first.batch_size, overlap=first.overlap,
-                              text_workers=first.text_workers)
+                              text_workers=first.text_workers, search_concurrency=first.search_concurrency)
             sched.run(todo, on_result, pass_example=True)
         finally:
             bar.close()
@@ -652,7 +659,7 @@ def _run_many(runs: list[RunOptions], engine=None, retriever=None) -> list[dict]
             b = sched.search_batches
             metrics["retrieval"] = {"batches": len(b), "queries": sum(b), "max_batch_size": max(b, default=0),
                                     "mean_batch_size": sum(b) / len(b) if b else None,
-                                    "seconds": sched.search_seconds,
+                                    "seconds": sched.search_seconds, "concurrency": sched.search_concurrency,
                                     "seconds_per_batch": sched.search_seconds / len(b) if b else None}
             # where the wall time went (host seconds; engine = prefill_s + decode_s of "engine" above, plus the
             # step's bookkeeping); retrieval runs in a worker thread, beside these

@@ -4,7 +4,8 @@ A method writes one question's logic as a plain generator that yields requests (
 `AttnRows`, `Search`) and receives their results; the scheduler keeps up to `max_inflight` such generators alive,
 gathers their requests, and serves each kind in batches: generations share the engine's decode batch,
 attention passes run as one padded forward, retrieval queries go to the retriever together (on a worker thread,
-overlapping the decode steps of the other questions).
+overlapping the decode steps of the other questions; up to `search_concurrency` such batches at once, each with the
+queries known when it left, so that one slow search does not hold back the retrievals asked for after it).
 
 A question that needs several things at once (BeamSearchQA: every node of a beam) yields `Parallel([...])`: each
 part is served as if another question had asked for it (a Generate on its own KV sequence, every Search of the
@@ -18,6 +19,7 @@ methods' heaviest host logic off the thread that launches the decode steps.
 from __future__ import annotations
 
 import hashlib
+import threading
 import time
 import traceback
 import warnings
@@ -160,8 +162,16 @@ class Scheduler:
 
     def __init__(self, engine: Engine, retriever, policy: Policy | None = None, max_inflight: int = 64,
                  overlap: bool | None = None, text_workers: int | TextPool | None = None,
-                 wait_for_search: bool = True):
+                 wait_for_search: bool = True, search_concurrency: int | None = None):
         self.engine, self.retriever, self.policy = engine, retriever, policy
+        # retrieval batches in flight at once, each on its own thread; None: what the retriever says it serves
+        # (Retriever.concurrent_searches: 1, one batch at a time, unless the retriever is safe to call from several
+        # threads and its backend serves calls in parallel)
+        if search_concurrency is None:
+            search_concurrency = getattr(retriever, "concurrent_searches", 1)
+        if isinstance(search_concurrency, bool) or not isinstance(search_concurrency, int) or search_concurrency < 1:
+            raise ValueError(f"search_concurrency must be an int >= 1, got {search_concurrency!r}")
+        self.search_concurrency = search_concurrency
         self.max_inflight = max_inflight
         # when nothing but a retrieval is left, step() waits for it (a batch run: nothing else to do); False: it
         # returns at once without progress, so a caller that must stay responsive (the server's worker: new
@@ -189,7 +199,8 @@ class Scheduler:
         self._texts: list[tuple[Future, _Live, int | None, Request]] = []  # text requests at the workers
         self.text_requests = 0
         self.search_batches: list[int] = []
-        self.search_seconds = 0.0
+        self.search_seconds = 0.0  # summed over the batches (concurrent batches overlap)
+        self._search_lock = threading.Lock()
         # host seconds of step() by part: the engine's step, batched attention passes, and the rest (the methods'
         # own logic: sentence splitting, thresholds, query building, prompt assembly)
         self.step_seconds = {"engine": 0.0, "attention_passes": 0.0, "methods_and_other": 0.0,
@@ -199,7 +210,7 @@ class Scheduler:
         self._by_seq: dict[int, tuple[_Live, int | None]] = {}  # id(seq) -> (question, Parallel part or None)
         self._tickets: dict[int, Ticket] = {}  # id(live) -> ticket
         self._pool: ThreadPoolExecutor | None = None
-        self._search: tuple[Future, list] | None = None
+        self._searches: list[tuple[Future, list]] = []  # retrieval batches in flight, oldest first
         # results to hand over at the next step: reused generations (known at dispatch), and with overlap all
         self._ready: list[tuple[_Live, int | None, object]] = []
         self.reused_generations = 0
@@ -272,7 +283,7 @@ class Scheduler:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
-        self._search = None
+        self._searches = []
         for fut, lv, i, r in self._texts:  # texts still out: asked again by the next step, if there is one
             fut.cancel()
             if id(lv) in self._live:
@@ -348,15 +359,20 @@ class Scheduler:
             t_attn += time.perf_counter() - ta
             for (lv, i, _), r in zip(items, res):
                 self._result(lv, i, r)
-        # retrieval: submit a batch if none is in flight (without overlap, with the queries the attention passes
-        # just led to); collect a finished one
+        # retrieval: submit a batch if fewer than search_concurrency are in flight (without overlap, with the
+        # queries the attention passes just led to); collect the finished ones (when nothing else can move, wait
+        # for the first to finish)
         self._submit_search()
-        if self._search is not None and (self._search[0].done() or (
-                self.wait_for_search and not (self.engine.has_work or launched or self._ready or self._texts))):
-            fut, items = self._search
-            self._search = None
-            docs = fut.result()
-            for (lv, i, r), d in zip(items, docs):
+        if self._searches and self.wait_for_search and not any(f.done() for f, _ in self._searches) \
+                and not (self.engine.has_work or launched or self._ready or self._texts):
+            wait([f for f, _ in self._searches], return_when=FIRST_COMPLETED)
+        ended = [x[0].done() for x in self._searches]  # (read once: a batch may finish meanwhile)
+        done = [x for x, e in zip(self._searches, ended) if e]
+        if done:
+            self._searches = [x for x, e in zip(self._searches, ended) if not e]
+            progressed = True
+        for fut, items in done:  # (in the order they were submitted)
+            for (lv, i, r), d in zip(items, fut.result()):
                 if isinstance(d, SearchFailure):  # this query's retrieval raised: its question ends, not the run
                     self._fail(lv, f"retrieval of {r.query!r} failed: {d.message}")
                     continue
@@ -364,7 +380,6 @@ class Scheduler:
                     self._emit(lv, "documents", {"query": r.query, "doc_ids": [x.id for x in d],
                                                  "titles": [x.title for x in d]})
                 self._result(lv, i, d)
-            progressed = True
         finished = []
         if launched is not None:
             te = time.perf_counter()
@@ -400,7 +415,7 @@ class Scheduler:
             # wait for the first text or the search in flight
             if not (progressed or finished or self.engine.has_work or self._ready):
                 tw = time.perf_counter()
-                wait([f for f, _, _, _ in self._texts] + ([self._search[0]] if self._search else []),
+                wait([f for f, _, _, _ in self._texts] + [f for f, _ in self._searches],
                      timeout=None if self.wait_for_search else 0.05, return_when=FIRST_COMPLETED)
                 t_wait += time.perf_counter() - tw
                 progressed = True
@@ -411,21 +426,21 @@ class Scheduler:
         sec["attention_passes"] += t_attn
         sec["waiting_text_workers"] += t_wait
         sec["methods_and_other"] += time.perf_counter() - t0 - t_eng - t_attn - t_wait
-        if not progressed and self._live and self._search is None and not self._texts:
+        if not progressed and self._live and not self._searches and not self._texts:
             stuck = [type(lv.request).__name__ for lv in self._live.values()]
             raise RuntimeError(f"scheduler made no progress; pending requests: {stuck}")
         return progressed
 
     def _submit_search(self) -> None:
-        if self._search is not None:
+        if len(self._searches) >= self.search_concurrency:
             return
         items = self._take(Search)
         if items:
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(max_workers=1)
+                self._pool = ThreadPoolExecutor(max_workers=self.search_concurrency)
             for lv, _, r in items:
                 self._emit(lv, "search", {"query": r.query, "k": r.k})
-            self._search = (self._pool.submit(self._run_search, [r for _, _, r in items]), items)
+            self._searches.append((self._pool.submit(self._run_search, [r for _, _, r in items]), items))
 
     def _passes_launch(self, seqs: list[list[int]], kind: str):
         launch = getattr(self.engine, "attention_passes_launch", None)
@@ -691,8 +706,9 @@ class Scheduler:
                 warnings.warn(f"retrieval failed for {len(failed)} of {len(reqs)} queries ({failed[0].message}); "
                               "their questions end with an error, the others go on", RuntimeWarning, stacklevel=2)
         out = [d if isinstance(d, SearchFailure) else d[: r.k] for d, r in zip(out, reqs)]
-        self.search_seconds += time.perf_counter() - t
-        self.search_batches.append(len(reqs))
+        with self._search_lock:  # (concurrent batches finish on several threads)
+            self.search_seconds += time.perf_counter() - t
+            self.search_batches.append(len(reqs))
         return out
 
 

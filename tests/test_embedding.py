@@ -213,6 +213,51 @@ def test_async_engine_cancels_a_stream_dropped_unread(go):
         ae.close()
 
 
+@pytest.mark.parametrize("concurrency", [1, 2])
+def test_async_engine_a_slow_search_holds_back_later_ones_only_with_one_batch_in_flight(go, concurrency):
+    """A search server's slow call (2 s here) for one question: with two retrieval batches in flight, a question
+    asked after it gets its documents and its answer at once; with one, it waits behind the slow batch."""
+    from fastrag.serving.async_engine import AsyncEngine
+
+    slow_s = 2.0
+
+    class SlowTail(Passages):
+        concurrent_searches = 8  # (the scheduler's search_concurrency below decides)
+
+        def search(self, queries, k):
+            if any("number 1?" in q for q in queries):
+                time.sleep(slow_s)
+            return super().search(queries, k)
+
+    cfg = {"generate_max_length": 4, "fewshot": 0}
+    ae = AsyncEngine(go.engine, SlowTail(), search_concurrency=concurrency)
+    assert ae.scheduler.search_concurrency == concurrency
+    try:
+        async def both():
+            searched = asyncio.Event()
+
+            async def ask(q):
+                t = time.perf_counter()
+                async for ev in await ae.submit(q, method="sr-rag", dataset="nq", config=cfg):
+                    if ev.kind == "search":
+                        searched.set()
+                    last = ev.kind
+                return last, time.perf_counter() - t
+
+            slow = asyncio.create_task(ask("who wrote book number 1?"))
+            await asyncio.wait_for(searched.wait(), 60)  # its batch has left
+            fast = await asyncio.wait_for(ask("who wrote book number 2?"), 60)
+            return await slow, fast
+        (kind1, _), (kind2, t2) = asyncio.run(both())
+    finally:
+        ae.close()
+    assert kind1 == kind2 == "answer"
+    if concurrency == 1:
+        assert t2 > slow_s / 2
+    else:
+        assert t2 < slow_s / 2
+
+
 def test_async_engine_submit_after_its_worker_died_is_an_error(go):
     from fastrag.serving.async_engine import AsyncEngine
 

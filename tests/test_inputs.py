@@ -358,6 +358,8 @@ def test_cli_errors_for_odd_arguments(tmp_path):
             "--limit", "1", "--no-progress"]
     for extra, msg in ((["--output", str(afile)], "is a file, expected a directory"),
                        (["--output", str(tmp_path / "o"), "--threads", "-1"], "--threads must be an int >= 1"),
+                       (["--output", str(tmp_path / "o"), "--search-concurrency", "0"],
+                        "--search-concurrency must be an int >= 1"),
                        (["--output", str(tmp_path / "o"), "--top-p", "0.5"], "applies only when sampling"),
                        (["--output", str(tmp_path / "o"), "--top-k", "5"], "applies only when sampling"),
                        (["--output", str(tmp_path / "o"), "--top-k", "-2", "--temperature", "0.5"],

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from dataclasses import dataclass, field
+
+import pytest
 
 from fastrag.engine import Generation
 from fastrag.retrieval.base import Doc
@@ -127,3 +131,92 @@ def test_per_question_errors_are_recorded_and_others_finish():
     assert "exceeds the model context" in by["c"].error
     assert by["a"].error is None and by["d"].error is None
     assert eng.released == 2 * 2 + 1  # a, d: two branches; c: one (its first prompt failed); b: none
+
+
+class SlowRetriever(FakeRetriever):
+    """Every call takes `delay` seconds (a search server's round trip); records the most calls in flight at once."""
+
+    def __init__(self, delay=0.03, concurrent=None):
+        super().__init__()
+        self.delay, self.active, self.peak, self.lock = delay, 0, 0, threading.Lock()
+        if concurrent is not None:
+            self.concurrent_searches = concurrent
+
+    def search(self, queries, k):
+        with self.lock:
+            self.active += 1
+            self.peak = max(self.peak, self.active)
+        try:
+            time.sleep(self.delay)
+            with self.lock:
+                return super().search(queries, k)
+        finally:
+            with self.lock:
+                self.active -= 1
+
+
+def staggered(ex):
+    """Questions reach their search after 1-4 generations (so searches are asked for at different steps), then
+    generate once more with the documents."""
+    for j in range(1 + int(ex.qid) % 4):
+        yield Generate(f"{ex.question} round {j}", 2)
+    docs = yield Search(ex.question, 2)
+    g = yield Generate("with " + ",".join(d.id for d in docs), 2, branch=1)
+    return QuestionResult(qid=ex.qid, question=ex.question, gold=ex.answers, text=str(len(g.ids)),
+                          rounds=[Round(trigger_sentence="s", query=ex.question, doc_ids=[d.id for d in docs])])
+
+
+def _docs_by_question(out):
+    return {r.qid: (r.error, r.rounds[0].doc_ids if r.rounds else None) for r in out}
+
+
+def test_retrieval_batches_in_flight_are_bounded_by_search_concurrency():
+    """One batch at a time by default: the searches asked for while it runs wait for it and go together. With
+    search_concurrency 3 they leave at once, in up to three batches in flight; every question gets the same
+    documents either way."""
+    exs = [Ex(str(i), f"q{i}") for i in range(16)]
+    got = {}
+    for n in (1, 3):
+        eng, ret = FakeEngine(steps=1), SlowRetriever()
+        out = []
+        sched = Scheduler(eng, ret, staggered, max_inflight=16, search_concurrency=n)
+        sched.run(exs, out.append)
+        assert len(out) == 16 and all(r.error is None for r in out)
+        assert sum(ret.batches) == 16 and sorted(sched.search_batches) == sorted(ret.batches)
+        got[n] = (_docs_by_question(out), ret.peak, len(ret.batches))
+    assert got[1][1] == 1 and got[3][1] > 1 and got[3][1] <= 3
+    assert got[1][0] == got[3][0]
+
+
+def test_search_concurrency_defaults_to_what_the_retriever_serves():
+    eng = FakeEngine(steps=1)
+    assert Scheduler(eng, FakeRetriever(), staggered).search_concurrency == 1
+    ret = SlowRetriever(concurrent=2)
+    sched = Scheduler(eng, ret, staggered, max_inflight=16)
+    assert sched.search_concurrency == 2
+    out = []
+    sched.run([Ex(str(i), f"q{i}") for i in range(16)], out.append)
+    assert len(out) == 16 and ret.peak == 2
+    assert Scheduler(eng, ret, staggered, search_concurrency=1).search_concurrency == 1  # the caller's word wins
+    for bad in (0, -1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="search_concurrency must be an int >= 1"):
+            Scheduler(eng, FakeRetriever(), staggered, search_concurrency=bad)
+
+
+def test_a_failing_batch_among_concurrent_ones_ends_only_its_questions():
+    class Flaky(SlowRetriever):
+        def search(self, queries, k):
+            if any(q == "q5" for q in queries) and len(queries) == 1:
+                raise ConnectionError("server reset")
+            if any(q == "q5" for q in queries):
+                raise ConnectionError("batch with q5")
+            return super().search(queries, k)
+
+    eng, ret = FakeEngine(steps=1), Flaky()
+    out = []
+    with pytest.warns(RuntimeWarning, match="retrieval failed for 1 of"):
+        Scheduler(eng, ret, staggered, max_inflight=16, search_concurrency=3).run(
+            [Ex(str(i), f"q{i}") for i in range(12)], out.append)
+    by = {r.qid: r for r in out}
+    assert len(by) == 12 and "server reset" in by["5"].error
+    assert all(r.error is None for q, r in by.items() if q != "5")

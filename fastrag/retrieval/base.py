@@ -20,7 +20,14 @@ class Retriever(ABC):
     `search(queries, k)` returns one list per query, in query order, of at most k documents sorted by score
     descending (ties in corpus order). A query may get fewer than k documents (a corpus with fewer than k
     matching passages) or none (an empty query, or one made only of stopwords).
+
+    `concurrent_searches`: how many `search` calls the retriever serves at once from different threads; the
+    scheduler keeps at most that many retrieval batches in flight (its `search_concurrency`, `--search-concurrency`,
+    overrides it). 1 (the default): one call at a time. Set more only for a retriever that is safe to call from
+    several threads and whose backend answers calls in parallel (a search server).
     """
+
+    concurrent_searches: int = 1
 
     @abstractmethod
     def search(self, queries: list[str], k: int) -> list[list[Doc]]:

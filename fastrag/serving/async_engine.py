@@ -98,11 +98,13 @@ class AsyncEngine:
 
     engine, retriever: a built `fastrag.engine.Engine` and a `Retriever`. max_inflight: questions served at once
     (the rest wait in the admission queue, at most max_queue of them; beyond that `submit` raises QueueFull).
+    search_concurrency: retrieval batches in flight at once (None: the retriever's `concurrent_searches`).
     """
 
     MAX_POLICIES = 256  # distinct (method, dataset, config) kept ready
 
-    def __init__(self, engine, retriever, max_inflight: int = 64, max_queue: int = 256):
+    def __init__(self, engine, retriever, max_inflight: int = 64, max_queue: int = 256,
+                 search_concurrency: int | None = None):
         from fastrag.scheduler import Scheduler
 
         if max_inflight <= 0 or max_queue < 0:
@@ -110,7 +112,8 @@ class AsyncEngine:
         self.engine, self.retriever = engine, retriever
         self.max_queue = max_queue
         # (a retrieval in flight never blocks the worker: it admits, cancels and times out requests meanwhile)
-        self.scheduler = Scheduler(engine, retriever, max_inflight=max_inflight, wait_for_search=False)
+        self.scheduler = Scheduler(engine, retriever, max_inflight=max_inflight, wait_for_search=False,
+                                   search_concurrency=search_concurrency)
         self._inbox: queue.Queue = queue.Queue()
         # (method, dataset, config) -> [policy, its shared prefix in the engine or None]; the least recently used
         # go beyond MAX_POLICIES (a question in flight keeps its own policy)

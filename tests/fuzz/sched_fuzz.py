@@ -37,10 +37,12 @@ class Ex:
 class FakeRetriever:
     """Deterministic docs from the query text: doc ids are token ids of the query mixed."""
 
-    def __init__(self, V):
-        self.V = V
+    def __init__(self, V, delay_s=0.0):
+        self.V, self.delay_s = V, delay_s
 
     def search(self, queries, k):
+        if self.delay_s:  # (a round trip: concurrent batches then overlap and finish out of order)
+            time.sleep(self.delay_s * (1 + len(queries) % 3))
         out = []
         for q in queries:
             ids = [int(x) for x in q.split()] or [1]
@@ -128,7 +130,7 @@ def make_policy(V, prefixes, traces):
     return policy
 
 
-def run(wl_seed, ec: F.EngineCfg, n_q, inflight, overlap, cancel, V=96):
+def run(wl_seed, ec: F.EngineCfg, n_q, inflight, overlap, cancel, V=96, search_concurrency=1):
     r = random.Random(wl_seed)
     bs = r.choice([2, 4, 8])
     prefixes = [[r.randrange(0, V - 1) for _ in range(r.randint(bs, 4 * bs))] for _ in range(r.randint(0, 2))]
@@ -138,8 +140,9 @@ def run(wl_seed, ec: F.EngineCfg, n_q, inflight, overlap, cancel, V=96):
         eng.set_prefix(s(p))
     free0 = eng.pool.num_free
     traces, results = {}, {}
-    sched = Scheduler(eng, FakeRetriever(V), make_policy(V, prefixes, traces), max_inflight=inflight, overlap=overlap,
-                      text_workers=0)
+    sched = Scheduler(eng, FakeRetriever(V, 0.001 if search_concurrency > 1 else 0.0),
+                      make_policy(V, prefixes, traces), max_inflight=inflight, overlap=overlap, text_workers=0,
+                      search_concurrency=search_concurrency)
     exs = [Ex(f"q{i}", f"question {i}", (), wl_seed * 1000 + i) for i in range(n_q)]
     tickets = [sched.submit(ex, lambda res, ex=ex: results.__setitem__(ex.qid, res)) for ex in exs]
     steps = 0
@@ -235,16 +238,17 @@ def run_seed(seed):
                         max_prefill_tokens=r.choice([16, 64, 4096]))
     ov = r.random() < 0.5
     inflight = r.randint(2, 10)
+    sc = r.choice([1, 1, 2, 4])  # retrieval batches in flight (drawn last: the earlier draws stay each seed's)
     try:
-        ta, ra, sa, reused = run(seed, tight, n_q, inflight, ov, cancel)
+        ta, ra, sa, reused = run(seed, tight, n_q, inflight, ov, cancel, search_concurrency=sc)
     except Exception as e:  # noqa: BLE001
         import traceback
 
         traceback.print_exc()
-        return [f"tight: {type(e).__name__}: {e}"], (tight, ov, inflight)
+        return [f"tight: {type(e).__name__}: {e}"], (tight, ov, inflight, sc)
     cancelled = {f"q{t}" for t, _ in cancel}
     compare(ta, tb, ra, rb, cancelled, problems, hf, 95)
-    return problems, (tight, ov, inflight, sa["kv_waits"], sa["evictions"], reused)
+    return problems, (tight, ov, inflight, sc, sa["kv_waits"], sa["evictions"], reused)
 
 
 def main():
@@ -258,8 +262,8 @@ def main():
         problems, info = run_seed(seed)
         cfg = "" if info is None else (
             f"blocks={info[0].blocks} batch={info[0].max_batch} graphs={info[0].cuda_graphs} "
-            f"pc={info[0].prefix_caching} ov={info[1]} inflight={info[2]} "
-            + (f"kv_waits={info[3]} evictions={info[4]} reused={info[5]}" if len(info) > 3 else ""))
+            f"pc={info[0].prefix_caching} ov={info[1]} inflight={info[2]} searches={info[3]} "
+            + (f"kv_waits={info[4]} evictions={info[5]} reused={info[6]}" if len(info) > 4 else ""))
         print(f"seed {seed}: {'OK' if not problems else 'FAIL'} {time.time() - t0:.1f}s {cfg}", flush=True)
         for p in problems[:8]:
             print("   ", p)
