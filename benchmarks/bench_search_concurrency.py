@@ -79,6 +79,7 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--reps", type=int, default=1, help="timed runs per setting (settings in order, then reversed)")
     ap.add_argument("--results", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--name", default=None, help="file stem of the tables (default: search_concurrency_<device>[_tail])")
     args = ap.parse_args()
     if 1 not in args.concurrency:
         raise SystemExit("--concurrency must include 1 (the baseline the others are compared with)")
@@ -148,7 +149,8 @@ def main() -> None:
         table += "| " + " | ".join(f"{r[k]:.4g}" if isinstance(r[k], float) else str(r[k]) for k in cols) + " |\n"
     out = Path(args.results)
     out.mkdir(parents=True, exist_ok=True)
-    name = "search_concurrency_" + ("gpu" if device == "cuda" else "cpu") + ("_tail" if args.slow_every else "")
+    name = args.name or ("search_concurrency_" + ("gpu" if device == "cuda" else "cpu")
+                         + ("_tail" if args.slow_every else ""))
     (out / f"{name}.md").write_text(head + table)
     (out / f"{name}.json").write_text(json.dumps({"command": cmd, "device": dev_name, "rows": rows, "runs": per,
                                                   "same_answers": same, "latency_ms": args.latency_ms,

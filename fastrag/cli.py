@@ -38,8 +38,8 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="processes for the methods' spaCy work (0: in the main process; default: with overlap all "
                         "cores but two, at most 8, else 0)")
     p.add_argument("--search-concurrency", type=int, default=None,
-                   help="retrieval batches in flight at once (default: what the retriever serves: 4 for "
-                        "elasticsearch, 1 for bm25 and dense)")
+                   help="retrieval batches in flight at once (default: what the retriever serves: 1 for bm25, "
+                        "dense and elasticsearch)")
     p.add_argument("--threads", type=int, help="torch CPU threads")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0 (default): greedy; > 0: sample inside the fused signal kernel (run only; parity is greedy)")
@@ -90,6 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("--served-model-name", help="the model id clients send and GET /v1/models lists (default: "
                     "--model as given); a request naming another model gets 404")
     sp.add_argument("--seed", type=int, default=0)
+    sp.add_argument("--search-concurrency", type=int, default=None,
+                    help="retrieval batches in flight at once, so that a slow search holds back no other (default: "
+                         "what the retriever serves: 1)")
     args = ap.parse_args(argv)
     if args.cmd == "index":
         return _index(args)
@@ -100,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
             serve(model=args.model, corpus=args.corpus, retriever=args.retriever, host=args.host, port=args.port,
                   batch_size=args.batch_size, max_queue=args.max_queue, timeout_s=args.timeout,
                   kv_cache_gb=args.kv_cache_gb, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-                  top_k=args.top_k, served_model_name=args.served_model_name)
+                  top_k=args.top_k, served_model_name=args.served_model_name,
+                  search_concurrency=args.search_concurrency)
         except ValueError as e:
             print(f"fastrag: error: {e}", file=sys.stderr)
             return 2

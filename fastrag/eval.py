@@ -58,7 +58,7 @@ class RunOptions:
     # all cores but two, at most 8 (fastrag.text.pool.auto_text_workers), else 0
     text_workers: int | None = None
     # retrieval batches in flight at once (Scheduler.search_concurrency); None: what the retriever serves
-    # (Retriever.concurrent_searches: 4 for Elasticsearch, 1 for the in-process ones)
+    # (Retriever.concurrent_searches: 1 for the bundled ones)
     search_concurrency: int | None = None
     progress: bool = True
     retriever: str = "bm25"  # bm25 | dense | elasticsearch (fastrag.retrieval.RETRIEVERS)

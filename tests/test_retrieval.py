@@ -99,6 +99,18 @@ def test_bm25_matches_brute_force(tmp_path, corpus, tie_breaker, k):
         assert all((d.title, d.text) == by_id[d.id] for d in docs)
 
 
+def test_bm25_from_several_threads_answers_as_one_thread(tmp_path, corpus):
+    """The scheduler may keep several retrieval batches in flight (search_concurrency): calls from 8 threads at once
+    give each query what a lone call gives."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    r = BM25Retriever(corpus, index_dir=tmp_path / "idx", show_progress=False)
+    want = [[(d.id, d.score) for d in docs] for docs in r.search(QUERIES, 3)]
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda i: r.search([QUERIES[i % len(QUERIES)]], 3)[0], range(64)))
+    assert [[(d.id, d.score) for d in docs] for docs in got] == [want[i % len(QUERIES)] for i in range(64)]
+
+
 def test_title_and_text_are_separate_fields(tmp_path, corpus):
     """'Paris Paris' (a8) matches only in its title; 'Paris' (a1) in both: max + 0.5 * other decides."""
     r = BM25Retriever(corpus, index_dir=tmp_path / "idx", show_progress=False)

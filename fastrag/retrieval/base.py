@@ -21,10 +21,11 @@ class Retriever(ABC):
     descending (ties in corpus order). A query may get fewer than k documents (a corpus with fewer than k
     matching passages) or none (an empty query, or one made only of stopwords).
 
-    `concurrent_searches`: how many `search` calls the retriever serves at once from different threads; the
-    scheduler keeps at most that many retrieval batches in flight (its `search_concurrency`, `--search-concurrency`,
-    overrides it). 1 (the default): one call at a time. Set more only for a retriever that is safe to call from
-    several threads and whose backend answers calls in parallel (a search server).
+    `concurrent_searches`: how many retrieval batches the scheduler keeps in flight for this retriever by default,
+    each `search` call on its own thread (the scheduler's `search_concurrency`, `--search-concurrency`, overrides it).
+    1: one call at a time. More suits a backend that answers calls in parallel (a search server) and a retriever
+    that is safe to call from several threads: the bundled BM25, dense and Elasticsearch ones are (the in-process
+    two run their calls one after the other), and all three keep 1.
     """
 
     concurrent_searches: int = 1

@@ -33,6 +33,7 @@ import os
 import re
 import shutil
 import sys
+import threading
 import warnings
 from pathlib import Path
 
@@ -238,6 +239,7 @@ class BM25Retriever(Retriever):
         self.show_progress = show_progress
         self._bm25s = bm25s
         self._stemmer = Stemmer.Stemmer(_STEMMER)
+        self._lock = threading.Lock()  # one search at a time (the stemmer is not thread-safe)
 
         manifest = self._manifest()
         candidates = [Path(index_dir)] if index_dir is not None else self._default_dirs()
@@ -332,6 +334,10 @@ class BM25Retriever(Retriever):
         """
         self.check_k(k)
         queries = self.check_queries(queries)
+        with self._lock:  # (safe from several threads: calls run one after the other)
+            return self._search(queries, k)
+
+    def _search(self, queries: list[str], k: int) -> list[list[Doc]]:
         # Exact scores from full per-field vectors: bm25s' own retrieve() also builds a dense [N] vector per
         # query, so a top-(k*20) candidate union per field would cost those two dense passes *plus* a re-score,
         # and would need a bound check to stay exact. One O(N) pass of max/min/add per query is the cheapest

@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -82,6 +83,7 @@ class DenseRetriever(Retriever):
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.batch_size, self.show_progress = batch_size, show_progress
         self._faiss = faiss
+        self._lock = threading.Lock()  # one search at a time: safe from several threads
         from transformers.utils import logging as hf_logging
 
         bar = hf_logging.is_progress_bar_enabled()
@@ -155,7 +157,8 @@ class DenseRetriever(Retriever):
         out: list[list[Doc]] = [[] for _ in queries]
         if not live:
             return out
-        scores, ids = self.index.search(self.encode([queries[i] for i in live]), min(k, self.n_docs))
+        with self._lock:
+            scores, ids = self.index.search(self.encode([queries[i] for i in live]), min(k, self.n_docs))
         for row, i in enumerate(live):
             out[i] = [self._store.get(int(j), float(s)) for j, s in zip(ids[row], scores[row]) if j >= 0]
         return out

@@ -26,9 +26,6 @@ def _client(url: str, timeout: float):
 
 
 class ElasticRetriever(Retriever):
-    # the client is thread-safe (one connection pool) and the server answers _msearch calls in parallel
-    concurrent_searches = 4
-
     def __init__(self, url: str | None = None, index: str | None = None, fields: tuple[str, str] = ("title", "text"),
                  tie_breaker: float = 0.5, timeout: float = 30.0, corpus_path=None, show_progress: bool = True):
         self.url = url or os.environ.get("FASTRAG_ES_URL", "http://localhost:9200")

@@ -398,10 +398,11 @@ def prometheus_text(m: dict) -> str:
 def serve(model: str = "smollm2", corpus: str | None = None, retriever: str = "bm25", host: str = "127.0.0.1",
           port: int = 8000, batch_size: int = 32, max_queue: int = 256, timeout_s: float = 600.0,
           kv_cache_gb: float | None = None, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
-          top_k: int = 0, served_model_name: str | None = None) -> None:
+          top_k: int = 0, served_model_name: str | None = None, search_concurrency: int | None = None) -> None:
     """Serve the HTTP API (create_app). temperature/top_p/top_k/seed: the engine's decoding for every request
     (greedy by default); a request's sampling keys come from its id (the client's qid, else its arrival number).
-    served_model_name: the model id of /v1/models and of requests (default: `model` as given)."""
+    served_model_name: the model id of /v1/models and of requests (default: `model` as given). search_concurrency:
+    retrieval batches in flight at once (default: the retriever's `concurrent_searches`, 1 for the bundled ones)."""
     import uvicorn
 
     from fastrag.engine import SamplingParams
@@ -411,7 +412,8 @@ def serve(model: str = "smollm2", corpus: str | None = None, retriever: str = "b
     sampling = SamplingParams(temperature=temperature, top_p=top_p, seed=seed, top_k=top_k)  # ValueError: bad value
     eng = build_engine(model, batch_size, kv_cache_gb=kv_cache_gb, sampling=sampling)
     ret = make_retriever(retriever, corpus_path=corpus or str(BUNDLED / "wiki_passages.jsonl"))
-    engine = AsyncEngine(eng, ret, max_inflight=2 * batch_size, max_queue=max_queue)
+    engine = AsyncEngine(eng, ret, max_inflight=2 * batch_size, max_queue=max_queue,
+                         search_concurrency=search_concurrency)
     try:
         app = create_app(engine, timeout_s=timeout_s, model_name=served_model_name or model)
         uvicorn.run(app, host=host, port=port, log_level="info")
