@@ -4,16 +4,16 @@ A search server (Elasticsearch over the 21M-passage Wikipedia) answers each `_ms
 not shrink with the batch. With one retrieval batch in flight, the queries asked for while it runs wait for it and
 then for their own batch; with N in flight they leave at once. This times the same DRAGIN run (same engine, same
 questions) at each `--concurrency`: BM25 over the bundled corpus behind a fixed `--latency-ms` per call (the
-in-process search itself runs one call at a time, under a lock; the latency is a sleep outside it, as a server's
-round trip is), and checks that every setting gives every question the same prediction and retrievals.
+in-process search itself runs one call at a time, under the retriever's lock; the latency is a sleep outside it, as
+a server's round trip is), and checks that every setting gives every question the same prediction and retrievals.
 
     python benchmarks/bench_search_concurrency.py                      # SmolLM2 (embedded), 16 questions
     python benchmarks/bench_search_concurrency.py --model /tmp/random  # any HF directory (make_random_model.py)
 
 Writes benchmarks/results/search_concurrency_<device>[_tail].md (+ .json): questions/s per setting (median of
---reps runs, settings in order then reversed), the ratio to one batch in flight measured in the same process, retrieval batches
-and their mean size, the most batches that were in flight at once, the seconds questions spent waiting for documents, and the questions' own latency (admission
-to answer: median and max).
+--reps runs, settings in order then reversed), the ratio to one batch in flight measured in the same process,
+retrieval batches and their mean size, the most batches that were in flight at once, the seconds questions spent
+waiting for documents, and the questions' own latency (admission to answer: median and max).
 """
 
 from __future__ import annotations
@@ -41,13 +41,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 class RoundTrip(Retriever):
     """An in-process retriever behind a round-trip latency per call: `latency_s`, and `slow_s` for every
-    `slow_every`-th call (a server's slow tail: a pause, a cold segment); the search itself runs one call at a time.
-    Serves up to `concurrent` calls at once (the scheduler's default search_concurrency)."""
+    `slow_every`-th call (a server's slow tail: a pause, a cold segment). The inner search runs one call at a time
+    (the bundled retrievers hold a lock)."""
 
-    def __init__(self, inner: Retriever, latency_s: float, slow_every: int = 0, slow_s: float = 0.0,
-                 concurrent: int = 8):
-        self.inner, self.latency_s, self.concurrent_searches = inner, latency_s, concurrent
-        self.slow_every, self.slow_s = slow_every, slow_s
+    def __init__(self, inner: Retriever, latency_s: float, slow_every: int = 0, slow_s: float = 0.0):
+        self.inner, self.latency_s, self.slow_every, self.slow_s = inner, latency_s, slow_every, slow_s
         self._lock = threading.Lock()
         self.calls = self.active = self.peak = 0  # peak: the most calls in flight at once (reset per run)
 
@@ -59,8 +57,7 @@ class RoundTrip(Retriever):
             n = self.calls
         try:
             time.sleep(self.slow_s if self.slow_every and n % self.slow_every == 0 else self.latency_s)
-            with self._lock:
-                return self.inner.search(queries, k)
+            return self.inner.search(queries, k)
         finally:
             with self._lock:
                 self.active -= 1
@@ -79,7 +76,8 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--reps", type=int, default=1, help="timed runs per setting (settings in order, then reversed)")
     ap.add_argument("--results", default=str(ROOT / "benchmarks" / "results"))
-    ap.add_argument("--name", default=None, help="file stem of the tables (default: search_concurrency_<device>[_tail])")
+    ap.add_argument("--name", default=None,
+                    help="file stem of the tables (default: search_concurrency_<device>[_tail])")
     args = ap.parse_args()
     if 1 not in args.concurrency:
         raise SystemExit("--concurrency must include 1 (the baseline the others are compared with)")
@@ -127,7 +125,8 @@ def main() -> None:
     for c in args.concurrency:
         med = {k: statistics.median(x[k] for x in per[c]) for k in per[c][0]}
         rows.append({"concurrency": c, **med, "speedup_vs_1": med["questions_per_s"] / base})
-    dev_name = torch.cuda.get_device_name() if device == "cuda" else f"CPU {cpu_name()}, {torch.get_num_threads()} threads"
+    dev_name = (torch.cuda.get_device_name() if device == "cuda"
+                else f"CPU {cpu_name()}, {torch.get_num_threads()} threads")
     cmd = "python " + shlex.join([Path(sys.argv[0]).as_posix()] + sys.argv[1:])
     tail = f", every {args.slow_every}th call {args.slow_ms:g} ms" if args.slow_every else ""
     head = (f"# Retrieval batches in flight (DRAGIN, search round trip {args.latency_ms:g} ms{tail})\n\n"
@@ -141,9 +140,8 @@ def main() -> None:
             f"- same predictions, queries and documents at every setting: {'yes' if same else 'NO'}\n"
             f"- command: `{cmd}`\n\n")
     cols = ["concurrency", "questions_per_s", "speedup_vs_1", "wall_s", "batches", "peak_batches_in_flight",
-            "mean_batch_size",
-            "retrievals_per_question", "retrieval_wait_s_per_question", "question_latency_s_median",
-            "question_latency_s_max", "em", "f1"]
+            "mean_batch_size", "retrievals_per_question", "retrieval_wait_s_per_question",
+            "question_latency_s_median", "question_latency_s_max", "em", "f1"]
     table = "| " + " | ".join(cols) + " |\n|" + "---|" * len(cols) + "\n"
     for r in rows:
         table += "| " + " | ".join(f"{r[k]:.4g}" if isinstance(r[k], float) else str(r[k]) for k in cols) + " |\n"
