@@ -29,6 +29,7 @@ import torch
 from fastrag.cache.kv import OutOfBlocks
 from fastrag.data.datasets import Example, load_examples
 from fastrag.data.metrics import aggregate, score
+from fastrag.model.loading import control_token_strings, find_control_token
 from fastrag.provenance import environment, source_commit
 from fastrag.trace import QuestionResult
 
@@ -586,6 +587,7 @@ def _run_many(runs: list[RunOptions], engine=None, retriever=None) -> list[dict]
         retriever = retriever or make_retriever(first.retriever, corpus_path=first.corpus,
                                                 show_progress=first.progress)
         policies = [make_policy(o.method, cfg, engine.tok) for o, cfg, *_ in plans]
+        _warn_control_tokens(plans, engine.tok)
         t0 = time.perf_counter()  # (the shared demo prefixes are part of the run's work and of its clock)
         for pol in policies:
             try:
@@ -682,6 +684,22 @@ def _run_many(runs: list[RunOptions], engine=None, retriever=None) -> list[dict]
 MEASURED_FIELDS = ("questions_per_s", "tokens_per_s", "wall_s", "questions_measured", "engine", "kv_cache_gb",
                    "model_costs", "cuda_graphs", "retrieval", "step_seconds", "overlap", "text_workers", "joint",
                    "environment")
+
+
+def _warn_control_tokens(plans, tok) -> None:
+    """Warn, per data file, of questions to run that hold one of the model's control-token strings.
+
+    Batch runs tokenize prompts as the published code does, which reads e.g. "<|im_end|>" in a question as that
+    token (it can end or restructure the method's prompt); `fastrag serve` refuses such a question instead."""
+    specials = control_token_strings(tok)
+    for o, _cfg, _examples, _done, todo in plans:
+        held = [(e.qid, hit) for e in todo if (hit := find_control_token(e.question, specials)) is not None]
+        if held:
+            qid, (t, at) = held[0]
+            warnings.warn(f"{o.data}: {len(held)} question(s) hold a control-token string of the model (first: "
+                          f"{qid!r} holds {t!r} at character {at}); they are tokenized as the published code "
+                          "tokenizes them, which reads the string as that token, not as text", UserWarning,
+                          stacklevel=3)
 
 
 def write_json(path: Path, obj: dict, **kw) -> None:

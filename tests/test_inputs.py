@@ -312,6 +312,20 @@ def test_a_lone_surrogate_in_the_data_is_named_and_a_record_holding_one_is_still
     assert read_results(path)[0].question == "x \udc80 y"
 
 
+def test_questions_holding_control_token_strings_are_named_and_still_run(setup):
+    go, tmp_path, _cfg, data = setup
+    with warnings.catch_warnings(record=True) as seen:  # plain text: no such warning
+        warnings.simplefilter("always")
+        go(out="plain")
+    assert not [w for w in seen if "control-token" in str(w.message)]
+    nq_file(data, ["who wrote book one?", "who wrote <|im_end|> book two?", "<|im_start|>who wrote book three?"])
+    with pytest.warns(UserWarning, match=r"nq\.jsonl: 2 question\(s\) hold a control-token string of the model "
+                                         r"\(first: 'nq-1' holds '<\|im_end\|>' at character 10\)"):
+        m = go(out="ctl")
+    assert m["n"] == 3 and m["errors"] == 0
+    assert [r["qid"] for r in records(tmp_path / "ctl" / "results.jsonl")] == ["nq-0", "nq-1", "nq-2"]
+
+
 @pytest.mark.parametrize("content", ["[]", "null", "42", '"x"'])
 def test_a_run_json_that_is_no_object_is_reported(setup, content):
     go, tmp, _, _ = setup

@@ -98,6 +98,25 @@ def load_tokenizer(name_or_path: str | os.PathLike):
     return tok
 
 
+def control_token_strings(tok) -> list[str]:
+    """The tokenizer's special/control-token strings (e.g. "<|im_end|>"), longest first.
+
+    Prompts are tokenized as the published research code tokenizes them, which reads such a string inside a
+    question as the control token itself, not as text."""
+    specials = {t for t in getattr(tok, "all_special_tokens", None) or [] if t}
+    specials |= {t.content for t in (getattr(tok, "added_tokens_decoder", None) or {}).values()
+                 if getattr(t, "special", False) and t.content}
+    return sorted(specials, key=lambda t: (-len(t), t))
+
+
+def find_control_token(text: str, specials: list[str]) -> tuple[str, int] | None:
+    """The first control-token string of `specials` found in `text` (longest first) and its character offset."""
+    for t in specials:
+        if (at := text.find(t)) >= 0:
+            return t, at
+    return None
+
+
 def load_hf_model(name_or_path: str | os.PathLike, dtype=torch.float32, attn_implementation: str = "eager",
                   device: str | torch.device = "cpu"):
     """The plain transformers model (used by the per-question oracle and as the weight source of our forward)."""

@@ -34,6 +34,7 @@ import time
 import uuid
 from typing import Any, Literal
 
+from fastrag.model.loading import control_token_strings, find_control_token
 from fastrag.serving.async_engine import AsyncEngine, QueueFull
 
 
@@ -67,9 +68,7 @@ def create_app(engine: AsyncEngine, timeout_s: float = 600.0, max_question_chars
     # research code tokenizes, which reads such a string as the control token itself, so a question holding one
     # could end or restructure the method's prompt: it is refused
     tok = getattr(core, "tok", None)
-    specials = sorted({t for t in getattr(tok, "all_special_tokens", None) or [] if t}
-                      | {t.content for t in (getattr(tok, "added_tokens_decoder", None) or {}).values()
-                         if getattr(t, "special", False) and t.content}, key=len, reverse=True)
+    specials = control_token_strings(tok)
 
     class Common(BaseModel):
         # OpenAI's request fields: those the server honours, and those it accepts only at the value it serves
@@ -158,10 +157,9 @@ def create_app(engine: AsyncEngine, timeout_s: float = 600.0, max_question_chars
             v.encode("utf-8")
         except UnicodeEncodeError as e:
             raise ValueError(f"{what} holds a lone surrogate at character {e.start} (not Unicode text)") from None
-        for t in specials:
-            if (at := v.find(t)) >= 0:
-                raise ValueError(f"{what} holds the model's control token {t!r} at character {at}: it would be "
-                                 "read as that token, not as text")
+        if (hit := find_control_token(v, specials)) is not None:
+            raise ValueError(f"{what} holds the model's control token {hit[0]!r} at character {hit[1]}: it would "
+                             "be read as that token, not as text")
 
     app = FastAPI(title="fastrag", version="0.1.0")
     app.state.engine = engine
