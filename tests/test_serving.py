@@ -4,7 +4,9 @@ generations. The server runs in uvicorn on a free port; clients are real HTTP cl
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import sys
 import socket
 import threading
 import time
@@ -28,14 +30,11 @@ def parts():
     return eng, ret
 
 
-@pytest.fixture(scope="module")
-def server(parts):
+@contextlib.contextmanager
+def serving(app):
+    """The app in uvicorn on a free loopback port, for the block's length: yields (host, port)."""
     import uvicorn
 
-    from fastrag.serving.server import create_app
-
-    engine = AsyncEngine(*parts, max_inflight=4, max_queue=4)
-    app = create_app(engine, timeout_s=300, max_question_chars=4096)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -46,9 +45,21 @@ def server(parts):
     while not srv.started and time.time() < deadline:
         time.sleep(0.05)
     assert srv.started
-    yield f"http://127.0.0.1:{port}", engine
-    srv.should_exit = True
-    th.join(timeout=30)
+    try:
+        yield "127.0.0.1", port
+    finally:
+        srv.should_exit = True
+        th.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def server(parts):
+    from fastrag.serving.server import create_app
+
+    engine = AsyncEngine(*parts, max_inflight=4, max_queue=4)
+    app = create_app(engine, timeout_s=300, max_question_chars=4096)
+    with serving(app) as (host, port):
+        yield f"http://{host}:{port}", engine
     engine.close()
 
 
@@ -223,6 +234,46 @@ def test_disconnect_cancels_and_the_server_keeps_serving(server):
     for name in ("fastrag_queue_depth", "fastrag_decode_batch", "fastrag_tokens_per_second",
                  "fastrag_retrievals_per_second", "fastrag_cancelled_total"):
         assert name in m, name
+
+
+def test_a_non_streaming_client_that_hangs_up_while_its_question_decodes_cancels_it(tmp_path):
+    """A question decoding sends an event per token; the server looked at its non-streaming client only after 0.25 s
+    without one, which a fast model never leaves, so the question of a client that hung up decoded to its end for
+    nobody. Now the client is looked at every 0.25 s, events or not: its question is cancelled at once."""
+    import torch
+
+    from fastrag.retrieval.base import Retriever
+    from fastrag.serving.server import create_app
+
+    sys.path.insert(0, str(BUNDLED.parents[2] / "benchmarks"))
+    from make_random_model import make
+
+    class NoDocs(Retriever):
+        def search(self, queries, k):
+            return [[] for _ in queries]
+
+    tiny = make("tiny", tmp_path / "tiny", dtype=torch.float32, device="cpu")  # (a few ms a token on a CPU)
+    engine = AsyncEngine(build_engine(tiny, 2, kv_cache_gb=0.05, device="cpu"), NoDocs(), max_inflight=2)
+    body = json.dumps({"prompt": "Tell me a long story", "max_tokens": 3000,  # (seconds of decoding)
+                       "retrieval": {"method": "wo-rag", "dataset": "nq", "config": {"fewshot": 0}}}).encode()
+    try:
+        with serving(create_app(engine, timeout_s=300)) as (host, port):
+            with socket.create_connection((host, port)) as s:
+                s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                          b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+                deadline = time.time() + 60
+                while engine.metrics()["tokens"] < 20 and time.time() < deadline:
+                    time.sleep(0.01)
+                assert engine.metrics()["tokens"] >= 20  # decoding: the client hangs up
+            deadline = time.time() + 10
+            while engine.metrics()["cancelled"] == 0 and time.time() < deadline:
+                time.sleep(0.05)
+            m = engine.metrics()
+            assert (m["cancelled"], m["finished"], m["inflight"]) == (1, 0, 0), m
+            assert m["tokens"] < 1500  # (cut short, not run to its end)
+            assert not engine.engine.running
+    finally:
+        engine.close()
 
 
 def test_admission_queue_overflow_is_429(parts):

@@ -222,6 +222,18 @@ def create_app(engine: AsyncEngine, timeout_s: float = 600.0, max_question_chars
         # place in the queue go to the others), as a streaming client's does
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
+        look = loop.time() + 0.25  # the next look at the deadline and the client
+
+        async def gone():
+            """The error response if the deadline passed or the client hung up, else None."""
+            nonlocal look
+            look = loop.time() + 0.25
+            if loop.time() >= deadline:
+                return _error(504, f"the question did not finish within {timeout_s:.0f}s")
+            if await request.is_disconnected():
+                return _error(499, "the client closed the request")
+            return None
+
         it = events.__aiter__()
         try:
             while True:
@@ -230,12 +242,9 @@ def create_app(engine: AsyncEngine, timeout_s: float = 600.0, max_question_chars
                     await asyncio.wait({nxt}, timeout=min(0.25, max(0.0, deadline - loop.time())))
                     if nxt.done():
                         break
-                    if loop.time() >= deadline:
+                    if (err := await gone()) is not None:
                         await _drop(nxt)
-                        return _error(504, f"the question did not finish within {timeout_s:.0f}s")
-                    if await request.is_disconnected():
-                        await _drop(nxt)
-                        return _error(499, "the client closed the request")
+                        return err
                 try:
                     ev = nxt.result()
                 except StopAsyncIteration:
@@ -244,6 +253,10 @@ def create_app(engine: AsyncEngine, timeout_s: float = 600.0, max_question_chars
                     return _error(_error_status(ev.data["message"]), ev.data["message"])
                 if ev.kind == "answer":
                     return JSONResponse(_final(ev.data["result"], rid, created, chat))
+                # a progress event: a decoding question sends one per token, more often than the wait above gives
+                # up, so the deadline and the client are looked at every 0.25 s whether events come or not
+                if loop.time() >= look and (err := await gone()) is not None:
+                    return err  # (the question is cancelled below)
         finally:
             await events.aclose()  # (a cancelled wait: the question is cancelled)
 
