@@ -191,6 +191,9 @@ def test_the_official_openai_client_reads_the_stream(server):
     ({"prompt": "   "}, "prompt"),
     ({"prompt": "q", "retrieval": {"dataset": "nope"}}, "nope"),
     ({"messages": []}, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://x/y.png"}}]}]},
+     "messages.0.content: Value error, content part 0 is of type 'image_url'"),
+    ({"messages": [{"role": "user", "content": None}]}, "non-empty user message"),
     ({"prompt": "q", "retrieval": {"method": "flare", "config": {"no_such_key": 1}}}, "retrieval.config"),
     ({"prompt": "q", "retrieval": {"method": "dragin", "config": {"hallucination_threshold": "high"}}},
      "retrieval.config"),
@@ -204,6 +207,27 @@ def test_bad_requests_get_a_4xx_naming_the_problem(server, body, field):
     assert field in msg and ".json" not in msg  # named after the request, not a scratch file
     if "config" in body.get("retrieval", {}):
         assert next(iter(body["retrieval"]["config"])) in msg
+
+
+def test_chat_takes_openai_message_shapes(server):
+    """OpenAI's chat shapes: content as a list of text parts (what the message says is their text), the developer
+    role, an assistant turn without content that called a tool, the tool's answer. The question is the last user
+    message whichever shape it comes in: the same answer as its plain string."""
+    url, _ = server
+    q = QUESTIONS[0]
+    plain = httpx.post(url + "/v1/chat/completions", timeout=300, json={
+        "messages": [{"role": "user", "content": q}], "max_tokens": 20})
+    assert plain.status_code == 200, plain.text
+    msgs = [{"role": "developer", "content": [{"type": "text", "text": "Answer briefly."}]},
+            {"role": "user", "content": "Hello"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "ok"},
+            {"role": "user", "content": [{"type": "text", "text": q[:10]}, {"type": "text", "text": q[10:]}]}]
+    parts = httpx.post(url + "/v1/chat/completions", timeout=300, json={"messages": msgs, "max_tokens": 20})
+    assert parts.status_code == 200, parts.text
+    assert parts.json()["retrieval"]["question"] == q
+    assert parts.json()["choices"][0]["message"]["content"] == plain.json()["choices"][0]["message"]["content"]
 
 
 def test_malformed_json_is_a_4xx(server):

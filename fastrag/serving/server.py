@@ -134,8 +134,22 @@ def create_app(engine: AsyncEngine, timeout_s: float = 600.0, max_question_chars
             return v
 
     class Message(BaseModel):
-        role: Literal["system", "user", "assistant"]
-        content: str
+        # OpenAI's roles and content shapes: a string, a list of content parts (the text parts' texts, joined, are
+        # the content; a part of another kind, e.g. an image, is refused), or none (an assistant turn that called
+        # tools); only the last user message is read, so the earlier turns' roles are accepted as they come
+        role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+        content: str | list[dict[str, Any]] | None = None
+
+        @field_validator("content")
+        @classmethod
+        def _parts(cls, v):
+            if not isinstance(v, list):
+                return v
+            for i, part in enumerate(v):
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise ValueError(f"content part {i} is of type {part.get('type')!r}: only text parts "
+                                     "({'type': 'text', 'text': ...}) are served")
+            return "".join(part["text"] for part in v)
 
     class Chat(Common):
         messages: list[Message] = Field(min_length=1)
@@ -144,7 +158,7 @@ def create_app(engine: AsyncEngine, timeout_s: float = 600.0, max_question_chars
         @classmethod
         def _messages(cls, v: list[Message]) -> list[Message]:
             users = [m for m in v if m.role == "user"]
-            if not users or not users[-1].content.strip():
+            if not users or not (users[-1].content or "").strip():
                 raise ValueError("messages need a non-empty user message (the question)")
             _unicode(users[-1].content, "the user message")
             if len(users[-1].content) > max_question_chars:
