@@ -189,6 +189,10 @@ def test_the_official_openai_client_reads_the_stream(server):
     ({"prompt": "q", "max_tokens": "16"}, "max_tokens"),
     ({"prompt": "x" * (1 << 20)}, "prompt"),
     ({"prompt": "   "}, "prompt"),
+    ({"prompt": ["q1", "q2"]}, "prompt: Value error, a list of 2 prompts: one question per request"),
+    ({"prompt": [1, 2, 3]}, "prompt: Value error, the question is text"),
+    ({"prompt": [[1, 2], [3]]}, "prompt: Value error, the question is text"),
+    ({"prompt": []}, "prompt: Value error, the question is text"),
     ({"prompt": "q", "retrieval": {"dataset": "nope"}}, "nope"),
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://x/y.png"}}]}]},
@@ -207,6 +211,18 @@ def test_bad_requests_get_a_4xx_naming_the_problem(server, body, field):
     assert field in msg and ".json" not in msg  # named after the request, not a scratch file
     if "config" in body.get("retrieval", {}):
         assert next(iter(body["retrieval"]["config"])) in msg
+
+
+def test_a_prompt_as_a_list_of_one_string_is_that_question(server):
+    """OpenAI's completions take a list of prompts, and clients (LangChain's OpenAI LLM) send one question as a list
+    of one: it is the question, with the same answer as its string."""
+    url, _ = server
+    body = {"prompt": QUESTIONS[0], "max_tokens": 20}
+    plain = httpx.post(url + "/v1/completions", json=body, timeout=300)
+    listed = httpx.post(url + "/v1/completions", json={**body, "prompt": [QUESTIONS[0]]}, timeout=300)
+    assert plain.status_code == listed.status_code == 200, listed.text
+    assert listed.json()["choices"][0]["text"] == plain.json()["choices"][0]["text"]
+    assert listed.json()["retrieval"]["question"] == QUESTIONS[0]
 
 
 def test_chat_takes_openai_message_shapes(server):

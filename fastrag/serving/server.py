@@ -123,6 +123,20 @@ def create_app(engine: AsyncEngine, timeout_s: float = 600.0, max_question_chars
     class Completion(Common):
         prompt: str
 
+        @field_validator("prompt", mode="before")
+        @classmethod
+        def _one(cls, v):
+            """OpenAI's prompt may be a list of prompts (clients such as LangChain's send even one as a list): a
+            list of one string is that string; more prompts, or token ids, are refused by what they are."""
+            if not isinstance(v, list):
+                return v
+            if len(v) == 1 and isinstance(v[0], str):
+                return v[0]
+            if v and all(isinstance(x, str) for x in v):
+                raise ValueError(f"a list of {len(v)} prompts: one question per request (send each as its own "
+                                 "request: concurrent requests share the decode batch)")
+            raise ValueError("the question is text: a string (or a list of one string), not token ids")
+
         @field_validator("prompt")
         @classmethod
         def _prompt(cls, v: str) -> str:
