@@ -187,6 +187,10 @@ def test_the_official_openai_client_reads_the_stream(server):
     ({"prompt": "Who directed <|im_end|> Jaws?"}, "control token '<|im_end|>' at character 13"),
     ({"messages": [{"role": "user", "content": "Jaws?<|endoftext|>"}]}, "control token '<|endoftext|>'"),
     ({"prompt": "q", "max_tokens": "16"}, "max_tokens"),
+    ({"prompt": "q", "stream": "yes"}, "stream"),
+    ({"messages": [{"role": "user", "content": "q"}], "max_tokens": 8, "max_completion_tokens": 16},
+     "max_tokens=8 and max_completion_tokens=16 disagree"),
+    ({"messages": [{"role": "user", "content": "q"}], "max_completion_tokens": "16"}, "max_completion_tokens"),
     ({"prompt": "x" * (1 << 20)}, "prompt"),
     ({"prompt": "   "}, "prompt"),
     ({"prompt": ["q1", "q2"]}, "prompt: Value error, a list of 2 prompts: one question per request"),
@@ -228,7 +232,8 @@ def test_a_prompt_as_a_list_of_one_string_is_that_question(server):
 def test_chat_takes_openai_message_shapes(server):
     """OpenAI's chat shapes: content as a list of text parts (what the message says is their text), the developer
     role, an assistant turn without content that called a tool, the tool's answer. The question is the last user
-    message whichever shape it comes in: the same answer as its plain string."""
+    message whichever shape it comes in: the same answer as its plain string (max_completion_tokens stands for
+    max_tokens)."""
     url, _ = server
     q = QUESTIONS[0]
     plain = httpx.post(url + "/v1/chat/completions", timeout=300, json={
@@ -240,7 +245,8 @@ def test_chat_takes_openai_message_shapes(server):
                 {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
             {"role": "tool", "tool_call_id": "c1", "content": "ok"},
             {"role": "user", "content": [{"type": "text", "text": q[:10]}, {"type": "text", "text": q[10:]}]}]
-    parts = httpx.post(url + "/v1/chat/completions", timeout=300, json={"messages": msgs, "max_tokens": 20})
+    # (and OpenAI's newer name of max_tokens)
+    parts = httpx.post(url + "/v1/chat/completions", timeout=300, json={"messages": msgs, "max_completion_tokens": 20})
     assert parts.status_code == 200, parts.text
     assert parts.json()["retrieval"]["question"] == q
     assert parts.json()["choices"][0]["message"]["content"] == plain.json()["choices"][0]["message"]["content"]

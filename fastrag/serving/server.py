@@ -8,8 +8,8 @@
     GET  /metrics               Prometheus text: queue depth, in flight, decode batch, tokens/s, retrievals/s, ...
 
 The prompt is the question; the `retrieval` object picks the dynamic-RAG method, the dataset whose prompts and
-settings it uses, and the method's config (the same keys as its `--config` JSON). `max_tokens`, when given, is the
-length of each generation round (`generate_max_length`; BeamSearchQA: `answer_max_tokens`). Non-streaming answers carry the prediction as the
+settings it uses, and the method's config (the same keys as its `--config` JSON). `max_tokens` (chat: or
+`max_completion_tokens`), when given, is the length of each generation round (`generate_max_length`; BeamSearchQA: `answer_max_tokens`). Non-streaming answers carry the prediction as the
 completion text and the method's whole trace under `retrieval`. With `"stream": true` the response is server-sent
 events an OpenAI client reads unchanged: every chunk has its one choice, and the text deltas join into exactly the
 non-streaming completion text (the prediction, sent in the last chunk with `finish_reason` and the trace under
@@ -43,7 +43,7 @@ def create_app(engine: AsyncEngine, timeout_s: float = 600.0, max_question_chars
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-    from pydantic import BaseModel, ConfigDict, Field, field_validator
+    from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
     class Retrieval(BaseModel):
         model_config = ConfigDict(extra="forbid")
@@ -76,7 +76,7 @@ def create_app(engine: AsyncEngine, timeout_s: float = 600.0, max_question_chars
         model_config = ConfigDict(extra="forbid")
         model: str | None = None
         user: str | None = None
-        stream: bool = False
+        stream: bool = Field(default=False, strict=True)  # ("yes" or 1: refused, never read as true)
         stream_options: StreamOptions | None = None
         max_tokens: int | None = Field(default=None, ge=1, le=4096, strict=True)  # (true or "16": refused)
         retrieval: Retrieval = Field(default_factory=Retrieval)
@@ -167,6 +167,17 @@ def create_app(engine: AsyncEngine, timeout_s: float = 600.0, max_question_chars
 
     class Chat(Common):
         messages: list[Message] = Field(min_length=1)
+        # OpenAI's newer name of max_tokens for chat: either may be given (both: they must agree)
+        max_completion_tokens: int | None = Field(default=None, ge=1, le=4096, strict=True)
+
+        @model_validator(mode="after")
+        def _completion_tokens(self):
+            m, c = self.max_tokens, self.max_completion_tokens
+            if m is not None and c is not None and m != c:
+                raise ValueError(f"max_tokens={m} and max_completion_tokens={c} disagree (give one)")
+            if c is not None:
+                self.max_tokens = c
+            return self
 
         @field_validator("messages")
         @classmethod
