@@ -45,6 +45,10 @@ def _ext_modules() -> list:
     cpp_sources = sorted(str(p.relative_to(ROOT)) for p in (ROOT / CSRC).glob("*.cpp"))
     cu_sources = sorted(str(p.relative_to(ROOT)) for p in (ROOT / CSRC).glob("*.cu"))
     cxx_flags = ["-O3", "-std=c++17"]
+    # FP operations may run speculatively (no code here reads the FP exception flags): GCC then turns the selects
+    # of the softmax loops (csrc/row_softmax.*) into vector blends instead of branches. Results are unchanged.
+    if _compiler_supports("-fno-trapping-math"):
+        cxx_flags.append("-fno-trapping-math")
     # rpath to torch's lib/ so `import fastrag._C` finds libc10/libtorch even before `import torch`.
     torch_lib = Path(torch.__file__).resolve().parent / "lib"
     link_flags: list[str] = [f"-Wl,-rpath,{torch_lib}"] if sys.platform.startswith("linux") else []
@@ -54,6 +58,8 @@ def _ext_modules() -> list:
     ):
         cxx_flags.append("-fopenmp")
         link_flags.append("-fopenmp")
+    elif _compiler_supports("-fopenmp-simd"):  # without OpenMP threads the `omp simd` reductions still vectorise
+        cxx_flags.append("-fopenmp-simd")
 
     with_cuda = bool(torch.version.cuda) and shutil.which("nvcc") is not None and bool(cu_sources)
     if with_cuda:

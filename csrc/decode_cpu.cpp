@@ -6,6 +6,7 @@
 #include <limits>
 #include <vector>
 
+#include "row_softmax.h"
 #include "sampling.h"
 #include "signals_cpu.h"
 
@@ -20,24 +21,32 @@ constexpr int64_t kChunk = 512;
 template <typename T>
 void decode_row(const T* x, int64_t V, float inv_t, bool sample, uint32_t key, int64_t chosen, const uint8_t* nonstop,
                 int64_t* out_c, float* ent, float* lp, float* prob, uint8_t* flag) {
+  namespace rs = row_softmax;
   float buf[kChunk];
   double m = -std::numeric_limits<double>::infinity(), s = 0.0, u = 0.0;
   float best = kNegInf;
   int64_t best_i = -1;
-  bool has_nan = false;  // (std::max drops a NaN: a chunk of -inf and NaN would otherwise look fully masked)
+  bool bad = false;  // a NaN or +inf scaled logit: no distribution (max drops a NaN, so it is tracked apart)
   for (int64_t c0 = 0; c0 < V; c0 += kChunk) {
     const int64_t n = std::min(kChunk, V - c0);
-    float cmax = kNegInf;
-    for (int64_t i = 0; i < n; ++i) {
-      const float y = static_cast<float>(x[c0 + i]) * inv_t;
-      buf[i] = y;
-      cmax = std::max(cmax, y);
-      has_nan |= std::isnan(y);
-      const float score =
-          sample ? y - std::log(-std::log(sampling_uniform(key, static_cast<uint32_t>(c0 + i)))) : y;
-      if (score > best || best_i < 0) {  // strict: ties keep the lowest index; NaN never wins
-        best = score;
-        best_i = c0 + i;
+    float cmax, xmax;
+    rs::scale_chunk(x + c0, n, inv_t, buf, &cmax, &xmax, &bad);
+    if (sample) {
+      for (int64_t i = 0; i < n; ++i) {
+        const float score = buf[i] - std::log(-std::log(sampling_uniform(key, static_cast<uint32_t>(c0 + i))));
+        if (score > best || best_i < 0) {  // strict: ties keep the lowest index; NaN never wins
+          best = score;
+          best_i = c0 + i;
+        }
+      }
+    } else {
+      if (best_i < 0) {  // the first entry is taken whatever it is (a NaN there is never beaten)
+        best = buf[0];
+        best_i = 0;
+      }
+      if (cmax > best) {  // strict: ties keep the lowest index
+        best = cmax;
+        best_i = c0 + rs::first_equal(buf, n, cmax);
       }
     }
     if (cmax == kNegInf) continue;
@@ -49,20 +58,13 @@ void decode_row(const T* x, int64_t V, float inv_t, bool sample, uint32_t key, i
       }
       m = cmax;
     }
-    const float mf = static_cast<float>(m);
-    float cs = 0.f, cu = 0.f;
-    for (int64_t i = 0; i < n; ++i) {
-      if (buf[i] == kNegInf) continue;  // 0 * ln 0 = 0
-      const float d = buf[i] - mf;
-      const float e = std::exp(d);
-      cs += e;
-      cu += e > 0.f ? d * e : 0.f;  // (d = -inf when y - m overflows float32: its e^d = 0 weighs nothing)
-    }
+    float cs, cu;
+    rs::exp_sums(buf, n, static_cast<float>(m), &cs, &cu);  // (0 ln 0 = 0 for y = -inf)
     s += cs;
     u += cu;
   }
   const int64_t c = chosen >= 0 ? chosen : best_i;
-  if (has_nan) s = std::numeric_limits<double>::quiet_NaN();  // no distribution: NaN entropy and logprob
+  if (bad) s = std::numeric_limits<double>::quiet_NaN();  // no distribution: NaN entropy and logprob
   const double log_s = std::log(s);
   const double l = static_cast<double>(static_cast<float>(x[c]) * inv_t) - m - log_s;
   *out_c = c;

@@ -1,6 +1,8 @@
 // CPU kernels for the retrieval signals. Free of Python: only raw pointers and c10 scalar types.
 #include "signals_cpu.h"
 
+#include "row_softmax.h"
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -16,28 +18,24 @@ constexpr int64_t kChunk = 512;
 template <typename T>
 void token_signals_row(const T* x, int64_t V, float inv_t, int64_t chosen, float* entropy, float* logprob,
                        int64_t* argmax) {
+  namespace rs = row_softmax;
   float buf[kChunk];
   // Online state over the row, all relative to the running max m of the scaled logits:
   //   s = sum e^{x-m},  u = sum (x-m) e^{x-m}.  Then H = log s - u / s  and  log p_c = x_c - m - log s.
   // When m grows to m', both rescale by r = e^{m-m'}:  s' = r s,  u' = r (u + (m-m') s).
+  // Each chunk's sums are float (vectorised, row_softmax.h), folded into double accumulators.
   double m = -std::numeric_limits<double>::infinity();
   double s = 0.0, u = 0.0;
   float best = kNegInf;
   int64_t best_i = 0;
-  bool has_nan = false;  // (std::max drops a NaN: a chunk of -inf and NaN would otherwise look fully masked)
+  bool bad = false;  // a NaN or +inf scaled logit: no distribution (max drops a NaN, so it is tracked apart)
   for (int64_t c0 = 0; c0 < V; c0 += kChunk) {
     const int64_t n = std::min(kChunk, V - c0);
-    float cmax = kNegInf;
-    for (int64_t i = 0; i < n; ++i) {
-      const float v = static_cast<float>(x[c0 + i]);
-      if (v > best) {  // strict: ties keep the lowest index; NaN never wins
-        best = v;
-        best_i = c0 + i;
-      }
-      const float y = v * inv_t;
-      buf[i] = y;
-      cmax = std::max(cmax, y);
-      has_nan |= std::isnan(y);
+    float cmax, xmax;
+    rs::scale_chunk(x + c0, n, inv_t, buf, &cmax, &xmax, &bad);
+    if (xmax > best) {  // strict: ties keep the lowest index; NaN never wins
+      best = xmax;
+      best_i = c0 + rs::first_equal(x + c0, n, xmax);
     }
     if (cmax == kNegInf) continue;  // fully masked chunk
     if (cmax > m) {
@@ -48,20 +46,12 @@ void token_signals_row(const T* x, int64_t V, float inv_t, int64_t chosen, float
       }
       m = cmax;
     }
-    const float mf = static_cast<float>(m);
-    float cs = 0.f, cu = 0.f;  // per-chunk partial sums in float (fast), folded into double accumulators
-    for (int64_t i = 0; i < n; ++i) {
-      const float y = buf[i];
-      if (y == kNegInf) continue;  // masked vocabulary: 0 * log 0 = 0, and (-inf) * 0 would be NaN
-      const float d = y - mf;
-      const float e = std::exp(d);
-      cs += e;
-      cu += e > 0.f ? d * e : 0.f;  // (d = -inf when y - m overflows float32: its e^d = 0 weighs nothing)
-    }
+    float cs, cu;
+    rs::exp_sums(buf, n, static_cast<float>(m), &cs, &cu);
     s += cs;
     u += cu;
   }
-  if (has_nan) s = std::numeric_limits<double>::quiet_NaN();  // no distribution: NaN entropy and logprob
+  if (bad) s = std::numeric_limits<double>::quiet_NaN();  // no distribution: NaN entropy and logprob
   const double log_s = std::log(s);
   *entropy = static_cast<float>(log_s - u / s);
   const int64_t c = chosen < 0 ? best_i : chosen;
