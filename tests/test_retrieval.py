@@ -367,6 +367,22 @@ def test_missing_empty_and_binary_corpus(tmp_path):
         list(iter_corpus(tmp_path / "b.jsonl"))
 
 
+@pytest.mark.parametrize("suffix,newline", [(".jsonl", b"\n"), (".tsv", b"\r\n")])
+def test_a_byte_that_is_not_utf8_is_named_at_its_own_line(tmp_path, suffix, newline):
+    """The error names the line that holds the bad byte, not the line after the last one read (the text reader
+    decodes 8 KiB ahead of the lines it has handed out: with short lines, hundreds of lines earlier)."""
+    if suffix == ".tsv":
+        lines = [b"id\ttext\ttitle"] + [b"p%d\tpassage number %d on a topic\tT%d" % (i, i, i) for i in range(499)]
+    else:
+        lines = [json.dumps({"id": f"p{i}", "title": f"T{i}", "text": f"passage number {i} on a topic"}).encode()
+                 for i in range(500)]
+    lines[299] = lines[299].replace(b"topic", b"top\xe9c")  # latin-1, line 300
+    path = tmp_path / f"c{suffix}"
+    path.write_bytes(newline.join(lines) + newline)
+    with pytest.raises(CorpusError, match=r"c\.(jsonl|tsv):300: not valid UTF-8 .*byte 0xe9"):
+        list(iter_corpus(path))
+
+
 def test_a_failed_index_build_leaves_no_folder(tmp_path):
     """A corpus error found while the index is built (a repeated id) leaves no half-written index folder that the
     build created; an index folder that was there before stays."""

@@ -42,16 +42,34 @@ def _split_contents(contents: str) -> tuple[str, str]:
 
 
 def _lines(path: Path) -> Iterator[tuple[int, str]]:
-    """(1-based line number, line) pairs; a decoding error names the line after the last good one."""
-    lineno = 0
+    """(1-based line number, line) pairs; a decoding error names the line that holds the bad byte."""
     try:
         with open(path, encoding="utf-8-sig") as f:  # (a byte-order mark is dropped)
             for lineno, line in enumerate(f, 1):
                 yield lineno, line
     except UnicodeDecodeError as e:
-        raise CorpusError(f"{path}:{lineno + 1}: not valid UTF-8 ({e.reason})") from e
+        # (the text reader decodes blocks of 8 KiB ahead of the lines it has handed out: the line after the last
+        # good one can be hundreds of lines before the bad byte, so find it in the bytes)
+        lineno, byte = _bad_utf8_line(path)
+        raise CorpusError(f"{path}:{lineno}: not valid UTF-8 ({e.reason}, byte 0x{byte:02x}); convert the file "
+                          "to UTF-8") from e
     except OSError as e:
         raise CorpusError(f"{path}: cannot read corpus file ({e.strerror})") from e
+
+
+def _bad_utf8_line(path: Path) -> tuple[int, int]:
+    """(1-based line, value) of the first byte of `path` that is not UTF-8, lines counted as the text reader of
+    `_lines` counts them (at "\n", "\r\n" and a lone "\r"; none of these bytes is part of a multi-byte character)."""
+    lineno = 0
+    with open(path, "rb") as f:
+        for raw in f:  # (split at b"\n")
+            for part in raw.splitlines() or [raw]:
+                lineno += 1
+                try:
+                    part.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    return lineno, part[e.start]
+    return max(lineno, 1), 0  # (not reached for a file the text reader failed on)
 
 
 def _check_unique(path: Path, seen: dict[str, int], doc_id: str, lineno: int) -> None:
