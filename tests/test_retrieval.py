@@ -383,6 +383,22 @@ def test_a_byte_that_is_not_utf8_is_named_at_its_own_line(tmp_path, suffix, newl
         list(iter_corpus(path))
 
 
+@pytest.mark.parametrize("field", ["id", "title", "text", "contents"])
+def test_a_lone_surrogate_in_a_jsonl_corpus_is_named(tmp_path, field):
+    """A "\\ud800" escape decodes to a lone surrogate, which has no UTF-8: the index build died on a bare
+    UnicodeEncodeError ("'utf-8' codec can't encode character ...") naming neither the file nor the line."""
+    rec = {"id": "p2", "title": "T", "text": "ok"} if field != "contents" else {"id": "p2", "contents": "T\nok"}
+    rec[field] += " \ud800"  # (contents: at the end of its text)
+    path = tmp_path / "c.jsonl"
+    path.write_text(json.dumps({"id": "p1", "title": "A", "text": "fine"}) + "\n" + json.dumps(rec) + "\n")
+    where = "text" if field == "contents" else field
+    with pytest.raises(CorpusError, match=rf"c\.jsonl:2: field '{where}' holds a lone surrogate \(U\+D800"):
+        list(iter_corpus(path))
+    with pytest.raises(CorpusError, match=r"c\.jsonl:2: .*lone surrogate"):
+        BM25Retriever(path, show_progress=False)
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["c.jsonl"]
+
+
 def test_a_failed_index_build_leaves_no_folder(tmp_path):
     """A corpus error found while the index is built (a repeated id) leaves no half-written index folder that the
     build created; an index folder that was there before stays."""

@@ -17,6 +17,7 @@ import csv
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 from typing import Iterator
 
@@ -25,6 +26,9 @@ from typing import Iterator
 # read some file differently (2: tsv quotes that are not csv quoting stay text, `contents` without a line break is
 # text) is built again instead of trusted
 READER_VERSION = 2
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class CorpusError(ValueError):
@@ -107,6 +111,10 @@ def _iter_jsonl(path: Path) -> Iterator[tuple[str, str, str]]:
         for name, v in (("title", title), ("text", text)):
             if not isinstance(v, str):
                 raise CorpusError(f"{path}:{lineno}: field {name!r} must be a string, got {type(v).__name__}")
+        for name, v in (("id", str(rec["id"])), ("title", title), ("text", text)):
+            if (bad := _SURROGATE.search(v)) is not None:  # (a "\ud800" escape: no UTF-8 for the index to store)
+                raise CorpusError(f"{path}:{lineno}: field {name!r} holds a lone surrogate (U+{ord(bad.group()):04X}, "
+                                  "e.g. a '\\ud800' escape): not Unicode text")
         _check_unique(path, seen, str(rec["id"]), lineno)
         yield str(rec["id"]), title, text
 
