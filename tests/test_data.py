@@ -180,6 +180,21 @@ def test_a_file_of_another_dataset_is_refused(tmp_path):
     assert load_examples("strategyqa", f)[0].answers == ["No"]  # a FlashRAG StrategyQA file
 
 
+def test_a_qid_file_whose_answer_is_no_yes_no_is_not_called_strategyqa(tmp_path):
+    """{qid, question, answer: "Paris"} was detected as StrategyQA (any string answer): read as nq it was refused as
+    "a strategyqa file ... pass --dataset strategyqa", which then refused its answer; now it is an unknown format
+    whose message lists what each format needs."""
+    p = _jsonl(tmp_path / "q.jsonl", [{"qid": "1", "question": "Capital of France?", "answer": "Paris"}])
+    for name in ("nq", "hotpotqa", "strategyqa"):
+        with pytest.raises(DataError, match=r"q\.jsonl:1: unknown data format .*StrategyQA \(qid, question, answer: "
+                                            r"bool\).*NQ-open \(question, answer\[\]\)"):
+            load_examples(name, p)
+    yes = _jsonl(tmp_path / "y.jsonl", [{"qid": "1", "question": "Q?", "answer": " Yes"}])  # a yes/no string: still
+    assert load_examples("strategyqa", yes)[0].answers == ["yes"]
+    with pytest.raises(DataError, match="this is a strategyqa file"):
+        load_examples("nq", yes)
+
+
 def test_nq_open_ids_are_generated_and_unique(tmp_path):
     p = _jsonl(tmp_path / "nq.jsonl", [{"question": "q", "answer": ["a"]}] * 3)
     ex = load_examples("nq", p)

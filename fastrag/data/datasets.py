@@ -214,8 +214,10 @@ def _detect(obj: dict) -> str | None:
     ):
         if all(k in keys for k in need):
             return name
-    if "qid" in keys and isinstance(obj.get("answer"), (bool, str)):
-        return "strategyqa"
+    a = obj.get("answer")
+    if "qid" in keys and (isinstance(a, bool) or isinstance(a, str) and a.strip().lower() in ("yes", "no")):
+        return "strategyqa"  # (what _read_strategyqa reads: a {qid, question, answer: "Paris"} file is no StrategyQA
+        # file, and calling it one sent its user to --dataset strategyqa, which refuses the answer)
     if "question" in keys and isinstance(obj.get("answer"), list):
         return "nq_open"
     return None
