@@ -156,6 +156,20 @@ def test_join_drops_empty_parts():
 # ---------------------------------------------------------------------------------------------- real run
 
 
+def test_an_empty_question_is_refused_as_the_engine_refuses_it():
+    """The engine's DRAGIN policy ends a blank question with "empty question"; the oracle decoded one from the bare
+    few-shot prompt, so `fastrag parity` counted every blank question of a data file as a disagreement."""
+    from fastrag.config import dragin_config
+    from fastrag.oracle.dragin import DraginOracle
+
+    oracle = DraginOracle.__new__(DraginOracle)  # (no model: nothing may be generated)
+    oracle.config = dragin_config("nq")
+    oracle.generate = lambda *a, **k: pytest.fail("the oracle generated for an empty question")
+    for q in ("", "   \n"):
+        with pytest.raises(ValueError, match="^empty question$"):
+            oracle.run("q", q, ["x"])
+
+
 def _hotpot_questions(n: int):
     with HOTPOT.open() as f:
         for _, line in zip(range(n), f):

@@ -229,6 +229,8 @@ class DraginOracle:
         prefill_tokens = sum of the prompt lengths given to `generate` plus the lengths of the RIND and QFS
         attention forwards; decode_tokens = tokens `generate` produced (a final EOS included).
         """
+        if not question.strip():  # (as the engine's policy and the FLARE and BeamSearchQA oracles refuse it)
+            raise ValueError("empty question")
         t0 = time.perf_counter()
         self._prefill = self._decode = self._calls = 0
         L = self.config.generate_max_length
