@@ -159,8 +159,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fastrag: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"fastrag: interrupted; the answers written so far are in {args.output}: rerun the same command to "
-              "go on from there", file=sys.stderr)
+        from pathlib import Path
+
+        from fastrag.eval import _holds_records
+
+        if _holds_records(Path(args.output)):
+            print(f"fastrag: interrupted; the answers written so far are in {args.output}: rerun the same command "
+                  "to go on from there", file=sys.stderr)
+        else:  # (stopped before its first answer: a folder the run made is removed again, so none is there)
+            print(f"fastrag: interrupted before any answer was written ({args.output} holds none); rerun the same "
+                  "command to start again", file=sys.stderr)
         return 130
     return 0
 

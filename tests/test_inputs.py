@@ -419,6 +419,32 @@ def test_ctrl_c_says_how_to_go_on_and_the_rerun_resumes(tiny, tmp_path):
     assert 0 < n_before < total and m["n"] == total and m["computed_this_run"] == total - n_before
 
 
+def test_ctrl_c_before_the_first_answer_does_not_point_to_answers(tmp_path, monkeypatch, capsys):
+    """Interrupted before its first record, a run removes the folder it made; the message said "the answers written
+    so far are in DIR", a folder that was not there."""
+    import fastrag.eval
+    from fastrag.cli import main
+
+    data = nq_file(tmp_path / "nq.jsonl", QUESTIONS)
+    out = tmp_path / "o"
+
+    def interrupted(opts, *a, **k):  # (Ctrl-C before anything was written)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(fastrag.eval, "run", interrupted)
+    args = ["run", "--method", "wo-rag", "--dataset", "nq", "--data", str(data), "--corpus", str(CORPUS),
+            "--no-progress", "--output", str(out)]
+    assert main(args) == 130
+    err = capsys.readouterr().err
+    assert "interrupted before any answer was written" in err and "rerun the same command" in err, err
+    assert "answers written so far" not in err
+    out.mkdir()
+    (out / "results.jsonl").write_text(json.dumps({"qid": "nq-0"}) + "\n")
+    assert main(args) == 130
+    err = capsys.readouterr().err
+    assert f"the answers written so far are in {out}: rerun the same command" in err, err
+
+
 # --------------------------------------------------------------------------------------------- data files
 def test_data_files_with_a_bom_or_raw_line_separators(tmp_path):
     q = "who is\u2028the author\u0085 of \u2029 it?"
