@@ -399,6 +399,16 @@ def test_a_lone_surrogate_in_a_jsonl_corpus_is_named(tmp_path, field):
     assert sorted(x.name for x in tmp_path.iterdir()) == ["c.jsonl"]
 
 
+@pytest.mark.parametrize("indent", [None, 1])
+def test_a_json_array_corpus_is_told_to_be_json_lines(tmp_path, indent):
+    """A .json corpus written as one array (a data file may be one) was "malformed JSON (Expecting value)" at line 1
+    when pretty-printed, "expected a JSON object, got list" on one line: neither says that a corpus is JSON Lines."""
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps([{"id": "a", "title": "T", "text": "x"}], indent=indent) + "\n")
+    with pytest.raises(CorpusError, match=r"c\.json:1: a JSON array; a corpus is JSON Lines"):
+        list(iter_corpus(path))
+
+
 def test_a_failed_index_build_leaves_no_folder(tmp_path):
     """A corpus error found while the index is built (a repeated id) leaves no half-written index folder that the
     build created; an index folder that was there before stays."""

@@ -83,6 +83,12 @@ def _check_unique(path: Path, seen: dict[str, int], doc_id: str, lineno: int) ->
                           "unique: results and retrieval merges name passages by id)")
 
 
+def _json_array(path: Path, lineno: int) -> CorpusError:
+    """The error for a .json corpus written as one JSON array (pretty-printed or on one line)."""
+    return CorpusError(f"{path}:{lineno}: a JSON array; a corpus is JSON Lines: one {{id, title, text}} object per "
+                       "line")
+
+
 def _iter_jsonl(path: Path) -> Iterator[tuple[str, str, str]]:
     seen: dict[str, int] = {}
     for lineno, line in _lines(path):
@@ -91,7 +97,11 @@ def _iter_jsonl(path: Path) -> Iterator[tuple[str, str, str]]:
         try:
             rec = json.loads(line)
         except json.JSONDecodeError as e:
+            if not seen and line.lstrip().startswith("["):
+                raise _json_array(path, lineno) from e
             raise CorpusError(f"{path}:{lineno}: malformed JSON ({e.msg})") from e
+        if not seen and isinstance(rec, list) and rec and all(isinstance(x, dict) for x in rec):
+            raise _json_array(path, lineno)
         if not isinstance(rec, dict):
             raise CorpusError(f"{path}:{lineno}: expected a JSON object, got {type(rec).__name__}")
         if "id" not in rec:
