@@ -93,6 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("--search-concurrency", type=int, default=None,
                     help="retrieval batches in flight at once, so that a slow search holds back no other (default: "
                          "what the retriever serves: 1)")
+    sp.add_argument("--shutdown-timeout", type=float, default=30.0,
+                    help="on SIGINT/SIGTERM: seconds the requests in flight get to finish before they are cancelled "
+                         "(default 30; new connections are refused at once)")
     args = ap.parse_args(argv)
     if args.cmd == "index":
         return _index(args)
@@ -104,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
                   batch_size=args.batch_size, max_queue=args.max_queue, timeout_s=args.timeout,
                   kv_cache_gb=args.kv_cache_gb, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                   top_k=args.top_k, served_model_name=args.served_model_name,
-                  search_concurrency=args.search_concurrency)
+                  search_concurrency=args.search_concurrency, shutdown_timeout_s=args.shutdown_timeout)
         except ValueError as e:
             print(f"fastrag: error: {e}", file=sys.stderr)
             return 2

@@ -340,3 +340,62 @@ def test_admission_queue_overflow_is_429(parts):
 
     m = asyncio.run(go())
     assert m["rejected"] == 1 and m["finished"] == 2
+
+
+def test_sigterm_cancels_what_is_still_in_flight_after_the_shutdown_timeout(tmp_path):
+    """`fastrag serve --shutdown-timeout S`: on SIGTERM the requests in flight get S seconds, then they are cancelled
+    and the process exits (the default would wait for a long answer to its end)."""
+    import signal
+    import subprocess
+
+    import torch
+
+    sys.path.insert(0, str(BUNDLED.parents[2] / "benchmarks"))
+    from make_random_model import make
+
+    tiny = make("tiny", tmp_path / "tiny", dtype=torch.float32, device="cpu")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, "-m", "fastrag", "serve", "--model", tiny, "--port", str(port),
+                             "--batch-size", "1", "--kv-cache-gb", "0.05", "--shutdown-timeout", "0.5"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 180
+        while time.time() < deadline and proc.poll() is None:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            time.sleep(0.2)
+        assert proc.poll() is None, proc.stderr.read()
+        got: list = []
+
+        def ask():  # seconds of decoding: far from its end when the server is told to stop
+            body = {"prompt": "Tell me a long story", "max_tokens": 3000,
+                    "retrieval": {"method": "wo-rag", "dataset": "nq", "config": {"fewshot": 0}}}
+            try:
+                got.append(httpx.post(url + "/v1/completions", json=body, timeout=120).status_code)
+            except httpx.HTTPError as e:
+                got.append(type(e).__name__)
+
+        t = threading.Thread(target=ask)
+        t.start()
+        deadline = time.time() + 60
+        while time.time() < deadline and "fastrag_tokens_total 0.0" in (m := httpx.get(url + "/metrics").text):
+            time.sleep(0.05)
+        assert "fastrag_inflight 1.0" in m, m
+        t0 = time.time()
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=30)
+        took = time.time() - t0
+        t.join(timeout=30)
+        err = proc.stderr.read()
+        assert rc == 0 and took < 15, (rc, took, err[-2000:])
+        assert got and got[0] != 200, got  # cut off, not answered
+        # (uvicorn logs the cancelled request with its CancelledError, then ends as after any shutdown)
+        assert "Cancel 1 running task(s)" in err and "Finished server process" in err, err[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -30,6 +30,8 @@ disconnects (streaming or not) cancels its question; the others are not affected
 # defined inside create_app, from their annotations at run time)
 import asyncio
 import json
+import signal
+import threading
 import time
 import uuid
 from typing import Any, Literal
@@ -445,27 +447,50 @@ def prometheus_text(m: dict) -> str:
                    if not name(line).endswith("_created"))
 
 
+class _Stopped(Exception):
+    """SIGTERM, raised again by uvicorn once it has shut down."""
+
+
+def _stopped(signum, frame):
+    raise _Stopped
+
+
 def serve(model: str = "smollm2", corpus: str | None = None, retriever: str = "bm25", host: str = "127.0.0.1",
           port: int = 8000, batch_size: int = 32, max_queue: int = 256, timeout_s: float = 600.0,
           kv_cache_gb: float | None = None, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
-          top_k: int = 0, served_model_name: str | None = None, search_concurrency: int | None = None) -> None:
+          top_k: int = 0, served_model_name: str | None = None, search_concurrency: int | None = None,
+          shutdown_timeout_s: float = 30.0) -> None:
     """Serve the HTTP API (create_app). temperature/top_p/top_k/seed: the engine's decoding for every request
     (greedy by default); a request's sampling keys come from its id (the client's qid, else its arrival number).
     served_model_name: the model id of /v1/models and of requests (default: `model` as given). search_concurrency:
-    retrieval batches in flight at once (default: the retriever's `concurrent_searches`, 1 for the bundled ones)."""
+    retrieval batches in flight at once (default: the retriever's `concurrent_searches`, 1 for the bundled ones).
+    shutdown_timeout_s: on SIGINT/SIGTERM the server refuses new connections and gives the requests in flight this
+    long to finish; then they are cancelled (their questions with them) and the process exits."""
     import uvicorn
 
     from fastrag.engine import SamplingParams
     from fastrag.eval import BUNDLED, build_engine
     from fastrag.retrieval import make_retriever
 
+    if not (isinstance(shutdown_timeout_s, (int, float)) and shutdown_timeout_s >= 0):
+        raise ValueError(f"--shutdown-timeout must be a number of seconds >= 0, got {shutdown_timeout_s!r}")
     sampling = SamplingParams(temperature=temperature, top_p=top_p, seed=seed, top_k=top_k)  # ValueError: bad value
     eng = build_engine(model, batch_size, kv_cache_gb=kv_cache_gb, sampling=sampling)
     ret = make_retriever(retriever, corpus_path=corpus or str(BUNDLED / "wiki_passages.jsonl"))
     engine = AsyncEngine(eng, ret, max_inflight=2 * batch_size, max_queue=max_queue,
                          search_concurrency=search_concurrency)
+    # uvicorn stops on SIGINT/SIGTERM (requests in flight get shutdown_timeout_s), then raises the signal again for
+    # the handler it found: SIGTERM's default would kill the process before engine.close() (text worker processes
+    # left behind, exit status -15), so SIGTERM raises _Stopped here, and both end the call normally
+    main = threading.current_thread() is threading.main_thread()
+    before = signal.signal(signal.SIGTERM, _stopped) if main else None
     try:
-        app = create_app(engine, timeout_s=timeout_s, model_name=served_model_name or model)
-        uvicorn.run(app, host=host, port=port, log_level="info")
+        try:
+            app = create_app(engine, timeout_s=timeout_s, model_name=served_model_name or model)
+            uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=shutdown_timeout_s)
+        except (_Stopped, KeyboardInterrupt):  # (uvicorn has shut down: it raises the signal that stopped it)
+            pass
     finally:
+        if main:
+            signal.signal(signal.SIGTERM, before)
         engine.close()
