@@ -22,13 +22,13 @@ constexpr float kExpCut = -87.33654f;
 // e^d for d <= 0 (d = y - max y), 0 for d < kExpCut and for d = -inf. Cody-Waite reduction d = n ln 2 + r with
 // |r| <= ln(2) / 2 and a degree-6 polynomial for e^r (the Cephes expf coefficients; within 2 ulp of e^d), then
 // 2^n built in the exponent bits. Rounding to n adds and subtracts 1.5 * 2^23, so no library call stays in the
-// loop. The caller masks d < kExpCut (the clamp only keeps 2^n a normal number there).
+// loop. The caller masks d < kExpCut and NaN (the clamp only keeps n in range there).
 inline float exp_nonpos(float d) {
   constexpr float kLog2e = 1.44269504088896341f;
   constexpr float kLn2Hi = 0.693359375f;  // ln 2 = kLn2Hi + kLn2Lo, kLn2Hi exact in 9 bits
   constexpr float kLn2Lo = -2.12194440e-4f;
   constexpr float kRound = 12582912.f;  // 1.5 * 2^23
-  const float dc = d < kExpCut ? kExpCut : d;
+  const float dc = d >= kExpCut ? d : kExpCut;  // (a NaN d too: every value below stays a finite float)
   const float n = (dc * kLog2e + kRound) - kRound;  // round(dc / ln 2), in [-126, 0]
   const float r = (dc - n * kLn2Hi) - n * kLn2Lo;
   const float r2 = r * r;
