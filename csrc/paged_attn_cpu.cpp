@@ -31,13 +31,9 @@
 #include <tuple>
 #include <vector>
 
-namespace {
+#include "row_softmax.h"
 
-#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(__clang__)
-#define FASTRAG_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define FASTRAG_CLONES
-#endif
+namespace {
 
 // dot/axpy/exp are inlined into attend_item, which is the one function compiled per ISA (dispatch once per item,
 // not once per key row).
@@ -53,25 +49,7 @@ inline __attribute__((always_inline)) void axpy(float* y, float w, const float* 
   for (int64_t i = 0; i < n; ++i) y[i] += w * x[i];
 }
 
-// exp(x) for x <= 0 in plain arithmetic, so that a simd loop over it vectorises (a libm call per element does
-// not): x = n ln2 + r with |r| <= ln2 / 2, exp(r) by the Cephes single-precision minimax polynomial (about 1 ulp),
-// 2^n built in the exponent bits. Inputs below -87 (weights under 1e-38 next to the row maximum's 1) give 2^-126
-// scaled, never a denormal or an overflow.
-inline __attribute__((always_inline)) float exp_nonpos(float x) {
-  x = x < -87.f ? -87.f : x;
-  const float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
-  float r = x - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.f;
-  const int32_t e = (static_cast<int32_t>(n) + 127) << 23;
-  return p * __builtin_bit_cast(float, e);
-}
+using fastrag::row_softmax::exp_nonpos;  // (row_softmax.h)
 
 // An item with no key (P = 0, own length 0): out = 0, lse = -inf, the neutral element of an LSE merge.
 inline void no_keys(float* og, int64_t G, int64_t D, float* lse) {

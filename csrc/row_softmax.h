@@ -7,6 +7,14 @@
 #include <cstring>
 #include <limits>
 
+// A function built once per instruction set (AVX-512, AVX2, the baseline) on x86-64 Linux with GCC; the loader
+// picks the widest the CPU runs (an ifunc). Elsewhere it is built once.
+#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(__clang__)
+#define FASTRAG_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define FASTRAG_CLONES
+#endif
+
 namespace fastrag {
 namespace row_softmax {
 
@@ -19,16 +27,17 @@ constexpr float kPosInf = std::numeric_limits<float>::infinity();
 // whose largest term is e^0 = 1).
 constexpr float kExpCut = -87.33654f;
 
-// e^d for d <= 0 (d = y - max y), 0 for d < kExpCut and for d = -inf. Cody-Waite reduction d = n ln 2 + r with
-// |r| <= ln(2) / 2 and a degree-6 polynomial for e^r (the Cephes expf coefficients; within 2 ulp of e^d), then
-// 2^n built in the exponent bits. Rounding to n adds and subtracts 1.5 * 2^23, so no library call stays in the
-// loop. The caller masks d < kExpCut and NaN (the clamp only keeps n in range there).
-inline float exp_nonpos(float d) {
+// e^d for d <= 0 in plain arithmetic, so that a simd loop over it vectorises (a libm call per element does not):
+// Cody-Waite reduction d = n ln 2 + r with |r| <= ln(2) / 2, the Cephes single-precision polynomial for e^r (within
+// 2 ulp), 2^n built in the exponent bits; rounding to n adds and subtracts 1.5 * 2^23. Below kExpCut (and for
+// d = -inf) it gives about 2^-126, never a denormal: callers that need 0 there mask d < kExpCut (exp_sums); a NaN d
+// gives NaN. Shared by the signal loops and the paged decode attention (paged_attn_cpu.cpp).
+inline __attribute__((always_inline)) float exp_nonpos(float d) {
   constexpr float kLog2e = 1.44269504088896341f;
   constexpr float kLn2Hi = 0.693359375f;  // ln 2 = kLn2Hi + kLn2Lo, kLn2Hi exact in 9 bits
   constexpr float kLn2Lo = -2.12194440e-4f;
   constexpr float kRound = 12582912.f;  // 1.5 * 2^23
-  const float dc = d >= kExpCut ? d : kExpCut;  // (a NaN d too: every value below stays a finite float)
+  const float dc = d < kExpCut ? kExpCut : d;
   const float n = (dc * kLog2e + kRound) - kRound;  // round(dc / ln 2), in [-126, 0]
   const float r = (dc - n * kLn2Hi) - n * kLn2Lo;
   const float r2 = r * r;
@@ -89,7 +98,7 @@ inline void scale_chunk(const T* x, int64_t n, float inv_t, float* y, float* yma
 
 // Over the n entries of y: *cs = sum e^{y-m} and *cu = sum (y-m) e^{y-m}, entries with e^{y-m} below kExpCut
 // (y = -inf among them: 0 ln 0 = 0) left out. m is the row's running max (m >= every y of the chunk).
-// Defined in row_softmax.cpp, built for several vector widths where the compiler can (picked at load time).
+// Defined in row_softmax.cpp (FASTRAG_CLONES).
 void exp_sums(const float* y, int64_t n, float m, float* cs, float* cu);
 
 // The lowest i < n with float(x[i]) == v (v: a value of the chunk, as scale_chunk's maxima are), or -1.
