@@ -474,3 +474,32 @@ def test_chinese_text_is_searchable_character_by_character(tmp_path):
     assert [d.id for d in got[0]][0] == "z1" and [d.id for d in got[1]] == ["z2"]
     assert got[2][0].id == "z2" and got[3][0].id == "e1"
     assert r.analyze(["登月 Apollo"]) == [["登", "月", "apollo"]]
+
+
+@pytest.mark.parametrize("where", ["text", "title"])
+def test_a_lone_carriage_return_in_a_tsv_passage_is_named(tmp_path, where):
+    """A "\\r" not followed by "\\n" ends a line (as csv readers read it): the passage that holds one splits in two
+    and the field count is wrong on its line or on the next; the error says why instead of only counting fields."""
+    row = "p2\tsecond\rpassage\tSecond" if where == "text" else "p2\tsecond passage\tSec\rond"
+    p = tmp_path / "cr.tsv"
+    p.write_bytes(f"id\ttext\ttitle\np1\tfirst passage\tFirst\n{row}\np3\tthird\tThird\n".encode())
+    line = 3 if where == "text" else 4  # (the half before a "\r" in the title still has its 3 fields)
+    with pytest.raises(CorpusError, match=rf"cr\.tsv:{line}: expected 3 tab-separated fields, got \d .*carriage "
+                                          r"return '\\r' not followed by '\\n'"):
+        list(iter_corpus(p))
+    # the same passage with the "\r" replaced reads, and a file whose lines end in "\r\n" gets no such hint
+    p.write_bytes(f"id\ttext\ttitle\r\np1\tfirst passage\tFirst\r\n{row.replace(chr(13), ' ')}\r\n".encode())
+    assert [doc_id for doc_id, _, _ in iter_corpus(p)] == ["p1", "p2"]
+    p.write_bytes(b"id\ttext\ttitle\r\np1\tfirst passage\r\n")
+    with pytest.raises(CorpusError, match=r"cr\.tsv:2: expected 3 tab-separated fields, got 2$"):
+        list(iter_corpus(p))
+
+
+def test_a_lone_carriage_return_in_a_jsonl_passage_is_named(tmp_path):
+    p = tmp_path / "cr.jsonl"
+    p.write_bytes(b'{"id": "p1", "text": "first"}\n{"id": "p2", "text": "sec\rond"}\n')
+    with pytest.raises(CorpusError, match=r"cr\.jsonl:2: malformed JSON \(.*\) \(this line ends at "
+                                          r"a carriage return .*write it as the escape \\r\)$"):
+        list(iter_corpus(p))
+    p.write_bytes(b'{"id": "p1", "text": "first"}\n{"id": "p2", "text": "sec\\rond"}\r\n')  # (an escaped \r is text)
+    assert [text for _, _, text in iter_corpus(p)] == ["first", "sec\rond"]

@@ -46,9 +46,10 @@ def _split_contents(contents: str) -> tuple[str, str]:
 
 
 def _lines(path: Path) -> Iterator[tuple[int, str]]:
-    """(1-based line number, line) pairs; a decoding error names the line that holds the bad byte."""
+    """(1-based line number, line) pairs, each line with its ending as written ("\n", "\r\n", or a lone "\r",
+    which ends a line as it does for csv readers); a decoding error names the line that holds the bad byte."""
     try:
-        with open(path, encoding="utf-8-sig") as f:  # (a byte-order mark is dropped)
+        with open(path, encoding="utf-8-sig", newline="") as f:  # (a byte-order mark is dropped)
             for lineno, line in enumerate(f, 1):
                 yield lineno, line
     except UnicodeDecodeError as e:
@@ -83,6 +84,20 @@ def _check_unique(path: Path, seen: dict[str, int], doc_id: str, lineno: int) ->
                           "unique: results and retrieval merges name passages by id)")
 
 
+def _lone_cr(line: str) -> bool:
+    return line.endswith("\r")
+
+
+def _lone_cr_hint(line: str, before: str | None, fix: str) -> str:
+    """What to add to the error of a line that does not parse when a lone carriage return ended it or the line
+    before it: a "\r" not followed by "\n" inside a passage ends its line there, and then neither half parses."""
+    if _lone_cr(line) or (before is not None and _lone_cr(before)):
+        at = "this line" if _lone_cr(line) else "the line before"
+        return (f" ({at} ends at a carriage return '\\r' not followed by '\\n': one inside a passage ends its "
+                f"line there, as csv readers read it; {fix})")
+    return ""
+
+
 def _json_array(path: Path, lineno: int) -> CorpusError:
     """The error for a .json corpus written as one JSON array (pretty-printed or on one line)."""
     return CorpusError(f"{path}:{lineno}: a JSON array; a corpus is JSON Lines: one {{id, title, text}} object per "
@@ -91,7 +106,9 @@ def _json_array(path: Path, lineno: int) -> CorpusError:
 
 def _iter_jsonl(path: Path) -> Iterator[tuple[str, str, str]]:
     seen: dict[str, int] = {}
+    previous = None
     for lineno, line in _lines(path):
+        before, previous = previous, line
         if not line.strip():
             continue
         try:
@@ -99,7 +116,8 @@ def _iter_jsonl(path: Path) -> Iterator[tuple[str, str, str]]:
         except json.JSONDecodeError as e:
             if not seen and line.lstrip().startswith("["):
                 raise _json_array(path, lineno) from e
-            raise CorpusError(f"{path}:{lineno}: malformed JSON ({e.msg})") from e
+            hint = _lone_cr_hint(line, before, "in a JSON string, write it as the escape \\r")
+            raise CorpusError(f"{path}:{lineno}: malformed JSON ({e.msg}){hint}") from e
         if not seen and isinstance(rec, list) and rec and all(isinstance(x, dict) for x in rec):
             raise _json_array(path, lineno)
         if not isinstance(rec, dict):
@@ -156,13 +174,16 @@ def _iter_tsv_rows(path: Path) -> Iterator[tuple[str, str, str]]:
     i_id, i_text, i_title = cols["id"], cols["text"], cols["title"]
     width = len(header)
     seen: dict[str, int] = {}
-    for lineno, line in lines:
-        line = line.rstrip("\r\n")
+    previous = first[1]
+    for lineno, raw in lines:
+        before, previous = previous, raw
+        line = raw.rstrip("\r\n")
         if not line.strip():
             continue
         row = _tsv_fields(line)
         if len(row) != width:
-            raise CorpusError(f"{path}:{lineno}: expected {width} tab-separated fields, got {len(row)}")
+            raise CorpusError(f"{path}:{lineno}: expected {width} tab-separated fields, got {len(row)}"
+                              f"{_lone_cr_hint(raw, before, 'replace it with a space')}")
         _check_unique(path, seen, row[i_id], lineno)
         yield row[i_id], row[i_title], row[i_text]
 
