@@ -30,6 +30,7 @@ disconnects (streaming or not) cancels its question; the others are not affected
 # defined inside create_app, from their annotations at run time)
 import asyncio
 import json
+import logging
 import signal
 import threading
 import time
@@ -447,6 +448,24 @@ def prometheus_text(m: dict) -> str:
                    if not name(line).endswith("_created"))
 
 
+class _CancelledAtShutdown(logging.Filter):
+    """uvicorn cancels the requests still running when the shutdown timeout ends and logs each one's CancelledError
+    as "Exception in ASGI application" with a traceback through the framework: one line says what happened instead."""
+
+    def __init__(self, timeout_s: float):
+        super().__init__()
+        self.timeout_s = timeout_s
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, asyncio.CancelledError):
+            record.msg, record.args, record.exc_info, record.exc_text = (
+                "a request still running %gs after the shutdown began (--shutdown-timeout) was cancelled, its "
+                "question with it", (self.timeout_s,), None, None)
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
 class _Stopped(Exception):
     """SIGTERM, raised again by uvicorn once it has shut down."""
 
@@ -484,6 +503,8 @@ def serve(model: str = "smollm2", corpus: str | None = None, retriever: str = "b
     # left behind, exit status -15), so SIGTERM raises _Stopped here, and both end the call normally
     main = threading.current_thread() is threading.main_thread()
     before = signal.signal(signal.SIGTERM, _stopped) if main else None
+    cancelled = _CancelledAtShutdown(shutdown_timeout_s)
+    logging.getLogger("uvicorn.error").addFilter(cancelled)
     try:
         try:
             app = create_app(engine, timeout_s=timeout_s, model_name=served_model_name or model)
@@ -491,6 +512,7 @@ def serve(model: str = "smollm2", corpus: str | None = None, retriever: str = "b
         except (_Stopped, KeyboardInterrupt):  # (uvicorn has shut down: it raises the signal that stopped it)
             pass
     finally:
+        logging.getLogger("uvicorn.error").removeFilter(cancelled)
         if main:
             signal.signal(signal.SIGTERM, before)
         engine.close()
