@@ -2,7 +2,7 @@
 
 `DIR/results.jsonl` gets one line per finished question (flushed and fsynced as it finishes), so a killed run loses
 at most the questions in flight; a rerun reads the file, skips every question already answered there and computes
-the rest (questions whose record is an error are computed again). `DIR/run.json` names what the answers depend on
+the rest (questions whose record is an error are computed again, the error record replaced). `DIR/run.json` names what the answers depend on
 (method, config, model, retriever, corpus, decoding): a rerun of anything else into the folder is refused, and a
 record whose question differs from the data's question of that id too. `DIR/metrics.json` is rewritten at the end
 from all records (a rerun that computes nothing keeps the throughput and engine figures of the run before it:
@@ -134,11 +134,11 @@ def method_config(opts: RunOptions):
 
 
 def read_results(path: Path, repair: bool = False) -> list[QuestionResult]:
-    """Records already written, in file order (a question computed again after an error has two: the last one
-    counts). A last line without its newline is a record being written (or torn by a killed run): it is not read.
-    Reading never changes the file, so it is safe beside a writer (a progress count); `repair` (a resume, under
-    the folder's lock) cuts a torn tail from the file, and gives a whole last record without its newline one, so
-    that the next record starts a line of its own."""
+    """Records already written, in file order (one per question since a resume leaves one; where a file holds
+    several, the last one counts). A last line without its newline is a record being written (or torn by a killed
+    run): it is not read. Reading never changes the file, so it is safe beside a writer (a progress count);
+    `repair` (a resume, under the folder's lock) cuts a torn tail from the file, and gives a whole last record
+    without its newline one, so that the next record starts a line of its own."""
     if not path.exists():
         return []
     out, good_bytes, last = [], 0, b"\n"
@@ -291,28 +291,33 @@ def _where_they_differ(a: str, b: str, before: int = 30, after: int = 50) -> tup
 
 def latest_records(path: Path, examples: list[Example], repair: bool = False) -> list[QuestionResult]:
     """The last record of each of `examples` in a results file, in the examples' order (records of other questions
-    are left out). A record whose question is not the example's of that id raises: the folder holds answers to
-    other data (e.g. an NQ file whose position-derived ids shifted when a question was added)."""
+    are left out). An answer whose question is not the example's of that id raises: the folder holds answers to
+    other data (e.g. an NQ file whose position-derived ids shifted when a question was added). An error record
+    holds no answer: when its question has changed since (an empty question filled in), it is only computed again,
+    and records that a later one of the same question replaced are not checked."""
     by_id = {e.qid: e for e in examples}
-    latest: dict[str, QuestionResult] = {}
+    latest: dict[str, tuple[int, QuestionResult]] = {}
     for line, r in enumerate(read_results(path, repair=repair), 1):
-        e = by_id.get(r.qid)
-        if e is None:
-            continue
-        if r.question != e.question:
+        if r.qid in by_id:
+            latest[r.qid] = (line, r)
+    for qid, (line, r) in latest.items():
+        e = by_id[qid]
+        if r.error is None and r.question != e.question:
             there, here = _where_they_differ(r.question, e.question)
             raise ValueError(f"{path}: line {line}: question {r.qid!r} reads {there!r} there but {here!r} in the "
                              "data: these results come from other data; use another --output")
-        latest[r.qid] = r
-    return [latest[e.qid] for e in examples if e.qid in latest]
+    return [latest[e.qid][1] for e in examples if e.qid in latest]
 
 
 def resume(path: Path, examples: list[Example]) -> tuple[list[QuestionResult], list[Example]]:
     """(records to keep, examples to compute) for a rerun into a results file (under the folder's lock: a torn
     tail is cut): a question is computed again when it has no record or its last record is an error (a retriever
     down, a pool too small: the cause may be gone). Kept records are scored again against the examples' current
-    gold answers (a corrected data file changes the metrics of answers already computed)."""
-    kept = [r for r in latest_records(path, examples, repair=True) if r.error is None]
+    gold answers (a corrected data file changes the metrics of answers already computed). The file is left with
+    one record per question: the error records of the questions computed again, and records replaced by a later
+    one of their question (written by older versions), are removed (the file is rewritten only then)."""
+    latest = latest_records(path, examples, repair=True)
+    kept = [r for r in latest if r.error is None]
     by_id = {e.qid: e for e in examples}
     rescored = {}
     for r in kept:
@@ -321,8 +326,7 @@ def resume(path: Path, examples: list[Example]) -> tuple[list[QuestionResult], l
         score_result(by_id[r.qid], r)
         if (r.gold, r.metrics) != before:
             rescored[r.qid] = r
-    if rescored:
-        _rewrite_records(path, rescored)
+    _rewrite_records(path, rescored, drop={r.qid for r in latest if r.error is not None})
     have = {r.qid for r in kept}
     return kept, [e for e in examples if e.qid not in have]
 
@@ -336,19 +340,26 @@ def _record_line(r: QuestionResult) -> str:
     return line
 
 
-def _rewrite_records(path: Path, records: dict[str, QuestionResult]) -> None:
-    """Replace the last record of each question in `records` (a resume rescored it against new gold answers), so
-    that results.jsonl agrees with metrics.json; the file is replaced whole (a crash leaves the old one)."""
+def _rewrite_records(path: Path, records: dict[str, QuestionResult], drop: set[str]) -> None:
+    """Keep the last record of each question, replaced by `records[qid]` where given (a resume rescored it against
+    new gold answers, so that results.jsonl agrees with metrics.json) and removed for the questions in `drop`; the
+    file is replaced whole (a crash leaves the old one), and only when that changes it."""
+    if not path.exists():
+        return
     lines = path.read_text(encoding="utf-8").split("\n")
-    last = {}
-    for i, line in enumerate(lines):
-        if line.strip():
-            last[json.loads(line)["qid"]] = i
-    for qid, r in records.items():
-        lines[last[qid]] = _record_line(r)
+    qids = [json.loads(line)["qid"] if line.strip() else None for line in lines]
+    last = {qid: i for i, qid in enumerate(qids) if qid is not None}
+    if not records and not drop and len(last) == sum(q is not None for q in qids):
+        return
+    out = []
+    for i, (line, qid) in enumerate(zip(lines, qids)):
+        if qid is None:
+            out.append(line)  # (the empty string after the last newline)
+        elif last[qid] == i and qid not in drop:
+            out.append(_record_line(records[qid]) if qid in records else line)
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w", encoding="utf-8") as f:
-        f.write("\n".join(lines))
+        f.write("\n".join(out))
         f.flush()
         os.fsync(f.fileno())
     shutil.copymode(path, tmp)  # (a group-writable results file in a shared folder stays so)

@@ -193,9 +193,36 @@ def test_failed_questions_are_computed_again_on_a_rerun(setup):
     m = go(limit=3)
     assert m["errors"] == 0 and m["computed_this_run"] == 3 and m["n"] == 3
     assert m["questions_per_s"] > 0 and m["questions_measured"] == 3
-    recs = records(tmp / "o" / "results.jsonl")
-    assert len(recs) == 6 and all(r["error"] for r in recs[:3]) and not any(r["error"] for r in recs[3:])
+    recs = records(tmp / "o" / "results.jsonl")  # (the rerun replaced the error records: one per question)
+    assert len(recs) == 3 and not any(r["error"] for r in recs)
     assert go(limit=3)["computed_this_run"] == 0
+
+
+def test_an_empty_question_fails_alone_and_is_computed_once_filled_in(setup):
+    """A question left empty in the data is an error record that each rerun computes again (replacing the record,
+    not adding one); once the data file fills it in, the rerun computes it and keeps the other answers (its error
+    record, which holds no answer, is not taken for results of other data)."""
+    go, tmp, _, data = setup
+    questions = QUESTIONS[:3]
+    questions[1] = ""
+    nq_file(data, questions)
+    m = go(limit=3)
+    assert m["errors"] == 1 and m["computed_this_run"] == 3
+    res = tmp / "o" / "results.jsonl"
+    for _ in range(2):
+        m = go(limit=3)
+        assert m["errors"] == 1 and m["computed_this_run"] == 1
+        recs = records(res)
+        assert [r["qid"] for r in recs] == ["nq-0", "nq-2", "nq-1"] and "empty question" in recs[2]["error"]
+    nq_file(data, QUESTIONS)
+    m = go(limit=3)
+    assert m["errors"] == 0 and m["computed_this_run"] == 1 and m["n"] == 3
+    recs = records(res)
+    assert [(r["qid"], r["question"], r["error"]) for r in recs] == \
+        [("nq-0", QUESTIONS[0], None), ("nq-2", QUESTIONS[2], None), ("nq-1", QUESTIONS[1], None)]
+    nq_file(data, QUESTIONS[:1] + ["another question?"] + QUESTIONS[2:])  # an answer of other data: refused
+    with pytest.raises(ValueError, match=r"results\.jsonl: line 3: question 'nq-1' reads .* other data"):
+        go(limit=3)
 
 
 def test_a_folder_another_process_writes_is_refused(setup):
