@@ -74,48 +74,69 @@ void decode_row(const T* x, int64_t V, float inv_t, bool sample, uint32_t key, i
   if (flag) *flag = nonstop[c];
 }
 
-// Order-preserving uint32 image of a float32: a < b  <=>  order_key(a) < order_key(b), and a == b  <=>  equal keys
-// (NaN aside): -0.0 takes +0.0's key, so the two zeros are one tie group as in the reference.
-inline uint32_t order_key(float y) {
-  uint32_t bits;
-  std::memcpy(&bits, &y, sizeof bits);
-  if (bits == 0x80000000u) bits = 0u;
-  return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
-}
+// Scratch of decode_row_top_p, one per thread (sized to the row on first use).
+struct TopPScratch {
+  std::vector<float> y, e;
+  std::vector<uint32_t> k;
+  std::vector<int64_t> cand;
+};
 
 // One row with nucleus (top-p) filtering of p = softmax(y), y = x * inv_t (reference top_p_nucleus_ref): the
 // nucleus is {v : order_key(y_v) >= K0} with K0 = min{K : sum_{order_key(y_u) > K} e^{y_u - m} < top_p * s}, found
 // by a radix select over the 32 key bits, 4 at a time: each level histograms the mass of the keys that share the
 // prefix chosen so far by their next digit and keeps the smallest digit whose strictly-larger mass stays below
-// the target. The global max is always in the nucleus, so the nucleus' softmax is relative to the same m.
-// Then entropy, ln p_chosen (-inf outside the nucleus) and the Gumbel-max draw over the nucleus only.
+// the target. The first level reads the whole row; the candidates that share the chosen prefix are then gathered,
+// and each later level reads (and narrows) only them. The global max is always in the nucleus, so the nucleus'
+// softmax is relative to the same m. Then entropy, ln p_chosen (-inf outside the nucleus) and the Gumbel-max draw
+// over the nucleus only. e^{y-m} is the float32 polynomial of the plain path, its sums are double.
 template <typename T>
 void decode_row_top_p(const T* x, int64_t V, float inv_t, float top_p, bool sample, uint32_t key, int64_t chosen,
                       const uint8_t* nonstop, int64_t* out_c, float* ent, float* lp, float* prob, uint8_t* flag,
-                      std::vector<float>& y, std::vector<double>& e, std::vector<uint32_t>& k) {
-  y.resize(static_cast<size_t>(V));
-  e.resize(static_cast<size_t>(V));
-  k.resize(static_cast<size_t>(V));
-  float m = kNegInf;
-  for (int64_t v = 0; v < V; ++v) {
-    y[v] = static_cast<float>(x[v]) * inv_t;
-    k[v] = order_key(y[v]);
-    m = std::max(m, y[v]);
+                      TopPScratch& w) {
+  namespace rs = row_softmax;
+  w.y.resize(static_cast<size_t>(V));
+  w.e.resize(static_cast<size_t>(V));
+  w.k.resize(static_cast<size_t>(V));
+  w.cand.resize(static_cast<size_t>(V));
+  float* y = w.y.data();
+  float* e = w.e.data();
+  uint32_t* k = w.k.data();
+  int64_t* cand = w.cand.data();
+  float m = kNegInf, top = kNegInf;
+  int64_t top_i = 0;  // the first max (the pick of a row without a distribution)
+  bool bad = false;   // a NaN or +inf scaled logit
+  for (int64_t c0 = 0; c0 < V; c0 += kChunk) {
+    const int64_t n = std::min(kChunk, V - c0);
+    float cmax, xmax;
+    rs::scale_chunk(x + c0, n, inv_t, y + c0, &cmax, &xmax, &bad);
+    if (cmax > top) {
+      top = cmax;
+      top_i = c0 + rs::first_equal(y + c0, n, cmax);
+    }
+    m = std::max(m, cmax);
   }
-  const double md = m == kNegInf ? 0.0 : static_cast<double>(m);
+  if (bad || m == kNegInf) {  // no distribution (NaN entropy and logprob), or no finite logit
+    const int64_t c = chosen >= 0 ? chosen : top_i;
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    *out_c = c;
+    *ent = nan;
+    *lp = bad ? nan : kNegInf;
+    *prob = bad ? nan : 0.f;
+    if (flag) *flag = nonstop[c];
+    return;
+  }
   double s = 0.0;
-  for (int64_t v = 0; v < V; ++v) {
-    e[v] = y[v] == kNegInf ? 0.0 : std::exp(static_cast<double>(y[v]) - md);
-    s += e[v];
-  }
+  for (int64_t c0 = 0; c0 < V; c0 += kChunk) s += rs::exp_keys(y + c0, std::min(kChunk, V - c0), m, e + c0, k + c0);
   const double target = static_cast<double>(top_p) * s;
   uint32_t prefix = 0;
   double above = 0.0;  // mass of the keys above every key that shares `prefix`
+  int64_t nc = 0;      // candidates (after the first level): the entries whose key starts with `prefix`
   for (int shift = 28; shift >= 0; shift -= 4) {
     double hist[16] = {0.0};
-    for (int64_t v = 0; v < V; ++v) {
-      if (shift < 28 && (k[v] >> (shift + 4)) != prefix) continue;
-      hist[(k[v] >> shift) & 15u] += e[v];
+    if (shift == 28) {
+      for (int64_t v = 0; v < V; ++v) hist[k[v] >> 28] += e[v];
+    } else {
+      for (int64_t j = 0; j < nc; ++j) hist[(k[cand[j]] >> shift) & 15u] += e[cand[j]];
     }
     // smallest digit d with above + sum_{d' > d} hist[d'] < target (d = 15 always qualifies)
     double suffix = 0.0;
@@ -129,26 +150,40 @@ void decode_row_top_p(const T* x, int64_t V, float inv_t, float top_p, bool samp
     }
     prefix = (prefix << 4) | static_cast<uint32_t>(digit);
     above = digit_above;
+    if (shift == 0) break;
+    int64_t kept = 0;  // (in place: kept <= j)
+    if (shift == 28) {
+      for (int64_t v = 0; v < V; ++v) {
+        cand[kept] = v;
+        kept += (k[v] >> shift) == prefix;
+      }
+    } else {
+      for (int64_t j = 0; j < nc; ++j) {
+        const int64_t v = cand[j];
+        cand[kept] = v;
+        kept += (k[v] >> shift) == prefix;
+      }
+    }
+    nc = kept;
   }
   const uint32_t k0 = prefix;
   double sn = 0.0, un = 0.0;
   float best = kNegInf;
   int64_t best_i = -1;
   for (int64_t v = 0; v < V; ++v) {
-    if (y[v] == kNegInf || k[v] < k0) continue;
-    const double d = static_cast<double>(y[v]) - md;
+    if (k[v] < k0 || y[v] == kNegInf) continue;
     sn += e[v];
-    un += d * e[v];
+    un += (static_cast<double>(y[v]) - m) * e[v];
     const float score = sample ? y[v] - std::log(-std::log(sampling_uniform(key, static_cast<uint32_t>(v)))) : y[v];
-    if (score > best || best_i < 0) {
+    if (score > best || best_i < 0) {  // strict: ties keep the lowest index
       best = score;
       best_i = v;
     }
   }
-  const int64_t c = chosen >= 0 ? chosen : std::max<int64_t>(best_i, 0);  // best_i < 0 only for an all -inf row
+  const int64_t c = chosen >= 0 ? chosen : best_i;  // (the max is in the nucleus: best_i >= 0)
   const double log_s = std::log(sn);
   const bool in = y[c] != kNegInf && k[c] >= k0;
-  const double l = in ? static_cast<double>(y[c]) - md - log_s : -std::numeric_limits<double>::infinity();
+  const double l = in ? static_cast<double>(y[c]) - m - log_s : -std::numeric_limits<double>::infinity();
   *out_c = c;
   *ent = static_cast<float>(log_s - un / sn);
   *lp = static_cast<float>(l);
@@ -173,15 +208,13 @@ void decode_signals_cpu(const T* logits, int64_t B, int64_t V, float temperature
   const bool nucleus = temperature > 0.f && top_p < 1.f;
 #pragma omp parallel
   {
-    std::vector<float> y;
-    std::vector<double> e;
-    std::vector<uint32_t> k;
+    TopPScratch scratch;
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < B; ++b) {
       const uint32_t key = sample ? static_cast<uint32_t>(keys[b]) : 0u;
       if (nucleus) {
         decode_row_top_p(logits + b * V, V, inv_t, top_p, sample, key, chosen ? chosen[b] : -1, nonstop,
-                         out_chosen + b, entropy + b, logprob + b, prob + b, flag ? flag + b : nullptr, y, e, k);
+                         out_chosen + b, entropy + b, logprob + b, prob + b, flag ? flag + b : nullptr, scratch);
       } else {
         decode_row(logits + b * V, V, inv_t, sample, key, chosen ? chosen[b] : -1, nonstop, out_chosen + b,
                    entropy + b, logprob + b, prob + b, flag ? flag + b : nullptr);

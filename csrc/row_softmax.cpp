@@ -19,5 +19,19 @@ void exp_sums(const float* y, int64_t n, float m, float* cs, float* cu) {
   *cu = b;
 }
 
+FASTRAG_CLONES
+float exp_keys(const float* y, int64_t n, float m, float* e, uint32_t* k) {
+  float a = 0.f;
+#pragma omp simd reduction(+ : a)
+  for (int64_t i = 0; i < n; ++i) {
+    const float d = y[i] - m;
+    const float v = d >= kExpCut ? exp_nonpos(d) : 0.f;
+    e[i] = v;
+    k[i] = order_key(y[i]);
+    a += v;
+  }
+  return a;
+}
+
 }  // namespace row_softmax
 }  // namespace fastrag

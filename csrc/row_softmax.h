@@ -101,6 +101,19 @@ inline void scale_chunk(const T* x, int64_t n, float inv_t, float* y, float* yma
 // Defined in row_softmax.cpp (FASTRAG_CLONES).
 void exp_sums(const float* y, int64_t n, float m, float* cs, float* cu);
 
+// Order-preserving uint32 image of a float32: a < b  <=>  order_key(a) < order_key(b), and a == b  <=>  equal keys
+// (NaN aside): -0.0 takes +0.0's key, so the two zeros are one tie group as in the reference.
+inline __attribute__((always_inline)) uint32_t order_key(float y) {
+  uint32_t bits;
+  std::memcpy(&bits, &y, sizeof bits);
+  bits = bits == 0x80000000u ? 0u : bits;
+  return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+}
+
+// Over the n entries of y: e[i] = e^{y[i]-m} (0 below kExpCut, y = -inf among them), k[i] = order_key(y[i]);
+// returns sum e. m >= every y. The nucleus (top-p) pass of decode_signals_cpu; defined in row_softmax.cpp.
+float exp_keys(const float* y, int64_t n, float m, float* e, uint32_t* k);
+
 // The lowest i < n with float(x[i]) == v (v: a value of the chunk, as scale_chunk's maxima are), or -1.
 template <typename T>
 inline int64_t first_equal(const T* x, int64_t n, float v) {
