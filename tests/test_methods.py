@@ -393,8 +393,9 @@ def test_bad_streaming_options_name_the_field(tmp_path, over, msg):
 
     p = tmp_path / "DRAGIN.json"
     p.write_text(json.dumps({"method": "attn_entropy", "hallucination_threshold": 1.2, **over}))
-    with pytest.raises(ConfigError, match=msg):
+    with pytest.raises(ConfigError, match=msg) as err:
         get_method("dragin-streaming").make_config("hotpotqa", str(p))
+    assert str(err.value).startswith(f"{p}: ")  # the file is named, as for every other field of it
     ok = get_method("dragin-streaming").make_config("hotpotqa", None)
     assert ok.stream_attention == "in-context" and ok.stream_chunk_tokens == 16
 

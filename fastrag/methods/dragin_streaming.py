@@ -21,7 +21,7 @@ engine reuses the sequence's own cache for all of it, so a chunk boundary costs 
 
 from __future__ import annotations
 
-from fastrag.config import DraginStreamingConfig, dragin_config, load_dragin_config
+from fastrag.config import ConfigError, DraginStreamingConfig, dragin_config, load_dragin_config
 from fastrag.data.exemplars import case_text as make_case
 from fastrag.methods.common import (STOP_PHRASE, finish_answer, first_sentence, generate, join, real_words, search,
                                     sentences, token_char_ends)
@@ -150,7 +150,10 @@ def _config(dataset: str, path: str | None) -> DraginStreamingConfig:
     chunk = values["extra"].pop("stream_chunk_tokens", 16)
     attention = values["extra"].pop("stream_attention", "in-context")
     values["mode"] = "streaming"
-    return DraginStreamingConfig(**values, stream_chunk_tokens=chunk, stream_attention=attention)
+    try:
+        return DraginStreamingConfig(**values, stream_chunk_tokens=chunk, stream_attention=attention)
+    except ConfigError as e:  # (the streaming options are read here, after load_dragin_config named the file)
+        raise ConfigError(f"{path}: {e}") from None
 
 
 register(MethodSpec(
