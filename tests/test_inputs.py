@@ -550,6 +550,12 @@ def test_dragin_config_accepts_published_keys_a_bom_and_refuses_streaming_mode(t
     p.write_text(json.dumps({**BASE, "mode": "streaming", "stream_chunk_tokens": 8}))
     cfg = get_method("dragin-streaming").make_config("hotpotqa", str(p))
     assert cfg.stream_chunk_tokens == 8
+    p.write_text(json.dumps({**BASE, "mode": "reference"}))  # (the other way round: not silently streaming)
+    with pytest.raises(ConfigError, match="'reference'.*--method dragin\\)"):
+        get_method("dragin-streaming").make_config("hotpotqa", str(p))
+    p.write_text(json.dumps(BASE))  # no mode: each method runs its own
+    assert get_method("dragin-streaming").make_config("hotpotqa", str(p)).mode == "streaming"
+    assert get_method("dragin").make_config("hotpotqa", str(p)).mode == "reference"
 
 
 # ------------------------------------------------------------------------------------------------ corpora

@@ -21,7 +21,8 @@ engine reuses the sequence's own cache for all of it, so a chunk boundary costs 
 
 from __future__ import annotations
 
-from fastrag.config import ConfigError, DraginStreamingConfig, dragin_config, load_dragin_config
+from fastrag.config import (ConfigError, DraginStreamingConfig, dragin_config, load_dragin_config,
+                            read_json_object)
 from fastrag.data.exemplars import case_text as make_case
 from fastrag.methods.common import (STOP_PHRASE, finish_answer, first_sentence, generate, join, real_words, search,
                                     sentences, token_char_ends)
@@ -146,6 +147,9 @@ class DraginStreaming(DraginReference):
 def _config(dataset: str, path: str | None) -> DraginStreamingConfig:
     cfg = load_dragin_config(path, dataset=dataset, more_keys=frozenset({"stream_chunk_tokens", "stream_attention"})) \
         if path else dragin_config(dataset)
+    if path and read_json_object(path).get("mode", "streaming") != "streaming":  # (a file without one: streaming)
+        raise ConfigError(f"{path}: field 'mode' is {cfg.mode!r}; --method dragin-streaming runs streaming mode "
+                          "(reference mode is --method dragin)")
     values = {name: getattr(cfg, name) for name in cfg.__dataclass_fields__}
     chunk = values["extra"].pop("stream_chunk_tokens", 16)
     attention = values["extra"].pop("stream_attention", "in-context")
