@@ -424,6 +424,63 @@ def test_a_failed_index_build_leaves_no_folder(tmp_path):
     assert (tmp_path / "dup.jsonl.bm25s").is_dir()
 
 
+class _FakeES:
+    """The few Elasticsearch calls ElasticRetriever makes, over in-memory indexes {name: {id: source}}."""
+
+    def __init__(self):
+        self.indexes: dict[str, dict] = {}
+        es = self
+
+        class Indices:
+            def exists(self, index):
+                return index in es.indexes
+
+            def create(self, index, mappings):
+                es.indexes[index] = {}
+
+            def refresh(self, index):
+                pass
+
+            def delete(self, index, ignore_unavailable=False):
+                es.indexes.pop(index, None)
+
+        self.indices = Indices()
+
+    def count(self, index):
+        return {"count": len(self.indexes[index])}
+
+
+def test_a_failed_elasticsearch_load_leaves_no_index(tmp_path, monkeypatch):
+    """An Elasticsearch index is found by its name alone: one that a load left half-filled (a corpus error on a
+    later line) would be searched as the whole corpus by the next run, so the failed load deletes it, and the run
+    after the corpus is corrected loads every passage."""
+    pytest.importorskip("elasticsearch")
+    from elasticsearch import helpers
+
+    from fastrag.retrieval import elastic
+
+    server = _FakeES()
+    monkeypatch.setattr(elastic, "_client", lambda url, timeout: server)
+
+    def bulk(es, actions, chunk_size, raise_on_error):  # (each passage stored as it is read)
+        n = 0
+        for a in actions:
+            es.indexes[a["_index"]][a["_id"]] = a["_source"]
+            n += 1
+        return n, []
+
+    monkeypatch.setattr(helpers, "bulk", bulk)
+    path = tmp_path / "c.jsonl"
+    rows = [{"id": str(i), "title": f"T{i}", "text": f"passage {i}"} for i in range(5)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows + [rows[0]]))  # line 6 repeats line 1's id
+    with pytest.raises(CorpusError, match="repeats line 1"):
+        elastic.ElasticRetriever("http://es", "wiki", corpus_path=path, show_progress=False)
+    assert "wiki" not in server.indexes
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    r = elastic.ElasticRetriever("http://es", "wiki", corpus_path=path, show_progress=False)
+    assert r.built and r.n_docs == len(rows) == len(server.indexes["wiki"])
+
+
 # ---- the real corpus ----------------------------------------------------------------------------------
 
 DATA = Path("/work/shared/data")

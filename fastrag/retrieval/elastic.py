@@ -9,6 +9,7 @@ with `FASTRAG_ES_URL` / `FASTRAG_ES_INDEX`. Documents are stored as `{id, title,
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -50,7 +51,9 @@ class ElasticRetriever(Retriever):
 
     @staticmethod
     def index_corpus(corpus_path, url: str, index: str, batch: int = 2000, show_progress: bool = True) -> int:
-        """Create `index` (title/text as English-analysed text) and bulk-load a corpus file into it."""
+        """Create `index` (title/text as English-analysed text) and bulk-load a corpus file into it. A load that
+        fails part-way (a corpus error on some line, a server error, Ctrl-C) deletes the index again: a run finds
+        an index by its name alone, so one left half-filled would be searched as if it held the whole corpus."""
         from elasticsearch import helpers
         from tqdm import tqdm
 
@@ -64,8 +67,13 @@ class ElasticRetriever(Retriever):
         actions = ({"_index": index, "_id": doc_id, "_source": {"id": doc_id, "title": title, "text": text}}
                    for doc_id, title, text in tqdm(iter_corpus(path), desc=f"indexing {path.name}", unit="doc",
                                                    disable=not show_progress))
-        n, _ = helpers.bulk(es, actions, chunk_size=batch, raise_on_error=True)
-        es.indices.refresh(index=index)
+        try:
+            n, _ = helpers.bulk(es, actions, chunk_size=batch, raise_on_error=True)
+            es.indices.refresh(index=index)
+        except BaseException:
+            with contextlib.suppress(Exception):  # (a server that went away: its own error is the one to report)
+                es.indices.delete(index=index, ignore_unavailable=True)
+            raise
         return n
 
     def search(self, queries: list[str], k: int) -> list[list[Doc]]:
