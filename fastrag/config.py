@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import warnings
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -124,17 +125,41 @@ def dragin_config(dataset: str, overrides: dict[str, Any] | None = None) -> Drag
     return DraginConfig(**values)
 
 
+class _RepeatedKey(ValueError):
+    def __init__(self, key: str):
+        super().__init__(key)
+        self.key = key
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """json object_pairs_hook: a key given twice in one object is an error (json.loads keeps the last silently,
+    so an edit to the first would change nothing)."""
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise _RepeatedKey(k)
+        out[k] = v
+    return out
+
+
 def read_json_object(path: str | Path, error: type[Exception] = ConfigError) -> dict[str, Any]:
-    """A config file's top-level JSON object; `error` (naming the file, and line/column for bad JSON) otherwise."""
+    """A config file's top-level JSON object; `error` (naming the file, and line/column for bad JSON, the lines of
+    a key given twice) otherwise."""
     path = Path(path)
     try:
-        raw = json.loads(path.read_text(encoding="utf-8-sig"))
+        text = path.read_text(encoding="utf-8-sig")
+        raw = json.loads(text, object_pairs_hook=_unique_keys)
     except FileNotFoundError:
         raise error(f"{path}: no such file") from None
     except (OSError, UnicodeDecodeError) as e:
         raise error(f"{path}: cannot read: {e}") from None
     except json.JSONDecodeError as e:
         raise error(f"{path}: not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+    except _RepeatedKey as e:
+        lines = [text.count("\n", 0, m.start()) + 1
+                 for m in re.finditer(re.escape(json.dumps(e.key, ensure_ascii=False)) + r"\s*:", text)]
+        at = f" (lines {', '.join(map(str, lines))})" if len(lines) > 1 else ""
+        raise error(f"{path}: field {e.key!r} is given twice{at}; give it once") from None
     if not isinstance(raw, dict):
         raise error(f"{path}: expected a JSON object, got {type(raw).__name__}")
     return raw

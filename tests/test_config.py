@@ -116,6 +116,24 @@ def test_load_errors_name_file_and_field(tmp_path, patch, pattern):
         load_dragin_config(p)
 
 
+def test_a_field_given_twice_is_refused_with_its_lines(tmp_path):
+    """json.loads keeps the last of two equal keys: an edit to the first would change nothing without a word."""
+    from fastrag.config import method_config
+    from fastrag.methods.beamsearchqa import BeamConfigError, beamsearchqa_config
+
+    p = tmp_path / "c.json"
+    p.write_text('{\n "method": "attn_entropy",\n "dataset": "hotpotqa",\n "hallucination_threshold": 1.4,\n'
+                 ' "fewshot": 8,\n "hallucination_threshold": 0.5\n}\n')
+    with pytest.raises(ConfigError, match=r"c\.json: field 'hallucination_threshold' is given twice \(lines 4, 6\)"):
+        load_dragin_config(p)
+    p.write_text('{"fewshot": 2, "fewshot": 3}')
+    with pytest.raises(ConfigError, match="'fewshot' is given twice"):
+        method_config("wo-rag", "hotpotqa", p)
+    p.write_text('{"K": 2, "K": 3}')
+    with pytest.raises(BeamConfigError, match="'K' is given twice"):
+        beamsearchqa_config("hotpotqa", p)
+
+
 def test_load_file_errors(tmp_path):
     with pytest.raises(ConfigError, match="no such file"):
         load_dragin_config(tmp_path / "missing.json")
