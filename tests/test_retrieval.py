@@ -238,6 +238,22 @@ def test_corpus_change_reindexes(corpus):
     assert r2.search(["zeppelin"], 3)[0][0].id == "new"
 
 
+def test_a_rebuild_leaves_a_loaded_retriever_its_own_passages(tmp_path):
+    """A retriever maps its index's files (a server, a long run); another process that rebuilds the index of the
+    changed corpus in the same folder must not rewrite those files under it: it kept returning the new build's
+    passages at the old build's offsets (an empty passage past the new end)."""
+    path = tmp_path / "c.jsonl"
+    old = [(f"d{i}", f"Title {i}", f"passage {i} about topic{i % 7}") for i in range(60)]
+    _write_jsonl(path, old)
+    r1 = BM25Retriever(path, show_progress=False)
+    before = r1.search(["topic3 passage 10", "topic5 passage 54"], 2)
+    assert [ds[0].id for ds in before] == ["d10", "d54"]
+    _write_jsonl(path, [(f"x{i}", "T", "short") for i in range(5)])
+    r2 = BM25Retriever(path, show_progress=False)
+    assert r2.built and r2.index_dir == r1.index_dir and r2.n_docs == 5
+    assert r1.search(["topic3 passage 10", "topic5 passage 54"], 2) == before
+
+
 def test_corpus_replaced_with_same_size_and_time_reindexes(corpus):
     """`cp -p` / `rsync -a` of another corpus of the same byte size keeps size and mtime: the content decides."""
     r1 = BM25Retriever(corpus, show_progress=False)

@@ -185,7 +185,12 @@ class _DocStore:
 
     @staticmethod
     def write(directory: Path, rows) -> tuple[list[str], list[str]]:
-        """Write the store from (id, title, text) rows; return the titles and texts to index."""
+        """Write the store from (id, title, text) rows; return the titles and texts to index. The files are new
+        ones, not the old ones rewritten in place: a retriever that maps the store of an earlier build (a server,
+        a run in progress) goes on reading that build's passages instead of the new build's bytes at its old
+        offsets."""
+        for name in ("docs.bin", "docs_offsets.npy"):
+            (directory / name).unlink(missing_ok=True)
         titles, texts, offsets, pos = [], [], [0], 0
         with open(directory / "docs.bin", "wb") as out:
             for doc_id, title, text in rows:
