@@ -170,6 +170,22 @@ def test_bad_search_arguments(tmp_path, corpus):
         BM25Retriever(corpus, tie_breaker=2.0)
 
 
+def test_queries_from_an_iterator_are_all_answered(corpus):
+    """A generator of queries was consumed by the type check, then searched as an empty batch: [] came back for
+    a batch of two (len(result) == len(queries) broken without a word)."""
+    r = BM25Retriever(corpus, show_progress=False)
+    queries = ["Paris", "capital of Germany"]
+    want = r.search(queries, 2)
+    assert len(want) == 2 and all(want)
+    assert r.search((q for q in queries), 2) == want
+    assert r.search(iter(queries), 2) == want
+    assert r.search(tuple(queries), 2) == want
+    with pytest.raises(TypeError, match="list of strings"):
+        r.search(iter(["Paris", 3]), 2)
+    with pytest.raises(TypeError, match="list of strings"):
+        r.search(7, 2)
+
+
 # ---- persistence --------------------------------------------------------------------------------------
 
 

@@ -43,10 +43,14 @@ class Retriever(ABC):
 
     @staticmethod
     def check_queries(queries) -> list[str]:
-        """Validate a batch of queries (a list of strings, not a bare string) and return it as a list."""
-        if isinstance(queries, str) or not all(isinstance(q, str) for q in queries):
+        """Validate a batch of queries (a list of strings, not a bare string) and return it as a list (an iterator
+        is read once, here: checking it first would leave nothing to search)."""
+        if isinstance(queries, str) or not hasattr(queries, "__iter__"):
             raise TypeError("queries must be a list of strings")
-        return list(queries)
+        queries = list(queries)
+        if not all(isinstance(q, str) for q in queries):
+            raise TypeError("queries must be a list of strings")
+        return queries
 
     def live_queries(self, queries, k: int) -> tuple[list[str], list[int]]:
         """Validate k and the batch; return (the queries as a list, the indices of the non-blank ones). A blank
