@@ -145,6 +145,8 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 def read_json_object(path: str | Path, error: type[Exception] = ConfigError) -> dict[str, Any]:
     """A config file's top-level JSON object; `error` (naming the file, and line/column for bad JSON, the lines of
     a key given twice) otherwise."""
+    if not str(path):  # (Path("") is the current folder)
+        raise error("the config file's path is empty")
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8-sig")
@@ -173,8 +175,8 @@ def load_dragin_config(path: str | Path, dataset: str | None = None, more_keys: 
     es_index_name, ...: PUBLISHED_EXTRA_KEYS) and `more_keys` (a variant's own fields) go to `extra`; any other key
     is an error naming it. `dataset` overrides the file's "dataset". `method`, when present, must select DRAGIN.
     """
-    path = Path(path)
     raw = read_json_object(path)
+    path = Path(path)
     method = raw.get("method")
     if method == "attn_prob":
         raise ConfigError(f"{path}: field 'method' is 'attn_prob' (words weighted by -log p), which fastrag does not "
@@ -418,9 +420,9 @@ def method_config(method: str, dataset: str, path: str | Path | None = None,
     raw: dict[str, Any] = {}
     where = ""
     if path is not None:
+        raw = read_json_object(path)
         path = Path(path)
         where = f"{path}: "
-        raw = read_json_object(path)
         pm = raw.get("method")
         if pm is not None:
             ok = PUBLISHED_METHODS.get(method, ()) + (method,)

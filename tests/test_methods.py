@@ -400,6 +400,16 @@ def test_bad_streaming_options_name_the_field(tmp_path, over, msg):
     assert ok.stream_attention == "in-context" and ok.stream_chunk_tokens == 16
 
 
+@pytest.mark.parametrize("method", ["dragin", "dragin-streaming", "wo-rag", "token-rag", "flare", "beamsearchqa"])
+def test_an_empty_config_path_is_refused(method):
+    """`--config "$UNSET"` gives the path "": dragin ran the paper's defaults as if no file had been given (and
+    the other methods said "'.': Is a directory")."""
+    from fastrag.methods.registry import get_method
+
+    with pytest.raises(ValueError, match="the config file's path is empty"):
+        get_method(method).make_config("hotpotqa", "")
+
+
 def test_config_file_errors(tmp_path):
     with pytest.raises(ConfigError, match="no such file"):
         method_config("flare", "hotpotqa", tmp_path / "missing.json")

@@ -158,7 +158,7 @@ class DraginReference:
 def _dragin_config(dataset: str, path: str | None):
     from fastrag.config import dragin_config, load_dragin_config
 
-    cfg = load_dragin_config(path, dataset=dataset) if path else dragin_config(dataset)
+    cfg = load_dragin_config(path, dataset=dataset) if path is not None else dragin_config(dataset)
     if cfg.mode != "reference":
         from fastrag.config import ConfigError
 

@@ -146,8 +146,9 @@ class DraginStreaming(DraginReference):
 
 def _config(dataset: str, path: str | None) -> DraginStreamingConfig:
     cfg = load_dragin_config(path, dataset=dataset, more_keys=frozenset({"stream_chunk_tokens", "stream_attention"})) \
-        if path else dragin_config(dataset)
-    if path and read_json_object(path).get("mode", "streaming") != "streaming":  # (a file without one: streaming)
+        if path is not None else dragin_config(dataset)
+    # (a file without "mode": streaming)
+    if path is not None and read_json_object(path).get("mode", "streaming") != "streaming":
         raise ConfigError(f"{path}: field 'mode' is {cfg.mode!r}; --method dragin-streaming runs streaming mode "
                           "(reference mode is --method dragin)")
     values = {name: getattr(cfg, name) for name in cfg.__dataclass_fields__}
