@@ -80,6 +80,38 @@ def test_changed_corpus_is_reindexed(tmp_path, small_corpus):
     assert b.search(["Zanzibar is an archipelago."], 1)[0][0].id == "new1"
 
 
+def test_an_encoder_changed_in_place_reindexes(tmp_path, small_corpus):
+    """Weights fine-tuned (or replaced) in the encoder's folder keep its path and config.json: the saved index
+    held the old model's embeddings, searched with the new model's queries (a passage's stored vector and its
+    fresh encoding had cosine 0.2)."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from fastrag.retrieval.dense import resolve_encoder
+
+    enc = tmp_path / "encoder"
+    shutil.copytree(resolve_encoder("all-minilm-l6-v2"), enc)
+    p = tmp_path / "c.jsonl"
+    docs = small_corpus[1][:8]
+    p.write_text("\n".join(json.dumps(d) for d in docs) + "\n", encoding="utf-8")
+    a = DenseRetriever(p, encoder=str(enc), show_progress=False)
+    assert a.built and not DenseRetriever(p, encoder=str(enc), show_progress=False).built
+    weights = next(enc.glob("*.safetensors"))
+    w = load_file(weights)
+    gen = torch.Generator().manual_seed(0)
+    for name, t in w.items():
+        if t.is_floating_point() and t.dim() == 2:
+            w[name] = t + 0.5 * t.std() * torch.randn(t.shape, generator=gen, dtype=t.dtype)
+    save_file(w, weights, metadata={"format": "pt"})
+    b = DenseRetriever(p, encoder=str(enc), show_progress=False)
+    assert b.built and b.index_dir == a.index_dir
+    fresh = b.encode([passage_text(d["title"], d["text"]) for d in docs])
+    stored = np.stack([b.index.reconstruct(i) for i in range(len(docs))])
+    np.testing.assert_allclose(np.sum(fresh * stored, axis=1), 1.0, atol=1e-4)
+
+
 def test_a_damaged_saved_index_is_built_again(tmp_path, small_corpus):
     p = tmp_path / "c.jsonl"
     p.write_text("\n".join(json.dumps(d) for d in small_corpus[1][:20]) + "\n", encoding="utf-8")

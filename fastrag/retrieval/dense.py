@@ -56,6 +56,18 @@ def resolve_encoder(name: str) -> Path:
                             f"({DEFAULT_ENCODER!r})")
 
 
+def encoder_fingerprint(path: Path) -> str:
+    """A content fingerprint of an encoder folder (each file's relative name, size and `corpus_fingerprint`; hidden
+    files left out), for index staleness: weights fine-tuned or replaced in place keep the folder's path and its
+    config.json, and an index of the old embeddings would be searched with the new model's queries."""
+    h = hashlib.sha256()
+    for f in sorted(x for x in path.rglob("*") if x.is_file()):
+        rel = f.relative_to(path)
+        if not any(part.startswith(".") for part in rel.parts):
+            h.update(f"{rel.as_posix()}\0{f.stat().st_size}\0{corpus_fingerprint(f)}\n".encode())
+    return "tree:" + h.hexdigest()
+
+
 def passage_text(title: str, text: str) -> str:
     return f"{title}: {text}" if title else text
 
@@ -117,11 +129,10 @@ class DenseRetriever(Retriever):
 
     def _manifest(self) -> dict:
         st = self.corpus_path.stat()
-        cfg = self.encoder_path / "config.json"
         return {"format": _FORMAT, "reader": READER_VERSION, "kind": "dense-flat-ip", "corpus": str(self.corpus_path),
                 "size": st.st_size, "mtime_ns": st.st_mtime_ns, "fingerprint": corpus_fingerprint(self.corpus_path),
                 "encoder": str(self.encoder_path), "dim": self.dim,
-                "encoder_config_sha1": hashlib.sha1(cfg.read_bytes()).hexdigest() if cfg.is_file() else None}
+                "encoder_fingerprint": encoder_fingerprint(self.encoder_path)}
 
     def _default_dirs(self) -> list[Path]:
         tag = self.encoder_path.name.lower().replace(" ", "-")
