@@ -181,6 +181,7 @@ def _index(args) -> int:
 
     from fastrag.retrieval import CorpusError, make_retriever
 
+    kind = args.kind[0]
     try:
         for kind in args.kind:
             t = time.perf_counter()
@@ -191,6 +192,10 @@ def _index(args) -> int:
     except (FileNotFoundError, PermissionError, ValueError, CorpusError, ImportError, OSError) as e:
         print(f"fastrag: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # (a build stopped part-way leaves no index that a later call would trust)
+        print(f"fastrag: interrupted while making the {kind} index of {args.corpus}; it was not saved: rerun the "
+              "same command to build it", file=sys.stderr)
+        return 130
     return 0
 
 

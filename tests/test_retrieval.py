@@ -513,6 +513,31 @@ def test_a_failed_elasticsearch_load_leaves_no_index(tmp_path, monkeypatch):
     assert r.built and r.n_docs == len(rows) == len(server.indexes["wiki"])
 
 
+def test_fastrag_index_interrupted_says_so_and_keeps_no_index(tmp_path, monkeypatch, capsys):
+    """Ctrl-C during `fastrag index` printed a traceback of every frame down to the tokenizer; it says what
+    happened instead (exit 130, as `fastrag run` does), and no half-built index is left to be trusted."""
+    from fastrag.cli import main
+    from fastrag.retrieval import bm25
+
+    path = _write_jsonl(tmp_path / "c.jsonl", DOCS)
+
+    def rows(p):
+        yield from list(iter_corpus(p))[:3]
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bm25, "iter_corpus", rows)
+    try:
+        rc = main(["index", "--corpus", str(path), "--no-progress"])
+    except KeyboardInterrupt:
+        pytest.fail("Ctrl-C left `fastrag index` as a traceback")
+    assert rc == 130
+    assert "interrupted while making the bm25 index" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl"]
+    monkeypatch.undo()
+    assert main(["index", "--corpus", str(path), "--no-progress"]) == 0
+    assert f"bm25: {len(DOCS)} passages, index built" in capsys.readouterr().out
+
+
 # ---- the real corpus ----------------------------------------------------------------------------------
 
 DATA = Path("/work/shared/data")
