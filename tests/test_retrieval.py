@@ -315,6 +315,40 @@ def test_read_only_corpus_folder_falls_back_to_cache(tmp_path, monkeypatch):
         os.chmod(ro, 0o755)
 
 
+def test_a_damaged_index_in_a_read_only_folder_is_replaced_from_the_cache(tmp_path, monkeypatch):
+    """A damaged saved index next to a read-only corpus (a copy cut short on a shared, read-only mount): its
+    manifest cannot be removed, and the run failed with "Read-only file system: .../manifest.json" after
+    announcing a rebuild. It is built in $FASTRAG_CACHE instead, and later runs use that one."""
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    corpus = _write_jsonl(ro / "c.jsonl", DOCS)
+    want = BM25Retriever(corpus, show_progress=False).search(QUERIES, 5)
+    saved = ro / "c.jsonl.bm25s"
+    (saved / "docs.bin").write_bytes(b"cut")
+    monkeypatch.setenv("FASTRAG_CACHE", str(tmp_path / "cache"))
+    real_unlink = Path.unlink
+
+    def unlink(self, missing_ok=False):  # (root may remove files from a mode-555 folder; the mount would refuse)
+        if saved in self.parents:
+            raise OSError(30, "Read-only file system", str(self))
+        return real_unlink(self, missing_ok=missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", unlink)
+    os.chmod(saved, 0o555)
+    os.chmod(ro, 0o555)
+    try:
+        with pytest.warns(RuntimeWarning, match=r"c\.jsonl\.bm25s: saved BM25 index unreadable .*building it again"):
+            r = BM25Retriever(corpus, show_progress=False)
+        assert r.built and (tmp_path / "cache" / "indexes") in r.index_dir.parents
+        assert r.search(QUERIES, 5) == want
+        with pytest.warns(RuntimeWarning, match=f"using the one in {r.index_dir}"):
+            again = BM25Retriever(corpus, show_progress=False)
+        assert not again.built and again.index_dir == r.index_dir
+    finally:
+        os.chmod(ro, 0o755)
+        os.chmod(saved, 0o755)
+
+
 # ---- corpus formats -----------------------------------------------------------------------------------
 
 

@@ -136,7 +136,9 @@ def open_index(candidates: list[Path], manifest: dict, build, load, what: str) -
     """(index folder, built now) of the first candidate whose manifest equals `manifest`, loaded by `load(folder)`,
     else of a new one from `build()`. A saved index that fails to load (a file truncated or damaged after it was
     written) is built again once, with a warning naming the folder and the error; one that fails right after its
-    build is a CorpusError naming the folder."""
+    build is a CorpusError naming the folder. A damaged index in a read-only folder stays there untrusted: the
+    build (or an index already built in a writable candidate) takes its place."""
+    unusable: list[Path] = []
     found = next((d for d in candidates if _read_manifest(d) == manifest), None)
     while True:
         built = found is None
@@ -149,10 +151,14 @@ def open_index(candidates: list[Path], manifest: dict, build, load, what: str) -
             if built:
                 raise CorpusError(f"{found}: the {what} index just built cannot be read ({type(e).__name__}: {e}); "
                                   "delete the folder and run again") from e
-            warnings.warn(f"{found}: saved {what} index unreadable ({type(e).__name__}: {e}); building it again",
+            with contextlib.suppress(OSError):  # (a read-only folder keeps it: the build goes to a writable one)
+                (found / "manifest.json").unlink(missing_ok=True)
+            unusable.append(found)
+            damaged, found = found, next((d for d in candidates if d not in unusable
+                                          and _read_manifest(d) == manifest), None)
+            warnings.warn(f"{damaged}: saved {what} index unreadable ({type(e).__name__}: {e}); "
+                          + ("building it again" if found is None else f"using the one in {found}"),
                           RuntimeWarning, stacklevel=3)
-            (found / "manifest.json").unlink(missing_ok=True)
-            found = None
 
 
 def write_manifest(d: Path, manifest: dict, n_docs: int) -> None:
