@@ -146,12 +146,14 @@ def main(argv: list[str] | None = None) -> int:
             metrics = run_ray(opts, num_workers=2 if args.num_workers is None else args.num_workers)
             _print_table("fastrag run --ray", metrics)
             print(_run_summary(metrics, args.output))
+            return _all_failed(metrics, args.output)
         elif args.cmd == "run":
             from fastrag.eval import run
 
             metrics = run(opts)
             _print_table("fastrag run", metrics)
             print(_run_summary(metrics, args.output))
+            return _all_failed(metrics, args.output)
         else:
             from fastrag.parity import parity
 
@@ -225,6 +227,17 @@ def _run_summary(m: dict, output: str) -> str:
             f"{score}; {_fmt(m.get('questions_per_s'), '.3g')} questions/s, {_fmt(m.get('tokens_per_s'), '.4g')} "
             f"tokens/s, {_fmt(m.get('retrievals_per_question'), '.2f')} retrievals/question "
             f"(all figures: {output}/metrics.json)")
+
+
+def _all_failed(m: dict, output: str) -> int:
+    """The exit status of a run: 1, with a line saying so, when it computed questions and every one of them failed
+    (a retriever down for the whole run: a script must not take it for results), else 0."""
+    computed = m.get("computed_this_run") or 0
+    if computed and not m.get("questions_measured"):
+        print(f"fastrag: error: all {computed} questions computed in this run failed; their errors are in "
+              f"{output}/results.jsonl (a rerun computes them again)", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _parity_summary(r: dict, output: str) -> str:

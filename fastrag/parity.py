@@ -172,6 +172,8 @@ def _with_oracle(method: str):
 def parity(opts: RunOptions) -> dict:
     out = Path(opts.output)
     _with_oracle(opts.method)  # (refused before the engine run, not after it)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--output {out}: is a file, expected a directory")
     m_engine = run(replace(opts, output=str(out / "engine")))
     engine_results = latest_records(out / "engine" / "results.jsonl",
                                     load_examples(opts.dataset, opts.data, limit=opts.limit,

@@ -407,11 +407,32 @@ def test_cli_errors_for_odd_arguments(tmp_path):
                         "--top-k must be an int >= 0")):
         p = subprocess.run([sys.executable, "-m", "fastrag", *base, *extra], capture_output=True, text=True)
         assert p.returncode == 2 and msg in p.stderr and "Traceback" not in p.stderr, p.stderr
+    p = subprocess.run([sys.executable, "-m", "fastrag", "parity", "--method", "dragin", *base[3:], "--output",
+                        str(afile)], capture_output=True, text=True)
+    assert p.returncode == 2 and "is a file, expected a directory" in p.stderr and "Traceback" not in p.stderr, \
+        p.stderr
     with pytest.raises(ValueError, match="is a directory"):
         RunOptions(method="wo-rag", dataset="nq", data=str(tmp_path), corpus=str(CORPUS), output=str(tmp_path / "x"))
     with pytest.raises(ValueError, match="finite"):
         RunOptions(method="wo-rag", dataset="nq", data=str(data), corpus=str(CORPUS), output=str(tmp_path / "x"),
                    temperature=float("inf"))
+
+
+def test_a_run_whose_every_question_failed_exits_1(tiny, tmp_path):
+    """Every question computed in the run failed (here: all empty): the summary is printed and the exit status is
+    1 with a line saying so, so that a script does not take the folder for results; one answer makes it 0."""
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({"generate_max_length": 2, "fewshot": 0}))
+    data = nq_file(tmp_path / "nq.jsonl", ["", " "])
+    args = [sys.executable, "-m", "fastrag", "run", "--method", "wo-rag", "--dataset", "nq", "--data", str(data),
+            "--corpus", str(CORPUS), "--model", tiny, "--config", str(cfg), "--kv-cache-gb", "0.05",
+            "--no-progress", "--output", str(tmp_path / "o")]
+    p = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 1 and "all 2 questions computed in this run failed" in p.stderr, p.stderr[-2000:]
+    assert "2 questions, 2 failed" in p.stdout and "Traceback" not in p.stderr, p.stdout[-2000:]
+    nq_file(data, ["", "who wrote book number 1?"])
+    p = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0 and "2 questions, 1 failed" in p.stdout, (p.stdout[-2000:], p.stderr[-2000:])
 
 
 def test_ctrl_c_says_how_to_go_on_and_the_rerun_resumes(tiny, tmp_path):
