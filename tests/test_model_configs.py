@@ -396,6 +396,21 @@ def test_unused_checkpoint_weights_are_refused(tmp_path):
         LlamaModel.from_pretrained(tmp_path)
 
 
+@pytest.mark.parametrize("drop", ["lm_head.weight", "model.layers.1.mlp.down_proj.weight"])
+def test_missing_checkpoint_weights_are_named(drop, tmp_path):
+    """A checkpoint without a weight the model computes with (an untied head, a layer's projection) is refused with
+    the weight's name (it used to end in a bare KeyError traceback)."""
+    from safetensors.torch import load_file, save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    _save(LlamaForCausalLM, LlamaConfig(**_COMMON, tie_word_embeddings=False), tmp_path)
+    sd = load_file(str(tmp_path / "model.safetensors"))
+    del sd[drop]
+    save_file(sd, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=rf"missing 1 weight\(s\) this model needs \(first: {drop}\)"):
+        LlamaModel.from_pretrained(tmp_path)
+
+
 def test_a_sliding_window_shorter_than_the_context_caps_the_context(tmp_path):
     """Full attention equals windowed attention only within the window: the engine's context stops there."""
     from transformers import MistralConfig, MistralForCausalLM

@@ -395,8 +395,26 @@ class LlamaModel(nn.Module):
         model.inv_freq = inv
         return model
 
+    def _hf_weight_names(self) -> list[str]:
+        """The checkpoint (transformers) names of the weights this model computes with, in load order."""
+        c = self.c
+        names = ["model.embed_tokens.weight", "model.norm.weight"]
+        for i in range(c.num_layers):
+            names += [f"model.layers.{i}.{n}" for n in (
+                "input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_proj.weight",
+                "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+                "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+                *(("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")
+                  if c.attention_bias else ()), *(("self_attn.o_proj.bias",) if c.o_bias else ()))]
+        return names + ([] if c.tie_word_embeddings else ["lm_head.weight"])
+
     def _load_hf_state_dict(self, sd: dict, dtype, device):
         c = self.c
+        # a weight this model computes with that the checkpoint lacks: name them all (not a KeyError on the first)
+        absent = [k for k in self._hf_weight_names() if k not in sd]
+        if absent:
+            raise ValueError(f"the checkpoint is missing {len(absent)} weight(s) this model needs (first: "
+                             f"{', '.join(absent[:4])})")
         g = lambda k: sd[k].to(dtype)  # noqa: E731
         new = {"embed.weight": g("model.embed_tokens.weight"), "norm.weight": g("model.norm.weight")}
         for i in range(c.num_layers):
@@ -414,14 +432,7 @@ class LlamaModel(nn.Module):
         if not c.tie_word_embeddings:
             new["lm_head.weight"] = g("lm_head.weight")
         # a checkpoint weight this model does not use means another computation (extra norms, biases): refuse
-        used = {k for i in range(c.num_layers) for k in (
-            f"model.layers.{i}.{n}" for n in (
-                "input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_proj.weight",
-                "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
-                "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
-                *(("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")
-                  if c.attention_bias else ()), *(("self_attn.o_proj.bias",) if c.o_bias else ())))}
-        used |= {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
+        used = set(self._hf_weight_names()) | {"lm_head.weight"}  # (a tied checkpoint may hold its head too)
         unused = sorted(k for k in sd if k not in used and not k.endswith("rotary_emb.inv_freq"))
         if unused:
             raise ValueError(f"the checkpoint holds {len(unused)} weight(s) this Llama-family model does not use "
