@@ -190,3 +190,16 @@ def test_model_paths_that_cannot_load_name_the_problem(tmp_path):
         load_tokenizer(d)
     with pytest.raises(ValueError, match="unsupported model file"):
         resolve_model(d / "config.json")
+
+
+@pytest.mark.parametrize("head", [b"GGUF\x03\x00\x00\x00\x00", b"GGUF\x03\x00\x00\x00" + (0).to_bytes(8, "little")
+                                  + (3).to_bytes(8, "little")], ids=["header-cut", "metadata-cut"])
+def test_a_truncated_gguf_file_is_refused_by_name(head, tmp_path, monkeypatch):
+    """A file that starts like a GGUF and then ends (a cut download) is an error naming it, not a traceback from
+    deep inside the GGUF reader (struct.error, which the CLI does not catch)."""
+    monkeypatch.setenv("FASTRAG_CACHE", str(tmp_path / "cache"))
+    bad = tmp_path / "cut.gguf"
+    bad.write_bytes(head)
+    with pytest.raises(ValueError, match=r"cut\.gguf: transformers' GGUF reader cannot load it \(a truncated or damaged file"):
+        resolve_model(bad)
+    assert not list((tmp_path / "cache").glob("models/*"))  # no half conversion left in the cache

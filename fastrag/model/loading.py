@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import struct
 from pathlib import Path
 
 import torch
@@ -60,8 +61,13 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    try:
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    except (ValueError, KeyError, IndexError, TypeError, EOFError, struct.error) as e:
+        # a truncated or damaged file fails deep in the GGUF reader (struct.error, a reshape of too few values)
+        raise ValueError(f"{gguf}: transformers' GGUF reader cannot load it (a truncated or damaged file, or a "
+                         f"model it does not convert): {e}") from e
     # GGUF weights are fully dequantised to fp32 on load; drop the quantiser so the model saves as a plain one.
     model.hf_quantizer = None
     if hasattr(model, "is_quantized"):
