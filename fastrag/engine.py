@@ -59,6 +59,8 @@ class SamplingParams:
         if self.top_k and self.temperature == 0:
             raise ValueError(f"top_k={self.top_k} applies only when sampling: give a temperature > 0 too (greedy "
                              "decoding takes the most likely token whatever k is)")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -2**63 <= self.seed < 2**64:
+            raise ValueError(f"seed must be an int of 64 bits, in [-2**63, 2**64), got {self.seed!r}")
 
 
 @dataclass(slots=True)

@@ -162,6 +162,8 @@ def test_sampled_run_is_seeded_and_recorded(tmp_path, small_config):
 def test_serve_rejects_bad_sampling_before_loading_anything():
     p = cli("serve", "--temperature", "0.5", "--top-p", "2", check=False, timeout=120)
     assert p.returncode == 2 and "top_p must be in (0, 1]" in p.stderr, p.stderr
+    p = cli("serve", "--temperature", "0.5", "--seed", str(-2**63 - 1), check=False, timeout=120)
+    assert p.returncode == 2 and "seed must be an int of 64 bits" in p.stderr, p.stderr
 
 
 @pytest.fixture(scope="module")

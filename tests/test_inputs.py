@@ -404,7 +404,9 @@ def test_cli_errors_for_odd_arguments(tmp_path):
                        (["--output", str(tmp_path / "o"), "--top-p", "0.5"], "applies only when sampling"),
                        (["--output", str(tmp_path / "o"), "--top-k", "5"], "applies only when sampling"),
                        (["--output", str(tmp_path / "o"), "--top-k", "-2", "--temperature", "0.5"],
-                        "--top-k must be an int >= 0")):
+                        "--top-k must be an int >= 0"),
+                       (["--output", str(tmp_path / "o"), "--temperature", "0.5", "--seed", str(2**64)],
+                        "--seed must be an int of 64 bits")):
         p = subprocess.run([sys.executable, "-m", "fastrag", *base, *extra], capture_output=True, text=True)
         assert p.returncode == 2 and msg in p.stderr and "Traceback" not in p.stderr, p.stderr
     p = subprocess.run([sys.executable, "-m", "fastrag", "parity", "--method", "dragin", *base[3:], "--output",
