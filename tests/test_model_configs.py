@@ -411,6 +411,22 @@ def test_missing_checkpoint_weights_are_named(drop, tmp_path):
         LlamaModel.from_pretrained(tmp_path)
 
 
+def test_a_model_directory_without_safetensors_weights_says_so(tmp_path):
+    """A directory whose weights are missing, or only in a PyTorch pickle, is refused naming what it lacks and what
+    it holds (it was a bare "No such file or directory: .../model.safetensors")."""
+    from safetensors.torch import load_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    _save(LlamaForCausalLM, LlamaConfig(**_COMMON), tmp_path)
+    sd = load_file(str(tmp_path / "model.safetensors"))
+    (tmp_path / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match=r"no weights in the model directory \(expected model\.safetensors"):
+        LlamaModel.from_pretrained(tmp_path)
+    torch.save(sd, tmp_path / "pytorch_model.bin")
+    with pytest.raises(FileNotFoundError, match=r"holds pytorch_model\.bin, which fastrag does not read"):
+        LlamaModel.from_pretrained(tmp_path)
+
+
 def test_a_sliding_window_shorter_than_the_context_caps_the_context(tmp_path):
     """Full attention equals windowed attention only within the window: the engine's context stops there."""
     from transformers import MistralConfig, MistralForCausalLM

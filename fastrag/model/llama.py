@@ -360,6 +360,12 @@ class LlamaModel(nn.Module):
         hf = AutoConfig.from_pretrained(path)
         model = cls.from_hf_config(hf, dtype=dtype, device="meta")
         index = path / "model.safetensors.index.json"
+        if not index.exists() and not (path / "model.safetensors").exists():
+            other = sorted(f.name for f in path.glob("*.bin")) + sorted(f.name for f in path.glob("*.pt*"))
+            held = (f"; it holds {', '.join(other[:3])}, which fastrag does not read: convert it to safetensors, "
+                    "as transformers' save_pretrained writes") if other else ""
+            raise FileNotFoundError(f"{path}: no weights in the model directory (expected model.safetensors or "
+                                    f"model.safetensors.index.json{held})")
         files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() \
             else ["model.safetensors"]
         sd = {}
