@@ -271,6 +271,7 @@ class Engine:
         n = len(ids) // self.pool.block_size * self.pool.block_size
         if n == 0:
             return None
+        self._check_ids(ids, "the shared prefix (the method's demos, tokenized)")  # (a tokenizer not the model's)
         if len(ids) >= self.max_context:  # no prompt that starts with it could fit a generated token
             raise ValueError(f"a shared prefix of {len(ids)} tokens leaves no room in the model context of "
                              f"{self.max_context} tokens")

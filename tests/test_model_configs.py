@@ -427,6 +427,24 @@ def test_a_model_directory_without_safetensors_weights_says_so(tmp_path):
         LlamaModel.from_pretrained(tmp_path)
 
 
+def test_a_tokenizer_larger_than_the_models_vocabulary_is_an_error_not_an_index_error():
+    """A model whose vocabulary is smaller than its tokenizer's (a tokenizer that is not the model's): the shared
+    prefix's out-of-range ids are refused by name (they reached the embedding, an IndexError traceback)."""
+    from transformers import LlamaConfig
+
+    from fastrag.engine import Engine
+    from fastrag.model.loading import load_tokenizer
+
+    tok = load_tokenizer("smollm2")
+    m = LlamaModel.from_hf_config(LlamaConfig(**_COMMON), seed=0)
+    eng = Engine(m, tok, block_size=4, kv_cache_gb=0.01)
+    text = "Question: Who wrote Hamlet? Answer: William Shakespeare wrote it."
+    assert max(tok.encode(text)) >= m.c.vocab_size and len(tok.encode(text)) >= 4
+    with pytest.raises(ValueError, match=r"the shared prefix .* holds token id \d+, outside the model's vocabulary"):
+        eng.set_prefix(text)
+    assert not eng.prefixes and eng.pool.num_free == eng.pool.num_blocks
+
+
 def test_a_sliding_window_shorter_than_the_context_caps_the_context(tmp_path):
     """Full attention equals windowed attention only within the window: the engine's context stops there."""
     from transformers import MistralConfig, MistralForCausalLM
