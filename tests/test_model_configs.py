@@ -411,6 +411,23 @@ def test_missing_checkpoint_weights_are_named(drop, tmp_path):
         LlamaModel.from_pretrained(tmp_path)
 
 
+@pytest.mark.parametrize("key, value", [("num_key_value_heads", 6), ("intermediate_size", 96), ("vocab_size", 98)])
+def test_a_config_that_does_not_match_its_weights_is_named(key, value, tmp_path):
+    """config.json giving other shapes than the weights have (heads, MLP width, vocabulary) is an error naming a
+    weight and both shapes (it was a RuntimeError traceback from load_state_dict, which the CLI does not catch)."""
+    import json
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    _save(LlamaForCausalLM, LlamaConfig(**_COMMON), tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg[key] = value
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"do not have the shapes its config\.json gives: \d+ differ, first \S+ of "
+                                         r"shape \[\d+, \d+\] where the config gives \[\d+, \d+\]"):
+        LlamaModel.from_pretrained(tmp_path)
+
+
 def test_a_model_directory_without_safetensors_weights_says_so(tmp_path):
     """A directory whose weights are missing, or only in a PyTorch pickle, is refused naming what it lacks and what
     it holds (it was a bare "No such file or directory: .../model.safetensors")."""

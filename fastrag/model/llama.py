@@ -401,26 +401,42 @@ class LlamaModel(nn.Module):
         model.inv_freq = inv
         return model
 
-    def _hf_weight_names(self) -> list[str]:
-        """The checkpoint (transformers) names of the weights this model computes with, in load order."""
+    def _hf_weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The checkpoint (transformers) names of the weights this model computes with, in load order, and the
+        shape its config gives each."""
         c = self.c
-        names = ["model.embed_tokens.weight", "model.norm.weight"]
+        h, q, kv, inter = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
+        shapes = {"model.embed_tokens.weight": (c.vocab_size, h), "model.norm.weight": (h,)}
         for i in range(c.num_layers):
-            names += [f"model.layers.{i}.{n}" for n in (
-                "input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_proj.weight",
-                "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
-                "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
-                *(("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")
-                  if c.attention_bias else ()), *(("self_attn.o_proj.bias",) if c.o_bias else ()))]
-        return names + ([] if c.tie_word_embeddings else ["lm_head.weight"])
+            p = f"model.layers.{i}."
+            shapes.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+                           p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+                           p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+                           p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
+                           p + "mlp.down_proj.weight": (h, inter)})
+            if c.attention_bias:
+                shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                               p + "self_attn.v_proj.bias": (kv,)})
+            if c.o_bias:
+                shapes[p + "self_attn.o_proj.bias"] = (h,)
+        if not c.tie_word_embeddings:
+            shapes["lm_head.weight"] = (c.vocab_size, h)
+        return shapes
 
     def _load_hf_state_dict(self, sd: dict, dtype, device):
         c = self.c
         # a weight this model computes with that the checkpoint lacks: name them all (not a KeyError on the first)
-        absent = [k for k in self._hf_weight_names() if k not in sd]
+        shapes = self._hf_weight_shapes()
+        absent = [k for k in shapes if k not in sd]
         if absent:
             raise ValueError(f"the checkpoint is missing {len(absent)} weight(s) this model needs (first: "
                              f"{', '.join(absent[:4])})")
+        # weights of other shapes than config.json gives (a config that is not the weights'): name the first
+        wrong = [(k, tuple(sd[k].shape), want) for k, want in shapes.items() if tuple(sd[k].shape) != want]
+        if wrong:
+            k, got, want = wrong[0]
+            raise ValueError(f"the checkpoint's weights do not have the shapes its config.json gives: {len(wrong)} "
+                             f"differ, first {k} of shape {list(got)} where the config gives {list(want)}")
         g = lambda k: sd[k].to(dtype)  # noqa: E731
         new = {"embed.weight": g("model.embed_tokens.weight"), "norm.weight": g("model.norm.weight")}
         for i in range(c.num_layers):
@@ -438,7 +454,7 @@ class LlamaModel(nn.Module):
         if not c.tie_word_embeddings:
             new["lm_head.weight"] = g("lm_head.weight")
         # a checkpoint weight this model does not use means another computation (extra norms, biases): refuse
-        used = set(self._hf_weight_names()) | {"lm_head.weight"}  # (a tied checkpoint may hold its head too)
+        used = set(shapes) | {"lm_head.weight"}  # (a tied checkpoint may hold its head too)
         unused = sorted(k for k in sd if k not in used and not k.endswith("rotary_emb.inv_freq"))
         if unused:
             raise ValueError(f"the checkpoint holds {len(unused)} weight(s) this Llama-family model does not use "
