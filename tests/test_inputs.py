@@ -86,6 +86,8 @@ def test_a_rerun_of_another_run_into_the_folder_is_refused(setup):
     with pytest.raises(ValueError, match="seed: 0 there, 3 now"):
         go(temperature=0.5, seed=3, limit=3)
     assert len(records(tmp / "o" / "results.jsonl")) == 3  # nothing written by the refused runs
+    # greedy decoding draws no random number: another --seed is the same run (it was refused as another one)
+    assert go(seed=3, limit=4)["computed_this_run"] == 1
 
 
 def test_the_refusal_names_what_the_run_is_before_config_fields(tmp_path):
