@@ -189,8 +189,9 @@ class Engine:
         per_block = 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * p.element_size()
         if kv_cache_gb is None:
             kv_cache_gb = auto_kv_cache_gb(model, max_batch, max_prefill_tokens)
-        elif kv_cache_gb <= 0:
-            raise ValueError(f"kv_cache_gb must be > 0 (or None: sized from the device's memory), got {kv_cache_gb}")
+        elif not (math.isfinite(kv_cache_gb) and kv_cache_gb > 0):  # (NaN, inf: no pool size)
+            raise ValueError(f"kv_cache_gb must be a finite number > 0 (or None: sized from the device's memory), got "
+                             f"{kv_cache_gb}")
         self.kv_cache_gb = kv_cache_gb
         self.pool = KVPool(c.num_layers, max(8, int(kv_cache_gb * 2**30 // per_block)), block_size,
                            c.num_kv_heads, c.head_dim, self.dtype, self.device)

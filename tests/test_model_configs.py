@@ -349,8 +349,10 @@ def test_kv_pool_is_sized_from_the_device_memory_when_not_given():
     tok = SimpleNamespace(eos_token_id=None)
     assert Engine(m, tok).kv_cache_gb == CPU_KV_CACHE_GB
     assert Engine(m, tok, kv_cache_gb=0.01).kv_cache_gb == 0.01
-    with pytest.raises(ValueError, match="kv_cache_gb must be > 0"):
-        Engine(m, tok, kv_cache_gb=0)
+    for bad in (0, -1.0, float("nan"), float("inf")):  # (NaN and inf reached int(): an unclear ValueError, an
+        # OverflowError)
+        with pytest.raises(ValueError, match="kv_cache_gb must be a finite number > 0"):
+            Engine(m, tok, kv_cache_gb=bad)
 
 
 def _save(model_cls, cfg, path):
