@@ -464,6 +464,18 @@ def test_a_tokenizer_larger_than_the_models_vocabulary_is_an_error_not_an_index_
     assert not eng.prefixes and eng.pool.num_free == eng.pool.num_blocks
 
 
+def test_a_truncated_weights_file_is_named(tmp_path):
+    """A safetensors file cut short (an interrupted copy or download) is an error naming the file (safetensors'
+    own SafetensorError is neither an OSError nor a ValueError: the CLI printed a traceback)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    _save(LlamaForCausalLM, LlamaConfig(**_COMMON), tmp_path)
+    w = tmp_path / "model.safetensors"
+    w.write_bytes(w.read_bytes()[:5000])
+    with pytest.raises(ValueError, match=r"model\.safetensors: not a readable safetensors file, truncated or damaged"):
+        LlamaModel.from_pretrained(tmp_path)
+
+
 def test_a_sliding_window_shorter_than_the_context_caps_the_context(tmp_path):
     """Full attention equals windowed attention only within the window: the engine's context stops there."""
     from transformers import MistralConfig, MistralForCausalLM

@@ -353,6 +353,7 @@ class LlamaModel(nn.Module):
     @classmethod
     def from_pretrained(cls, path, dtype=torch.float32, device="cpu") -> "LlamaModel":
         """Load from a local HF directory (use fastrag.model.loading.resolve_model for GGUF / 'smollm2')."""
+        from safetensors import SafetensorError
         from safetensors.torch import load_file
         from transformers import AutoConfig
 
@@ -370,7 +371,10 @@ class LlamaModel(nn.Module):
             else ["model.safetensors"]
         sd = {}
         for f in files:
-            sd.update(load_file(str(path / f)))
+            try:
+                sd.update(load_file(str(path / f)))
+            except SafetensorError as e:  # (not an OSError or ValueError: a traceback otherwise)
+                raise ValueError(f"{path / f}: not a readable safetensors file, truncated or damaged? ({e})") from e
         model._load_hf_state_dict(sd, dtype, device)
         gen = path / "generation_config.json"
         if gen.exists():  # end-of-generation ids listed there only (instruct models) end a generation too
