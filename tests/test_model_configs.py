@@ -34,6 +34,9 @@ def _tiny_hf(kind: str, tmp_path):
     elif kind == "llama-bias":  # attention_bias: q/k/v and o_proj biases
         cfg = LlamaConfig(num_key_value_heads=2, tie_word_embeddings=False, attention_bias=True, **common)
         model = LlamaForCausalLM(cfg)
+    elif kind == "llama-swish":  # "swish" is transformers' other name of SiLU (it was refused as another MLP)
+        cfg = LlamaConfig(num_key_value_heads=2, tie_word_embeddings=False, hidden_act="swish", **common)
+        model = LlamaForCausalLM(cfg)
     else:  # multi-head (no GQA), tied embeddings
         cfg = LlamaConfig(num_key_value_heads=6, tie_word_embeddings=True, **common)
         model = LlamaForCausalLM(cfg)
@@ -73,7 +76,7 @@ def _forward_all(model: LlamaModel, prompts: list[list[int]], garbage: float | N
         return model(ids, batch, pool.k, pool.v)
 
 
-@pytest.mark.parametrize("kind", ["mha-tied", "qwen2", "llama3-rope", "llama-bias"])
+@pytest.mark.parametrize("kind", ["mha-tied", "qwen2", "llama3-rope", "llama-bias", "llama-swish"])
 def test_tiny_models_match_transformers(kind, tmp_path):
     hf = _tiny_hf(kind, tmp_path)
     ours = LlamaModel.from_pretrained(tmp_path)

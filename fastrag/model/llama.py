@@ -187,7 +187,7 @@ class ModelConfig:
             raise ValueError(f"model_type {kind!r} is not supported: fastrag runs {', '.join(SUPPORTED_MODEL_TYPES)} "
                              "checkpoints (its own Llama-family implementation)")
         act = getattr(hf, "hidden_act", "silu")
-        if act != "silu":
+        if act not in ("silu", "swish"):  # (transformers' "swish" is SiLU)
             raise ValueError(f"hidden_act {act!r} is not supported (the MLP is SiLU-gated)")
         if getattr(hf, "mlp_bias", False):
             raise ValueError("mlp_bias=True is not supported (the MLP projections have no bias)")
