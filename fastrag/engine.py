@@ -359,8 +359,10 @@ class Engine:
                              "tokens, or its length (the span starts with the first generated token)")
         if len(prompt_ids) + max_new_tokens > self.max_context:
             raise ValueError(f"prompt of {len(prompt_ids)} tokens + {max_new_tokens} new exceeds the model "
-                             f"context of {self.max_context} tokens (the new tokens are the method's generation "
-                             "length: generate_max_length, BeamSearchQA's *_max_tokens, in its config)")
+                             f"context of {self.max_context} tokens (the prompt holds the method's demos, the "
+                             "question, its retrieved passages and the text generated so far; the new tokens are "
+                             "this generation call's budget, at most the method's generation length: "
+                             "generate_max_length, BeamSearchQA's *_max_tokens, in its config)")
         pre = max((p for p in self.prefixes if p.matches(prompt_ids)), key=lambda p: p.length, default=None)
         # a sequence that could not hold its blocks even alone in the pool would wait forever: refuse it here, so
         # the caller (the scheduler: this question only) gets the error, not the whole run at a later step

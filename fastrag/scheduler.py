@@ -127,6 +127,10 @@ class _Live:
     left: int = 0  # parts of the current Parallel still unanswered
     one_shot: dict = field(default_factory=dict)  # id(seq) -> seq of branch-None generations in flight
     generations: int = 0  # Generate requests served (the result's llm_calls when the policy does not count them)
+    # prompt tokens prefilled and tokens decoded by the generations the engine finished for it (an error record's
+    # counts: the policy's own result, which counts them too, is lost when the question fails)
+    prefilled: int = 0
+    decoded: int = 0
     # one-shot greedy generations by (prompt ids, max new tokens): the Generation once finished, else the Parallel
     # parts waiting for the one in flight
     memo: dict = field(default_factory=dict)
@@ -395,6 +399,8 @@ class Scheduler:
             if hit is None:  # its question ended while it ran
                 continue
             lv, i = hit
+            lv.prefilled += seq.out.prefilled
+            lv.decoded += len(seq.out.ids)
             if seq.out.error is not None:  # the engine could not finish it (NaN logits): its question ends
                 self._fail(lv, seq.out.error)
                 continue
@@ -540,7 +546,8 @@ class Scheduler:
         self._release(lv)
         if result is None:
             ex = lv.example
-            result = QuestionResult(qid=ex.qid, question=ex.question, gold=list(ex.answers), error=err)
+            result = QuestionResult(qid=ex.qid, question=ex.question, gold=list(ex.answers), error=err,
+                                    prefill_tokens=lv.prefilled, decode_tokens=lv.decoded)
         if not result.llm_calls:
             result.llm_calls = lv.generations
         result.wall_s = time.perf_counter() - lv.t0

@@ -199,6 +199,23 @@ def test_a_failing_retrieval_ends_only_its_own_question(tiny, tmp_path):
     assert metrics["errors"] == 1
 
 
+def test_an_error_record_counts_the_tokens_its_question_used(tiny, tmp_path):
+    """A DRAGIN question that decodes, then fails at its first retrieval keeps in its error record the tokens its
+    finished generation prefilled and decoded (they were 0, while the engine's counters had them)."""
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({"generate_max_length": 12, "fewshot": 0, "hallucination_threshold": 0}))
+    opts = RunOptions(method="dragin", dataset="hotpotqa", data=str(DATA), corpus=str(CORPUS),
+                      output=str(tmp_path / "o"), model=tiny, config=str(cfg), limit=3, batch_size=3, progress=False)
+    eng = build_engine(tiny, 3, kv_cache_gb=0.05, device="cpu")
+    with pytest.warns(RuntimeWarning, match="retrieval failed"):
+        m = run(opts, engine=eng, retriever=Flaky(""))  # (every query holds "": every search fails)
+    recs = [json.loads(x) for x in (tmp_path / "o" / "results.jsonl").read_text().splitlines()]
+    assert m["errors"] == 3 and all("search backend unreachable" in r["error"] for r in recs)
+    # one finished generation of at most 12 tokens each, before the retrieval that failed, and its prompt
+    assert all(r["llm_calls"] == 1 and 0 < r["decode_tokens"] <= 12 and r["prefill_tokens"] > 0 for r in recs), recs
+    assert sum(r["prefill_tokens"] for r in recs) <= eng.stats["prefill_tokens"]
+
+
 # ------------------------------------------------------------------------------------------- serving
 @pytest.fixture
 def client_of(tiny):
