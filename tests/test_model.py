@@ -198,8 +198,11 @@ def test_a_truncated_gguf_file_is_refused_by_name(head, tmp_path, monkeypatch):
     """A file that starts like a GGUF and then ends (a cut download) is an error naming it, not a traceback from
     deep inside the GGUF reader (struct.error, which the CLI does not catch)."""
     monkeypatch.setenv("FASTRAG_CACHE", str(tmp_path / "cache"))
-    bad = tmp_path / "cut.gguf"
-    bad.write_bytes(head)
-    with pytest.raises(ValueError, match=r"cut\.gguf: transformers' GGUF reader cannot load it \(a truncated or damaged file"):
-        resolve_model(bad)
+    # (a GGUF is known by its suffix in any case, or by its magic bytes: each reaches the reader)
+    for name in ("cut.gguf", "CUT.GGUF", "cut.bin"):
+        bad = tmp_path / name
+        bad.write_bytes(head)
+        with pytest.raises(ValueError, match=rf"{name.replace('.', '[.]')}: transformers' GGUF reader cannot load it "
+                                             r"\(a truncated or damaged file"):
+            resolve_model(bad)
     assert not list((tmp_path / "cache").glob("models/*"))  # no half conversion left in the cache

@@ -37,6 +37,17 @@ def embedded_gguf() -> Path:
     return found[0]
 
 
+def _is_gguf(path: Path) -> bool:
+    """A GGUF file: named .gguf in any case (a file named otherwise counts when it starts with the GGUF magic)."""
+    if path.suffix.lower() == ".gguf":
+        return True
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
 def resolve_model(name_or_path: str | os.PathLike) -> Path:
     """Return a local HF directory for `smollm2`, an HF directory, or a GGUF file (converted once, cached)."""
     s = str(name_or_path)
@@ -47,7 +58,7 @@ def resolve_model(name_or_path: str | os.PathLike) -> Path:
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"{path} is a directory without config.json: not an HF model directory")
         return path
-    if path.suffix != ".gguf":
+    if not _is_gguf(path):
         raise ValueError(f"unsupported model file {path}: expected a .gguf file or an HF directory")
     st = path.stat()
     key = hashlib.sha1(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
