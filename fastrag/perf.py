@@ -144,12 +144,21 @@ def report(run_dirs: list[str], figures: DeviceFigures) -> list[dict]:
     import json
     from pathlib import Path
 
+    def load(path: Path) -> dict:
+        if not path.exists():
+            raise FileNotFoundError(f"{path}: no metrics.json (a run directory of `fastrag run` holds one)")
+        try:
+            m = json.loads(path.read_text())
+        except ValueError as e:
+            raise ValueError(f"{path}: not JSON ({e})") from None
+        if not isinstance(m, dict):
+            raise ValueError(f"{path}: expected a JSON object, found {type(m).__name__}")
+        return m
+
     rows = []
     for d in run_dirs:
         path = Path(d) / "metrics.json"
-        if not path.exists():
-            raise FileNotFoundError(f"{path}: no metrics.json (a run directory of `fastrag run` holds one)")
-        m = json.loads(path.read_text())
+        m = load(path)
         miss = missing_field(m)
         if miss is not None:
             raise ValueError(f"{path}: field {miss} is missing (written by fastrag runs since the device floor "

@@ -151,3 +151,24 @@ def test_report_reads_run_directories_and_names_what_is_missing(tmp_path):
     (good / "metrics.json").write_text(json.dumps(m | {"computed_this_run": 0, "questions_measured": 3,
                                                        "measured_in_an_earlier_run": True}))
     assert report([str(good)], dev)[0]["questions"] == 3
+
+
+def _run_metrics(stats: dict, **extra) -> dict:
+    costs = {"weight_bytes_per_step": 1000, "matmul_params": 100, "lm_head_params": 30, "kv_bytes_per_token": 10,
+             "attn_flops_per_entry": 4, "dtype_bytes": 4}
+    return {"method": "dragin", "dataset": "nq", "wall_s": 2.0, "computed_this_run": 2, "engine": stats,
+            "model_costs": costs} | extra
+
+
+WORK = {"decode_steps": 5, "decode_tokens": 40, "decode_ctx_tokens": 300, "decode_prefix_tokens": 200,
+        "prefill_calls": 2, "prefill_tokens": 50, "prefill_ctx_tokens": 900, "prefill_s": 0.5, "decode_s": 2.5}
+
+
+def test_report_names_a_metrics_file_that_is_not_a_json_object(tmp_path):
+    from fastrag.perf import main
+
+    for name, text in (("list", "[]"), ("cut", '{"method": '), ("blank", "")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.json").write_text(text)
+        with pytest.raises(SystemExit, match=rf"fastrag.perf: error: .*{name}/metrics.json: "):
+            main([str(tmp_path / name)])
