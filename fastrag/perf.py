@@ -165,10 +165,12 @@ def report(run_dirs: list[str], figures: DeviceFigures) -> list[dict]:
                              "was added; rerun it)")
         f = floor(m["engine"], m["model_costs"], figures)
         wall = (m.get("joint") or {}).get("wall_s", m["wall_s"])
-        # (questions of the run that measured these figures: a rerun that computed nothing carries them over)
+        # (questions of the run that measured these figures: a rerun that computed nothing carries them over;
+        # a run that did no model work, all its questions failed at once, has no floor to compare with)
         rows.append({"run": f"{m['method']}/{m['dataset']}",
                      "questions": m.get("questions_measured", m.get("computed_this_run")),
-                     "wall_s": wall, "floor_s": f["total_s"], "wall_over_floor": wall / f["total_s"]}
+                     "wall_s": wall, "floor_s": f["total_s"],
+                     "wall_over_floor": wall / f["total_s"] if f["total_s"] > 0 else None}
                     | phases(m, f))
     return rows
 

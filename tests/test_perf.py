@@ -164,6 +164,18 @@ WORK = {"decode_steps": 5, "decode_tokens": 40, "decode_ctx_tokens": 300, "decod
         "prefill_calls": 2, "prefill_tokens": 50, "prefill_ctx_tokens": 900, "prefill_s": 0.5, "decode_s": 2.5}
 
 
+def test_report_of_a_run_that_did_no_model_work_has_no_ratio(tmp_path):
+    # every question failed before the model ran (e.g. all empty): the counters are 0, so is the floor
+    import json
+
+    from fastrag.perf import report
+
+    (tmp_path / "metrics.json").write_text(json.dumps(_run_metrics({k: 0 for k in WORK})))
+    dev = DeviceFigures("test", "float32", copy_bytes_per_s=1e4, matmul_flops_per_s=2e4)
+    (r,) = report([str(tmp_path)], dev)
+    assert r["floor_s"] == 0 and r["wall_over_floor"] is None and r["mean_decode_batch"] is None
+
+
 def test_report_names_a_metrics_file_that_is_not_a_json_object(tmp_path):
     from fastrag.perf import main
 
