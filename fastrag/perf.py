@@ -159,19 +159,29 @@ def report(run_dirs: list[str], figures: DeviceFigures) -> list[dict]:
     for d in run_dirs:
         path = Path(d) / "metrics.json"
         m = load(path)
-        miss = missing_field(m)
-        if miss is not None:
-            raise ValueError(f"{path}: field {miss} is missing (written by fastrag runs since the device floor "
-                             "was added; rerun it)")
-        f = floor(m["engine"], m["model_costs"], figures)
-        wall = (m.get("joint") or {}).get("wall_s", m["wall_s"])
-        # (questions of the run that measured these figures: a rerun that computed nothing carries them over;
-        # a run that did no model work, all its questions failed at once, has no floor to compare with)
-        rows.append({"run": f"{m['method']}/{m['dataset']}",
-                     "questions": m.get("questions_measured", m.get("computed_this_run")),
-                     "wall_s": wall, "floor_s": f["total_s"],
-                     "wall_over_floor": wall / f["total_s"] if f["total_s"] > 0 else None}
-                    | phases(m, f))
+        runs = [("", path, m)]
+        if "ray" in m and "engine" not in m:
+            # a --ray run: each shard's engine counted its own work, in its own folder
+            shards = sorted((p for p in (Path(d) / "shards").glob("*/metrics.json")),
+                            key=lambda p: (len(p.parent.name), p.parent.name))
+            if not shards:
+                raise ValueError(f"{path}: a --ray run, whose engine figures are in its shards' folders, and "
+                                 f"{Path(d) / 'shards'} holds no shard's metrics.json")
+            runs = [(f" shards/{p.parent.name}", p, load(p)) for p in shards]
+        for label, p, m in runs:
+            miss = missing_field(m)
+            if miss is not None:
+                raise ValueError(f"{p}: field {miss} is missing (written by fastrag runs since the device floor "
+                                 "was added; rerun it)")
+            f = floor(m["engine"], m["model_costs"], figures)
+            wall = (m.get("joint") or {}).get("wall_s", m["wall_s"])
+            # (questions of the run that measured these figures: a rerun that computed nothing carries them over;
+            # a run that did no model work, all its questions failed at once, has no floor to compare with)
+            rows.append({"run": f"{m['method']}/{m['dataset']}{label}",
+                         "questions": m.get("questions_measured", m.get("computed_this_run")),
+                         "wall_s": wall, "floor_s": f["total_s"],
+                         "wall_over_floor": wall / f["total_s"] if f["total_s"] > 0 else None}
+                        | phases(m, f))
     return rows
 
 

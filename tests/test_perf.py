@@ -184,3 +184,24 @@ def test_report_names_a_metrics_file_that_is_not_a_json_object(tmp_path):
         (tmp_path / name / "metrics.json").write_text(text)
         with pytest.raises(SystemExit, match=rf"fastrag.perf: error: .*{name}/metrics.json: "):
             main([str(tmp_path / name)])
+
+
+def test_report_of_a_ray_run_reads_its_shards(tmp_path):
+    import json
+
+    from fastrag.perf import report
+
+    ray_metrics = _run_metrics({}, ray={"workers": 2, "shard_retries": 0})
+    del ray_metrics["engine"], ray_metrics["model_costs"]  # as run_ray writes it: the engines are the shards'
+    (tmp_path / "metrics.json").write_text(json.dumps(ray_metrics))
+    dev = DeviceFigures("test", "float32", copy_bytes_per_s=1e4, matmul_flops_per_s=2e4)
+    with pytest.raises(ValueError, match="--ray run"):
+        report([str(tmp_path)], dev)
+    for k, steps in ((0, 5), (1, 10)):
+        (tmp_path / "shards" / str(k)).mkdir(parents=True)
+        (tmp_path / "shards" / str(k) / "metrics.json").write_text(
+            json.dumps(_run_metrics(WORK | {"decode_steps": steps})))
+    rows = report([str(tmp_path)], dev)
+    assert [r["run"] for r in rows] == ["dragin/nq shards/0", "dragin/nq shards/1"]
+    assert [r["decode_steps"] for r in rows] == [5, 10]
+    assert rows[0]["floor_s"] == pytest.approx(floor(WORK, _run_metrics(WORK)["model_costs"], dev)["total_s"])
