@@ -12,6 +12,7 @@ import re
 import subprocess
 import sys
 import warnings
+from dataclasses import replace
 
 import pytest
 import torch
@@ -621,3 +622,26 @@ def test_parity_of_a_method_without_oracle_is_refused_before_any_work(tmp_path):
     with pytest.raises(ValueError, match="'sr-rag' has no per-question oracle"):
         parity(opts)
     assert not (tmp_path / "p").exists()  # no engine run was made first
+
+
+def test_parity_engine_timings_cover_every_run_behind_its_records(tiny, tmp_path):
+    """A parity rerun that computes only the questions the first one left (a larger --limit, a killed run) reports
+    the engine's seconds and rate over both runs, as the oracle's cover all its records; they were the last run's
+    only (one question's seconds beside the oracle's for all)."""
+    from fastrag.parity import parity
+
+    corpus = tmp_path / "passages.jsonl"
+    corpus.write_text("".join(json.dumps({"id": f"p{i}", "title": f"T{i}", "text": f"book number {i} was written "
+                                          f"by author {i}"}) + "\n" for i in range(8)))
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({"generate_max_length": 4, "fewshot": 0}))
+    data = nq_file(tmp_path / "nq.jsonl", QUESTIONS[:2])
+    opts = RunOptions(method="dragin", dataset="nq", data=str(data), corpus=str(corpus), output=str(tmp_path / "p"),
+                      model=tiny, config=str(cfg), batch_size=4, kv_cache_gb=0.05, progress=False)
+    first = parity(replace(opts, limit=1))
+    second = parity(replace(opts, limit=2))
+    m = json.loads((tmp_path / "p" / "engine" / "metrics.json").read_text())
+    assert second["n"] == 2 and m["computed_this_run"] == 1 and m["errors"] == 0
+    both = first["engine_wall_s"] + m["wall_s"]
+    assert second["engine_wall_s"] == pytest.approx(both, rel=0.01)
+    assert second["engine_questions_per_s"] == pytest.approx(2 / both, rel=0.01)
