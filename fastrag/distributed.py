@@ -59,6 +59,7 @@ def _run_ray(opts: RunOptions, num_workers: int, max_retries: int, ray_address: 
     t0 = time.perf_counter()
     retries = 0
     shard_opts: list[RunOptions] = []
+    earlier: set[str] = set()
     if todo:
         n = min(num_workers, len(todo))
         # contiguous shards: each worker's questions come from one stretch of the file
@@ -77,6 +78,14 @@ def _run_ray(opts: RunOptions, num_workers: int, max_retries: int, ray_address: 
         shard_opts = [replace(opts, output=str(out / "shards" / str(i)), qids=shards[i], limit=opts.limit,
                               threads=None if per_gpu else threads, progress=False) for i in range(n)]
         device = "cuda" if per_gpu else "cpu"
+        mine = [[e for e in todo if e.qid in set(shards[i])] for i in range(n)]  # each shard's examples
+
+        def shard_records(i: int) -> list:  # the last record of each of shard i's questions (read-only)
+            return latest_records(Path(shard_opts[i].output) / "results.jsonl", mine[i])
+
+        # answers a shard already holds (a run killed before its merge computed them): the shard keeps them, so
+        # this run merges them without computing them, and its throughput must not count them
+        earlier = {r.qid for i in range(n) for r in shard_records(i) if r.error is None}
         pending = {task.remote(o, device): i for i, o in enumerate(shard_opts)}
         tries = [0] * n
         from tqdm import tqdm
@@ -84,11 +93,6 @@ def _run_ray(opts: RunOptions, num_workers: int, max_retries: int, ray_address: 
         bar = tqdm(total=len(todo), desc=f"{opts.method}/{opts.dataset} ray x{n}", unit="q",
                    disable=not opts.progress)
         finished = 0
-        mine = [[e for e in todo if e.qid in set(shards[i])] for i in range(n)]  # each shard's examples
-
-        def shard_records(i: int) -> list:  # the last record of each of shard i's questions (read-only)
-            return latest_records(Path(shard_opts[i].output) / "results.jsonl", mine[i])
-
         while pending:
             ready, _ = ray.wait(list(pending), timeout=1.0)
             count = sum(len(shard_records(i)) for i in range(n))
@@ -122,8 +126,10 @@ def _run_ray(opts: RunOptions, num_workers: int, max_retries: int, ray_address: 
     wall = time.perf_counter() - t0
     results = latest_records(out / "results.jsonl", examples)  # (question order, the last record of each)
     new = [r for r in results if r.qid not in have]
-    metrics = summarize(opts.method, opts.dataset, results, wall, len(new),
-                        sum(r.prefill_tokens + r.decode_tokens for r in new), sum(r.error is None for r in new))
+    computed = [r for r in new if r.qid not in earlier]  # (new to the main file, and computed by this run)
+    metrics = summarize(opts.method, opts.dataset, results, wall, len(computed),
+                        sum(r.prefill_tokens + r.decode_tokens for r in computed),
+                        sum(r.error is None for r in computed))
     metrics["ray"] = {"workers": min(num_workers, len(todo)) if todo else 0, "shard_retries": retries}
     from fastrag.eval import sampling_of
 

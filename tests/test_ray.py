@@ -125,3 +125,43 @@ def test_killed_worker_is_replaced_and_nothing_is_lost(tmp_path, cfg, single):
     shard_qids = [json.loads(x)["qid"] for x in (shard / "results.jsonl").read_text().splitlines()]
     assert len(shard_qids) == len(set(shard_qids))  # the resumed shard wrote no question twice
     assert json.loads((out / "metrics.json").read_text())["ray"]["shard_retries"] >= 1
+
+
+def test_answers_a_killed_run_left_in_a_shard_are_not_counted_as_computed_again(tmp_path):
+    """A driver killed before its merge leaves answers in the shard folders; the rerun's shards resume from them and
+    the driver merges them, but this run did not compute them: computed_this_run and the rates count the others
+    only (they counted every question new to the main file, so a rerun that computed 3 claimed 4 in its wall)."""
+    from dataclasses import replace
+
+    import ray
+
+    from fastrag.distributed import run_ray
+    from fastrag.eval import RunOptions, run
+
+    sys.path.insert(0, str(BUNDLED.parents[2] / "benchmarks"))
+    from make_random_model import make
+
+    tiny = make("tiny", tmp_path / "tiny", dtype=torch.float32, device="cpu")
+    data = tmp_path / "nq.jsonl"
+    data.write_text("".join(json.dumps({"question": f"who wrote book number {i}?", "answer": [f"a{i}"]}) + "\n"
+                            for i in range(4)))
+    corpus = tmp_path / "passages.jsonl"
+    corpus.write_text("".join(json.dumps({"id": f"p{i}", "title": f"T{i}", "text": f"book {i} by author {i}"}) + "\n"
+                              for i in range(8)))
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({"generate_max_length": 4, "fewshot": 0}))
+    out = tmp_path / "ray"
+    opts = RunOptions(method="sr-rag", dataset="nq", data=str(data), corpus=str(corpus), output=str(out),
+                      model=tiny, config=str(cfg), limit=4, batch_size=2, kv_cache_gb=0.05, progress=False)
+    # what the killed run left: shard 1 of the 2-worker cut ([nq-0, nq-1], [nq-2, nq-3]) answered nq-2
+    left = run(replace(opts, output=str(out / "shards" / "1"), qids=("nq-2",)))
+    assert left["computed_this_run"] == 1 and left["errors"] == 0
+    try:
+        m = run_ray(opts, num_workers=2)
+    finally:
+        ray.shutdown()
+    assert m["n"] == 4 and m["errors"] == 0 and len(records(out)) == 4
+    assert m["computed_this_run"] == 3 and m["questions_measured"] == 3
+    assert m["questions_per_s"] == pytest.approx(3 / m["wall_s"])
+    shard1 = [json.loads(x)["qid"] for x in (out / "shards" / "1" / "results.jsonl").read_text().splitlines()]
+    assert shard1 == ["nq-2", "nq-3"]  # nq-2 was not computed again
