@@ -64,13 +64,22 @@ def torch_baseline(q, kp, vp, blocks, lens, bs, scale):
     return out
 
 
+def positive_int(text: str) -> int:
+    """argparse type of a count (rows, batches, contexts, repetitions): 0 or less is refused by name, not left to
+    fail deep in the timing loop."""
+    n = int(text)
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {n}")
+    return n
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", nargs="+", default=["smollm2-135m", "llama-3-8b"], choices=list(SHAPES))
-    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 64])
-    ap.add_argument("--ctx", type=int, nargs="+", default=[512, 2048])
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--batch", type=positive_int, nargs="+", default=[1, 8, 32, 64])
+    ap.add_argument("--ctx", type=positive_int, nargs="+", default=[512, 2048])
+    ap.add_argument("--block-size", type=positive_int, default=16)
+    ap.add_argument("--reps", type=positive_int, default=15)
     ap.add_argument("--results", default=str(ROOT / "benchmarks" / "results"))
     args = ap.parse_args()
     try:

@@ -25,10 +25,19 @@ from fastrag.provenance import cpu_name
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def positive_int(text: str) -> int:
+    """argparse type of a count (rows, batches, contexts, repetitions): 0 or less is refused by name, not left to
+    fail deep in the timing loop."""
+    n = int(text)
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {n}")
+    return n
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
-    ap.add_argument("--reps", type=int, default=8)
+    ap.add_argument("--batch", type=positive_int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--reps", type=positive_int, default=8)
     args = ap.parse_args()
     hf = resolve_model("smollm2")
     tok = load_tokenizer(hf)

@@ -150,12 +150,21 @@ def engine_rows(batches: list[int], reps: int) -> list[dict]:
     return out
 
 
+def positive_int(text: str) -> int:
+    """argparse type of a count (rows, batches, contexts, repetitions): 0 or less is refused by name, not left to
+    fail deep in the timing loop."""
+    n = int(text)
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {n}")
+    return n
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", choices=sorted(SHAPES), default="smollm2-135m")
-    ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 512])
-    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32], help="engine decode batches")
-    ap.add_argument("--reps", type=int, default=9)
+    ap.add_argument("--rows", type=positive_int, nargs="+", default=[1, 8, 32, 512])
+    ap.add_argument("--batch", type=positive_int, nargs="+", default=[1, 8, 32], help="engine decode batches")
+    ap.add_argument("--reps", type=positive_int, default=9)
     ap.add_argument("--quick", action="store_true", help="3 repetitions, no engine part")
     ap.add_argument("--output", type=Path, default=RESULTS / "cpu_gemm.md")
     args = ap.parse_args()

@@ -72,18 +72,27 @@ def build(shape: dict, dtype, dev, batch: int, ctx: int, signals: str | None):
     return model, eng, eng.running[:batch]
 
 
+def positive_int(text: str) -> int:
+    """argparse type of a count (rows, batches, contexts, repetitions): 0 or less is refused by name, not left to
+    fail deep in the timing loop."""
+    n = int(text)
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {n}")
+    return n
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cpu-small", action="store_true", help="CPU: SmolLM2-135M shape, fp32, context 256")
     ap.add_argument("--shape", choices=list(SHAPES), default=None,
                     help="model shape (make_random_model.py's, with its published vocabulary); default: llama2-7b "
                          "on a GPU, smollm2-135m on the CPU")
-    ap.add_argument("--batches", type=int, nargs="+", default=None, help="default: GPU 1 16 64 256, CPU 1 16 64")
-    ap.add_argument("--ctx", type=int, nargs="+", default=None, help="contexts; default: GPU 1024 4096, CPU 256")
+    ap.add_argument("--batches", type=positive_int, nargs="+", default=None, help="default: GPU 1 16 64 256, CPU 1 16 64")
+    ap.add_argument("--ctx", type=positive_int, nargs="+", default=None, help="contexts; default: GPU 1024 4096, CPU 256")
     ap.add_argument("--name", default=None,
                     help="result file stem (default decode_gpu / decode_cpu, with _SHAPE for a non-default shape)")
     ap.add_argument("--results", default=str(ROOT / "benchmarks" / "results"), help="folder of the result table")
-    ap.add_argument("--reps", type=int, default=None)
+    ap.add_argument("--reps", type=positive_int, default=None)
     ap.add_argument("--span", type=int, default=64, help="tracked tokens per sequence in the signals+attn variant")
     args = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() and not args.cpu_small else "cpu")

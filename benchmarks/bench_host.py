@@ -223,10 +223,19 @@ def signals(reps: int) -> list[dict]:
     return rows
 
 
+def positive_int(text: str) -> int:
+    """argparse type of a count (rows, batches, contexts, repetitions): 0 or less is refused by name, not left to
+    fail deep in the timing loop."""
+    n = int(text)
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {n}")
+    return n
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--reps", type=int, default=60)
-    ap.add_argument("--texts", type=int, default=200)
+    ap.add_argument("--reps", type=positive_int, default=60)
+    ap.add_argument("--texts", type=positive_int, default=200)
     ap.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--note", default="", help="what else ran on the machine")
     args = ap.parse_args()

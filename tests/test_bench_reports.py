@@ -202,3 +202,22 @@ def test_bench_decode_runs_a_named_shape(tmp_path, monkeypatch):
     assert [r[1] for r in rows] == ["1", "3"], md
     for r in rows:  # plain ms, roofline ms and their ratio are measured numbers, not placeholders
         assert float(r[2]) > 0 and float(r[10]) > 0 and float(r[11]) > 0, r
+
+
+@pytest.mark.parametrize("script, args", [
+    ("bench_cpu_gemm", ["--rows", "0"]), ("bench_cpu_gemm", ["--batch", "1", "-2"]),
+    ("bench_cpu_gemm", ["--reps", "0"]), ("bench_decode", ["--batches", "0", "--cpu-small"]),
+    ("bench_decode", ["--ctx", "0"]), ("bench_cpu_decode_attention", ["--block-size", "0"]),
+    ("bench_cpu_decode_attention", ["--batch", "0"]), ("bench_cpu_decode_attention", ["--reps", "0"]),
+    ("bench_cpu_decode_step", ["--batch", "0"]), ("bench_host", ["--reps", "0"]), ("bench_host", ["--texts", "-1"]),
+])
+def test_benchmark_counts_below_one_are_refused_by_name(script, args, monkeypatch, capsys):
+    """A zero or negative count is an argparse error naming the option before anything runs (they ended in
+    tracebacks from the timing loops: max() of an empty tensor, a modulo by zero, the median of no timings)."""
+    mod = load(script)
+    monkeypatch.setattr(sys, "argv", [f"{script}.py", *args])
+    with pytest.raises(SystemExit) as e:
+        mod.main()
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {args[0]}" in err and "must be a positive integer" in err, err
