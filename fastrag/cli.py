@@ -120,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     from fastrag.eval import BUNDLED, RunError, RunOptions
+    from fastrag.signals import BackendUnavailableError
 
     try:
         if args.data is None:
@@ -160,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
             report = parity(opts)
             _print_table("fastrag parity", {k: v for k, v in report.items() if k != "disagreements"})
             print(_parity_summary(report, args.output))
-    except (ValueError, OSError, ImportError, RunError) as e:  # (OSError: files and folders, e.g. no writable index)
+    # (OSError: files and folders, e.g. no writable index; BackendUnavailableError: --signals cuda/triton where they cannot run)
+    except (ValueError, OSError, ImportError, RunError, BackendUnavailableError) as e:
         print(f"fastrag: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

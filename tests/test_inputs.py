@@ -430,7 +430,7 @@ def test_a_run_whose_every_question_failed_exits_1(tiny, tmp_path):
     cfg.write_text(json.dumps({"generate_max_length": 2, "fewshot": 0}))
     data = nq_file(tmp_path / "nq.jsonl", ["", " "])
     args = [sys.executable, "-m", "fastrag", "run", "--method", "wo-rag", "--dataset", "nq", "--data", str(data),
-            "--corpus", str(CORPUS), "--model", tiny, "--config", str(cfg), "--kv-cache-gb", "0.05",
+            "--corpus", str(CORPUS), "--model", str(tiny), "--config", str(cfg), "--kv-cache-gb", "0.05",
             "--no-progress", "--output", str(tmp_path / "o")]
     p = subprocess.run(args, capture_output=True, text=True, timeout=600)
     assert p.returncode == 1 and "all 2 questions computed in this run failed" in p.stderr, p.stderr[-2000:]
@@ -645,3 +645,22 @@ def test_parity_engine_timings_cover_every_run_behind_its_records(tiny, tmp_path
     both = first["engine_wall_s"] + m["wall_s"]
     assert second["engine_wall_s"] == pytest.approx(both, rel=0.01)
     assert second["engine_questions_per_s"] == pytest.approx(2 / both, rel=0.01)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU backends can run here")
+def test_a_gpu_signals_backend_asked_for_on_a_cpu_is_an_error_message(tiny, tmp_path, capsys):
+    """`fastrag run --signals cuda` (or triton) on a machine without a GPU exits 2 with the reason, as other bad
+    options do; it ended in a BackendUnavailableError traceback."""
+    from fastrag.cli import main
+
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({"generate_max_length": 4, "fewshot": 0}))
+    data = nq_file(tmp_path / "nq.jsonl", QUESTIONS[:1])
+    for backend in ("cuda", "triton"):
+        out = tmp_path / backend
+        code = main(["run", "--method", "sr-rag", "--dataset", "nq", "--data", str(data), "--corpus", str(CORPUS),
+                     "--model", str(tiny), "--config", str(cfg), "--kv-cache-gb", "0.05", "--signals", backend,
+                     "--output", str(out), "--no-progress"])
+        err = capsys.readouterr().err
+        assert code == 2 and f"fastrag: error: signals backend '{backend}' is not available" in err, err
+        assert "Traceback" not in err and not out.exists()
