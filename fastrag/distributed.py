@@ -103,6 +103,10 @@ def _run_ray(opts: RunOptions, num_workers: int, max_retries: int, ray_address: 
                 try:
                     ray.get(ref)
                 except (ray.exceptions.RayError, OSError) as e:  # the worker died: resume its shard elsewhere
+                    cause = e.cause if isinstance(e, ray.exceptions.RayTaskError) else None
+                    if isinstance(cause, Exception):  # (the shard's own code raised: it would again, anywhere)
+                        bar.close()
+                        raise cause from e
                     tries[i] += 1
                     retries += 1
                     if tries[i] > max_retries:

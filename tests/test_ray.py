@@ -165,3 +165,32 @@ def test_answers_a_killed_run_left_in_a_shard_are_not_counted_as_computed_again(
     assert m["questions_per_s"] == pytest.approx(3 / m["wall_s"])
     shard1 = [json.loads(x)["qid"] for x in (out / "shards" / "1" / "results.jsonl").read_text().splitlines()]
     assert shard1 == ["nq-2", "nq-3"]  # nq-2 was not computed again
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CUDA signals backend can run here")
+def test_an_error_raised_by_the_shards_own_code_is_not_retried_as_a_dead_worker(tmp_path):
+    """A shard whose run raises (here --signals cuda without a GPU) would raise again on any worker: the driver
+    raises that error, as a single-process run does, instead of resubmitting the shard until its retries run out
+    and ending in 'shard 0 failed 4 times' with Ray's coloured traceback as the message."""
+    import ray
+
+    from fastrag.distributed import run_ray
+    from fastrag.eval import RunOptions
+    from fastrag.signals import BackendUnavailableError
+
+    sys.path.insert(0, str(BUNDLED.parents[2] / "benchmarks"))
+    from make_random_model import make
+
+    tiny = make("tiny", tmp_path / "tiny", dtype=torch.float32, device="cpu")
+    data = tmp_path / "nq.jsonl"
+    data.write_text("".join(json.dumps({"question": f"who wrote book number {i}?", "answer": [f"a{i}"]}) + "\n"
+                            for i in range(2)))
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({"generate_max_length": 4, "fewshot": 0}))
+    opts = RunOptions(method="sr-rag", dataset="nq", data=str(data), corpus=str(CORPUS), output=str(tmp_path / "o"),
+                      model=tiny, config=str(cfg), batch_size=2, kv_cache_gb=0.05, signals="cuda", progress=False)
+    try:
+        with pytest.raises(BackendUnavailableError, match="signals backend 'cuda' is not available"):
+            run_ray(opts, num_workers=2, max_retries=1)
+    finally:
+        ray.shutdown()
