@@ -202,8 +202,10 @@ def parity(opts: RunOptions) -> dict:
 
 
 def _rate(results: list[QuestionResult]) -> float | None:
+    """Answered questions per second of the per-question times, as the engine's questions_per_s counts them: a
+    question that failed (an empty one, a retrieval that raised) costs its seconds but answers nothing."""
     t = sum(r.wall_s for r in results)
-    return len(results) / t if t > 0 else None
+    return sum(r.error is None for r in results) / t if t > 0 else None
 
 
 def _mean(xs):

@@ -664,3 +664,18 @@ def test_a_gpu_signals_backend_asked_for_on_a_cpu_is_an_error_message(tiny, tmp_
         err = capsys.readouterr().err
         assert code == 2 and f"fastrag: error: signals backend '{backend}' is not available" in err, err
         assert "Traceback" not in err and not out.exists()
+
+
+def test_parity_oracle_rate_counts_answered_questions_as_the_engine_rate_does():
+    """The oracle's questions/s beside the engine's: a failed question (an empty one fails at once, in both) adds its
+    seconds and no answer, as in the engine's questions_per_s; it was counted as answered, so one real answer in
+    0.3 s and one empty question gave the oracle 6.4 questions/s."""
+    from fastrag.parity import _rate
+    from fastrag.trace import QuestionResult
+
+    ok = QuestionResult(qid="q0", question="who?", gold=["a"], wall_s=0.75)
+    failed = QuestionResult(qid="q1", question="", gold=["b"], wall_s=0.25, error="ValueError: empty question")
+    assert _rate([ok, failed]) == pytest.approx(1 / 1.0)
+    assert _rate([ok]) == pytest.approx(1 / 0.75)
+    assert _rate([failed]) == 0
+    assert _rate([]) is None
