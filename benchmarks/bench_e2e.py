@@ -237,13 +237,16 @@ def main() -> None:
         f"CPU {cpu_name()} x{torch.get_num_threads()} threads"
     outs = {ds: Path(args.output) / ds for ds in args.datasets}
     data_dir = Path(args.data_dir)
-    opts = {ds: RunOptions(method="dragin", dataset=ds, data=str(data_dir / FILES[ds]),
-                           corpus=str(data_dir / "corpus" / "wiki_passages.jsonl"),
-                           output=str(outs[ds] / "engine"), limit=args.limit, batch_size=args.batch_size,
-                           model=args.model, kv_cache_gb=args.kv_cache_gb,
-                           overlap={"auto": None, "on": True, "off": False}[args.overlap],
-                           text_workers=args.text_workers)
-            for ds in args.datasets}
+    try:  # (the options are checked here: a missing data file or corpus, a --limit below 1)
+        opts = {ds: RunOptions(method="dragin", dataset=ds, data=str(data_dir / FILES[ds]),
+                               corpus=str(data_dir / "corpus" / "wiki_passages.jsonl"),
+                               output=str(outs[ds] / "engine"), limit=args.limit, batch_size=args.batch_size,
+                               model=args.model, kv_cache_gb=args.kv_cache_gb,
+                               overlap={"auto": None, "on": True, "off": False}[args.overlap],
+                               text_workers=args.text_workers)
+                for ds in args.datasets}
+    except (ValueError, OSError) as e:
+        sys.exit(f"bench_e2e.py: error: {e}")
     from fastrag.perf import measure_device
 
     # the device's own figures for the floor of the engine's work, measured before anything else runs

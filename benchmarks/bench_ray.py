@@ -129,7 +129,10 @@ def main() -> None:
 
     from fastrag.data.datasets import load_examples
 
-    order = [e.qid for e in load_examples(a.dataset, a.data, limit=a.limit)]
+    try:
+        order = [e.qid for e in load_examples(a.dataset, a.data, limit=a.limit)]
+    except (ValueError, OSError) as e:  # (DataError: a missing or unreadable data file)
+        sys.exit(f"bench_ray.py: error: {e}")
     n = len(order)
     single, plain, killed_out = a.out / "single", a.out / "ray", a.out / "ray_killed"
     walls = {}

@@ -221,3 +221,21 @@ def test_benchmark_counts_below_one_are_refused_by_name(script, args, monkeypatc
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert f"argument {args[0]}" in err and "must be a positive integer" in err, err
+
+
+@pytest.mark.parametrize("script, args, message", [
+    ("bench_e2e", ["--limit", "0"], "--limit must be positive, got 0"),
+    ("bench_e2e", ["--data-dir", "{tmp}/none"], "--data {tmp}/none/hotpotqa/dev_distractor_200.jsonl: no such file"),
+    ("bench_ray", ["--data", "{tmp}/none.jsonl"], "{tmp}/none.jsonl: no such file"),
+])
+def test_benchmark_bad_data_or_limit_is_a_message(script, args, message, tmp_path, monkeypatch):
+    """A data folder or file that is not there, or a --limit below 1, ends the script with one line naming it; they
+    ended in a FileNotFoundError / DataError / ValueError traceback before anything ran."""
+    mod = load(script)
+    out = ["--output", str(tmp_path / "o")] if script == "bench_e2e" else ["--out", str(tmp_path / "o")]
+    monkeypatch.setattr(sys, "argv", [f"{script}.py", *(a.format(tmp=tmp_path) for a in args), *out,
+                                      "--results", str(tmp_path / "r")])
+    with pytest.raises(SystemExit) as e:
+        mod.main()
+    assert str(e.value) == f"{script}.py: error: {message.format(tmp=tmp_path)}"
+    assert not (tmp_path / "r").exists()
