@@ -55,6 +55,9 @@ def main() -> None:
     ap.add_argument("--ks", type=int, nargs="+", default=[3, 10])
     ap.add_argument("--results", default=str(ROOT / "benchmarks" / "results"))
     args = ap.parse_args()
+    for flag, path in (("--qrels", args.qrels), ("--corpus", args.corpus), *(("dataset", p) for p in DATA.values())):
+        if not Path(path).is_file():  # (the defaults are the shared data next to the checkout: ../shared/data)
+            sys.exit(f"bench_retrieval.py: error: {flag} {path}: no such file")
 
     gold = read_qrels(Path(args.qrels))
     questions = {}

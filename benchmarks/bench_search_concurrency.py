@@ -63,18 +63,27 @@ class RoundTrip(Retriever):
                 self.active -= 1
 
 
+def positive_int(text: str) -> int:
+    """argparse type of a count (rows, batches, contexts, repetitions): 0 or less is refused by name, not left to
+    fail deep in the timing loop."""
+    n = int(text)
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {n}")
+    return n
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2", help="smollm2 (embedded) or an HF directory")
     ap.add_argument("--data", default=str(BUNDLED / "hotpotqa_dev20.jsonl"))
     ap.add_argument("--corpus", default=str(BUNDLED / "wiki_passages.jsonl"))
-    ap.add_argument("--limit", type=int, default=16)
-    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--limit", type=positive_int, default=16)
+    ap.add_argument("--batch-size", type=positive_int, default=16)
     ap.add_argument("--latency-ms", type=float, default=100.0, help="round trip of every search call")
     ap.add_argument("--slow-every", type=int, default=0, help="every N-th call takes --slow-ms instead (0: none)")
     ap.add_argument("--slow-ms", type=float, default=2000.0)
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4])
-    ap.add_argument("--reps", type=int, default=1, help="timed runs per setting (settings in order, then reversed)")
+    ap.add_argument("--concurrency", type=positive_int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--reps", type=positive_int, default=1, help="timed runs per setting (settings in order, then reversed)")
     ap.add_argument("--results", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--name", default=None,
                     help="file stem of the tables (default: search_concurrency_<device>[_tail])")

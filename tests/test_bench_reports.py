@@ -210,6 +210,7 @@ def test_bench_decode_runs_a_named_shape(tmp_path, monkeypatch):
     ("bench_decode", ["--ctx", "0"]), ("bench_cpu_decode_attention", ["--block-size", "0"]),
     ("bench_cpu_decode_attention", ["--batch", "0"]), ("bench_cpu_decode_attention", ["--reps", "0"]),
     ("bench_cpu_decode_step", ["--batch", "0"]), ("bench_host", ["--reps", "0"]), ("bench_host", ["--texts", "-1"]),
+    ("bench_search_concurrency", ["--limit", "0"]), ("bench_search_concurrency", ["--concurrency", "1", "0"]),
 ])
 def test_benchmark_counts_below_one_are_refused_by_name(script, args, monkeypatch, capsys):
     """A zero or negative count is an argparse error naming the option before anything runs (they ended in
@@ -227,12 +228,13 @@ def test_benchmark_counts_below_one_are_refused_by_name(script, args, monkeypatc
     ("bench_e2e", ["--limit", "0"], "--limit must be positive, got 0"),
     ("bench_e2e", ["--data-dir", "{tmp}/none"], "--data {tmp}/none/hotpotqa/dev_distractor_200.jsonl: no such file"),
     ("bench_ray", ["--data", "{tmp}/none.jsonl"], "{tmp}/none.jsonl: no such file"),
+    ("bench_retrieval", ["--qrels", "{tmp}/none.tsv"], "--qrels {tmp}/none.tsv: no such file"),
 ])
 def test_benchmark_bad_data_or_limit_is_a_message(script, args, message, tmp_path, monkeypatch):
     """A data folder or file that is not there, or a --limit below 1, ends the script with one line naming it; they
     ended in a FileNotFoundError / DataError / ValueError traceback before anything ran."""
     mod = load(script)
-    out = ["--output", str(tmp_path / "o")] if script == "bench_e2e" else ["--out", str(tmp_path / "o")]
+    out = {"bench_e2e": ["--output", str(tmp_path / "o")], "bench_ray": ["--out", str(tmp_path / "o")]}.get(script, [])
     monkeypatch.setattr(sys, "argv", [f"{script}.py", *(a.format(tmp=tmp_path) for a in args), *out,
                                       "--results", str(tmp_path / "r")])
     with pytest.raises(SystemExit) as e:
