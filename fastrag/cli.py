@@ -161,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
             report = parity(opts)
             _print_table("fastrag parity", {k: v for k, v in report.items() if k != "disagreements"})
             print(_parity_summary(report, args.output))
-    # (OSError: files and folders, e.g. no writable index; BackendUnavailableError: --signals cuda/triton where they cannot run)
+    # (OSError: files and folders, e.g. no writable index; BackendUnavailableError: --signals cuda/triton where
+    # they cannot run)
     except (ValueError, OSError, ImportError, RunError, BackendUnavailableError) as e:
         print(f"fastrag: error: {e}", file=sys.stderr)
         return 2
