@@ -15,9 +15,9 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from fastrag.eval import (ResultWriter, RunError, RunOptions, check_manifest, latest_records, method_config,
-                          measured_fields, output_lock, read_metrics, resume, run_identity, summarize,
-                          write_json)
+from fastrag.eval import (ResultWriter, RunError, RunOptions, _close_progress, _write_progress, check_manifest,
+                          latest_records, measured_fields, method_config, output_lock, read_metrics, resume,
+                          run_identity, summarize, write_json)
 from fastrag.provenance import environment, source_commit
 
 
@@ -56,6 +56,7 @@ def _run_ray(opts: RunOptions, num_workers: int, max_retries: int, ray_address: 
     check_manifest(out, run_identity(opts, method_config(opts)))
     done, todo = resume(out / "results.jsonl", examples)
     have = {r.qid for r in done}
+    _close_progress(out)  # (a driver killed before its end left its progress: it joins the history, runs.jsonl)
     t0 = time.perf_counter()
     retries = 0
     shard_opts: list[RunOptions] = []
@@ -85,7 +86,8 @@ def _run_ray(opts: RunOptions, num_workers: int, max_retries: int, ray_address: 
 
         # answers a shard already holds (a run killed before its merge computed them): the shard keeps them, so
         # this run merges them without computing them, and its throughput must not count them
-        earlier = {r.qid for i in range(n) for r in shard_records(i) if r.error is None}
+        before = {r.qid: r for i in range(n) for r in shard_records(i)}
+        earlier = {q for q, r in before.items() if r.error is None}
         pending = {task.remote(o, device): i for i, o in enumerate(shard_opts)}
         tries = [0] * n
         from tqdm import tqdm
@@ -95,9 +97,12 @@ def _run_ray(opts: RunOptions, num_workers: int, max_retries: int, ray_address: 
         finished = 0
         while pending:
             ready, _ = ray.wait(list(pending), timeout=1.0)
-            count = sum(len(shard_records(i)) for i in range(n))
-            bar.update(count - finished)
-            finished = count
+            recs = [r for i in range(n) for r in shard_records(i)]
+            bar.update(len(recs) - finished)
+            finished = len(recs)
+            fresh = [r for r in recs if before.get(r.qid) != r]  # computed by this run so far
+            if fresh:  # (as a single-process run keeps it: a killed driver's work still counts in all_runs)
+                _write_progress(out, len(fresh), sum(r.error is None for r in fresh), time.perf_counter() - t0)
             for ref in ready:
                 i = pending.pop(ref)
                 try:
@@ -135,6 +140,9 @@ def _run_ray(opts: RunOptions, num_workers: int, max_retries: int, ray_address: 
                         sum(r.prefill_tokens + r.decode_tokens for r in computed),
                         sum(r.error is None for r in computed))
     metrics["ray"] = {"workers": min(num_workers, len(todo)) if todo else 0, "shard_retries": retries}
+    if computed:
+        _write_progress(out, len(computed), sum(r.error is None for r in computed), wall)
+    metrics["all_runs"] = _close_progress(out)  # (every run that computed the folder's records, a killed one too)
     from fastrag.eval import sampling_of
 
     sp = sampling_of(opts)

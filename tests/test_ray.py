@@ -156,6 +156,8 @@ def test_answers_a_killed_run_left_in_a_shard_are_not_counted_as_computed_again(
     # what the killed run left: shard 1 of the 2-worker cut ([nq-0, nq-1], [nq-2, nq-3]) answered nq-2
     left = run(replace(opts, output=str(out / "shards" / "1"), qids=("nq-2",)))
     assert left["computed_this_run"] == 1 and left["errors"] == 0
+    # and the killed driver's progress: one answer 2.5 s into its run (what it writes as the shards go)
+    (out / "progress.json").write_text(json.dumps({"computed": 1, "answered": 1, "wall_s": 2.5}))
     try:
         m = run_ray(opts, num_workers=2)
     finally:
@@ -165,6 +167,12 @@ def test_answers_a_killed_run_left_in_a_shard_are_not_counted_as_computed_again(
     assert m["questions_per_s"] == pytest.approx(3 / m["wall_s"])
     shard1 = [json.loads(x)["qid"] for x in (out / "shards" / "1" / "results.jsonl").read_text().splitlines()]
     assert shard1 == ["nq-2", "nq-3"]  # nq-2 was not computed again
+    # all_runs, as a single-process run has it (README): the killed run's answer and seconds, then this run's
+    assert m["all_runs"]["runs"] == 2 and m["all_runs"]["computed"] == 4 and m["all_runs"]["answered"] == 4
+    assert m["all_runs"]["wall_s"] == pytest.approx(2.5 + m["wall_s"])
+    assert m["all_runs"]["questions_per_s"] == pytest.approx(4 / (2.5 + m["wall_s"]))
+    assert not (out / "progress.json").exists()
+    assert len((out / "runs.jsonl").read_text().splitlines()) == 2
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CUDA signals backend can run here")
