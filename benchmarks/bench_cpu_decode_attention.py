@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from fastrag.provenance import cpu_name  # noqa: E402
+from bench_args import positive_int  # noqa: E402  (the script's folder is on sys.path)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -62,15 +63,6 @@ def torch_baseline(q, kp, vp, blocks, lens, bs, scale):
         v = vp[:, slots].repeat_interleave(H // Hkv, 0)
         out[b] = torch.nn.functional.scaled_dot_product_attention(q[b].unsqueeze(1), k, v, scale=scale).squeeze(1)
     return out
-
-
-def positive_int(text: str) -> int:
-    """argparse type of a count (rows, batches, contexts, repetitions): 0 or less is refused by name, not left to
-    fail deep in the timing loop."""
-    n = int(text)
-    if n <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {n}")
-    return n
 
 
 def main() -> None:

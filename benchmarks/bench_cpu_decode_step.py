@@ -21,17 +21,9 @@ from fastrag.engine import Engine
 from fastrag.model.llama import LlamaModel
 from fastrag.model.loading import load_tokenizer, resolve_model
 from fastrag.provenance import cpu_name
+from bench_args import positive_int  # noqa: E402  (the script's folder is on sys.path)
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def positive_int(text: str) -> int:
-    """argparse type of a count (rows, batches, contexts, repetitions): 0 or less is refused by name, not left to
-    fail deep in the timing loop."""
-    n = int(text)
-    if n <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {n}")
-    return n
 
 
 def main() -> None:

@@ -33,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 from fastrag.model.linear import Linear, onednn_available  # noqa: E402
 from fastrag.provenance import cpu_name  # noqa: E402
+from bench_args import positive_int  # noqa: E402  (the script's folder is on sys.path)
 
 RESULTS = ROOT / "benchmarks" / "results"
 
@@ -148,15 +149,6 @@ def engine_rows(batches: list[int], reps: int) -> list[dict]:
         out.append(row)
         del eng, seqs
     return out
-
-
-def positive_int(text: str) -> int:
-    """argparse type of a count (rows, batches, contexts, repetitions): 0 or less is refused by name, not left to
-    fail deep in the timing loop."""
-    n = int(text)
-    if n <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {n}")
-    return n
 
 
 def main() -> None:

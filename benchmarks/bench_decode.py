@@ -42,6 +42,7 @@ from fastrag.engine import Engine  # noqa: E402
 from fastrag.model.llama import LlamaModel  # noqa: E402
 from fastrag.perf import model_costs  # noqa: E402
 from fastrag.provenance import versions  # noqa: E402
+from bench_args import positive_int  # noqa: E402  (the script's folder is on sys.path)
 
 
 class _Tok:
@@ -70,15 +71,6 @@ def build(shape: dict, dtype, dev, batch: int, ctx: int, signals: str | None):
     while eng.waiting:  # prefill everything, then time decode steps only
         eng.step()
     return model, eng, eng.running[:batch]
-
-
-def positive_int(text: str) -> int:
-    """argparse type of a count (rows, batches, contexts, repetitions): 0 or less is refused by name, not left to
-    fail deep in the timing loop."""
-    n = int(text)
-    if n <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {n}")
-    return n
 
 
 def main() -> None:

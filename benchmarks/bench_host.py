@@ -38,6 +38,7 @@ from fastrag.provenance import cpu_name  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from bench_args import positive_int  # noqa: E402  (the script's folder is on sys.path)
 
 RESULTS = ROOT / "benchmarks" / "results"
 
@@ -221,15 +222,6 @@ def signals(reps: int) -> list[dict]:
         rows.append({"B": B, "torch_ms": statistics.median(t["torch"]) * 1e3,
                      "cpp_ms": statistics.median(t["cpp"]) * 1e3})
     return rows
-
-
-def positive_int(text: str) -> int:
-    """argparse type of a count (rows, batches, contexts, repetitions): 0 or less is refused by name, not left to
-    fail deep in the timing loop."""
-    n = int(text)
-    if n <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {n}")
-    return n
 
 
 def main() -> int:

@@ -35,6 +35,7 @@ from fastrag.eval import BUNDLED, RunOptions, build_engine, read_results, run
 from fastrag.provenance import cpu_name, versions
 from fastrag.retrieval import make_retriever
 from fastrag.retrieval.base import Retriever
+from bench_args import positive_int  # noqa: E402  (the script's folder is on sys.path)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -61,15 +62,6 @@ class RoundTrip(Retriever):
         finally:
             with self._lock:
                 self.active -= 1
-
-
-def positive_int(text: str) -> int:
-    """argparse type of a count (rows, batches, contexts, repetitions): 0 or less is refused by name, not left to
-    fail deep in the timing loop."""
-    n = int(text)
-    if n <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {n}")
-    return n
 
 
 def main() -> None:
