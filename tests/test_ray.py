@@ -127,6 +127,20 @@ def test_killed_worker_is_replaced_and_nothing_is_lost(tmp_path, cfg, single):
     assert json.loads((out / "metrics.json").read_text())["ray"]["shard_retries"] >= 1
 
 
+def _tiny_run_files(tmp_path, n: int):
+    """(a tiny random model, an NQ file of n questions, a config of 4 new tokens and no demos) under tmp_path."""
+    sys.path.insert(0, str(BUNDLED.parents[2] / "benchmarks"))
+    from make_random_model import make
+
+    tiny = make("tiny", tmp_path / "tiny", dtype=torch.float32, device="cpu")
+    data = tmp_path / "nq.jsonl"
+    data.write_text("".join(json.dumps({"question": f"who wrote book number {i}?", "answer": [f"a{i}"]}) + "\n"
+                            for i in range(n)))
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({"generate_max_length": 4, "fewshot": 0}))
+    return tiny, data, cfg
+
+
 def test_answers_a_killed_run_left_in_a_shard_are_not_counted_as_computed_again(tmp_path):
     """A driver killed before its merge leaves answers in the shard folders; the rerun's shards resume from them and
     the driver merges them, but this run did not compute them: computed_this_run and the rates count the others
@@ -138,18 +152,10 @@ def test_answers_a_killed_run_left_in_a_shard_are_not_counted_as_computed_again(
     from fastrag.distributed import run_ray
     from fastrag.eval import RunOptions, run
 
-    sys.path.insert(0, str(BUNDLED.parents[2] / "benchmarks"))
-    from make_random_model import make
-
-    tiny = make("tiny", tmp_path / "tiny", dtype=torch.float32, device="cpu")
-    data = tmp_path / "nq.jsonl"
-    data.write_text("".join(json.dumps({"question": f"who wrote book number {i}?", "answer": [f"a{i}"]}) + "\n"
-                            for i in range(4)))
+    tiny, data, cfg = _tiny_run_files(tmp_path, 4)
     corpus = tmp_path / "passages.jsonl"
     corpus.write_text("".join(json.dumps({"id": f"p{i}", "title": f"T{i}", "text": f"book {i} by author {i}"}) + "\n"
                               for i in range(8)))
-    cfg = tmp_path / "c.json"
-    cfg.write_text(json.dumps({"generate_max_length": 4, "fewshot": 0}))
     out = tmp_path / "ray"
     opts = RunOptions(method="sr-rag", dataset="nq", data=str(data), corpus=str(corpus), output=str(out),
                       model=tiny, config=str(cfg), limit=4, batch_size=2, kv_cache_gb=0.05, progress=False)
@@ -186,15 +192,7 @@ def test_an_error_raised_by_the_shards_own_code_is_not_retried_as_a_dead_worker(
     from fastrag.eval import RunOptions
     from fastrag.signals import BackendUnavailableError
 
-    sys.path.insert(0, str(BUNDLED.parents[2] / "benchmarks"))
-    from make_random_model import make
-
-    tiny = make("tiny", tmp_path / "tiny", dtype=torch.float32, device="cpu")
-    data = tmp_path / "nq.jsonl"
-    data.write_text("".join(json.dumps({"question": f"who wrote book number {i}?", "answer": [f"a{i}"]}) + "\n"
-                            for i in range(2)))
-    cfg = tmp_path / "c.json"
-    cfg.write_text(json.dumps({"generate_max_length": 4, "fewshot": 0}))
+    tiny, data, cfg = _tiny_run_files(tmp_path, 2)
     opts = RunOptions(method="sr-rag", dataset="nq", data=str(data), corpus=str(CORPUS), output=str(tmp_path / "o"),
                       model=tiny, config=str(cfg), batch_size=2, kv_cache_gb=0.05, signals="cuda", progress=False)
     try:
