@@ -293,15 +293,17 @@ def _where_they_differ(a: str, b: str, before: int = 30, after: int = 50) -> tup
     return cut(a), cut(b)
 
 
-def latest_records(path: Path, examples: list[Example], repair: bool = False) -> list[QuestionResult]:
+def latest_records(path: Path, examples: list[Example], repair: bool = False,
+                   records: list[QuestionResult] | None = None) -> list[QuestionResult]:
     """The last record of each of `examples` in a results file, in the examples' order (records of other questions
     are left out). An answer whose question is not the example's of that id raises: the folder holds answers to
     other data (e.g. an NQ file whose position-derived ids shifted when a question was added). An error record
     holds no answer: when its question has changed since (an empty question filled in), it is only computed again,
-    and records that a later one of the same question replaced are not checked."""
+    and records that a later one of the same question replaced are not checked. `records`: the file's records
+    when the caller has read them already."""
     by_id = {e.qid: e for e in examples}
     latest: dict[str, tuple[int, QuestionResult]] = {}
-    for line, r in enumerate(read_results(path, repair=repair), 1):
+    for line, r in enumerate(read_results(path, repair=repair) if records is None else records, 1):
         if r.qid in by_id:
             latest[r.qid] = (line, r)
     for qid, (line, r) in latest.items():
@@ -320,7 +322,8 @@ def resume(path: Path, examples: list[Example]) -> tuple[list[QuestionResult], l
     gold answers (a corrected data file changes the metrics of answers already computed). The file is left with
     one record per question: the error records of the questions computed again, and records replaced by a later
     one of their question (written by older versions), are removed (the file is rewritten only then)."""
-    latest = latest_records(path, examples, repair=True)
+    records = read_results(path, repair=True)
+    latest = latest_records(path, examples, records=records)
     kept = [r for r in latest if r.error is None]
     by_id = {e.qid: e for e in examples}
     rescored = {}
@@ -330,7 +333,9 @@ def resume(path: Path, examples: list[Example]) -> tuple[list[QuestionResult], l
         score_result(by_id[r.qid], r)
         if (r.gold, r.metrics) != before:
             rescored[r.qid] = r
-    _rewrite_records(path, rescored, drop={r.qid for r in latest if r.error is not None})
+    drop = {r.qid for r in latest if r.error is not None}
+    if rescored or drop or len({r.qid for r in records}) != len(records):  # (else the file stays as it is)
+        _rewrite_records(path, rescored, drop)
     have = {r.qid for r in kept}
     return kept, [e for e in examples if e.qid not in have]
 
@@ -347,14 +352,10 @@ def _record_line(r: QuestionResult) -> str:
 def _rewrite_records(path: Path, records: dict[str, QuestionResult], drop: set[str]) -> None:
     """Keep the last record of each question, replaced by `records[qid]` where given (a resume rescored it against
     new gold answers, so that results.jsonl agrees with metrics.json) and removed for the questions in `drop`; the
-    file is replaced whole (a crash leaves the old one), and only when that changes it."""
-    if not path.exists():
-        return
+    file is replaced whole (a crash leaves the old one)."""
     lines = path.read_text(encoding="utf-8").split("\n")
     qids = [json.loads(line)["qid"] if line.strip() else None for line in lines]
     last = {qid: i for i, qid in enumerate(qids) if qid is not None}
-    if not records and not drop and len(last) == sum(q is not None for q in qids):
-        return
     out = []
     for i, (line, qid) in enumerate(zip(lines, qids)):
         if qid is None:
