@@ -13,6 +13,14 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 
+// A logit over the temperature, rounded once: __fmul_rn is never contracted into an FMA with a later subtraction
+// (nvcc contracts `x * inv_t - m` by default, keeping the product's rounding error: at T = 1e-30 the row's maximum got
+// y - m = 9.4e30, a positive log-probability, on the H200 on 2026-11-25), so y - m is exactly 0 at the maximum.
+template <typename T>
+__device__ __forceinline__ float scaled(T x, float inv_t) {
+  return __fmul_rn(to_float(x), inv_t);
+}
+
 struct State {
   float m, s, u, best;
   int32_t idx;
@@ -111,14 +119,14 @@ __global__ void __launch_bounds__(kThreads) decode_partial_kernel(const T* __res
 #pragma unroll
       for (int e = 0; e < kVec; ++e) {
         const int32_t vi = static_cast<int32_t>(v0 + i * kVec + e);
-        const float y = to_float(vals[e]) * inv_t;
+        const float y = scaled(vals[e], inv_t);
         push(st, y, score_of<kSample>(y, key, vi), vi);
       }
     }
     v = v0 + nvec * kVec;
   }
   for (int64_t i = v + threadIdx.x; i < v1; i += kThreads) {
-    const float y = to_float(row[i]) * inv_t;
+    const float y = scaled(row[i], inv_t);
     push(st, y, score_of<kSample>(y, key, static_cast<int32_t>(i)), static_cast<int32_t>(i));
   }
   for (int o = 16; o > 0; o >>= 1) st = merge(st, shfl_state(st, o));
@@ -161,7 +169,7 @@ __global__ void decode_combine_kernel(const T* __restrict__ logits, int64_t B, i
   c = c < 0 ? 0 : (c >= V ? V - 1 : c);  // the glue validates on the CPU; on the GPU never read out of bounds
   const float m = st.m == kNegInf ? 0.f : st.m;
   const float log_s = logf(st.s);
-  const float lp = to_float(logits[b * V + c]) * inv_t - m - log_s;
+  const float lp = scaled(logits[b * V + c], inv_t) - m - log_s;
   out_chosen[b] = c;
   out_entropy[b] = log_s - st.u / st.s;
   out_logprob[b] = lp;
@@ -204,7 +212,7 @@ __global__ void __launch_bounds__(kThreads) decode_top_p_kernel(const T* __restr
 
   State st{kNegInf, 0.f, 0.f, kNegInf, INT32_MAX};
   for (int64_t i = threadIdx.x; i < V; i += kThreads) {
-    const float y = to_float(row[i]) * inv_t;
+    const float y = scaled(row[i], inv_t);
     push(st, y, y, static_cast<int32_t>(i));
   }
   for (int o = 16; o > 0; o >>= 1) st = merge(st, shfl_state(st, o));
@@ -222,7 +230,7 @@ __global__ void __launch_bounds__(kThreads) decode_top_p_kernel(const T* __restr
 #pragma unroll
     for (int d = 0; d < 16; ++d) h[d] = 0.f;
     for (int64_t i = threadIdx.x; i < V; i += kThreads) {
-      const float y = to_float(row[i]) * inv_t;
+      const float y = scaled(row[i], inv_t);
       if (y == kNegInf) continue;
       const uint32_t k = order_key(y);
       if (shift < 28 && (k >> (shift + 4)) != prefix) continue;
@@ -261,7 +269,7 @@ __global__ void __launch_bounds__(kThreads) decode_top_p_kernel(const T* __restr
   float sn = 0.f, un = 0.f, best = kNegInf;
   int32_t best_i = INT32_MAX;
   for (int64_t i = threadIdx.x; i < V; i += kThreads) {
-    const float y = to_float(row[i]) * inv_t;
+    const float y = scaled(row[i], inv_t);
     if (y == kNegInf || order_key(y) < k0) continue;
     const float d = y - m;
     const float e = __expf(d);
@@ -299,7 +307,7 @@ __global__ void __launch_bounds__(kThreads) decode_top_p_kernel(const T* __restr
   }
   int64_t c = chosen ? chosen[b] : (fin.idx == INT32_MAX ? 0 : static_cast<int64_t>(fin.idx));
   c = c < 0 ? 0 : (c >= V ? V - 1 : c);
-  const float yc = to_float(row[c]) * inv_t;
+  const float yc = scaled(row[c], inv_t);
   const bool in = yc != kNegInf && order_key(yc) >= k0;
   const float log_s = logf(fin.s);
   const float lp = in ? yc - m - log_s : kNegInf;

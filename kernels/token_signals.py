@@ -248,6 +248,11 @@ def token_signals(logits: torch.Tensor, temperature: float, rng_keys: torch.Tens
     prob [B] f32, flag [B] bool or None), all written. top_p < 1 (with temperature > 0): the nucleus kernel, one
     program per row reading it ten times (no split). greedy: the argmax and the signals of softmax(logits /
     temperature) for a temperature > 0 (no draw, rng_keys unused; the older token_signals contract).
+
+    Every launch turns off Triton's FMA contraction (enable_fp_fusion=False): contracted, `x * inv_t - m` keeps the
+    product's rounding error, so the row's maximum got y - m = 9.4e30 at T = 1e-30 (a positive log-probability, and
+    an infinite weight that made the nucleus pick token 0) on the H200 on 2026-11-25. The interpreter, which never
+    contracts, drops the option.
     """
     B, V = logits.shape
     if B == 0:
@@ -264,7 +269,7 @@ def token_signals(logits: torch.Tensor, temperature: float, rng_keys: torch.Tens
             o_chosen, o_ent, o_lp, o_prob, o_flag.view(torch.uint8) if o_flag is not None else dummy,
             V, 1.0 / temperature, float(top_p),
             SAMPLE=sample, HAS_CHOSEN=chosen is not None, HAS_NONSTOP=nonstop is not None, BLOCK_V=bv,
-            num_warps=4,
+            num_warps=4, enable_fp_fusion=False,
         )
         return
     if block_v is None:
@@ -281,7 +286,7 @@ def token_signals(logits: torch.Tensor, temperature: float, rng_keys: torch.Tens
     keys = rng_keys.contiguous() if sample else part  # unused pointer when not sampling
     _token_signals_partial_kernel[(B, nsplit)](
         logits, logits.stride(0), logits.stride(1), keys, part, pidx, V, inv_t, split_len, nsplit,
-        SAMPLE=sample, BLOCK_V=block_v, num_warps=8 if block_v >= 2048 else 4,
+        SAMPLE=sample, BLOCK_V=block_v, num_warps=8 if block_v >= 2048 else 4, enable_fp_fusion=False,
     )
     o_chosen, o_ent, o_lp, o_prob, o_flag = out
     nonstop_u8 = nonstop.view(torch.uint8) if nonstop is not None else None
@@ -292,5 +297,5 @@ def token_signals(logits: torch.Tensor, temperature: float, rng_keys: torch.Tens
         o_chosen, o_ent, o_lp, o_prob, flag_u8 if flag_u8 is not None else pidx,
         inv_t, nsplit, V,
         HAS_CHOSEN=chosen is not None, HAS_NONSTOP=nonstop is not None,
-        BLOCK_S=max(16, triton.next_power_of_2(nsplit)), num_warps=1,
+        BLOCK_S=max(16, triton.next_power_of_2(nsplit)), num_warps=1, enable_fp_fusion=False,
     )

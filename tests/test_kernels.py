@@ -58,6 +58,17 @@ def _close(actual, expected, what, seed, **tol):
                     f"{expected[idx].item()!r} (seed={seed}, tol={tol})")
 
 
+def _to_keeping_strides(t: torch.Tensor, device) -> torch.Tensor:
+    """t on `device` with t's sizes and strides: `Tensor.to` makes a non-dense view (a `[..., ::2]` slice)
+    contiguous when it crosses devices, so a layout check would never see the layout it is tested with."""
+    if t.device.type == torch.device(device).type:
+        return t
+    out = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=device)
+    out.copy_(t)
+    assert out.stride() == t.stride()
+    return out
+
+
 def _poisoned(B: int, device, expected_flag=None):
     f = dict(dtype=torch.float32, device=device)
     flag = None if expected_flag is None else (~expected_flag).to(device)
@@ -617,7 +628,8 @@ def test_decode_signals_rejects(backend, device, name, bad):
     if device != "cpu" and name == "chosen":
         pytest.skip("value checks read tensor contents: CPU only (GPU kernels clamp chosen into the vocabulary)")
     kw = _decode_args() | bad
-    kw = {k: (v.to(device) if isinstance(v, torch.Tensor) and v.device.type != "meta" else v) for k, v in kw.items()}
+    kw = {k: (_to_keeping_strides(v, device) if isinstance(v, torch.Tensor) and v.device.type != "meta" else v)
+          for k, v in kw.items()}
     logits = kw.pop("logits")
     with pytest.raises(ValueError, match=name):
         get_backend(backend).decode_signals(logits, **kw)
@@ -653,7 +665,7 @@ def test_attn_decode_rejects(backend, device, name, bad):
     if device != "cpu" and name in ("ctx_lens", "span_start", "block_tables"):
         pytest.skip("value checks read tensor contents: CPU only (GPU kernels mask out-of-range positions)")
     kw = _attn_args() | bad
-    kw = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
+    kw = {k: (_to_keeping_strides(v, device) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
     with pytest.raises(ValueError, match=name):
         get_backend(backend).attn_decode_update(**kw)
 
