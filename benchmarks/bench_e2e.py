@@ -219,8 +219,7 @@ def main() -> None:
                     help="the scheduler runs the methods' own logic while the device decodes the next step (auto: "
                          "on a GPU); time 'off' beside it to see what the overlap gives")
     ap.add_argument("--text-workers", type=int, default=None,
-                    help="processes for DRAGIN's spaCy work (0: the scheduler's thread; default: with overlap all "
-                         "cores but two, at most 8)")
+                    help="processes for DRAGIN's spaCy work (default 0: the scheduler's thread)")
     ap.add_argument("--warmup", type=int, default=0,
                     help="first run the engine on this many questions per dataset (untimed, own output folder): "
                          "the timed run then starts with the Triton kernels compiled, as a long-running job does")

@@ -55,8 +55,7 @@ class RunOptions:
     threads: int | None = None
     # the methods' host logic runs while the device decodes the next step (Scheduler.overlap); None: on a GPU
     overlap: bool | None = None
-    # processes for the methods' spaCy work (Scheduler.text_workers; 0: on the scheduler's thread); None: with overlap
-    # all cores but two, at most 8 (fastrag.text.pool.auto_text_workers), else 0
+    # processes for the methods' spaCy work (Scheduler.text_workers; 0: on the scheduler's thread); None: 0
     text_workers: int | None = None
     # retrieval batches in flight at once (Scheduler.search_concurrency); None: what the retriever serves
     # (Retriever.concurrent_searches: 1 for the bundled ones)

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, ClassVar, Generator, Iterable
 
 from fastrag.engine import Engine, Generation, SeqState, sampling_key
-from fastrag.text.pool import BrokenProcessPool, TextPool, auto_text_workers, compute_text, failure_message, is_failure
+from fastrag.text.pool import BrokenProcessPool, TextPool, compute_text, failure_message, is_failure
 from fastrag.trace import QuestionResult
 
 
@@ -190,10 +190,12 @@ class Scheduler:
                              "only step()")
         self.overlap = overlap
         # spaCy requests (Sentences, RealWords): 0 answers them on this thread as they come; N > 0 sends them to N
-        # worker processes (started at the first request), a TextPool shares one; None: auto_text_workers() with
-        # overlap (a GPU), else 0
+        # worker processes (started at the first request), a TextPool shares one; None: 0. On the H200 (2026-11-25,
+        # DRAGIN, 64 + 64 questions, batch 128) 8 workers made the run slower, 41.6 s against 35.3 s: the texts
+        # that come back one by one start their prefills in small groups (276 prefill calls against 104), and each
+        # prefill call has a large fixed cost (benchmarks/results/gpu_h200_2026-11-25.md)
         if text_workers is None:
-            text_workers = auto_text_workers() if overlap else 0
+            text_workers = 0
         if isinstance(text_workers, TextPool):
             self.text_pool, self._own_pool, self.text_workers = text_workers, False, text_workers.workers
         elif isinstance(text_workers, bool) or not isinstance(text_workers, int) or text_workers < 0:

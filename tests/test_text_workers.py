@@ -22,7 +22,7 @@ from fastrag.eval import BUNDLED
 from fastrag.model.llama import LlamaModel
 from fastrag.retrieval.base import Doc
 from fastrag.scheduler import Generate, Parallel, RealWords, Scheduler, Search, Sentences
-from fastrag.text.pool import TextPool, auto_text_workers, failure_message, is_failure
+from fastrag.text.pool import TextPool, failure_message, is_failure
 from fastrag.text.realwords import real_words
 from fastrag.text.sentences import split_sentences
 from fastrag.trace import QuestionResult, Round
@@ -69,11 +69,6 @@ def test_a_text_spacy_rejects_comes_back_as_its_failure(pool):
         pool.submit("pos", "x")
     with pytest.raises(ValueError, match="workers must be an int >= 1"):
         TextPool(0)
-
-
-def test_auto_workers():
-    assert auto_text_workers(16) == 8 and auto_text_workers(4) == 2 and auto_text_workers(2) == 0
-    assert auto_text_workers(1) == 0
 
 
 # ---------------------------------------------------------------------------------------------- scheduler level
@@ -212,8 +207,9 @@ def test_text_workers_argument_is_checked(model):
     for bad in (-1, 1.5, True, "2"):
         with pytest.raises(ValueError, match="text_workers must be an int >= 0 or a TextPool"):
             Scheduler(eng, Retriever(), policy, text_workers=bad)
-    assert Scheduler(eng, Retriever(), policy).text_workers == 0  # no overlap (a CPU): no workers by default
-    assert Scheduler(eng, Retriever(), policy, overlap=True).text_workers == auto_text_workers()
+    assert Scheduler(eng, Retriever(), policy).text_workers == 0  # no workers by default, with overlap or without
+    assert Scheduler(eng, Retriever(), policy, overlap=True).text_workers == 0
+    assert Scheduler(eng, Retriever(), policy, overlap=True, text_workers=2).text_workers == 2
 
 
 def test_closing_with_texts_at_the_workers(model):

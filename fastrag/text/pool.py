@@ -32,7 +32,7 @@ from concurrent.futures.process import BrokenProcessPool
 KINDS = {"sentences": ("fastrag.text.sentences", "split_sentences"),
          "real_words": ("fastrag.text.realwords", "real_words")}
 
-__all__ = ["KINDS", "BrokenProcessPool", "TextPool", "auto_text_workers", "compute_text", "failure_message",
+__all__ = ["KINDS", "BrokenProcessPool", "TextPool", "compute_text", "failure_message",
            "is_failure", "run_text"]
 
 _HEADER = struct.Struct("<Q")
@@ -74,15 +74,6 @@ def is_failure(x) -> bool:
 
 def failure_message(x) -> str:
     return x.message
-
-
-def auto_text_workers(cpu_count: int | None = None) -> int:
-    """Workers for a GPU run: all cores this process may use but two (the scheduler's thread and the retrieval
-    thread), at most 8."""
-    if cpu_count is None:
-        cpu_count = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    n = cpu_count
-    return max(0, min(8, (n or 1) - 2))
 
 
 def _write_frame(f, obj) -> None:
