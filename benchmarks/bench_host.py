@@ -34,10 +34,9 @@ from pathlib import Path
 
 import torch
 
-from fastrag.provenance import cpu_name  # noqa: E402
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from fastrag.provenance import cpu_name  # noqa: E402
 from bench_args import positive_int  # noqa: E402  (the script's folder is on sys.path)
 
 RESULTS = ROOT / "benchmarks" / "results"
