@@ -204,8 +204,46 @@ def test_bench_decode_runs_a_named_shape(tmp_path, monkeypatch):
         assert float(r[2]) > 0 and float(r[10]) > 0 and float(r[11]) > 0, r
 
 
+def test_bench_prefill_times_single_prefill_calls_against_their_floor(tmp_path, monkeypatch):
+    """bench_prefill: every timed step is one prefill call of the cell's sequences after the shared prefix, and the
+    engine's counters it reads match the cell (--jitter 0: n x t new tokens, n x (prefix x t + t (t + 1) / 2)
+    attention entries, counted here independently); the restricted-backend rows and the profile come too."""
+    bp = load("bench_prefill")
+    P = 32
+    monkeypatch.setattr(sys, "argv", ["bench_prefill.py", "--cpu-small", "--shape", "tiny", "--cells", "1x40", "3x24",
+                                      "--prefix", str(P), "--jitter", "0", "--reps", "2", "--warmup", "1",
+                                      "--sdpa", "math", "--profile", "--profile-calls", "1",
+                                      "--results", str(tmp_path)])
+    bp.main()
+    data = json.loads((tmp_path / "prefill_cpu_tiny.json").read_text())
+    rows = data["rows"]
+    assert [(r["seqs"], r["new"], r["sdpa"]) for r in rows] == [(1, 40, "default"), (1, 40, "math"),
+                                                              (3, 24, "default"), (3, 24, "math")]
+    for r in rows:
+        n, t = r["seqs"], r["new"]
+        assert r["tokens_per_call"] == n * t, r
+        assert r["attn_entries_per_call"] == n * (P * t + t * (t + 1) // 2), r
+        assert r["wall_ms"] > 0 and r["floor_ms"] > 0 and r["wall_over_floor"] > 0, r
+    md = (tmp_path / "prefill_cpu_tiny.md").read_text()
+    assert "| 3 x 24 | math |" in md and "host operators, by their own time" in md, md
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--cells", "4by300"], "--cells: '4by300' is not SEQSxTOKENS"),
+    (["--cells", "0x300"], "needs at least 1 sequence"),
+    (["--cells", "1x10", "--jitter", "10"], "would leave a sequence"),
+])
+def test_bench_prefill_bad_cells_are_a_message(args, message, tmp_path, monkeypatch, capsys):
+    bp = load("bench_prefill")
+    monkeypatch.setattr(sys, "argv", ["bench_prefill.py", "--cpu-small", "--shape", "tiny", *args,
+                                      "--results", str(tmp_path)])
+    with pytest.raises(SystemExit) as e:
+        bp.main()
+    assert message in str(e.value.code) + capsys.readouterr().err
+
+
 @pytest.mark.parametrize("script, args", [
-    ("bench_cpu_gemm", ["--rows", "0"]), ("bench_cpu_gemm", ["--batch", "1", "-2"]),
+    ("bench_prefill", ["--reps", "0"]), ("bench_cpu_gemm", ["--rows", "0"]), ("bench_cpu_gemm", ["--batch", "1", "-2"]),
     ("bench_cpu_gemm", ["--reps", "0"]), ("bench_decode", ["--batches", "0", "--cpu-small"]),
     ("bench_decode", ["--ctx", "0"]), ("bench_cpu_decode_attention", ["--block-size", "0"]),
     ("bench_cpu_decode_attention", ["--batch", "0"]), ("bench_cpu_decode_attention", ["--reps", "0"]),

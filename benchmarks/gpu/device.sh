@@ -17,6 +17,9 @@
 #             the same cells, launch settings swept, GB/s vs the copy bandwidth)
 #   pattn     benchmarks/bench_prefill_attention.py (masked prefill attention with grouped-query heads: SDPA's
 #             enable_gqa against keys repeated per head, and the SDPA backends that accept each; ~1 minute)
+#   prefill   benchmarks/bench_prefill.py --profile --sdpa efficient math (engine prefill calls of the Llama-2-7B
+#             shape vs their floor, with every SDPA backend and without cuDNN/flash, and torch.profiler's tables;
+#             PREFILL_ARGS adds arguments; ~1 minute)
 #   model     make_random_model.py llama2-7b (E2E_SHAPE) into /tmp (kept while the machine stays warm)
 #   e2e       bench_e2e.py: engine DRAGIN vs the published per-question recipe and the tuned one, on that model
 #             (E2E_LIMIT, E2E_BATCH, E2E_ORACLE_LIMIT, E2E_TUNED_LIMIT override the sizes)
@@ -126,6 +129,7 @@ except RuntimeError as e:
         decode) stage decode $PY benchmarks/bench_decode.py ${DECODE_ARGS:-} ;;
         attn) stage attn $PY benchmarks/bench_paged_attention.py ;;
         pattn) stage pattn $PY benchmarks/bench_prefill_attention.py ;;
+        prefill) stage prefill $PY benchmarks/bench_prefill.py --profile --sdpa efficient math ${PREFILL_ARGS:-} ;;
         model)
             [ -f "$MODEL/config.json" ] || stage model $PY benchmarks/make_random_model.py \
                 --shape "$SHAPE" --out "$MODEL" --tokenizer "$C/tokenizer"
@@ -143,7 +147,7 @@ except RuntimeError as e:
             (cd "$RUNS" && find . -name results.jsonl -path '*/engine/*' -o -name results.jsonl \
                 -path '*/oracle*/*' | tar czf "$OUT/results/e2e_records.tar.gz" -T -) || true
             ;;
-        *) echo "unknown stage $st (diag, tests, kernels, decode, attn, pattn, model, e2e)"; exit 2 ;;
+        *) echo "unknown stage $st (diag, tests, kernels, decode, attn, pattn, prefill, model, e2e)"; exit 2 ;;
     esac
     copy_results
 done

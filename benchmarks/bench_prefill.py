@@ -1,0 +1,274 @@
+"""Engine prefill calls of a Llama-shaped model (random weights) against their device floor, and where their time goes.
+
+Why: in the H200 DRAGIN run of 2026-11-25 (benchmarks/results/gpu_h200_2026-11-25.md) the engine's prefill calls
+and attention passes took 8.7x their device floor while decode steps took 1.13x; a prefill call of ~1,700 new tokens
+took ~116 ms against a ~30 ms floor, and cProfile put the host inside `scaled_dot_product_attention` for 1.16 ms a
+call. This times the same kind of call alone: a few sequences that each prefill a few hundred new tokens after a
+shared demo prefix (computed once, as the engine holds it), through `Engine.step()` with max_new_tokens=1 (the
+prefill's first token ends each sequence, so no decode step runs). Per cell (sequences per call x new tokens each):
+the median wall of one call against the floor of the work the engine counted (fastrag.perf.floor: the weights read
+once, 2 FLOPs per matrix weight per new token, the attention entries), at this device's measured copy bandwidth
+and matmul rate.
+
+The new tokens of each sequence vary by up to --jitter between calls, as in a real run where no two prefill calls
+have the same shapes, so a cost paid per new shape (a kernel plan built, an autotuner run) is in the median;
+`--jitter 0` repeats one shape. `--sdpa efficient math` (for example) restricts torch's attention backends for a
+second timing of every cell: the table gives both. `--profile` adds torch.profiler's tables over --profile-calls
+calls of the last cell: the device kernels by total time, and the host operators by their own time.
+
+    python benchmarks/bench_prefill.py --profile                 # GPU: Llama-2-7B shape, bf16
+    python benchmarks/bench_prefill.py --sdpa efficient math     # the same, and again without cuDNN/flash
+    python benchmarks/bench_prefill.py --cpu-small               # CPU: SmolLM2-135M shape, fp32
+
+Writes benchmarks/results/prefill_<gpu|cpu>[_SHAPE].md and .json (--results, --name to change). Weights are random
+(speed does not depend on their values) and never saved.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import json
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from bench_args import positive_int  # noqa: E402  (the script's folder is on sys.path)
+from make_random_model import SHAPES, hf_shape  # noqa: E402
+
+from fastrag.engine import Engine  # noqa: E402
+from fastrag.model.llama import LlamaModel  # noqa: E402
+from fastrag.perf import floor, measure_device, model_costs  # noqa: E402
+from fastrag.provenance import versions  # noqa: E402
+
+SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "cudnn": "CUDNN_ATTENTION",
+                 "math": "MATH"}
+COUNTED = ("prefill_calls", "prefill_tokens", "prefill_ctx_tokens", "decode_steps", "decode_tokens",
+           "decode_ctx_tokens", "decode_prefix_tokens")
+
+
+class _Tok:
+    """Token ids written as text: the engine tokenizes a shared prefix (`set_prefix`) from text."""
+
+    eos_token_id = None
+
+    def encode(self, text: str) -> list[int]:
+        return [int(t) for t in text.split()]
+
+
+def _cells(spec: list[str]) -> list[tuple[int, int]]:
+    out = []
+    for c in spec:
+        try:
+            n, t = (int(x) for x in c.lower().split("x"))
+        except ValueError:
+            raise SystemExit(f"--cells: {c!r} is not SEQSxTOKENS (e.g. 4x300)") from None
+        if n < 1 or t < 1:
+            raise SystemExit(f"--cells: {c!r} needs at least 1 sequence of at least 1 token")
+        out.append((n, t))
+    return out
+
+
+def _sdpa_context(names: list[str] | None):
+    if not names:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([getattr(SDPBackend, SDPA_BACKENDS[n]) for n in names])
+
+
+def build(shape: dict, dtype, dev, prefix: int, cells: list[tuple[int, int]], jitter: int):
+    from transformers import LlamaConfig
+
+    longest = prefix + max(t for _, t in cells) + jitter + 16
+    shape = dict(shape, max_position_embeddings=max(shape["max_position_embeddings"], longest))
+    cfg = LlamaConfig(**shape, eos_token_id=None, tie_word_embeddings=False)
+    model = LlamaModel.from_hf_config(cfg, dtype=dtype, device=str(dev), seed=0)
+    kv_per_token = model_costs(model)["kv_bytes_per_token"]
+    tokens = prefix + max(n * (t + jitter + 16) for n, t in cells)
+    budget = max(n * (t + jitter) for n, t in cells)
+    eng = Engine(model, _Tok(), max_batch=max(n for n, _ in cells), kv_cache_gb=kv_per_token * tokens * 1.3 / 2**30
+                 + 0.05, max_prefill_tokens=budget)
+    g = torch.Generator().manual_seed(1)
+    prefix_ids = torch.randint(5, shape["vocab_size"], (prefix,), generator=g).tolist()
+    if prefix:
+        eng.set_prefix(" ".join(map(str, prefix_ids)))
+    return model, eng, prefix_ids
+
+
+def prefill_call(eng: Engine, prefix_ids: list[int], lens: list[int], g: torch.Generator, vocab: int) -> dict:
+    """One Engine.step() that prefills len(lens) sequences of prefix + lens[i] new tokens; the engine counters it
+    moved and its wall seconds."""
+    seqs = []
+    for n in lens:
+        s = eng.new_sequence()
+        eng.start(s, prefix_ids + torch.randint(5, vocab, (n,), generator=g).tolist(), 1)
+        seqs.append(s)
+    before = {k: eng.stats.get(k, 0) for k in COUNTED}
+    if eng.device.type == "cuda":
+        torch.cuda.synchronize(eng.device)
+    t = time.perf_counter()
+    eng.step()
+    if eng.device.type == "cuda":
+        torch.cuda.synchronize(eng.device)
+    wall = time.perf_counter() - t
+    for s in seqs:
+        eng.release(s)
+    if eng.waiting or eng.running:
+        raise RuntimeError(f"one step left {len(eng.waiting)} waiting and {len(eng.running)} running sequences: "
+                           "the cell does not fit one prefill call")
+    return {"wall_s": wall, **{k: eng.stats.get(k, 0) - before[k] for k in COUNTED}}
+
+
+def time_cell(eng, prefix_ids, n, t, jitter, reps, warmup, g, vocab, costs, figures, sdpa=None) -> dict:
+    calls = []
+    with _sdpa_context(sdpa):
+        for i in range(warmup + reps):
+            lens = [max(1, t + (int(torch.randint(-jitter, jitter + 1, (1,), generator=g)) if jitter else 0))
+                    for _ in range(n)]
+            c = prefill_call(eng, prefix_ids, lens, g, vocab)
+            if i >= warmup:
+                calls.append(c)
+    for c in calls:
+        if c["prefill_calls"] != 1 or c["decode_steps"] != 0:
+            raise RuntimeError(f"a timed step made {c['prefill_calls']} prefill calls and {c['decode_steps']} decode "
+                               "steps; expected 1 and 0")
+    walls = [c["wall_s"] for c in calls]
+    floors = [floor(c, costs, figures)["prefill_s"] for c in calls]
+    med = statistics.median(walls)
+    return {"wall_ms": med * 1e3, "floor_ms": statistics.median(floors) * 1e3,
+            "wall_over_floor": statistics.median(w / f for w, f in zip(walls, floors)),
+            "tokens_per_call": statistics.median(c["prefill_tokens"] for c in calls),
+            "tok_per_s": statistics.median(c["prefill_tokens"] / c["wall_s"] for c in calls),
+            "attn_entries_per_call": statistics.median(c["prefill_ctx_tokens"] for c in calls),
+            "first_ms": walls[0] * 1e3, "max_ms": max(walls) * 1e3}
+
+
+def profile_tables(eng, prefix_ids, n, t, jitter, calls, g, vocab, rows: int = 15) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    gpu = eng.device.type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
+    with profile(activities=acts) as prof:
+        for _ in range(calls):
+            lens = [max(1, t + (int(torch.randint(-jitter, jitter + 1, (1,), generator=g)) if jitter else 0))
+                    for _ in range(n)]
+            prefill_call(eng, prefix_ids, lens, g, vocab)
+    ka = prof.key_averages()
+    out = {"host": ka.table(sort_by="self_cpu_time_total", row_limit=rows)}
+    if gpu:
+        for key in ("device_time_total", "cuda_time_total"):  # the name changed across torch versions
+            try:
+                out["device"] = ka.table(sort_by=key, row_limit=rows)
+                break
+            except (AttributeError, KeyError, ValueError):
+                continue
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cpu-small", action="store_true", help="CPU: SmolLM2-135M shape, fp32, smaller cells")
+    ap.add_argument("--shape", choices=list(SHAPES), default=None,
+                    help="model shape (make_random_model.py's); default: llama2-7b on a GPU, smollm2-135m on the CPU")
+    ap.add_argument("--cells", nargs="+", default=None,
+                    help="SEQSxTOKENS per prefill call (default GPU: 1x300 4x300 1x1700 4x425 12x300; CPU: 1x64 4x64)")
+    ap.add_argument("--prefix", type=int, default=None, help="shared demo prefix tokens (default GPU 1536, CPU 256)")
+    ap.add_argument("--jitter", type=int, default=32, help="new tokens vary by up to this between calls (0: fixed)")
+    ap.add_argument("--reps", type=positive_int, default=None, help="timed calls per cell (default GPU 15, CPU 3)")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--sdpa", nargs="+", choices=list(SDPA_BACKENDS), default=None,
+                    help="also time every cell with only these SDPA backends allowed")
+    ap.add_argument("--profile", action="store_true", help="torch.profiler tables over --profile-calls calls")
+    ap.add_argument("--profile-calls", type=positive_int, default=3)
+    ap.add_argument("--name", default=None, help="result file stem (default prefill_gpu / prefill_cpu[_SHAPE])")
+    ap.add_argument("--results", default=str(ROOT / "benchmarks" / "results"), help="folder of the result table")
+    args = ap.parse_args()
+    if args.jitter < 0 or args.warmup < 0 or (args.prefix is not None and args.prefix < 0):
+        ap.error("--jitter, --warmup and --prefix must be >= 0")
+    dev = torch.device("cuda" if torch.cuda.is_available() and not args.cpu_small else "cpu")
+    gpu = dev.type == "cuda"
+    default_shape = "llama2-7b" if gpu else "smollm2-135m"
+    label = args.shape or default_shape
+    shape = hf_shape(label)
+    dtype = torch.bfloat16 if gpu else torch.float32
+    cells = _cells(args.cells or (["1x300", "4x300", "1x1700", "4x425", "12x300"] if gpu else ["1x64", "4x64"]))
+    prefix = args.prefix if args.prefix is not None else (1536 if gpu else 256)
+    reps = args.reps or (15 if gpu else 3)
+    jitter = args.jitter
+    if any(t - jitter < 1 for _, t in cells):
+        ap.error(f"--jitter {jitter} would leave a sequence of the cells {args.cells} without new tokens")
+    stem = args.name or ("prefill_" + ("gpu" if gpu else "cpu") + ("" if label == default_shape else f"_{label}"))
+    out_dir = Path(args.results)
+    figures = measure_device(dev, dtype)
+    model, eng, prefix_ids = build(shape, dtype, dev, prefix, cells, jitter)
+    costs = model_costs(model)
+    g = torch.Generator().manual_seed(2)
+    rows, prof = [], None
+    cmd = "python benchmarks/bench_prefill.py " + shlex.join(sys.argv[1:])
+
+    def write() -> Path:  # after every cell: a run cut short keeps what it measured
+        out_dir.mkdir(parents=True, exist_ok=True)
+        lines = [
+            f"# Engine prefill calls vs their device floor ({figures.device})", "",
+            f"- date: {dt.date.today()}; {versions('torch', 'triton', 'transformers')}",
+            f"- model: random weights, {label} shape, {str(dtype).removeprefix('torch.')}; shared demo prefix "
+            f"{prefix} tokens (computed once, as the engine holds the demos)",
+            f"- device: copy {figures.copy_bytes_per_s / 1e9:.1f} GB/s, matmul {figures.matmul_flops_per_s / 1e12:.2f}"
+            f" TFLOP/s ({figures.dtype})",
+            f"- {reps} timed calls per cell after {args.warmup} untimed, medians; new tokens per sequence vary by "
+            f"up to {jitter} between calls; command: `{cmd.strip()}`",
+            "- floor: fastrag.perf.floor of the work the engine counted (weights read once per call, 2 FLOPs per "
+            "matrix weight per new token, 4 x layers x heads x head_dim FLOPs per attention entry). "
+            "first ms: the first timed call.", "",
+            "| sequences x new tokens | SDPA backends | tokens a call | attention entries a call | wall ms | "
+            "floor ms | wall / floor | tokens/s | first ms | max ms |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in rows:
+            lines.append(
+                f"| {r['seqs']} x {r['new']} | {r['sdpa']} | {r['tokens_per_call']:.0f} | "
+                f"{r['attn_entries_per_call']:.0f} | {r['wall_ms']:.2f} | {r['floor_ms']:.2f} | "
+                f"{r['wall_over_floor']:.2f} | {r['tok_per_s']:.0f} | {r['first_ms']:.2f} | {r['max_ms']:.2f} |")
+        if prof:
+            n, t = cells[-1]
+            lines += ["", f"## torch.profiler: {args.profile_calls} calls of {n} x {t}", ""]
+            for key, title in (("device", "device kernels, by total device time"),
+                               ("host", "host operators, by their own time")):
+                if key in prof:
+                    lines += [f"### {title}", "", "```", prof[key].rstrip(), "```", ""]
+        path = out_dir / f"{stem}.md"
+        path.write_text("\n".join(lines) + "\n")
+        (out_dir / f"{stem}.json").write_text(json.dumps(
+            {"date": str(dt.date.today()), "device": figures.as_dict(), "shape": label, "prefix": prefix,
+             "jitter": jitter, "reps": reps, "command": cmd.strip(),
+             "versions": versions("torch", "triton", "transformers"), "rows": rows},
+            indent=1))
+        return path
+
+    with torch.inference_mode():
+        for n, t in cells:
+            for sdpa in (None, args.sdpa) if args.sdpa else (None,):
+                r = time_cell(eng, prefix_ids, n, t, jitter, reps, args.warmup, g, shape["vocab_size"], costs,
+                              figures, sdpa)
+                rows.append({"seqs": n, "new": t, "sdpa": ", ".join(sdpa) if sdpa else "default", **r})
+                print(f"{n} x {t} ({rows[-1]['sdpa']}): {r['wall_ms']:.2f} ms, floor {r['floor_ms']:.2f} ms "
+                      f"({r['wall_over_floor']:.2f}x)", flush=True)
+                write()
+        if args.profile:
+            n, t = cells[-1]
+            prof = profile_tables(eng, prefix_ids, n, t, jitter, args.profile_calls, g, shape["vocab_size"])
+    print(write().read_text())
+
+
+if __name__ == "__main__":
+    main()
