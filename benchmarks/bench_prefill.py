@@ -12,12 +12,13 @@ and matmul rate.
 
 The new tokens of each sequence vary by up to --jitter between calls, as in a real run where no two prefill calls
 have the same shapes, so a cost paid per new shape (a kernel plan built, an autotuner run) is in the median;
-`--jitter 0` repeats one shape. `--sdpa efficient math` (for example) restricts torch's attention backends for a
-second timing of every cell: the table gives both. `--profile` adds torch.profiler's tables over --profile-calls
+`--jitter 0` repeats one shape. `--sdpa torch efficient,math` (for example) times every cell again with each of
+these $FASTRAG_SDPA settings (the backends the engine's masked attention may use; `torch`: torch's own choice,
+cuDNN first on Hopper with CUDA 13 builds): the table gives every setting. `--profile` adds torch.profiler's tables over --profile-calls
 calls of the last cell: the device kernels by total time, and the host operators by their own time.
 
     python benchmarks/bench_prefill.py --profile                 # GPU: Llama-2-7B shape, bf16
-    python benchmarks/bench_prefill.py --sdpa efficient math     # the same, and again without cuDNN/flash
+    python benchmarks/bench_prefill.py --sdpa torch              # the same, and with torch's own SDPA choice
     python benchmarks/bench_prefill.py --cpu-small               # CPU: SmolLM2-135M shape, fp32
 
 Writes benchmarks/results/prefill_<gpu|cpu>[_SHAPE].md and .json (--results, --name to change). Weights are random
@@ -30,6 +31,7 @@ import argparse
 import contextlib
 import datetime as dt
 import json
+import os
 import shlex
 import statistics
 import sys
@@ -46,12 +48,11 @@ from bench_args import positive_int  # noqa: E402  (the script's folder is on sy
 from make_random_model import SHAPES, hf_shape  # noqa: E402
 
 from fastrag.engine import Engine  # noqa: E402
+from fastrag.model import llama  # noqa: E402
 from fastrag.model.llama import LlamaModel  # noqa: E402
 from fastrag.perf import floor, measure_device, model_costs  # noqa: E402
 from fastrag.provenance import versions  # noqa: E402
 
-SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "cudnn": "CUDNN_ATTENTION",
-                 "math": "MATH"}
 COUNTED = ("prefill_calls", "prefill_tokens", "prefill_ctx_tokens", "decode_steps", "decode_tokens",
            "decode_ctx_tokens", "decode_prefix_tokens")
 
@@ -78,12 +79,22 @@ def _cells(spec: list[str]) -> list[tuple[int, int]]:
     return out
 
 
-def _sdpa_context(names: list[str] | None):
-    if not names:
-        return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    return sdpa_kernel([getattr(SDPBackend, SDPA_BACKENDS[n]) for n in names])
+@contextlib.contextmanager
+def _sdpa_setting(spec: str | None):
+    """$FASTRAG_SDPA set to spec (None: as it is) for the block."""
+    if spec is None:
+        yield
+        return
+    old = os.environ.get(llama.SDPA_ENV)
+    os.environ[llama.SDPA_ENV] = spec
+    try:
+        llama.sdpa_backends()  # a bad spec fails here, naming the variable
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(llama.SDPA_ENV, None)
+        else:
+            os.environ[llama.SDPA_ENV] = old
 
 
 def build(shape: dict, dtype, dev, prefix: int, cells: list[tuple[int, int]], jitter: int):
@@ -131,7 +142,7 @@ def prefill_call(eng: Engine, prefix_ids: list[int], lens: list[int], g: torch.G
 
 def time_cell(eng, prefix_ids, n, t, jitter, reps, warmup, g, vocab, costs, figures, sdpa=None) -> dict:
     calls = []
-    with _sdpa_context(sdpa):
+    with _sdpa_setting(sdpa):
         for i in range(warmup + reps):
             lens = [max(1, t + (int(torch.randint(-jitter, jitter + 1, (1,), generator=g)) if jitter else 0))
                     for _ in range(n)]
@@ -186,13 +197,21 @@ def main() -> None:
     ap.add_argument("--jitter", type=int, default=32, help="new tokens vary by up to this between calls (0: fixed)")
     ap.add_argument("--reps", type=positive_int, default=None, help="timed calls per cell (default GPU 15, CPU 3)")
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--sdpa", nargs="+", choices=list(SDPA_BACKENDS), default=None,
-                    help="also time every cell with only these SDPA backends allowed")
+    ap.add_argument("--sdpa", nargs="+", default=None,
+                    help="also time every cell with each of these $FASTRAG_SDPA settings ('torch', or a comma list "
+                         "of flash, efficient, cudnn, math)")
     ap.add_argument("--profile", action="store_true", help="torch.profiler tables over --profile-calls calls")
     ap.add_argument("--profile-calls", type=positive_int, default=3)
     ap.add_argument("--name", default=None, help="result file stem (default prefill_gpu / prefill_cpu[_SHAPE])")
     ap.add_argument("--results", default=str(ROOT / "benchmarks" / "results"), help="folder of the result table")
     args = ap.parse_args()
+    default_sdpa = os.environ.get(llama.SDPA_ENV) or "default (flash,efficient,math)"
+    for spec in args.sdpa or []:
+        try:
+            with _sdpa_setting(spec):
+                pass
+        except ValueError as e:
+            ap.error(f"--sdpa: {e}")
     if args.jitter < 0 or args.warmup < 0 or (args.prefix is not None and args.prefix < 0):
         ap.error("--jitter, --warmup and --prefix must be >= 0")
     dev = torch.device("cuda" if torch.cuda.is_available() and not args.cpu_small else "cpu")
@@ -230,7 +249,7 @@ def main() -> None:
             "- floor: fastrag.perf.floor of the work the engine counted (weights read once per call, 2 FLOPs per "
             "matrix weight per new token, 4 x layers x heads x head_dim FLOPs per attention entry). "
             "first ms: the first timed call.", "",
-            "| sequences x new tokens | SDPA backends | tokens a call | attention entries a call | wall ms | "
+            "| sequences x new tokens | $FASTRAG_SDPA | tokens a call | attention entries a call | wall ms | "
             "floor ms | wall / floor | tokens/s | first ms | max ms |",
             "|---|---|---|---|---|---|---|---|---|---|",
         ]
@@ -257,10 +276,10 @@ def main() -> None:
 
     with torch.inference_mode():
         for n, t in cells:
-            for sdpa in (None, args.sdpa) if args.sdpa else (None,):
+            for sdpa in [None, *(args.sdpa or [])]:
                 r = time_cell(eng, prefix_ids, n, t, jitter, reps, args.warmup, g, shape["vocab_size"], costs,
                               figures, sdpa)
-                rows.append({"seqs": n, "new": t, "sdpa": ", ".join(sdpa) if sdpa else "default", **r})
+                rows.append({"seqs": n, "new": t, "sdpa": sdpa or default_sdpa, **r})
                 print(f"{n} x {t} ({rows[-1]['sdpa']}): {r['wall_ms']:.2f} ms, floor {r['floor_ms']:.2f} ms "
                       f"({r['wall_over_floor']:.2f}x)", flush=True)
                 write()

@@ -9,6 +9,7 @@ each resumable like `fastrag run`), so a rerun only computes what is missing.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from dataclasses import replace
@@ -38,8 +39,8 @@ def oracle_model(model: str, recipe: str = "published"):
     """The per-question oracle's transformers model, on the GPU when there is one.
 
     published: as the published code runs it (fp32, eager attention, whose `output_attentions` DRAGIN reads);
-    tuned: the best honest per-question configuration (bf16 on a GPU, fp32 on a CPU; SDPA attention, the DRAGIN
-    oracle recomputing only the last layer's probabilities).
+    tuned: the best honest per-question configuration (bf16 on a GPU, fp32 on a CPU; SDPA attention without cuDNN,
+    see `_recipe_sdpa`; the DRAGIN oracle recomputing only the last layer's probabilities).
     """
     from fastrag.model.loading import load_hf_model
 
@@ -59,8 +60,27 @@ def run_oracle(opts: RunOptions, out: Path, recipe: str = "published") -> tuple[
     computed). The folder is locked while it runs. Each invocation that computes something appends its
     environment (device, versions, command), questions and seconds to `out/runs.jsonl`, so timings reused later
     say where they were measured."""
-    with output_lock(out):
+    with output_lock(out), _recipe_sdpa(recipe):
         return _run_oracle(opts, out, recipe)
+
+
+@contextlib.contextmanager
+def _recipe_sdpa(recipe: str):
+    """The tuned recipe's SDPA calls may use the engine's backends (`fastrag.model.llama.sdpa_backends`, every one but
+    cuDNN unless $FASTRAG_SDPA says otherwise): torch builds a cuDNN graph for every new set of shapes, and every
+    step of a generation has a new key length. On the H200 (2026-11-25, torch's own choice) the tuned recipe took
+    2.2x the published one's time for the same answer generation. The published recipe's eager attention calls no
+    SDPA."""
+    from fastrag.model.llama import sdpa_backends
+
+    backends = sdpa_backends() if recipe == "tuned" else None
+    if backends is None:
+        yield
+        return
+    from torch.nn.attention import sdpa_kernel
+
+    with sdpa_kernel(backends):
+        yield
 
 
 def warm_oracle(model, tok, retriever) -> None:

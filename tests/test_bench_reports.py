@@ -217,8 +217,9 @@ def test_bench_prefill_times_single_prefill_calls_against_their_floor(tmp_path, 
     bp.main()
     data = json.loads((tmp_path / "prefill_cpu_tiny.json").read_text())
     rows = data["rows"]
-    assert [(r["seqs"], r["new"], r["sdpa"]) for r in rows] == [(1, 40, "default"), (1, 40, "math"),
-                                                              (3, 24, "default"), (3, 24, "math")]
+    assert [(r["seqs"], r["new"], r["sdpa"]) for r in rows] == [
+        (1, 40, "default (flash,efficient,math)"), (1, 40, "math"), (3, 24, "default (flash,efficient,math)"),
+        (3, 24, "math")]
     for r in rows:
         n, t = r["seqs"], r["new"]
         assert r["tokens_per_call"] == n * t, r
@@ -232,6 +233,7 @@ def test_bench_prefill_times_single_prefill_calls_against_their_floor(tmp_path, 
     (["--cells", "4by300"], "--cells: '4by300' is not SEQSxTOKENS"),
     (["--cells", "0x300"], "needs at least 1 sequence"),
     (["--cells", "1x10", "--jitter", "10"], "would leave a sequence"),
+    (["--sdpa", "fastest"], "FASTRAG_SDPA='fastest'"),
 ])
 def test_bench_prefill_bad_cells_are_a_message(args, message, tmp_path, monkeypatch, capsys):
     bp = load("bench_prefill")

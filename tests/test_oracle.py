@@ -323,3 +323,24 @@ def test_query_truncation_counts_the_query_tokens_only_under_a_bos_adding_tokeni
     oracle.config.max_query_tokens = n - 1
     assert truncate_query(tok, query, n - 1) == cut == DraginOracle.truncate_query(oracle, query)
     assert bos not in cut
+
+
+def test_tuned_recipe_runs_sdpa_without_cudnn(monkeypatch):
+    """The tuned recipe's SDPA calls may use the engine's backends (every one but cuDNN by default, or what
+    $FASTRAG_SDPA names); the published recipe (eager attention) changes nothing; the settings come back after."""
+    from fastrag.model import llama
+    from fastrag.parity import _recipe_sdpa
+
+    b = torch.backends.cuda
+    flags = lambda: (b.flash_sdp_enabled(), b.mem_efficient_sdp_enabled(), b.cudnn_sdp_enabled(),  # noqa: E731
+                     b.math_sdp_enabled())
+    before = flags()
+    monkeypatch.delenv(llama.SDPA_ENV, raising=False)
+    with _recipe_sdpa("tuned"):
+        assert flags() == (True, True, False, True)
+    with _recipe_sdpa("published"):
+        assert flags() == before
+    monkeypatch.setenv(llama.SDPA_ENV, "math")
+    with _recipe_sdpa("tuned"):
+        assert flags() == (False, False, False, True)
+    assert flags() == before

@@ -97,3 +97,34 @@ def test_env_switch(monkeypatch):
     monkeypatch.setenv(llama.PREFILL_GQA_ENV, "repeat")
     with pytest.raises(ValueError, match="FASTRAG_PREFILL_GQA='repeat'"):
         _model()
+
+
+def test_sdpa_backend_setting(monkeypatch):
+    """$FASTRAG_SDPA: every SDPA backend but cuDNN by default (torch builds a cuDNN graph for each new set of shapes,
+    and no two prefill calls of a run share them), 'torch' leaves the choice to torch, a bad name is an error naming
+    the variable, and the masked attention really is restricted to the backends named."""
+    from torch.nn.attention import SDPBackend
+
+    monkeypatch.delenv(llama.SDPA_ENV, raising=False)
+    assert llama.sdpa_backends() == [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    monkeypatch.setenv(llama.SDPA_ENV, "torch")
+    assert llama.sdpa_backends() is None
+    monkeypatch.setenv(llama.SDPA_ENV, "math, cudnn")
+    assert llama.sdpa_backends() == [SDPBackend.MATH, SDPBackend.CUDNN_ATTENTION]
+    monkeypatch.setenv(llama.SDPA_ENV, "flash,fast")
+    with pytest.raises(ValueError, match="FASTRAG_SDPA='flash,fast'"):
+        llama.sdpa_backends()
+
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 4, n, 16, generator=g) for n in (5, 9, 9))
+    mask = torch.rand(2, 1, 5, 9, generator=g) < 0.7
+    mask[..., 0] = True
+    want = _reference(q, k, v, mask, 0.25)
+    for setting in ("math", "torch", "flash,efficient,math"):
+        monkeypatch.setenv(llama.SDPA_ENV, setting)
+        got = masked_attention(q.to(DEV), k.to(DEV), v.to(DEV), mask.to(DEV), 0.25)
+        torch.testing.assert_close(got.double().cpu(), want, rtol=1e-4, atol=1e-5)
+    # cuDNN alone cannot take a float32 call (nor run on a CPU): no kernel is left, so the setting is applied
+    monkeypatch.setenv(llama.SDPA_ENV, "cudnn")
+    with pytest.raises(RuntimeError):
+        masked_attention(q.to(DEV), k.to(DEV), v.to(DEV), mask.to(DEV), 0.25)

@@ -17,8 +17,9 @@
 #             the same cells, launch settings swept, GB/s vs the copy bandwidth)
 #   pattn     benchmarks/bench_prefill_attention.py (masked prefill attention with grouped-query heads: SDPA's
 #             enable_gqa against keys repeated per head, and the SDPA backends that accept each; ~1 minute)
-#   prefill   benchmarks/bench_prefill.py --profile --sdpa efficient math (engine prefill calls of the Llama-2-7B
-#             shape vs their floor, with every SDPA backend and without cuDNN/flash, and torch.profiler's tables;
+#   prefill   benchmarks/bench_prefill.py --profile --sdpa torch efficient,math (engine prefill calls of the Llama-2-7B
+#             shape vs their floor: the engine's SDPA backends (no cuDNN), torch's own choice, efficient/math
+#             alone; torch.profiler's tables;
 #             PREFILL_ARGS adds arguments; ~1 minute)
 #   model     make_random_model.py llama2-7b (E2E_SHAPE) into /tmp (kept while the machine stays warm)
 #   e2e       bench_e2e.py: engine DRAGIN vs the published per-question recipe and the tuned one, on that model
@@ -129,7 +130,7 @@ except RuntimeError as e:
         decode) stage decode $PY benchmarks/bench_decode.py ${DECODE_ARGS:-} ;;
         attn) stage attn $PY benchmarks/bench_paged_attention.py ;;
         pattn) stage pattn $PY benchmarks/bench_prefill_attention.py ;;
-        prefill) stage prefill $PY benchmarks/bench_prefill.py --profile --sdpa efficient math ${PREFILL_ARGS:-} ;;
+        prefill) stage prefill $PY benchmarks/bench_prefill.py --profile --sdpa torch efficient,math ${PREFILL_ARGS:-} ;;
         model)
             [ -f "$MODEL/config.json" ] || stage model $PY benchmarks/make_random_model.py \
                 --shape "$SHAPE" --out "$MODEL" --tokenizer "$C/tokenizer"

@@ -81,9 +81,55 @@ def _prefill_gqa_mode() -> str:
     return mode
 
 
+SDPA_ENV = "FASTRAG_SDPA"  # flash,efficient,math (default) | any comma list of flash, efficient, cudnn, math | torch
+SDPA_NAMES = {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "cudnn": "CUDNN_ATTENTION",
+              "math": "MATH"}
+_sdpa_cache: dict[str, list | None] = {}
+
+
+def sdpa_backends() -> list | None:
+    """The SDPA backends the masked attention of prefills and attention passes may use ($FASTRAG_SDPA), or None for
+    torch's own choice ("torch"). A CPU has flash and math, the two it uses anyway.
+
+    The default leaves cuDNN out. torch builds a cuDNN attention graph for every new set of shapes (tens of
+    milliseconds each in public measurements), its CUDA 13 builds try cuDNN first on Hopper, and no two prefill
+    calls or attention passes of a run have the same shapes. In the H200 DRAGIN run of 2026-11-25 (torch's choice)
+    the host spent 1.16 ms per SDPA call, about 37 ms per forward, and prefill ran at 8.7x its floor
+    (benchmarks/results/gpu_h200_2026-11-25.md); benchmarks/bench_prefill.py times both settings side by side."""
+    import os
+
+    mode = os.environ.get(SDPA_ENV, "flash,efficient,math").strip()
+    if mode in _sdpa_cache:
+        return _sdpa_cache[mode]
+    if mode == "torch":
+        backends = None
+    else:
+        names = [n.strip() for n in mode.split(",") if n.strip()]
+        bad = [n for n in names if n not in SDPA_NAMES]
+        if bad or not names:
+            raise ValueError(f"${SDPA_ENV}={mode!r}: expected 'torch' or a comma list of "
+                             f"{', '.join(SDPA_NAMES)}")
+        from torch.nn.attention import SDPBackend
+
+        backends = [getattr(SDPBackend, SDPA_NAMES[n]) for n in names if hasattr(SDPBackend, SDPA_NAMES[n])]
+    _sdpa_cache[mode] = backends
+    return backends
+
+
 def masked_attention(q, k, v, mask, scale: float | None = None, expand: bool = False):
     """softmax(q k^T * scale, masked) v for q [B, H, T, D], k/v [B, Hkv, S, D] (H a multiple of Hkv), mask [B, 1, T, S]
-    (True: attend). expand: repeat k and v to H heads instead of asking SDPA for grouped heads."""
+    (True: attend). expand: repeat k and v to H heads instead of asking SDPA for grouped heads. The call may use only
+    the backends of `sdpa_backends()`."""
+    backends = sdpa_backends()
+    if backends is not None:
+        from torch.nn.attention import sdpa_kernel
+
+        with sdpa_kernel(backends):
+            return _masked_attention(q, k, v, mask, scale, expand)
+    return _masked_attention(q, k, v, mask, scale, expand)
+
+
+def _masked_attention(q, k, v, mask, scale: float | None, expand: bool):
     H, Hkv = q.shape[1], k.shape[1]
     if H == Hkv:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
