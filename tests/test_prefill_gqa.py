@@ -128,3 +128,34 @@ def test_sdpa_backend_setting(monkeypatch):
     monkeypatch.setenv(llama.SDPA_ENV, "cudnn")
     with pytest.raises(RuntimeError):
         masked_attention(q.to(DEV), k.to(DEV), v.to(DEV), mask.to(DEV), 0.25)
+
+
+def test_a_prefill_forward_enters_the_backend_scope_once(monkeypatch):
+    """The backend restriction is entered once per prefill forward and once per attention pass, not once per layer
+    and bucket (entering costs ~10 us), and every masked SDPA call runs inside it."""
+    import torch.nn.attention as attn
+
+    monkeypatch.delenv(llama.SDPA_ENV, raising=False)
+    entered, calls = [], []
+    real_kernel, real_sdpa = attn.sdpa_kernel, torch.nn.functional.scaled_dot_product_attention
+
+    def counting_kernel(*a, **kw):
+        entered.append(1)
+        return real_kernel(*a, **kw)
+
+    def watched_sdpa(*a, **kw):
+        calls.append(torch.backends.cuda.cudnn_sdp_enabled() is False and llama._SCOPE.on)
+        return real_sdpa(*a, **kw)
+
+    monkeypatch.setattr(attn, "sdpa_kernel", counting_kernel)
+    monkeypatch.setattr(llama.F, "scaled_dot_product_attention", watched_sdpa)
+    m = _model()
+    eng = Engine(m, Tok(), kv_cache_gb=0.02, max_batch=8)
+    g = torch.Generator().manual_seed(5)
+    for n in (3, 17, 40):  # the packed forward: several buckets, each a masked call per layer
+        s = eng.new_sequence()
+        eng.start(s, torch.randint(1, 96, (n,), generator=g).tolist(), 1)
+    eng.step()
+    assert len(entered) == 1 and len(calls) >= 2 * len(m.layers) and all(calls), (len(entered), calls)
+    eng.attention_passes([[5, 6, 7], [8, 9]], "colmax")
+    assert len(entered) == 2 and all(calls)

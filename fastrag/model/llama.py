@@ -8,8 +8,10 @@ suffix, gathered from its blocks. The last layer can hand back its queries and k
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -120,13 +122,31 @@ def masked_attention(q, k, v, mask, scale: float | None = None, expand: bool = F
     """softmax(q k^T * scale, masked) v for q [B, H, T, D], k/v [B, Hkv, S, D] (H a multiple of Hkv), mask [B, 1, T, S]
     (True: attend). expand: repeat k and v to H heads instead of asking SDPA for grouped heads. The call may use only
     the backends of `sdpa_backends()`."""
-    backends = sdpa_backends()
-    if backends is not None:
-        from torch.nn.attention import sdpa_kernel
+    if getattr(_SCOPE, "on", False):
+        return _masked_attention(q, k, v, mask, scale, expand)
+    with sdpa_scope():
+        return _masked_attention(q, k, v, mask, scale, expand)
 
+
+_SCOPE = threading.local()
+
+
+@contextlib.contextmanager
+def sdpa_scope():
+    """SDPA restricted to `sdpa_backends()` for the block, entered once for a whole forward (`sdpa_kernel` costs ~10
+    us to enter and leave: once per layer and bucket that is ~1 ms a prefill forward); nested scopes are free."""
+    backends = sdpa_backends()
+    if backends is None or getattr(_SCOPE, "on", False):
+        yield
+        return
+    from torch.nn.attention import sdpa_kernel
+
+    _SCOPE.on = True
+    try:
         with sdpa_kernel(backends):
-            return _masked_attention(q, k, v, mask, scale, expand)
-    return _masked_attention(q, k, v, mask, scale, expand)
+            yield
+    finally:
+        _SCOPE.on = False
 
 
 def _masked_attention(q, k, v, mask, scale: float | None, expand: bool):
@@ -536,6 +556,9 @@ class LlamaModel(nn.Module):
         Returns logits [M, V] (float32).
         """
         B, T = ids.shape
+        if T > 1 and not getattr(_SCOPE, "on", False):  # a prefill: its masked SDPA calls in one backend scope
+            with sdpa_scope():
+                return self.forward(ids, batch, k_pool, v_pool, logits_index)
         mixed = batch.prefix_groups is not None and not (T == 1 and self.mixes_prefixes)
         if mixed or (T > 1 and B > 1 and self._real_tokens(batch) < self.pack_below * B * T):
             return self._forward_packed(ids, batch, k_pool, v_pool, logits_index)
@@ -738,6 +761,9 @@ class LlamaModel(nn.Module):
         Returns q: [B, H, T, D] and k: [B, Hkv, T, D] of the last layer (what the RIND and QFS signals need);
         no logits are computed.
         """
+        if not getattr(_SCOPE, "on", False):  # its masked SDPA calls in one backend scope
+            with sdpa_scope():
+                return self.last_layer_qk(ids, lengths)
         B, T = ids.shape
         pos = torch.arange(T, device=ids.device).expand(B, T)
         cos, sin = self.rope(pos)
