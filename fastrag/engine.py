@@ -39,6 +39,20 @@ def sampling_key(*parts: int) -> int:
     return x
 
 
+def check_seed(seed, name: str = "seed") -> int:
+    """seed as a Python int of 64 bits (numpy and other integer types too, through __index__); anything else, or an
+    int outside [-2**63, 2**64), is a ValueError naming `name`."""
+    import operator
+
+    try:
+        value = operator.index(seed) if not isinstance(seed, bool) else None
+    except TypeError:
+        value = None
+    if value is None or not -2**63 <= value < 2**64:
+        raise ValueError(f"{name} must be an int of 64 bits, in [-2**63, 2**64), got {seed!r}")
+    return value
+
+
 @dataclass(slots=True)
 class SamplingParams:
     temperature: float = 0.0  # 0: greedy
@@ -59,8 +73,7 @@ class SamplingParams:
         if self.top_k and self.temperature == 0:
             raise ValueError(f"top_k={self.top_k} applies only when sampling: give a temperature > 0 too (greedy "
                              "decoding takes the most likely token whatever k is)")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -2**63 <= self.seed < 2**64:
-            raise ValueError(f"seed must be an int of 64 bits, in [-2**63, 2**64), got {self.seed!r}")
+        self.seed = check_seed(self.seed, "seed")
 
 
 @dataclass(slots=True)

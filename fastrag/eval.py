@@ -104,8 +104,9 @@ class RunOptions:
         if self.top_p < 1 and self.temperature == 0:
             raise ValueError(f"--top-p {self.top_p} applies only when sampling: give --temperature > 0 too "
                              "(greedy decoding has no nucleus)")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -2**63 <= self.seed < 2**64:
-            raise ValueError(f"--seed must be an int of 64 bits, in [-2**63, 2**64), got {self.seed!r}")
+        from fastrag.engine import check_seed
+
+        self.seed = check_seed(self.seed, "--seed")
         if self.threads is not None and (isinstance(self.threads, bool) or not isinstance(self.threads, int)
                                          or self.threads < 1):
             raise ValueError(f"--threads must be an int >= 1, got {self.threads!r}")

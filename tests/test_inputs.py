@@ -423,6 +423,28 @@ def test_cli_errors_for_odd_arguments(tmp_path):
                    temperature=float("inf"))
 
 
+def test_a_numpy_integer_seed_is_taken_as_an_int(tmp_path):
+    """Python callers often hold a seed as a numpy integer: RunOptions and SamplingParams take any integer type
+    (it was refused as 'not an int') and keep a Python int (run.json, the sampling keys); floats, bools and strings
+    are still refused by name."""
+    import numpy as np
+
+    from fastrag.engine import SamplingParams
+
+    data = nq_file(tmp_path / "nq.jsonl", QUESTIONS)
+    kw = dict(method="wo-rag", dataset="nq", data=str(data), corpus=str(CORPUS), output=str(tmp_path / "x"))
+    for seed in (np.int64(-5), np.uint64(2**64 - 1), np.int32(7)):
+        o = RunOptions(**kw, temperature=0.5, seed=seed)
+        assert type(o.seed) is int and o.seed == int(seed)
+        s = SamplingParams(temperature=0.5, seed=seed)
+        assert type(s.seed) is int and s.seed == int(seed)
+    for bad in (np.float64(3.0), True, "3", 2.0):
+        with pytest.raises(ValueError, match="--seed must be an int of 64 bits"):
+            RunOptions(**kw, temperature=0.5, seed=bad)
+        with pytest.raises(ValueError, match="seed must be an int of 64 bits"):
+            SamplingParams(temperature=0.5, seed=bad)
+
+
 def test_a_run_whose_every_question_failed_exits_1(tiny, tmp_path):
     """Every question computed in the run failed (here: all empty): the summary is printed and the exit status is
     1 with a line saying so, so that a script does not take the folder for results; one answer makes it 0."""
