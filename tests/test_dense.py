@@ -68,6 +68,32 @@ def test_blank_queries_and_bad_arguments(small_corpus, retriever):
         DenseRetriever(small_corpus[0], encoder="no-such-encoder")
 
 
+def test_blank_passages_are_never_hits(tmp_path, small_corpus):
+    """Passages with neither title nor text (the corpus allows them) are no answer to any query: even a query the
+    encoder places nearest to the empty string, and a k larger than the real passages, returns real passages only,
+    in brute-force cosine order."""
+    docs = small_corpus[1][:12]
+    rows = [dict(d) for d in docs]
+    for i in (2, 5, 9):
+        rows[i] = {"id": f"blank{i}", "title": "", "text": "  "}
+    p = tmp_path / "with_blanks.jsonl"
+    p.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    r = DenseRetriever(p, show_progress=False, index_dir=tmp_path / "idx")
+    assert r.n_blank == 3
+    real = [x for x in rows if x["title"] or x["text"].strip()]
+    emb = r.encode([passage_text(x["title"], x["text"]) for x in real])
+    empty_like = ["", "the", "  a  "]  # ("" itself is a blank query: [])
+    for q, res in zip(empty_like, r.search(empty_like, 20)):
+        if not q.strip():
+            assert res == []
+            continue
+        assert len(res) == len(real) and not any(d.id.startswith("blank") for d in res), [d.id for d in res]
+        order = np.argsort(-(r.encode([q])[0] @ emb.T), kind="stable")
+        assert [d.id for d in res] == [real[i]["id"] for i in order]
+    again = DenseRetriever(p, show_progress=False, index_dir=tmp_path / "idx")  # reloaded: counted from the index
+    assert not again.built and again.n_blank == 3
+
+
 def test_changed_corpus_is_reindexed(tmp_path, small_corpus):
     p = tmp_path / "c.jsonl"
     p.write_text("\n".join(json.dumps(d) for d in small_corpus[1][:20]) + "\n", encoding="utf-8")

@@ -31,7 +31,7 @@ from fastrag.retrieval.corpus import (READER_VERSION, CorpusError, corpus_format
 
 log = logging.getLogger(__name__)
 
-_FORMAT = 1
+_FORMAT = 2  # 2: blank passages stored as zero vectors and never returned
 DEFAULT_ENCODER = "all-minilm-l6-v2"
 
 
@@ -118,12 +118,20 @@ class DenseRetriever(Retriever):
         store = _DocStore(found)
         if index.ntotal != len(store):
             raise CorpusError(f"{found}: index holds {index.ntotal} vectors for {len(store)} passages")
+        n_blank = self._zero_vectors(index)
         if self.device.startswith("cuda") and hasattr(self._faiss, "StandardGpuResources"):
             self._gpu_res = self._faiss.StandardGpuResources()
             index = self._faiss.index_cpu_to_gpu(self._gpu_res, 0, index)
         self.index = index
         self._store = store
         self.n_docs = len(store)
+        self.n_blank = n_blank
+
+    def _zero_vectors(self, index) -> int:
+        """How many vectors of a flat CPU index are all zero (the blank passages, `_index`), read in chunks."""
+        xb = self._faiss.rev_swig_ptr(index.get_xb(), index.ntotal * index.d).reshape(index.ntotal, index.d)
+        step = 1 << 16
+        return sum(int((~xb[i: i + step].any(axis=1)).sum()) for i in range(0, index.ntotal, step))
 
     # ---- index management -------------------------------------------------------------------------------
 
@@ -149,6 +157,9 @@ class DenseRetriever(Retriever):
         if not texts:
             raise CorpusError(f"{self.corpus_path}: the corpus holds no passages")
         emb = self.encode([passage_text(t, x) for t, x in zip(titles, texts)], progress=self.show_progress)
+        # a passage with neither title nor text is no answer to any query: a zero vector (score 0), dropped in search
+        blank = [i for i, (t, x) in enumerate(zip(titles, texts)) if not passage_text(t, x).strip()]
+        emb[blank] = 0.0
         index = self._faiss.IndexFlatIP(self.dim)
         index.add(emb)
         self._faiss.write_index(index, str(d / "index.faiss"))
@@ -163,14 +174,17 @@ class DenseRetriever(Retriever):
         return np.ascontiguousarray(emb, dtype=np.float32)
 
     def search(self, queries: list[str], k: int) -> list[list[Doc]]:
-        """Top-k passages per query by cosine similarity; a blank query gets []. Ties: faiss order (lower id)."""
+        """Top-k passages per query by cosine similarity; a blank query gets [], and a blank passage is never a hit.
+        Ties: faiss order (lower id)."""
         queries, live = self.live_queries(queries, k)
         out: list[list[Doc]] = [[] for _ in queries]
-        if not live:
+        if not live or self.n_blank >= self.n_docs:
             return out
-        with self._lock:
-            scores, ids = self.index.search(self.encode([queries[i] for i in live]), min(k, self.n_docs))
+        with self._lock:  # the blank passages may all rank among the first: ask for that many more
+            scores, ids = self.index.search(self.encode([queries[i] for i in live]),
+                                            min(k + self.n_blank, self.n_docs))
         for row, i in enumerate(live):
-            out[i] = [self._store.get(int(j), float(s)) for j, s in zip(ids[row], scores[row]) if j >= 0]
+            docs = (self._store.get(int(j), float(s)) for j, s in zip(ids[row], scores[row]) if j >= 0)
+            out[i] = [d for d in docs if passage_text(d.title, d.text).strip()][:k]
         return out
 
