@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
             from fastrag.parity import parity
 
             report = parity(opts)
-            _print_table("fastrag parity", {k: v for k, v in report.items() if k != "disagreements"})
+            _print_table("fastrag parity", {k: v for k, v in report.items() if k not in ("disagreements", "errored")})
             print(_parity_summary(report, args.output))
     # (OSError: files and folders, e.g. no writable index; BackendUnavailableError: --signals cuda/triton where
     # they cannot run)
@@ -245,8 +245,9 @@ def _all_failed(m: dict, output: str) -> int:
 
 def _parity_summary(r: dict, output: str) -> str:
     return (f"parity {r.get('method')} on {r.get('dataset')}: agreement {_fmt(r.get('agreement'), '.2f')} over "
-            f"{r.get('n')} questions, {len(r.get('disagreements') or [])} disagreements "
-            f"(listed in {output}/parity.json); EM engine {_fmt(r.get('engine_em'), '.3f')}, "
+            f"{r.get('n')} questions, {len(r.get('disagreements') or [])} disagreements"
+            + (f", {r['n_errored']} questions left out for an error on either side" if r.get("n_errored") else "")
+            + f" (listed in {output}/parity.json); EM engine {_fmt(r.get('engine_em'), '.3f')}, "
             f"oracle {_fmt(r.get('oracle_em'), '.3f')}")
 
 

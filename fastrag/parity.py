@@ -158,10 +158,21 @@ def method_decisions(method: str):
 
 
 def compare(engine: list[QuestionResult], oracle: list[QuestionResult], decide=decisions) -> dict:
-    """Agreement of `decide(result)` (a dict of decision kind -> value) between both sides, per question."""
+    """Agreement of `decide(result)` (a dict of decision kind -> value) between both sides, per question.
+
+    A question that ended in an error on either side is no evidence of agreement (two identical errors decide
+    nothing): it is left out of `n` and the rates and listed in `errored`, with both sides' errors."""
     o_by = {r.qid: r for r in oracle}
-    rows, agree = [], 0
-    common = [r for r in engine if r.qid in o_by]
+    rows, agree, errored = [], 0, []
+    common = []
+    for r in engine:
+        if r.qid not in o_by:
+            continue
+        if r.error or o_by[r.qid].error:
+            errored.append({"qid": r.qid, "question": r.question, "engine_error": r.error,
+                            "oracle_error": o_by[r.qid].error})
+        else:
+            common.append(r)
     per = {k: 0 for k in decide(QuestionResult(qid="", question="", gold=[]))}  # the decision kinds
     for e in common:
         de, do = decide(e), decide(o_by[e.qid])
@@ -176,7 +187,7 @@ def compare(engine: list[QuestionResult], oracle: list[QuestionResult], decide=d
     n = len(common)
     return {"n": n, "agreement": agree / n if n else None,
             **{f"{k}_agreement": v / n if n else None for k, v in per.items()},
-            "disagreements": rows}
+            "n_errored": len(errored), "disagreements": rows, "errored": errored}
 
 
 def _with_oracle(method: str):

@@ -344,3 +344,25 @@ def test_tuned_recipe_runs_sdpa_without_cudnn(monkeypatch):
     with _recipe_sdpa("tuned"):
         assert flags() == (False, False, False, True)
     assert flags() == before
+
+
+def test_parity_leaves_out_questions_that_failed_on_either_side():
+    """Two identical errors are no evidence of agreement: a question that failed on either side is left out of n and
+    the rates and listed with both errors; the answered ones are compared as before."""
+    from fastrag.parity import compare
+    from fastrag.trace import QuestionResult, Round
+
+    def rec(qid, query="q", error=None):
+        return QuestionResult(qid=qid, question=f"question {qid}", gold=["x"], error=error,
+                              rounds=[] if error else [Round(trigger_sentence="t", query=query)],
+                              metrics={"answer": "a"})
+
+    boom = "RuntimeError: boom"
+    engine = [rec("1"), rec("2", error=boom), rec("3", error=boom), rec("4", query="other"), rec("5")]
+    oracle = [rec("1"), rec("2", error=boom), rec("3"), rec("4"), rec("5", error="ValueError: x")]
+    rep = compare(engine, oracle)
+    assert rep["n"] == 2 and rep["agreement"] == 0.5 and rep["n_errored"] == 3
+    assert [(e["qid"], e["engine_error"], e["oracle_error"]) for e in rep["errored"]] == [
+        ("2", boom, boom), ("3", boom, None), ("5", None, "ValueError: x")]
+    assert [d["qid"] for d in rep["disagreements"]] == ["4"]
+    assert compare([rec("2", error=boom)], [rec("2", error=boom)])["agreement"] is None  # nothing answered
