@@ -33,12 +33,24 @@ from fastrag.provenance import cpu_name, versions
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared" / "data"
-DATA = {
-    "nq": SHARED / "nq_open" / "dev_500.jsonl",
-    "webq": SHARED / "webquestions" / "test_500.json",
-    "hotpotqa": SHARED / "hotpotqa" / "dev_distractor_200.jsonl",
+FILES = {
+    "nq": Path("nq_open") / "dev_500.jsonl",
+    "webq": Path("webquestions") / "test_500.json",
+    "hotpotqa": Path("hotpotqa") / "dev_distractor_200.jsonl",
 }
+DATA = {ds: SHARED / f for ds, f in FILES.items()}
 CORPUS = SHARED / "corpus" / "wiki_passages.jsonl"
+
+
+def use_data_dir(data_dir: str, datasets: list[str]) -> None:
+    """Point DATA and CORPUS at data_dir; a missing file ends the script with one line naming it."""
+    global DATA, CORPUS
+    root = Path(data_dir)
+    DATA = {ds: root / f for ds, f in FILES.items()}
+    CORPUS = root / "corpus" / "wiki_passages.jsonl"
+    for p in [DATA[ds] for ds in datasets] + [CORPUS]:
+        if not p.is_file():
+            sys.exit(f"bench_beamsearchqa.py: error: --data-dir {root}: {p} not found")
 METHOD = "beamsearchqa"
 NO_CACHE = "beamsearchqa-no-prefix-caching"  # the same method on an engine without prefix caching
 
@@ -98,6 +110,7 @@ def table(rows: list[dict], cols: list[str]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--datasets", nargs="+", default=list(DATA), choices=list(DATA))
+    ap.add_argument("--data-dir", default=str(SHARED), help="the evaluation data and corpus (default ../shared/data)")
     ap.add_argument("--limit", type=int, default=200, help="questions per dataset (engine runs)")
     ap.add_argument("--oracle-limit", type=int, default=20,
                     help="questions per dataset for the per-question oracle (the first of the --limit ones)")
@@ -134,6 +147,8 @@ def main() -> None:
         sys.exit("--oracle-limit must not exceed --limit")
     if args.report_only:
         args.phases = ["report"]
+    if args.phases != ["report"]:  # (a report tabulates the runs already there)
+        use_data_dir(args.data_dir, args.datasets)
     previous = {}
     if args.carry:
         prev_path = Path(args.results) / f"{args.report}.json"

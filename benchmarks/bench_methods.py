@@ -30,12 +30,24 @@ from fastrag.provenance import cpu_name
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared" / "data"
-DATA = {
-    "hotpotqa": SHARED / "hotpotqa" / "dev_distractor_200.jsonl",
-    "2wikimultihopqa": SHARED / "2wikimultihopqa" / "dev_sample_200.jsonl",
-    "strategyqa": SHARED / "strategyqa" / "train_first1000.json",
+FILES = {
+    "hotpotqa": Path("hotpotqa") / "dev_distractor_200.jsonl",
+    "2wikimultihopqa": Path("2wikimultihopqa") / "dev_sample_200.jsonl",
+    "strategyqa": Path("strategyqa") / "train_first1000.json",
 }
+DATA = {ds: SHARED / f for ds, f in FILES.items()}
 CORPUS = SHARED / "corpus" / "wiki_passages.jsonl"
+
+
+def use_data_dir(data_dir: str, datasets: list[str]) -> None:
+    """Point DATA and CORPUS at data_dir; a missing file ends the script with one line naming it."""
+    global DATA, CORPUS
+    root = Path(data_dir)
+    DATA = {ds: root / f for ds, f in FILES.items()}
+    CORPUS = root / "corpus" / "wiki_passages.jsonl"
+    for p in [DATA[ds] for ds in datasets] + [CORPUS]:
+        if not p.is_file():
+            sys.exit(f"bench_methods.py: error: --data-dir {root}: {p} not found")
 METHODS = ["wo-rag", "sr-rag", "fl-rag", "fs-rag", "token-rag", "flare", "flare-explicit", "flare-instruct",
            "dragin", "dragin-streaming"]
 
@@ -97,6 +109,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS)
     ap.add_argument("--datasets", nargs="+", default=list(DATA), choices=list(DATA))
+    ap.add_argument("--data-dir", default=str(SHARED), help="the evaluation data and corpus (default ../shared/data)")
     ap.add_argument("--limit", type=int, default=200)
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--model", default="smollm2")
@@ -113,6 +126,7 @@ def main() -> None:
                     "--results/--name .json (e.g. measured on another machine or in an earlier checkout) instead of "
                     "being recomputed; the table marks them")
     args = ap.parse_args()
+    use_data_dir(args.data_dir, args.datasets)
     previous, prev_streaming = {}, []
     if args.carry:
         prev_path = Path(args.results) / f"{args.name}.json"
