@@ -30,6 +30,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=positive_int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--reps", type=positive_int, default=8)
+    ap.add_argument("--results", default=str(ROOT / "benchmarks" / "results"), help="folder of the result tables")
     args = ap.parse_args()
     hf = resolve_model("smollm2")
     tok = load_tokenizer(hf)
@@ -71,7 +72,8 @@ def main() -> None:
             f"{args.reps} steps per path (after one untimed step each), paths alternated in one process\n\n")
     table = "| batch | context tokens | torch step ms | native step ms | speed-up | native tokens/s |\n|---|---|---|---|---|---|\n"
     table += "".join(f"| {b} | {c} | {a:.1f} | {n:.1f} | {r:.2f} | {tps:.1f} |\n" for b, c, a, n, r, tps in rows)
-    out = ROOT / "benchmarks" / "results" / "decode_step_cpu.md"
+    out = Path(args.results) / "decode_step_cpu.md"
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(head + table)
     print(head + table)
 

@@ -229,6 +229,7 @@ def main() -> int:
     ap.add_argument("--texts", type=positive_int, default=200)
     ap.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--note", default="", help="what else ran on the machine")
+    ap.add_argument("--results", default=str(ROOT / "benchmarks" / "results"), help="folder of the result tables")
     args = ap.parse_args()
     threads = torch.get_num_threads()
     device = f"CPU {cpu_name()} x{threads} threads"
@@ -266,8 +267,9 @@ def main() -> int:
         *(f"| {r['B']} | {r['torch_ms']:.2f} | {r['cpp_ms']:.2f} | {r['torch_ms'] / r['cpp_ms']:.2f} |" for r in sig),
         "",
     ]
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / f"host_{'cpu' if not torch.cuda.is_available() else 'gpu'}.md"
+    results = Path(args.results)
+    results.mkdir(parents=True, exist_ok=True)
+    out = results / f"host_{'cpu' if not torch.cuda.is_available() else 'gpu'}.md"
     out.write_text("\n".join(lines))
     print("\n".join(lines))
     print(f"wrote {out}")

@@ -163,9 +163,10 @@ def bench_attn(dev, bes, bw, Bs, ctxs, spans, dtype, reps, cache_bytes, H=32, D=
 
 
 def write(rows, dev, bw, args, note: str) -> Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    results = Path(args.results)
+    results.mkdir(parents=True, exist_ok=True)
     tag = "gpu" if dev.type == "cuda" else "cpu"
-    md = RESULTS / f"kernels_{tag}.md"
+    md = results / f"kernels_{tag}.md"
     lines = [f"# Signal kernels: roofline ({tag})", "",
              f"- device: {device_name(dev)}", f"- date: {dt.date.today().isoformat()}",
              f"- {versions('torch', 'triton')}; measured copy bandwidth: {bw / 1e9:.1f} GB/s (read + write)",
@@ -182,7 +183,7 @@ def write(rows, dev, bw, args, note: str) -> Path:
                                            for k in keys) + " |")
         lines.append("")
     md.write_text("\n".join(lines))
-    with open(RESULTS / f"kernels_{tag}.csv", "w", newline="") as f:
+    with open(results / f"kernels_{tag}.csv", "w", newline="") as f:
         keys = sorted({k for r in rows for k in r})
         w = csv.DictWriter(f, fieldnames=keys)
         w.writeheader()
@@ -195,6 +196,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--note", default="", help="extra line for the results file (e.g. the machine's load)")
+    ap.add_argument("--results", default=str(ROOT / "benchmarks" / "results"), help="folder of the result tables")
     args = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     bes = backends(dev)

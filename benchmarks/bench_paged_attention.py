@@ -81,6 +81,7 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, nargs="+", default=[1024, 4096])
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, 2 repetitions: checks the harness on CPU")
+    ap.add_argument("--results", default=str(ROOT / "benchmarks" / "results"), help="folder of the result tables")
     args = ap.parse_args()
     from fastrag.kernels import INTERPRETED
     from fastrag.kernels.paged_attention import paged_decode_attention_lse
@@ -94,7 +95,7 @@ def main() -> None:
         H, Hkv, D, batches, ctxs, reps = 4, 2, 32, [2], [40], 2
     bw = measure_bandwidth(dev)
     tag = "gpu" if dev.type == "cuda" else "cpu"
-    out = ROOT / "benchmarks" / "results" / f"paged_attention_{tag}{'_smoke' if args.smoke else ''}.md"
+    out = Path(args.results) / f"paged_attention_{tag}{'_smoke' if args.smoke else ''}.md"
     g = torch.Generator(device=dev).manual_seed(0)
     torch.manual_seed(0)
     rows = []

@@ -134,7 +134,9 @@ def main() -> int:
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     ap.add_argument("--note", default="", help="what else ran on the machine")
+    ap.add_argument("--results", default=str(RESULTS), help="folder of the result tables")
     args = ap.parse_args()
+    results = Path(args.results)
     gpu = torch.cuda.is_available()
     reps = args.reps or (20 if gpu else 5)
     device = torch.cuda.get_device_name() if gpu else \
@@ -143,14 +145,15 @@ def main() -> int:
     stem = f"prefill_attention_{'gpu' if gpu else 'cpu'}"
     total = len(args.shapes) * len(args.cases)
     rows = run(reps, args.shapes, args.cases,  # the tables are written after every cell: a crash keeps the rest
-               on_row=lambda rows: _write(rows, stem, device, gpu, reps, cmd, args.note, partial=len(rows) < total))
-    print((RESULTS / f"{stem}.md").read_text())
-    print(f"wrote {RESULTS / stem}.md ({len(rows)} of {total} cells)")
+               on_row=lambda rows: _write(rows, stem, device, gpu, reps, cmd, args.note, partial=len(rows) < total,
+                                          results=results))
+    print((results / f"{stem}.md").read_text())
+    print(f"wrote {results / stem}.md ({len(rows)} of {total} cells)")
     return 0
 
 
 def _write(rows: list[dict], stem: str, device: str, gpu: bool, reps: int, cmd: str, note: str,
-           partial: bool) -> None:
+           partial: bool, results: Path = RESULTS) -> None:
     lines = [
         f"# Masked prefill attention with grouped-query heads: SDPA enable_gqa vs repeated keys ({device})", "",
         f"- date: {dt.date.today()}; torch {torch.__version__}; "
@@ -175,9 +178,9 @@ def _write(rows: list[dict], stem: str, device: str, gpu: bool, reps: int, cmd: 
             f"{', '.join(r['expand_backends']) or 'none'} | {r['max_abs_diff']:.1e} | {r['unmasked_ms']:.3f} | "
             f"{r['native_over_unmasked']:.2f} | {', '.join(r['unmasked_backends']) or 'none'} |")
     lines.append("")
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{stem}.md").write_text("\n".join(lines))
-    (RESULTS / f"{stem}.json").write_text(json.dumps({"device": device, "date": str(dt.date.today()),
+    results.mkdir(parents=True, exist_ok=True)
+    (results / f"{stem}.md").write_text("\n".join(lines))
+    (results / f"{stem}.json").write_text(json.dumps({"device": device, "date": str(dt.date.today()),
                                                       "torch": torch.__version__, "command": cmd.strip(),
                                                       "partial": partial, "rows": rows}, indent=1))
 

@@ -285,3 +285,33 @@ def test_benchmark_bad_data_or_limit_is_a_message(script, args, message, tmp_pat
         mod.main()
     assert str(e.value) == f"{script}.py: error: {message.format(tmp=tmp_path)}"
     assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("script", ["bench_kernels", "bench_host", "bench_paged_attention", "bench_cpu_decode_step",
+                                    "bench_prefill_attention", "bench_prefill", "bench_decode"])
+def test_every_table_writing_benchmark_takes_a_results_folder(script):
+    """Each script that writes tables has --results (they wrote into benchmarks/results/ whatever the caller
+    wanted, so a trial run overwrote the committed tables)."""
+    import subprocess
+
+    p = subprocess.run([sys.executable, str(BENCH / f"{script}.py"), "--help"], capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0 and "--results" in p.stdout, p.stdout + p.stderr
+
+
+def test_results_folder_is_where_the_tables_go(tmp_path):
+    """Two of them run for real (both take seconds on the CPU): their tables land in --results only."""
+    import os
+    import subprocess
+
+    before = {p: p.stat().st_mtime_ns for p in (BENCH / "results").glob("*attention*")}
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    for args, name in ((["bench_prefill_attention.py", "--reps", "1", "--shapes", "smollm2-135m", "--cases",
+                         "attention passes"], "prefill_attention_cpu.md"),
+                       (["bench_paged_attention.py", "--smoke"], "paged_attention_cpu_smoke.md")):
+        out = tmp_path / name.split(".")[0]
+        p = subprocess.run([sys.executable, str(BENCH / args[0]), *args[1:], "--results", str(out)],
+                           capture_output=True, text=True, env=env, timeout=600)
+        assert p.returncode == 0, p.stderr[-2000:]
+        assert (out / name).is_file(), list(out.iterdir())
+    assert {p: p.stat().st_mtime_ns for p in (BENCH / "results").glob("*attention*")} == before
