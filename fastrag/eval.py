@@ -179,7 +179,7 @@ class RunError(RuntimeError):
 
 MANIFEST = "run.json"  # what decides the answers of the records in an output folder (check_manifest)
 # identity fields added after manifests were first written: an older run.json without one is completed, not refused
-LATER_KEYS = frozenset({"corpus_fingerprint", "model_fingerprint"})
+LATER_KEYS = frozenset({"corpus_fingerprint", "model_fingerprint", "encoder_fingerprint"})
 
 
 def path_fingerprint(p: str) -> str | None:
@@ -223,11 +223,21 @@ def run_identity(opts: "RunOptions", cfg, **more) -> dict:
         except Exception:  # (not installed: the run fails where the model loads, with its own message)
             return m
 
+    def encoder() -> dict:  # dense retrieval: the embedded encoder's files decide the hits as much as the corpus
+        if opts.retriever != "dense":
+            return {}
+        try:
+            from fastrag.retrieval.dense import DEFAULT_ENCODER, encoder_fingerprint, resolve_encoder
+
+            return {"encoder_fingerprint": encoder_fingerprint(resolve_encoder(DEFAULT_ENCODER))}
+        except ImportError:  # (not installed: the run fails where the retriever loads, with its own message)
+            return {}
+
     ident = {"method": opts.method, "config": c, "model": where(opts.model), "retriever": opts.retriever,
              "corpus": where(opts.corpus), "temperature": float(opts.temperature), "top_p": float(opts.top_p),
              "seed": int(opts.seed), "corpus_fingerprint": path_fingerprint(opts.corpus),
              "model_fingerprint": path_fingerprint(model_file(opts.model)),
-             **({"top_k": int(opts.top_k)} if opts.top_k else {}), **more}  # (top_k: only when on, so folders
+             **encoder(), **({"top_k": int(opts.top_k)} if opts.top_k else {}), **more}  # (top_k: only when on, so folders
     # written before it existed keep their identity)
     return json.loads(json.dumps(ident))  # (as it reads back from the file)
 

@@ -712,3 +712,24 @@ def test_parity_oracle_rate_counts_answered_questions_as_the_engine_rate_does():
     assert _rate([ok]) == pytest.approx(1 / 0.75)
     assert _rate([failed]) == 0
     assert _rate([]) is None
+
+
+def test_dense_runs_fingerprint_their_encoder(tmp_path, monkeypatch):
+    """A dense run's identity carries the encoder's content fingerprint (its hits depend on the encoder's weights
+    as much as on the corpus); other retrievers' do not; an encoder changed in place is another run."""
+    from fastrag.eval import run_identity
+    from fastrag.retrieval import dense
+
+    data = nq_file(tmp_path / "nq.jsonl", QUESTIONS)
+    enc = tmp_path / "encoder"
+    enc.mkdir()
+    (enc / "config.json").write_text("{}")
+    (enc / "model.safetensors").write_bytes(b"\0" * 64)
+    monkeypatch.setattr(dense, "resolve_encoder", lambda name: enc)
+    kw = dict(method="wo-rag", dataset="nq", data=str(data), corpus=str(CORPUS), output=str(tmp_path / "o"))
+    cfg = object.__new__(type("Cfg", (), {}))
+    one = run_identity(RunOptions(**kw, retriever="dense"), cfg)
+    assert one["encoder_fingerprint"].startswith("tree:")
+    assert "encoder_fingerprint" not in run_identity(RunOptions(**kw), cfg)
+    (enc / "model.safetensors").write_bytes(b"\1" + b"\0" * 63)
+    assert run_identity(RunOptions(**kw, retriever="dense"), cfg)["encoder_fingerprint"] != one["encoder_fingerprint"]
