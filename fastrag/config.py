@@ -167,15 +167,18 @@ def read_json_object(path: str | Path, error: type[Exception] = ConfigError) -> 
     return raw
 
 
-def load_dragin_config(path: str | Path, dataset: str | None = None, more_keys: frozenset = frozenset()) -> DraginConfig:
+def load_dragin_config(path: str | Path, dataset: str | None = None, more_keys: frozenset = frozenset(),
+                       raw: dict[str, Any] | None = None) -> DraginConfig:
     """Read a published DRAGIN config JSON (e.g. config/Llama2-13b-chat/HotpotQA/DRAGIN.json).
 
     Known keys map onto DraginConfig fields (fastrag's own field names are accepted too); keys the file lacks
     come from DRAGIN_DEFAULTS; the published files' bookkeeping keys (model_name_or_path, data_path, retriever,
     es_index_name, ...: PUBLISHED_EXTRA_KEYS) and `more_keys` (a variant's own fields) go to `extra`; any other key
     is an error naming it. `dataset` overrides the file's "dataset". `method`, when present, must select DRAGIN.
+    `raw`: the file's object when the caller has read it already (`read_json_object(path)`); errors still name path.
     """
-    raw = read_json_object(path)
+    if raw is None:
+        raw = read_json_object(path)
     path = Path(path)
     method = raw.get("method")
     if method == "attn_prob":

@@ -606,6 +606,27 @@ def test_dragin_config_accepts_published_keys_a_bom_and_refuses_streaming_mode(t
     assert get_method("dragin").make_config("hotpotqa", str(p)).mode == "reference"
 
 
+def test_dragin_streaming_reads_its_config_file_once(tmp_path, monkeypatch):
+    """The file is read once (it was read twice: a file rewritten between the reads could mix two versions)."""
+    from fastrag import config as config_mod
+    from fastrag.methods import dragin_streaming
+    from fastrag.methods.registry import get_method
+
+    p = tmp_path / "c.json"
+    p.write_text(json.dumps({**BASE, "stream_chunk_tokens": 8}))
+    reads = []
+    real = config_mod.read_json_object
+
+    def counting(path, *a, **kw):
+        reads.append(str(path))
+        return real(path, *a, **kw)
+
+    monkeypatch.setattr(config_mod, "read_json_object", counting)
+    monkeypatch.setattr(dragin_streaming, "read_json_object", counting)
+    assert get_method("dragin-streaming").make_config("hotpotqa", str(p)).stream_chunk_tokens == 8
+    assert reads == [str(p)]
+
+
 # ------------------------------------------------------------------------------------------------ corpora
 def test_a_corpus_without_titles_or_with_a_bom_is_indexed(tmp_path):
     from fastrag.retrieval.bm25 import BM25Retriever

@@ -145,10 +145,11 @@ class DraginStreaming(DraginReference):
 
 
 def _config(dataset: str, path: str | None) -> DraginStreamingConfig:
-    cfg = load_dragin_config(path, dataset=dataset, more_keys=frozenset({"stream_chunk_tokens", "stream_attention"})) \
-        if path is not None else dragin_config(dataset)
+    raw = read_json_object(path) if path is not None else None  # (read once: the mode check needs the file's own)
+    cfg = load_dragin_config(path, dataset=dataset, more_keys=frozenset({"stream_chunk_tokens", "stream_attention"}),
+                             raw=raw) if path is not None else dragin_config(dataset)
     # (a file without "mode": streaming)
-    if path is not None and read_json_object(path).get("mode", "streaming") != "streaming":
+    if raw is not None and raw.get("mode", "streaming") != "streaming":
         raise ConfigError(f"{path}: field 'mode' is {cfg.mode!r}; --method dragin-streaming runs streaming mode "
                           "(reference mode is --method dragin)")
     values = {name: getattr(cfg, name) for name in cfg.__dataclass_fields__}
