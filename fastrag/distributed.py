@@ -139,7 +139,12 @@ def _run_ray(opts: RunOptions, num_workers: int, max_retries: int, ray_address: 
     metrics = summarize(opts.method, opts.dataset, results, wall, len(computed),
                         sum(r.prefill_tokens + r.decode_tokens for r in computed),
                         sum(r.error is None for r in computed))
-    metrics["ray"] = {"workers": min(num_workers, len(todo)) if todo else 0, "shard_retries": retries}
+    # the shard folders of this run (a folder left by an earlier run with more workers is not one of them)
+    metrics["ray"] = {"workers": min(num_workers, len(todo)) if todo else 0, "shard_retries": retries,
+                      "shards": [Path(o.output).name for o in shard_opts]}
+    totals = _engine_totals([Path(o.output) for o in shard_opts])
+    if totals:  # (each shard's own figures stay in its metrics.json: fastrag.perf reads them there)
+        metrics["engine_total"] = totals
     if computed:
         _write_progress(out, len(computed), sum(r.error is None for r in computed), wall)
     metrics["all_runs"] = _close_progress(out)  # (every run that computed the folder's records, a killed one too)
@@ -157,9 +162,21 @@ def _run_ray(opts: RunOptions, num_workers: int, max_retries: int, ray_address: 
         metrics["environment"] = env
     else:  # nothing computed: the throughput, the worker count and the environment of the run that computed the
         # figures stay (as a single-process rerun keeps them), marked measured_in_an_earlier_run
-        metrics |= measured_fields(out / "metrics.json", extra=("ray",))
+        metrics |= measured_fields(out / "metrics.json", extra=("ray", "engine_total"))
     write_json(out / "metrics.json", metrics)
     return metrics
+
+
+def _engine_totals(folders: list[Path]) -> dict:
+    """The engine counters of the shards' metrics.json summed (tokens, steps, seconds of engine work over all
+    workers); {} when no shard has any."""
+    out: dict = {}
+    for f in folders:
+        eng = (read_metrics(f / "metrics.json") or {}).get("engine") or {}
+        for k, v in eng.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                out[k] = out.get(k, 0) + v
+    return out
 
 
 def _read_environment(folder: Path) -> dict | None:

@@ -161,9 +161,12 @@ def report(run_dirs: list[str], figures: DeviceFigures) -> list[dict]:
         m = load(path)
         runs = [("", path, m)]
         if "ray" in m and "engine" not in m:
-            # a --ray run: each shard's engine counted its own work, in its own folder
-            shards = sorted((p for p in (Path(d) / "shards").glob("*/metrics.json")),
-                            key=lambda p: (len(p.parent.name), p.parent.name))
+            # a --ray run: each shard's engine counted its own work, in its own folder; the run names its shards
+            # (a folder an earlier run with more workers left is not one of them)
+            named = (m.get("ray") or {}).get("shards")
+            found = (Path(d) / "shards" / s / "metrics.json" for s in named) if named else \
+                (Path(d) / "shards").glob("*/metrics.json")
+            shards = sorted((p for p in found if p.exists()), key=lambda p: (len(p.parent.name), p.parent.name))
             if not shards:
                 raise ValueError(f"{path}: a --ray run, whose engine figures are in its shards' folders, and "
                                  f"{Path(d) / 'shards'} holds no shard's metrics.json")

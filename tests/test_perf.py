@@ -204,4 +204,11 @@ def test_report_of_a_ray_run_reads_its_shards(tmp_path):
     rows = report([str(tmp_path)], dev)
     assert [r["run"] for r in rows] == ["dragin/nq shards/0", "dragin/nq shards/1"]
     assert [r["decode_steps"] for r in rows] == [5, 10]
+    # a shard folder left by an earlier run with more workers: the run names its own shards, and only those count
+    (tmp_path / "shards" / "2").mkdir()
+    (tmp_path / "shards" / "2" / "metrics.json").write_text(json.dumps(_run_metrics(WORK | {"decode_steps": 99})))
+    assert [r["decode_steps"] for r in report([str(tmp_path)], dev)] == [5, 10, 99]  # (older runs name none)
+    ray_metrics["ray"]["shards"] = ["0", "1"]
+    (tmp_path / "metrics.json").write_text(json.dumps(ray_metrics))
+    assert [r["decode_steps"] for r in report([str(tmp_path)], dev)] == [5, 10]
     assert rows[0]["floor_s"] == pytest.approx(floor(WORK, _run_metrics(WORK)["model_costs"], dev)["total_s"])

@@ -68,6 +68,11 @@ def test_ray_run_equals_single_process(tmp_path, cfg, single):
     assert in_question_order(records(out)) and len(records(out)) == N
     m = json.loads((out / "metrics.json").read_text())
     assert m["n"] == N and m["ray"]["workers"] == 2 and m["ray"]["shard_retries"] == 0
+    assert m["ray"]["shards"] == ["0", "1"]
+    # the driver's engine_total sums the shards' engine counters
+    shard_eng = [json.loads((out / "shards" / str(i) / "metrics.json").read_text())["engine"] for i in range(2)]
+    for k in ("prefill_tokens", "decode_tokens", "decode_steps"):
+        assert m["engine_total"][k] == shard_eng[0][k] + shard_eng[1][k] > 0, k
     for k in ("em", "f1", "questions_per_s", "retrievals_per_question", "wall_s"):
         assert k in m
     assert m["sampling"] == {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0}  # (as a single process)
@@ -82,7 +87,7 @@ def test_ray_run_equals_single_process(tmp_path, cfg, single):
     kept = json.loads((out / "metrics.json").read_text())
     assert kept["computed_this_run"] == 0 and kept["measured_in_an_earlier_run"] is True
     # nor a new environment, nor throughput figures of a run that computed nothing: those of the run that did stay
-    for k in ("environment", "questions_per_s", "tokens_per_s", "wall_s", "ray"):
+    for k in ("environment", "questions_per_s", "tokens_per_s", "wall_s", "ray", "engine_total"):
         assert kept[k] == m[k], (k, kept.get(k), m[k])
     # the last two questions (shard 1's) failed in an earlier run: their error records are the latest in the main
     # file and in shard 1's folder. The rerun cuts [q4, q5] into shard 0 = {q4}, shard 1 = {q5}: q4's fresh answer
