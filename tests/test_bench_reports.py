@@ -212,14 +212,14 @@ def test_bench_prefill_times_single_prefill_calls_against_their_floor(tmp_path, 
     P = 32
     monkeypatch.setattr(sys, "argv", ["bench_prefill.py", "--cpu-small", "--shape", "tiny", "--cells", "1x40", "3x24",
                                       "--prefix", str(P), "--jitter", "0", "--reps", "2", "--warmup", "1",
-                                      "--sdpa", "math", "--profile", "--profile-calls", "1",
+                                      "--sdpa", "math", "torch", "--profile", "--profile-calls", "1",
                                       "--results", str(tmp_path)])
     bp.main()
     data = json.loads((tmp_path / "prefill_cpu_tiny.json").read_text())
     rows = data["rows"]
     assert [(r["seqs"], r["new"], r["sdpa"]) for r in rows] == [
-        (1, 40, "default (flash,efficient,math)"), (1, 40, "math"), (3, 24, "default (flash,efficient,math)"),
-        (3, 24, "math")]
+        (1, 40, "default (flash,efficient,math)"), (1, 40, "math"), (1, 40, "torch"),
+        (3, 24, "default (flash,efficient,math)"), (3, 24, "math"), (3, 24, "torch")]
     for r in rows:
         n, t = r["seqs"], r["new"]
         assert r["tokens_per_call"] == n * t, r

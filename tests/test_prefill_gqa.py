@@ -159,3 +159,11 @@ def test_a_prefill_forward_enters_the_backend_scope_once(monkeypatch):
     assert len(entered) == 1 and len(calls) >= 2 * len(m.layers) and all(calls), (len(entered), calls)
     eng.attention_passes([[5, 6, 7], [8, 9]], "colmax")
     assert len(entered) == 2 and all(calls)
+    # torch's own choice: nothing is restricted, and a prefill and a pass still run (each enters its scope once)
+    monkeypatch.setenv(llama.SDPA_ENV, "torch")
+    calls.clear()
+    s = eng.new_sequence()
+    eng.start(s, torch.randint(1, 96, (30,), generator=g).tolist(), 1)
+    eng.step()
+    eng.attention_passes([[5, 6, 7]], "colmax")
+    assert len(entered) == 2 and calls and not any(calls) and not llama._SCOPE.on

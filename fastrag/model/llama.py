@@ -134,17 +134,21 @@ _SCOPE = threading.local()
 @contextlib.contextmanager
 def sdpa_scope():
     """SDPA restricted to `sdpa_backends()` for the block, entered once for a whole forward (`sdpa_kernel` costs ~10
-    us to enter and leave: once per layer and bucket that is ~1 ms a prefill forward); nested scopes are free."""
-    backends = sdpa_backends()
-    if backends is None or getattr(_SCOPE, "on", False):
+    us to enter and leave: once per layer and bucket that is ~1 ms a prefill forward); nested scopes are free.
+    ("torch": torch's own choice, nothing to restrict; the scope is still marked, so a forward enters it once.)"""
+    if getattr(_SCOPE, "on", False):
         yield
         return
-    from torch.nn.attention import sdpa_kernel
-
+    backends = sdpa_backends()
     _SCOPE.on = True
     try:
-        with sdpa_kernel(backends):
+        if backends is None:
             yield
+        else:
+            from torch.nn.attention import sdpa_kernel
+
+            with sdpa_kernel(backends):
+                yield
     finally:
         _SCOPE.on = False
 
