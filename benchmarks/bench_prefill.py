@@ -14,8 +14,9 @@ The new tokens of each sequence vary by up to --jitter between calls, as in a re
 have the same shapes, so a cost paid per new shape (a kernel plan built, an autotuner run) is in the median;
 `--jitter 0` repeats one shape. `--sdpa torch efficient,math` (for example) times every cell again with each of
 these $FASTRAG_SDPA settings (the backends the engine's masked attention may use; `torch`: torch's own choice,
-cuDNN first on Hopper with CUDA 13 builds): the table gives every setting. `--profile` adds torch.profiler's tables over --profile-calls
-calls of the last cell: the device kernels by total time, and the host operators by their own time.
+cuDNN first on Hopper with CUDA 13 builds): the table gives every setting. `--profile` adds torch.profiler's tables
+over --profile-calls calls of the last cell: the device kernels by total time, and the host operators by their own
+time.
 
     python benchmarks/bench_prefill.py --profile                 # GPU: Llama-2-7B shape, bf16
     python benchmarks/bench_prefill.py --sdpa torch              # the same, and with torch's own SDPA choice

@@ -230,15 +230,15 @@ def run_identity(opts: "RunOptions", cfg, **more) -> dict:
             from fastrag.retrieval.dense import DEFAULT_ENCODER, encoder_fingerprint, resolve_encoder
 
             return {"encoder_fingerprint": encoder_fingerprint(resolve_encoder(DEFAULT_ENCODER))}
-        except ImportError:  # (not installed: the run fails where the retriever loads, with its own message)
+        except (ImportError, OSError):  # (not installed: the run fails where the retriever loads, with its message)
             return {}
 
     ident = {"method": opts.method, "config": c, "model": where(opts.model), "retriever": opts.retriever,
              "corpus": where(opts.corpus), "temperature": float(opts.temperature), "top_p": float(opts.top_p),
              "seed": int(opts.seed), "corpus_fingerprint": path_fingerprint(opts.corpus),
              "model_fingerprint": path_fingerprint(model_file(opts.model)),
-             **encoder(), **({"top_k": int(opts.top_k)} if opts.top_k else {}), **more}  # (top_k: only when on, so folders
-    # written before it existed keep their identity)
+             **encoder(), **({"top_k": int(opts.top_k)} if opts.top_k else {}), **more}
+    # (top_k: only when on, so folders written before it existed keep their identity)
     return json.loads(json.dumps(ident))  # (as it reads back from the file)
 
 

@@ -269,8 +269,8 @@ def test_benchmark_counts_below_one_are_refused_by_name(script, args, monkeypatc
     ("bench_e2e", ["--data-dir", "{tmp}/none"], "--data {tmp}/none/hotpotqa/dev_distractor_200.jsonl: no such file"),
     ("bench_ray", ["--data", "{tmp}/none.jsonl"], "{tmp}/none.jsonl: no such file"),
     ("bench_retrieval", ["--qrels", "{tmp}/none.tsv"], "--qrels {tmp}/none.tsv: no such file"),
-    ("bench_methods", ["--data-dir", "{tmp}/none"], "--data-dir {tmp}/none: {tmp}/none/hotpotqa/dev_distractor_200.jsonl "
-     "not found"),
+    ("bench_methods", ["--data-dir", "{tmp}/none"],
+     "--data-dir {tmp}/none: {tmp}/none/hotpotqa/dev_distractor_200.jsonl not found"),
     ("bench_beamsearchqa", ["--data-dir", "{tmp}/none", "--datasets", "webq"],
      "--data-dir {tmp}/none: {tmp}/none/webquestions/test_500.json not found"),
 ])
