@@ -32,6 +32,8 @@ from fastrag.parity import _rate, compare, method_decisions, run_oracle
 from fastrag.provenance import cpu_name, versions
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from bench_args import data_paths  # noqa: E402
 SHARED = ROOT.parent / "shared" / "data"
 FILES = {
     "nq": Path("nq_open") / "dev_500.jsonl",
@@ -43,14 +45,11 @@ CORPUS = SHARED / "corpus" / "wiki_passages.jsonl"
 
 
 def use_data_dir(data_dir: str, datasets: list[str]) -> None:
-    """Point DATA and CORPUS at data_dir; a missing file ends the script with one line naming it."""
+    """Point DATA and CORPUS at data_dir (bench_args.data_paths: a missing file ends the script naming it)."""
     global DATA, CORPUS
-    root = Path(data_dir)
-    DATA = {ds: root / f for ds, f in FILES.items()}
-    CORPUS = root / "corpus" / "wiki_passages.jsonl"
-    for p in [DATA[ds] for ds in datasets] + [CORPUS]:
-        if not p.is_file():
-            sys.exit(f"bench_beamsearchqa.py: error: --data-dir {root}: {p} not found")
+    DATA, CORPUS = data_paths("bench_beamsearchqa.py", data_dir, FILES, datasets)
+
+
 METHOD = "beamsearchqa"
 NO_CACHE = "beamsearchqa-no-prefix-caching"  # the same method on an engine without prefix caching
 

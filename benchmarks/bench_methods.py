@@ -29,6 +29,8 @@ from fastrag.eval import RunOptions, build_engine, read_results, run
 from fastrag.provenance import cpu_name
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from bench_args import data_paths  # noqa: E402
 SHARED = ROOT.parent / "shared" / "data"
 FILES = {
     "hotpotqa": Path("hotpotqa") / "dev_distractor_200.jsonl",
@@ -40,14 +42,11 @@ CORPUS = SHARED / "corpus" / "wiki_passages.jsonl"
 
 
 def use_data_dir(data_dir: str, datasets: list[str]) -> None:
-    """Point DATA and CORPUS at data_dir; a missing file ends the script with one line naming it."""
+    """Point DATA and CORPUS at data_dir (bench_args.data_paths: a missing file ends the script naming it)."""
     global DATA, CORPUS
-    root = Path(data_dir)
-    DATA = {ds: root / f for ds, f in FILES.items()}
-    CORPUS = root / "corpus" / "wiki_passages.jsonl"
-    for p in [DATA[ds] for ds in datasets] + [CORPUS]:
-        if not p.is_file():
-            sys.exit(f"bench_methods.py: error: --data-dir {root}: {p} not found")
+    DATA, CORPUS = data_paths("bench_methods.py", data_dir, FILES, datasets)
+
+
 METHODS = ["wo-rag", "sr-rag", "fl-rag", "fs-rag", "token-rag", "flare", "flare-explicit", "flare-instruct",
            "dragin", "dragin-streaming"]
 
