@@ -16,14 +16,14 @@ def positive_int(text: str) -> int:
     return n
 
 
-def data_paths(script: str, data_dir: str, files: dict, datasets: list[str]) -> tuple[dict, Path]:
+def data_paths(script: str, data_dir: str, files: dict, datasets: list[str], check: bool = True) -> tuple[dict, Path]:
     """({dataset: data file}, corpus) under data_dir (files: dataset -> path relative to it; the corpus is
-    corpus/wiki_passages.jsonl, ../shared/data's layout); a missing file among the `datasets` and the corpus ends the
-    script with one line naming it."""
+    corpus/wiki_passages.jsonl, ../shared/data's layout); with `check`, a missing file among the `datasets` and the
+    corpus ends the script with one line naming it."""
     root = Path(data_dir)
     data = {ds: root / f for ds, f in files.items()}
     corpus = root / "corpus" / "wiki_passages.jsonl"
-    for p in [data[ds] for ds in datasets] + [corpus]:
+    for p in ([data[ds] for ds in datasets] + [corpus]) if check else []:
         if not p.is_file():
             sys.exit(f"{script}: error: --data-dir {root}: {p} not found")
     return data, corpus

@@ -41,10 +41,11 @@ DATA = {ds: SHARED / f for ds, f in FILES.items()}
 CORPUS = SHARED / "corpus" / "wiki_passages.jsonl"
 
 
-def use_data_dir(data_dir: str, datasets: list[str]) -> None:
-    """Point DATA and CORPUS at data_dir (bench_args.data_paths: a missing file ends the script naming it)."""
+def use_data_dir(data_dir: str, datasets: list[str], check: bool = True) -> None:
+    """Point DATA and CORPUS at data_dir (bench_args.data_paths: with `check`, a missing file ends the script naming
+    it)."""
     global DATA, CORPUS
-    DATA, CORPUS = data_paths("bench_methods.py", data_dir, FILES, datasets)
+    DATA, CORPUS = data_paths("bench_methods.py", data_dir, FILES, datasets, check)
 
 
 METHODS = ["wo-rag", "sr-rag", "fl-rag", "fs-rag", "token-rag", "flare", "flare-explicit", "flare-instruct",
@@ -125,7 +126,7 @@ def main() -> None:
                     "--results/--name .json (e.g. measured on another machine or in an earlier checkout) instead of "
                     "being recomputed; the table marks them")
     args = ap.parse_args()
-    use_data_dir(args.data_dir, args.datasets)
+    use_data_dir(args.data_dir, args.datasets, check=not args.report_only)  # (a report reads the runs' folders)
     previous, prev_streaming = {}, []
     if args.carry:
         prev_path = Path(args.results) / f"{args.name}.json"
