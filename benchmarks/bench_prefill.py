@@ -52,7 +52,7 @@ from fastrag.engine import Engine  # noqa: E402
 from fastrag.model import llama  # noqa: E402
 from fastrag.model.llama import LlamaModel  # noqa: E402
 from fastrag.perf import floor, measure_device, model_costs  # noqa: E402
-from fastrag.provenance import versions  # noqa: E402
+from fastrag.provenance import cpu_name, versions  # noqa: E402
 
 COUNTED = ("prefill_calls", "prefill_tokens", "prefill_ctx_tokens", "decode_steps", "decode_tokens",
            "decode_ctx_tokens", "decode_prefix_tokens")
@@ -230,6 +230,7 @@ def main() -> None:
     stem = args.name or ("prefill_" + ("gpu" if gpu else "cpu") + ("" if label == default_shape else f"_{label}"))
     out_dir = Path(args.results)
     figures = measure_device(dev, dtype)
+    where = figures.device if gpu else f"CPU {cpu_name()}, {torch.get_num_threads()} threads"
     model, eng, prefix_ids = build(shape, dtype, dev, prefix, cells, jitter)
     costs = model_costs(model)
     g = torch.Generator().manual_seed(2)
@@ -239,7 +240,7 @@ def main() -> None:
     def write() -> Path:  # after every cell: a run cut short keeps what it measured
         out_dir.mkdir(parents=True, exist_ok=True)
         lines = [
-            f"# Engine prefill calls vs their device floor ({figures.device})", "",
+            f"# Engine prefill calls vs their device floor ({where})", "",
             f"- date: {dt.date.today()}; {versions('torch', 'triton', 'transformers')}",
             f"- model: random weights, {label} shape, {str(dtype).removeprefix('torch.')}; shared demo prefix "
             f"{prefix} tokens (computed once, as the engine holds the demos)",
