@@ -141,12 +141,17 @@ def prefill_call(eng: Engine, prefix_ids: list[int], lens: list[int], g: torch.G
     return {"wall_s": wall, **{k: eng.stats.get(k, 0) - before[k] for k in COUNTED}}
 
 
+def _lens(n: int, t: int, jitter: int, g: torch.Generator) -> list[int]:
+    """New tokens of the n sequences of one call: t each, give or take up to jitter."""
+    return [max(1, t + (int(torch.randint(-jitter, jitter + 1, (1,), generator=g)) if jitter else 0))
+            for _ in range(n)]
+
+
 def time_cell(eng, prefix_ids, n, t, jitter, reps, warmup, g, vocab, costs, figures, sdpa=None) -> dict:
     calls = []
     with _sdpa_setting(sdpa):
         for i in range(warmup + reps):
-            lens = [max(1, t + (int(torch.randint(-jitter, jitter + 1, (1,), generator=g)) if jitter else 0))
-                    for _ in range(n)]
+            lens = _lens(n, t, jitter, g)
             c = prefill_call(eng, prefix_ids, lens, g, vocab)
             if i >= warmup:
                 calls.append(c)
@@ -172,8 +177,7 @@ def profile_tables(eng, prefix_ids, n, t, jitter, calls, g, vocab, rows: int = 1
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
     with profile(activities=acts) as prof:
         for _ in range(calls):
-            lens = [max(1, t + (int(torch.randint(-jitter, jitter + 1, (1,), generator=g)) if jitter else 0))
-                    for _ in range(n)]
+            lens = _lens(n, t, jitter, g)
             prefill_call(eng, prefix_ids, lens, g, vocab)
     ka = prof.key_averages()
     out = {"host": ka.table(sort_by="self_cpu_time_total", row_limit=rows)}

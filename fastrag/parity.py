@@ -71,15 +71,9 @@ def _recipe_sdpa(recipe: str):
     step of a generation has a new key length. On the H200 (2026-11-25, torch's own choice) the tuned recipe took
     2.2x the published one's time for the same answer generation. The published recipe's eager attention calls no
     SDPA."""
-    from fastrag.model.llama import sdpa_backends
+    from fastrag.model.llama import sdpa_scope
 
-    backends = sdpa_backends() if recipe == "tuned" else None
-    if backends is None:
-        yield
-        return
-    from torch.nn.attention import sdpa_kernel
-
-    with sdpa_kernel(backends):
+    with sdpa_scope() if recipe == "tuned" else contextlib.nullcontext():
         yield
 
 

@@ -90,7 +90,7 @@ def test_blank_passages_are_never_hits(tmp_path, small_corpus):
         assert len(res) == len(real) and not any(d.id.startswith("blank") for d in res), [d.id for d in res]
         order = np.argsort(-(r.encode([q])[0] @ emb.T), kind="stable")
         assert [d.id for d in res] == [real[i]["id"] for i in order]
-    again = DenseRetriever(p, show_progress=False, index_dir=tmp_path / "idx")  # reloaded: counted from the index
+    again = DenseRetriever(p, show_progress=False, index_dir=tmp_path / "idx")  # reloaded: its count saved with the index
     assert not again.built and again.n_blank == 3
 
 

@@ -17,6 +17,7 @@ mmapped) and `manifest.json`, written last so that a half-built index is never t
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import threading
@@ -32,6 +33,7 @@ from fastrag.retrieval.corpus import (READER_VERSION, CorpusError, corpus_format
 log = logging.getLogger(__name__)
 
 _FORMAT = 2  # 2: blank passages stored as zero vectors and never returned
+BLANK_FILE = "blank.json"  # {"blank_passages": how many}, written with the index
 DEFAULT_ENCODER = "all-minilm-l6-v2"
 
 
@@ -118,7 +120,7 @@ class DenseRetriever(Retriever):
         store = _DocStore(found)
         if index.ntotal != len(store):
             raise CorpusError(f"{found}: index holds {index.ntotal} vectors for {len(store)} passages")
-        n_blank = self._zero_vectors(index)
+        n_blank = int(json.loads((found / BLANK_FILE).read_text())["blank_passages"])
         if self.device.startswith("cuda") and hasattr(self._faiss, "StandardGpuResources"):
             self._gpu_res = self._faiss.StandardGpuResources()
             index = self._faiss.index_cpu_to_gpu(self._gpu_res, 0, index)
@@ -126,12 +128,6 @@ class DenseRetriever(Retriever):
         self._store = store
         self.n_docs = len(store)
         self.n_blank = n_blank
-
-    def _zero_vectors(self, index) -> int:
-        """How many vectors of a flat CPU index are all zero (the blank passages, `_index`), read in chunks."""
-        xb = self._faiss.rev_swig_ptr(index.get_xb(), index.ntotal * index.d).reshape(index.ntotal, index.d)
-        step = 1 << 16
-        return sum(int((~xb[i: i + step].any(axis=1)).sum()) for i in range(0, index.ntotal, step))
 
     # ---- index management -------------------------------------------------------------------------------
 
@@ -163,6 +159,8 @@ class DenseRetriever(Retriever):
         index = self._faiss.IndexFlatIP(self.dim)
         index.add(emb)
         self._faiss.write_index(index, str(d / "index.faiss"))
+        (d / BLANK_FILE).write_text(json.dumps({"blank_passages": len(blank)}))  # (counted once, here: search asks
+        # faiss for that many more hits)
         write_manifest(d, manifest, len(texts))
 
     # ---- search -------------------------------------------------------------------------------------------
