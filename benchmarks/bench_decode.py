@@ -49,7 +49,7 @@ class _Tok:
     eos_token_id = None
 
 
-def build(shape: dict, dtype, dev, batch: int, ctx: int, signals: str | None):
+def build(shape: dict, dtype, dev, batch: int, ctx: int, signals: str | None, max_prefill_tokens: int | None = None):
     from transformers import LlamaConfig
 
     # a context of ctx tokens plus the step's new one: the 4k cells run past Llama-2's 4096 positions (the rotary
@@ -60,7 +60,7 @@ def build(shape: dict, dtype, dev, batch: int, ctx: int, signals: str | None):
     kv_bytes = 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * (
         shape["hidden_size"] // shape["num_attention_heads"]) * dtype.itemsize * (ctx + 64) * batch
     eng = Engine(model, _Tok(), max_batch=batch, kv_cache_gb=kv_bytes / 2**30 * 1.2 + 0.05,
-                 max_prefill_tokens=max(4096, ctx), signals=signals)
+                 max_prefill_tokens=max_prefill_tokens or max(4096, ctx), signals=signals)
     g = torch.Generator().manual_seed(0)
     seqs = []
     for _ in range(batch):
@@ -68,9 +68,19 @@ def build(shape: dict, dtype, dev, batch: int, ctx: int, signals: str | None):
         # the timed steps roll their token back, so a few new tokens of room are enough
         eng.start(s, torch.randint(5, shape["vocab_size"], (ctx,), generator=g).tolist(), 32)
         seqs.append(s)
-    while eng.waiting:  # prefill everything, then time decode steps only
+    # prefill everything, then time decode steps only. A step also decodes the running sequences, so those
+    # prefilled first would generate (and, past 32 prefill steps, finish and leave the batch) while later ones
+    # wait: each step's prefilled sequences are parked off the running list until all are in.
+    parked: list = []
+    while eng.waiting:
         eng.step()
-    return model, eng, eng.running[:batch]
+        parked += eng.running
+        eng.running.clear()
+    eng.running[:] = parked
+    if len(parked) != batch or any(s.table.num_tokens > ctx + 2 for s in parked):
+        raise RuntimeError(f"bench_decode: {len(parked)} of {batch} sequences prefilled, contexts "
+                           f"{sorted({s.table.num_tokens for s in parked})} (wanted {ctx} + at most 2)")
+    return model, eng, parked
 
 
 def main() -> None:
@@ -159,7 +169,10 @@ def main() -> None:
         model, eng, seqs = build(shape, dtype, dev, B, ctx, None)
         # weights a step streams: all but the embedding table, of which it reads B rows (fastrag.perf.model_costs)
         weight_bytes = model_costs(model)["weight_bytes_per_step"]
-        kv_read = 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * hd * dtype.itemsize * ctx * B
+        # the KV entries the step reads: every sequence's context as prefilled (ctx, plus the token or two its
+        # prefill step sampled and decoded)
+        kv_read = 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * hd * dtype.itemsize * sum(
+            s.table.num_tokens for s in seqs)
 
         def plain():
             logits = eng._decode(seqs)

@@ -14,7 +14,10 @@ The new tokens of each sequence vary by up to --jitter between calls, as in a re
 have the same shapes, so a cost paid per new shape (a kernel plan built, an autotuner run) is in the median;
 `--jitter 0` repeats one shape. `--sdpa torch efficient,math` (for example) times every cell again with each of
 these $FASTRAG_SDPA settings (the backends the engine's masked attention may use; `torch`: torch's own choice,
-cuDNN first on Hopper with CUDA 13 builds): the table gives every setting. `--profile` adds torch.profiler's tables
+cuDNN first on Hopper with CUDA 13 builds): the table gives every setting. `--unfused` times every cell again with
+torch's separate small operations instead of the fused kernels (on a GPU the prefill runs its residual adds,
+RMSNorms, rotary embedding with the KV write and SiLU product as kernels/fused_decode.py's launches, as the decode
+step does; $FASTRAG_FUSED_PREFILL=0 turns that off). `--profile` adds torch.profiler's tables
 over --profile-calls calls of the last cell: the device kernels by total time, and the host operators by their own
 time.
 
@@ -205,6 +208,10 @@ def main() -> None:
     ap.add_argument("--sdpa", nargs="+", default=None,
                     help="also time every cell with each of these $FASTRAG_SDPA settings ('torch', or a comma list "
                          "of flash, efficient, cudnn, math)")
+    ap.add_argument("--unfused", action="store_true",
+                    help="also time every cell with torch's separate small operations in the prefill (residual "
+                         "adds, RMSNorms, rotary embedding, KV write, SiLU product) instead of the fused kernels "
+                         "($FASTRAG_FUSED_PREFILL=0); the fused ones run wherever the decode step's do")
     ap.add_argument("--profile", action="store_true", help="torch.profiler tables over --profile-calls calls")
     ap.add_argument("--profile-calls", type=positive_int, default=3)
     ap.add_argument("--name", default=None, help="result file stem (default prefill_gpu / prefill_cpu[_SHAPE])")
@@ -255,13 +262,16 @@ def main() -> None:
             "- floor: fastrag.perf.floor of the work the engine counted (weights read once per call, 2 FLOPs per "
             "matrix weight per new token, 4 x layers x heads x head_dim FLOPs per attention entry). "
             "first ms: the first timed call.", "",
-            "| sequences x new tokens | $FASTRAG_SDPA | tokens a call | attention entries a call | wall ms | "
-            "floor ms | wall / floor | tokens/s | first ms | max ms |",
-            "|---|---|---|---|---|---|---|---|---|---|",
+            "- fused small ops: whether the prefill ran its residual adds, RMSNorms, rotary embedding with the KV "
+            "write and SiLU product as the fused kernels of kernels/fused_decode.py (yes) or as torch's separate "
+            "operations (no; `--unfused` adds those rows where the fused ones run by default)", "",
+            "| sequences x new tokens | $FASTRAG_SDPA | fused small ops | tokens a call | attention entries a call | "
+            "wall ms | floor ms | wall / floor | tokens/s | first ms | max ms |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in rows:
             lines.append(
-                f"| {r['seqs']} x {r['new']} | {r['sdpa']} | {r['tokens_per_call']:.0f} | "
+                f"| {r['seqs']} x {r['new']} | {r['sdpa']} | {r['fused']} | {r['tokens_per_call']:.0f} | "
                 f"{r['attn_entries_per_call']:.0f} | {r['wall_ms']:.2f} | {r['floor_ms']:.2f} | "
                 f"{r['wall_over_floor']:.2f} | {r['tok_per_s']:.0f} | {r['first_ms']:.2f} | {r['max_ms']:.2f} |")
         if prof:
@@ -280,14 +290,23 @@ def main() -> None:
             indent=1))
         return path
 
+    fused_default = model.fused_prefill
+    variants = [(None, True), *((s, True) for s in args.sdpa or [])]
+    if args.unfused and model.uses_fused_prefill(dev):
+        variants.append((None, False))
     with torch.inference_mode():
         for n, t in cells:
-            for sdpa in [None, *(args.sdpa or [])]:
-                r = time_cell(eng, prefix_ids, n, t, jitter, reps, args.warmup, g, shape["vocab_size"], costs,
-                              figures, sdpa)
+            for sdpa, fused in variants:
+                model.fused_prefill = fused_default and fused
+                try:
+                    r = time_cell(eng, prefix_ids, n, t, jitter, reps, args.warmup, g, shape["vocab_size"], costs,
+                                  figures, sdpa)
+                    r["fused"] = "yes" if model.uses_fused_prefill(dev) else "no"
+                finally:
+                    model.fused_prefill = fused_default
                 rows.append({"seqs": n, "new": t, "sdpa": sdpa or default_sdpa, **r})
-                print(f"{n} x {t} ({rows[-1]['sdpa']}): {r['wall_ms']:.2f} ms, floor {r['floor_ms']:.2f} ms "
-                      f"({r['wall_over_floor']:.2f}x)", flush=True)
+                print(f"{n} x {t} ({rows[-1]['sdpa']}, fused small ops: {r['fused']}): {r['wall_ms']:.2f} ms, "
+                      f"floor {r['floor_ms']:.2f} ms ({r['wall_over_floor']:.2f}x)", flush=True)
                 write()
         if args.profile:
             n, t = cells[-1]

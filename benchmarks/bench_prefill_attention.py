@@ -160,8 +160,8 @@ def _write(rows: list[dict], stem: str, device: str, gpu: bool, reps: int, cmd: 
         f"{'bf16' if gpu else 'float32'}; {reps} timed calls per cell (median); command: `{cmd.strip()}`",
         f"- other load: {note or 'none stated'}",
         *([f"- PARTIAL: {len(rows)} cells so far (the run was still going, or stopped here)"] if partial else []),
-        "- native: one SDPA call with `enable_gqa` (the engine's default); expand: keys and values repeated to every "
-        "query head (`FASTRAG_PREFILL_GQA=expand`). backends: those that accept the call when tried alone. "
+        "- native: one SDPA call with `enable_gqa` (the engine's default on a CPU); expand: keys and values repeated to every "
+        "query head (the default on CUDA devices; `FASTRAG_PREFILL_GQA=expand` everywhere). backends: those that accept the call when tried alone. "
         "TFLOP/s counts both GEMMs over the whole masked score matrix. unmasked: the same q, k, v with no mask "
         "(every query sees every key, more work than the masked call): the time of a kernel that needs no explicit "
         "mask; native / unmasked well above 1 means the mask, not the attention, is what costs.", "",

@@ -26,6 +26,21 @@ from fastrag.transfer import tensor_on, to_device
 
 _M64 = (1 << 64) - 1
 CUDA_GRAPHS_ENV = "FASTRAG_CUDA_GRAPHS"
+PREFILL_HOLD_ENV = "FASTRAG_PREFILL_HOLD"  # steps a small prefill may wait for more (default 0)
+MIX_PREFILL_ENV = "FASTRAG_MIX_PREFILL"  # 1: prefill batches mix shared prefixes (default 0)
+
+
+def _env_int(name: str, default: int, low: int = 0) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        v = int(raw)
+    except ValueError:
+        raise ValueError(f"${name}={raw!r}: expected an integer >= {low}") from None
+    if v < low:
+        raise ValueError(f"${name}={raw!r}: expected an integer >= {low}")
+    return v
 
 
 def sampling_key(*parts: int) -> int:
@@ -193,8 +208,8 @@ def kv_room_gb(c, total: int, used: int, max_batch: int, max_prefill_tokens: int
 class Engine:
     def __init__(self, model: LlamaModel, tokenizer, *, block_size: int = 16, kv_cache_gb: float | None = None,
                  max_batch: int = 64, max_prefill_tokens: int = 4096, sampling: SamplingParams | None = None,
-                 signals: str | None = None, mix_prefill: bool = False, cuda_graphs: bool | None = None,
-                 prefix_caching: bool = True):
+                 signals: str | None = None, mix_prefill: bool | None = None, cuda_graphs: bool | None = None,
+                 prefix_caching: bool = True, prefill_hold: int | None = None):
         self.model, self.tok = model, tokenizer
         c = model.c
         p = next(model.parameters())
@@ -211,8 +226,18 @@ class Engine:
         self.max_batch, self.max_prefill_tokens = max_batch, max_prefill_tokens
         # prefill batches of sequences with different shared prefixes (packed forward, each attends to its own).
         # Off by default: in the 100-question two-dataset DRAGIN run it measured 789 s against 729 s with batches
-        # split by prefix (one run each; benchmarks/results/e2e_cpu.md)
-        self.mix_prefill = mix_prefill
+        # split by prefix (one run each; benchmarks/results/e2e_cpu.md). None: $FASTRAG_MIX_PREFILL (0 or 1)
+        self.mix_prefill = bool(_env_int(MIX_PREFILL_ENV, 0)) if mix_prefill is None else mix_prefill
+        # prefill_hold: while sequences decode, a step may leave the waiting prefills (fewer new tokens than one
+        # prefill's budget) for up to this many steps, so that more arrive and go in one call. On a GPU a prefill call
+        # has a large fixed cost (H200, Llama-2-7B shape: 33.7 ms for 1 x 300 new tokens, 64.1 ms for 4 x 300;
+        # benchmarks/results/prefill_gpu_h200_2026-11-26.md), and a DRAGIN run's prefills arrive one or two a step
+        # (527 calls in 1,349 steps at batch 256). 0 (the default): every step prefills what waits. Not measured
+        # end to end yet. None: $FASTRAG_PREFILL_HOLD
+        self.prefill_hold = _env_int(PREFILL_HOLD_ENV, 0) if prefill_hold is None else prefill_hold
+        if isinstance(self.prefill_hold, bool) or not isinstance(self.prefill_hold, int) or self.prefill_hold < 0:
+            raise ValueError(f"prefill_hold must be an int >= 0, got {prefill_hold!r}")
+        self._held = 0  # consecutive steps the waiting prefills were held
         # prefix caching (kv.py): a prompt's full blocks that some sequence already computed are shared, not
         # prefilled again
         self.prefix_caching = prefix_caching
@@ -239,7 +264,8 @@ class Engine:
                       "decode_steps": 0, "prefill_calls": 0, "cached_hit_tokens": 0, "prefill_s": 0.0,
                       "decode_s": 0.0, "kv_waits": 0, "evictions": 0, "evicted_tokens": 0,
                       "decode_ctx_tokens": 0, "decode_prefix_tokens": 0, "prefill_ctx_tokens": 0,
-                      "prefix_prefill_s": 0.0}  # (set_prefix's prefills: outside the steps, inside prefill_tokens)
+                      "prefix_prefill_s": 0.0,  # (set_prefix's prefills: outside the steps, inside prefill_tokens)
+                      "prefill_holds": 0}  # steps that left waiting prefills for a later step (prefill_hold)
         # decode steps replayed from CUDA graphs (fastrag/cuda_graphs.py): on by default on a GPU,
         # FASTRAG_CUDA_GRAPHS=0 turns them off; cuda_graphs=True on a CPU runs the same static-buffer protocol
         # without CUDA (emulated; how the tests check it)
@@ -502,7 +528,7 @@ class Engine:
         t0 = time.perf_counter()
         if self.waiting:
             self._admit_fed()
-        if self.waiting:
+        if self.waiting and not self._hold_prefill():
             if self.prefix_caching:  # blocks computed since a sequence started (by the last step's prefill)
                 for s in self.waiting:
                     if s.pending_prompt:
@@ -564,6 +590,18 @@ class Engine:
                                                  logits if len(st.ready) == len(batch) else logits[st.ready])
             st.decode_s = time.perf_counter() - t1
         return st
+
+    def _hold_prefill(self) -> bool:
+        """Whether this step leaves the waiting prefills for a later one (prefill_hold): only while sequences decode
+        (the step does work without them), while what waits is less than one prefill's token budget, and for at most
+        prefill_hold steps in a row."""
+        if not self.prefill_hold or not self.running or self._held >= self.prefill_hold \
+                or sum(len(s.pending_prompt) for s in self.waiting) >= self.max_prefill_tokens:
+            self._held = 0
+            return False
+        self._held += 1
+        self.stats["prefill_holds"] += 1
+        return True
 
     @staticmethod
     def step_done(st: "PendingStep") -> bool:

@@ -90,4 +90,7 @@ def environment(device: torch.device | str | None = None) -> dict:
         **{name: _version(name) for name in _PACKAGES},
         "command": shlex.join(sys.argv),
         "git": source_commit(),
+        # the engine's switches set in the environment (FASTRAG_SDPA, FASTRAG_FUSED_PREFILL, FASTRAG_PREFILL_HOLD,
+        # ...): two runs of one command differ by these. FASTRAG_CACHE (a folder) is not a setting of the run
+        "settings": {k: v for k, v in sorted(os.environ.items()) if k.startswith("FASTRAG_") and k != "FASTRAG_CACHE"},
     }

@@ -204,6 +204,23 @@ def test_bench_decode_runs_a_named_shape(tmp_path, monkeypatch):
         assert float(r[2]) > 0 and float(r[10]) > 0 and float(r[11]) > 0, r
 
 
+def test_bench_decode_times_every_sequence_of_the_batch_at_its_context():
+    """bench_decode's batch is all its sequences, each at the cell's context: when prefilling them takes more engine
+    steps than a generation's 32 new tokens (40 sequences, one prefill a step here; on a GPU, SmolLM2 at B 256 with
+    4k contexts), the first ones used to decode during the later prefills and finish, so the timed batch held 32
+    sequences (a step 0.67x its roofline was the sign)."""
+    bd = load("bench_decode")
+    shape = bd.hf_shape("tiny")
+    ctx, batch = 8, 40
+    _model, eng, seqs = bd.build(shape, bd.torch.float32, bd.torch.device("cpu"), batch, ctx, None,
+                                 max_prefill_tokens=ctx)
+    assert len(seqs) == batch and len({id(s) for s in seqs}) == batch
+    assert all(ctx <= s.table.num_tokens <= ctx + 2 for s in seqs), [s.table.num_tokens for s in seqs]
+    assert eng.running == seqs and not eng.waiting
+    logits = eng._decode(seqs)
+    assert logits.shape[0] == batch
+
+
 def test_bench_prefill_times_single_prefill_calls_against_their_floor(tmp_path, monkeypatch):
     """bench_prefill: every timed step is one prefill call of the cell's sequences after the shared prefix, and the
     engine's counters it reads match the cell (--jitter 0: n x t new tokens, n x (prefix x t + t (t + 1) / 2)
@@ -213,10 +230,12 @@ def test_bench_prefill_times_single_prefill_calls_against_their_floor(tmp_path, 
     monkeypatch.setattr(sys, "argv", ["bench_prefill.py", "--cpu-small", "--shape", "tiny", "--cells", "1x40", "3x24",
                                       "--prefix", str(P), "--jitter", "0", "--reps", "2", "--warmup", "1",
                                       "--sdpa", "math", "torch", "--profile", "--profile-calls", "1",
-                                      "--results", str(tmp_path)])
+                                      "--unfused", "--results", str(tmp_path)])
     bp.main()
     data = json.loads((tmp_path / "prefill_cpu_tiny.json").read_text())
     rows = data["rows"]
+    # (no fused kernels on a CPU by default: --unfused adds no row, and every row says so)
+    assert {r["fused"] for r in rows} == {"no"}
     assert [(r["seqs"], r["new"], r["sdpa"]) for r in rows] == [
         (1, 40, "default (flash,efficient,math)"), (1, 40, "math"), (1, 40, "torch"),
         (3, 24, "default (flash,efficient,math)"), (3, 24, "math"), (3, 24, "torch")]

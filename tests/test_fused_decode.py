@@ -199,7 +199,8 @@ class _Tok:
         return [int(x) for x in s.split()]
 
 
-def _decode(fused: bool, graphs: bool, prompts, prefixes, max_new, track: bool):
+def _decode(fused: bool, graphs: bool, prompts, prefixes, max_new, track: bool, fused_prefill: bool = True,
+            passes=None, calls=None):
     from transformers import LlamaConfig
 
     from fastrag.engine import Engine
@@ -212,7 +213,13 @@ def _decode(fused: bool, graphs: bool, prompts, prefixes, max_new, track: bool):
         for layer in m.layers:
             layer.qkv.weight.mul_(8.0)
     m.fused_decode, m._fused_on_cpu = (fd, DEV == "cpu") if fused else (None, False)
+    m.fused_prefill = fused_prefill
     assert m.uses_fused_decode(torch.device(DEV)) == fused
+    assert m.uses_fused_prefill(torch.device(DEV)) == (fused and fused_prefill)
+    if calls is not None:  # count the fused kernels' calls over more rows than sequences (prefills and passes)
+        calls.clear()
+        ref = _CountingOps(fd, len(prompts), calls) if fused else None
+        m.fused_decode = ref if fused else None
     eng = Engine(m, _Tok(), kv_cache_gb=0.01, max_batch=8, mix_prefill=True, cuda_graphs=graphs)
     for p in prefixes:
         eng.set_prefix(" ".join(map(str, p)))
@@ -223,7 +230,27 @@ def _decode(fused: bool, graphs: bool, prompts, prefixes, max_new, track: bool):
         eng.step()
     if graphs:
         assert eng.graphs.disabled is None and eng.graphs.stats["replays"] > 0
-    return [(s.out.ids, s.out.logprob, s.out.entropy, s.out.attn) for s in seqs]
+    out = [(s.out.ids, s.out.logprob, s.out.entropy, s.out.attn) for s in seqs]
+    if passes is not None:  # DRAGIN's attention passes (a cache-free forward to the last layer) over these texts
+        out += [eng.attention_passes(passes, kind) for kind in ("colmax", "rows")]
+    return out
+
+
+class _CountingOps:
+    """kernels/fused_decode.py with a count of its calls over more than `rows` rows (a decode step has at most one
+    row a sequence: more rows are a prefill's or an attention pass's tokens)."""
+
+    def __init__(self, mod, rows: int, calls: dict):
+        self._mod, self._rows, self._calls = mod, rows, calls
+
+    def __getattr__(self, name):
+        f = getattr(self._mod, name)
+
+        def counted(*a, **kw):
+            if a[0].shape[0] > self._rows:
+                self._calls[name] = self._calls.get(name, 0) + 1
+            return f(*a, **kw)
+        return counted
 
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
@@ -244,6 +271,55 @@ def test_fused_decode_equals_unfused(graphs):
         torch.testing.assert_close(torch.tensor(aa), torch.tensor(ab), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("track", [False, True], ids=["first-token-from-prefill", "tracked"])
+def test_fused_prefill_equals_unfused(track):
+    """Prefills (two shared prefixes and none, so packed with several attention buckets) and DRAGIN's attention
+    passes through the fused kernels: the same tokens, log-probabilities, entropies, tracked attention and pass
+    results as torch's operations in them (the decode step fused both ways), and the fused kernels did run over
+    the prefills' and the passes' tokens. Untracked, each generation's first token comes from its prefill's logits;
+    tracked, its last two prompt tokens go through decode steps (the prefill's logits unused)."""
+    pa, pb = list(range(20, 52)), list(range(40, 88))
+    prompts = [pa + [1, 2, 3], pb + list(range(1, 12)), pa + list(range(5, 25)), pb + [7, 9], [3, 4, 5, 6, 8],
+               [5, 6, 7, 8, 9, 10, 11]]
+    max_new = [5, 9, 3, 7, 6, 4]
+    passes = [list(range(2, 30)), [9, 8, 7, 6], list(range(30, 41)), [4] * 17]
+    calls: dict = {}
+    want = _decode(True, False, prompts, [pa, pb], max_new, track=track, fused_prefill=False, passes=passes,
+                   calls=calls)
+    assert not calls  # no fused call over a prefill's rows with the switch off
+    got = _decode(True, False, prompts, [pa, pb], max_new, track=track, passes=passes, calls=calls)
+    # per layer: two RMSNorms, one rotary + KV write, one SiLU product, in the prefills and the passes alike
+    assert calls.get("rope_write_kv", 0) >= 2 * 3 and calls.get("add_rms_norm", 0) >= 4 * 3 \
+        and calls.get("silu_mul", 0) >= 2 * 2, calls
+    for (ia, la, ea, aa), (ib, lb, eb, ab) in zip(got[: len(prompts)], want[: len(prompts)]):
+        assert ia == ib
+        torch.testing.assert_close(torch.tensor(la), torch.tensor(lb), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(torch.tensor(ea), torch.tensor(eb), rtol=1e-4, atol=1e-5)
+        if track:
+            assert aa is not None and len(aa) > 2
+            torch.testing.assert_close(torch.tensor(aa), torch.tensor(ab), rtol=1e-4, atol=1e-5)
+    colmax_got, rows_got = got[len(prompts):]
+    colmax_want, rows_want = want[len(prompts):]
+    for a, b, p in zip(colmax_got, colmax_want, passes):
+        assert len(a) == len(p)
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=1e-4, atol=1e-5)
+    for a, b, p in zip(rows_got, rows_want, passes):
+        assert a.shape == (len(p), len(p))
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_fused_prefill_switch(monkeypatch):
+    from fastrag.model import llama
+
+    monkeypatch.setenv(llama.FUSED_PREFILL_ENV, "0")
+    assert llama._fused_prefill_mode() == "0"
+    monkeypatch.setenv(llama.FUSED_PREFILL_ENV, "1")
+    with pytest.raises(ValueError, match="FASTRAG_FUSED_PREFILL='1'"):
+        llama._fused_prefill_mode()
+    monkeypatch.delenv(llama.FUSED_PREFILL_ENV)
+    assert llama._fused_prefill_mode() == "auto"
+
+
 def test_env_switch(monkeypatch):
     from fastrag.model import llama
 
@@ -255,3 +331,26 @@ def test_env_switch(monkeypatch):
     monkeypatch.setenv(llama.FUSED_DECODE_ENV, "yes")
     with pytest.raises(ValueError, match="FASTRAG_FUSED_DECODE='yes'"):
         llama._fused_decode_ops()
+
+
+def test_bench_prefill_times_fused_and_unfused_prefills(tmp_path, monkeypatch):
+    """bench_prefill --unfused where the fused kernels run (here the interpreter's, $FASTRAG_FUSED_DECODE=1): each
+    cell timed with them and again with torch's operations, each row saying which, both one prefill call."""
+    import importlib.util
+    import json
+    import sys
+    from pathlib import Path
+
+    monkeypatch.setenv("FASTRAG_FUSED_DECODE", "1")
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_prefill.py"
+    spec = importlib.util.spec_from_file_location("_bench_prefill_fused", path)
+    bp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bp)
+    monkeypatch.setattr(sys, "argv", ["bench_prefill.py", "--cpu-small", "--shape", "tiny", "--cells", "2x12",
+                                      "--prefix", "16", "--jitter", "0", "--reps", "1", "--warmup", "0",
+                                      "--unfused", "--results", str(tmp_path)])
+    bp.main()
+    rows = json.loads((tmp_path / "prefill_cpu_tiny.json").read_text())["rows"]
+    assert [(r["seqs"], r["new"], r["fused"]) for r in rows] == [(2, 12, "yes"), (2, 12, "no")], rows
+    assert all(r["tokens_per_call"] == 24 and r["wall_ms"] > 0 for r in rows), rows
+    assert "| 2 x 12 | default (flash,efficient,math) | yes |" in (tmp_path / "prefill_cpu_tiny.md").read_text()

@@ -31,6 +31,17 @@ def test_environment_names_the_time_the_device_and_the_versions():
     assert env["command"] and json.loads(json.dumps(env)) == env  # plain JSON
 
 
+def test_environment_records_the_engine_switches_set(monkeypatch):
+    """The FASTRAG_* variables in force (how two runs of one command differ), not the cache folder."""
+    for k in [k for k in __import__("os").environ if k.startswith("FASTRAG_")]:
+        monkeypatch.delenv(k)
+    assert provenance.environment()["settings"] == {}
+    monkeypatch.setenv("FASTRAG_PREFILL_HOLD", "3")
+    monkeypatch.setenv("FASTRAG_SDPA", "torch")
+    monkeypatch.setenv("FASTRAG_CACHE", "/tmp/x")
+    assert provenance.environment()["settings"] == {"FASTRAG_PREFILL_HOLD": "3", "FASTRAG_SDPA": "torch"}
+
+
 def test_cpu_name_is_the_model_line_of_proc_cpuinfo():
     info = Path("/proc/cpuinfo")
     names = [ln.split(":", 1)[1].strip() for ln in info.read_text().splitlines()

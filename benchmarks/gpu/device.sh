@@ -17,13 +17,13 @@
 #             the same cells, launch settings swept, GB/s vs the copy bandwidth)
 #   pattn     benchmarks/bench_prefill_attention.py (masked prefill attention with grouped-query heads: SDPA's
 #             enable_gqa against keys repeated per head, and the SDPA backends that accept each; ~1 minute)
-#   prefill   benchmarks/bench_prefill.py --profile --sdpa torch efficient,math (engine prefill calls of the Llama-2-7B
-#             shape vs their floor: the engine's SDPA backends (no cuDNN), torch's own choice, efficient/math
-#             alone; torch.profiler's tables;
-#             PREFILL_ARGS adds arguments; ~1 minute)
+#   prefill   benchmarks/bench_prefill.py --profile --unfused (engine prefill calls of the Llama-2-7B shape vs their
+#             floor, with the fused small operations and with torch's; torch.profiler's tables; PREFILL_ARGS adds
+#             arguments, e.g. "--sdpa torch" for torch's own SDPA choice; ~1-2 minutes)
 #   model     make_random_model.py llama2-7b (E2E_SHAPE) into /tmp (kept while the machine stays warm)
 #   e2e       bench_e2e.py: engine DRAGIN vs the published per-question recipe and the tuned one, on that model
 #             (E2E_LIMIT, E2E_BATCH, E2E_ORACLE_LIMIT, E2E_TUNED_LIMIT override the sizes)
+#   variants  the e2e stage again for each of E2E_VARIANTS (engine settings side by side; see the stage below)
 # T_<stage>=SECONDS bounds a stage (e.g. T_tests=240), so that one hung stage leaves the call time for the rest.
 # Planned in three calls of <= 10 minutes: "tests kernels", "decode", "model e2e".
 set -uo pipefail
@@ -130,7 +130,7 @@ except RuntimeError as e:
         decode) stage decode $PY benchmarks/bench_decode.py ${DECODE_ARGS:-} ;;
         attn) stage attn $PY benchmarks/bench_paged_attention.py ;;
         pattn) stage pattn $PY benchmarks/bench_prefill_attention.py ;;
-        prefill) stage prefill $PY benchmarks/bench_prefill.py --profile --sdpa torch efficient,math ${PREFILL_ARGS:-} ;;
+        prefill) stage prefill $PY benchmarks/bench_prefill.py --profile --unfused ${PREFILL_ARGS:-} ;;
         model)
             [ -f "$MODEL/config.json" ] || stage model $PY benchmarks/make_random_model.py \
                 --shape "$SHAPE" --out "$MODEL" --tokenizer "$C/tokenizer"
@@ -148,7 +148,35 @@ except RuntimeError as e:
             (cd "$RUNS" && find . -name results.jsonl -path '*/engine/*' -o -name results.jsonl \
                 -path '*/oracle*/*' | tar czf "$OUT/results/e2e_records.tar.gz" -T -) || true
             ;;
-        *) echo "unknown stage $st (diag, tests, kernels, decode, attn, pattn, prefill, model, e2e)"; exit 2 ;;
+        variants)
+            # E2E_VARIANTS="name:WORD ...;name2:WORD ...": one bench_e2e run each, at the e2e stage's sizes and into its
+            # folders (so the oracle records of an earlier e2e stage are reused, not recomputed); WORDs of the form
+            # NAME=VALUE go to the environment (FASTRAG_FUSED_PREFILL=0, FASTRAG_PREFILL_HOLD=2, ...), the others
+            # to bench_e2e after E2E_ARGS (--text-workers 8, ...). Tables: results/e2e_cuda_NAME.md, engine metrics:
+            # results/e2e_engine_NAME_DATASET.json. T_variant bounds each run.
+            IFS=';' read -ra VS <<< "${E2E_VARIANTS:-}"
+            for v in "${VS[@]}"; do
+                vname=${v%%:*}
+                vname=${vname//[^A-Za-z0-9_]/_}
+                envs=()
+                vargs=()
+                for w in ${v#*:}; do
+                    case $w in *=*) envs+=("$w") ;; *) vargs+=("$w") ;; esac
+                done
+                declare "T_e2e_$vname=${T_variant:-300}"
+                rm -rf "/tmp/fastrag_variants/$vname" && mkdir -p "/tmp/fastrag_variants/$vname"
+                stage "e2e_$vname" env "${envs[@]}" $PY benchmarks/bench_e2e.py --model "$MODEL" \
+                    --data-dir /tmp/fastrag_data --limit "${E2E_LIMIT:-64}" --batch-size "${E2E_BATCH:-128}" \
+                    --oracle-limit "${E2E_ORACLE_LIMIT:-3}" --tuned-oracle-limit "${E2E_TUNED_LIMIT:-6}" \
+                    --output "$RUNS" --results "/tmp/fastrag_variants/$vname" ${E2E_ARGS:-} "${vargs[@]}"
+                cp "/tmp/fastrag_variants/$vname/e2e_cuda.md" "$OUT/results/e2e_cuda_$vname.md" 2>/dev/null
+                cp "/tmp/fastrag_variants/$vname/e2e_cuda.json" "$OUT/results/e2e_cuda_$vname.json" 2>/dev/null
+                for f in "$RUNS"/*/engine/metrics.json; do
+                    [ -f "$f" ] && cp "$f" "$OUT/results/e2e_engine_${vname}_$(basename "$(dirname "$(dirname "$f")")").json"
+                done
+            done
+            ;;
+        *) echo "unknown stage $st (diag, tests, kernels, decode, attn, pattn, prefill, model, e2e, variants)"; exit 2 ;;
     esac
     copy_results
 done

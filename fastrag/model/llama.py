@@ -65,7 +65,7 @@ def _triton_decode_attention():
     return paged_decode_attention_lse, mode == "triton" and INTERPRETED
 
 
-PREFILL_GQA_ENV = "FASTRAG_PREFILL_GQA"  # native (default) | expand
+PREFILL_GQA_ENV = "FASTRAG_PREFILL_GQA"  # auto (default: expand for CUDA tensors, native elsewhere) | native | expand
 
 
 def _prefill_gqa_mode() -> str:
@@ -74,12 +74,15 @@ def _prefill_gqa_mode() -> str:
     repeated to every query head first. torch's fused CUDA kernels take either an explicit mask (memory-efficient
     attention) or grouped heads (flash), not both in torch <= 2.13, so a masked GQA call may fall back to the
     math kernel there; benchmarks/bench_prefill_attention.py times both forms and lists the backends that accept
-    each. Models without grouped heads (Llama-2-7B) are unaffected."""
+    each. On the H200 (2026-11-26, the engine's SDPA backends) native took 2.3-5.6x expand's time for
+    SmolLM2's and Llama-3-8B's heads; on the 2-core CPU native took 0.6-1.0x expand's
+    (benchmarks/results/prefill_attention_{gpu_h200_2026-11-26,cpu}.md). auto (the default): expand for CUDA
+    tensors, native elsewhere. Models without grouped heads (Llama-2-7B) are unaffected."""
     import os
 
-    mode = os.environ.get(PREFILL_GQA_ENV, "native")
-    if mode not in ("native", "expand"):
-        raise ValueError(f"${PREFILL_GQA_ENV}={mode!r}: expected native or expand")
+    mode = os.environ.get(PREFILL_GQA_ENV, "auto")
+    if mode not in ("auto", "native", "expand"):
+        raise ValueError(f"${PREFILL_GQA_ENV}={mode!r}: expected auto, native or expand")
     return mode
 
 
@@ -189,6 +192,23 @@ def _fused_decode_ops():
             raise RuntimeError(f"${FUSED_DECODE_ENV}=1 but the Triton kernels do not import: {e}") from e
         return None, False
     return _ModuleRef(fused_decode), mode == "1" and INTERPRETED
+
+
+FUSED_PREFILL_ENV = "FASTRAG_FUSED_PREFILL"  # auto (default: wherever the decode step's fused kernels run) | 0
+
+
+def _fused_prefill_mode() -> str:
+    """The prefill's and the attention passes' per-layer small operations (residual add + RMSNorm, rotary embedding
+    with the KV write, SiLU-gated product) through the decode step's fused kernels: one launch each over all the
+    call's tokens instead of torch's ~30 separate kernels a layer. A prefill of a few hundred tokens is bound by
+    those launches on a GPU (benchmarks/results/prefill_gpu_h200_2026-11-26.md: 1 x 300 tokens at 6.4x its floor).
+    auto: wherever $FASTRAG_FUSED_DECODE puts the decode step's; 0: torch's operations in prefills."""
+    import os
+
+    mode = os.environ.get(FUSED_PREFILL_ENV, "auto")
+    if mode not in ("auto", "0"):
+        raise ValueError(f"${FUSED_PREFILL_ENV}={mode!r}: expected auto or 0")
+    return mode
 
 
 def _real_positions(lens: list[int], T: int, device) -> torch.Tensor:
@@ -417,7 +437,9 @@ class LlamaModel(nn.Module):
         self.native_decode = _native_decode_attention()
         self.triton_decode, self._triton_on_cpu = _triton_decode_attention()
         self.fused_decode, self._fused_on_cpu = _fused_decode_ops()
-        self.expand_gqa = _prefill_gqa_mode() == "expand"
+        self.fused_prefill = _fused_prefill_mode() == "auto"
+        mode = _prefill_gqa_mode()
+        self.expand_gqa = None if mode == "auto" else mode == "expand"  # None: by device (gqa_expand)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -564,7 +586,10 @@ class LlamaModel(nn.Module):
             with sdpa_scope():
                 return self.forward(ids, batch, k_pool, v_pool, logits_index)
         mixed = batch.prefix_groups is not None and not (T == 1 and self.mixes_prefixes)
-        if mixed or (T > 1 and B > 1 and self._real_tokens(batch) < self.pack_below * B * T):
+        # a prefill with the fused small operations runs packed: its rows are the real tokens, each written to
+        # its own slot by the fused rotary + KV-write kernel (a padded row has no slot)
+        if mixed or (T > 1 and ((B > 1 and self._real_tokens(batch) < self.pack_below * B * T)
+                                or self.uses_fused_prefill(ids.device))):
             return self._forward_packed(ids, batch, k_pool, v_pool, logits_index)
         if T == 1 and self.uses_fused_decode(ids.device):
             return self._forward_decode_fused(ids, batch, k_pool, v_pool, logits_index)
@@ -598,6 +623,16 @@ class LlamaModel(nn.Module):
     def uses_fused_decode(self, device: torch.device) -> bool:
         """Whether a decode step on this device runs the fused per-layer kernels (kernels/fused_decode.py)."""
         return self.fused_decode is not None and (device.type == "cuda" or (device.type == "cpu" and self._fused_on_cpu))
+
+    def gqa_expand(self, device: torch.device) -> bool:
+        """Whether the masked attention on this device repeats grouped keys and values to every query head
+        ($FASTRAG_PREFILL_GQA; auto: on CUDA devices)."""
+        return device.type == "cuda" if self.expand_gqa is None else self.expand_gqa
+
+    def uses_fused_prefill(self, device: torch.device) -> bool:
+        """Whether prefills and attention passes on this device run the same fused kernels ($FASTRAG_FUSED_PREFILL,
+        default: wherever the decode step does)."""
+        return self.fused_prefill and self.uses_fused_decode(device)
 
     def _forward_decode_fused(self, ids, batch: AttnBatch, k_pool, v_pool, logits_index=None):
         """forward() for one new token per row with the small operations fused: per layer, residual add + RMSNorm
@@ -651,11 +686,19 @@ class LlamaModel(nn.Module):
         cos, sin = self.rope(batch.positions.reshape(-1)[flat].unsqueeze(0))
         buckets = self._attention_buckets(batch, lens)
         singles = all(idx[1] == 1 for idx, _, _ in buckets)
+        fd = self.fused_decode if self.uses_fused_prefill(ids.device) else None
+        if fd is not None:  # rows: the N tokens; the residual stream and each sublayer's output kept apart
+            x, cos, sin, delta = x[0], cos[0], sin[0], None
         for li, layer in enumerate(self.layers):
-            q, k, v = layer.project_qk(x, cos, sin)  # [1, H, N, D], [1, Hkv, N, D]
             kp, vp = k_pool[li], v_pool[li]
-            kp.index_copy_(1, batch.write_slots, k[0])
-            vp.index_copy_(1, batch.write_slots, v[0])
+            if fd is not None:
+                x, h = fd.add_rms_norm(x, delta, layer.input_layernorm.weight, layer.input_layernorm.eps)
+                q = fd.rope_write_kv(layer.qkv(h), cos, sin, batch.write_slots, kp, vp, self.c.num_heads,
+                                     self.c.num_kv_heads).transpose(0, 1).unsqueeze(0)  # [1, H, N, D]
+            else:
+                q, k, v = layer.project_qk(x, cos, sin)  # [1, H, N, D], [1, Hkv, N, D]
+                kp.index_copy_(1, batch.write_slots, k[0])
+                vp.index_copy_(1, batch.write_slots, v[0])
             if singles:  # one sequence a bucket (in packed order): slices of the packed row, concatenated
                 o = torch.cat([self._attend(q[:, :, d: d + t_b], bb, kp, vp, m)
                                for (d, _, t_b, *_), bb, m in buckets], dim=2)
@@ -669,8 +712,15 @@ class LlamaModel(nn.Module):
                     qb = q[0].index_select(1, gather).view(H, k_b, t_b, D).transpose(0, 1)  # [k, H, t, D]
                     ob = self._attend(qb, bb, kp, vp, m).transpose(0, 1).reshape(H, k_b * t_b, D)
                     o[0].index_copy_(1, dst, ob if real is None else ob.index_select(1, real))
+            if fd is not None:
+                x, h = fd.add_rms_norm(x, layer.o(o[0].transpose(0, 1).reshape(N, -1)),
+                                       layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
+                delta = layer.down(fd.silu_mul(layer.gate_up(h)))
+                continue
             x = x + layer.o(o.transpose(1, 2).reshape(1, N, -1))
             x = layer.mlp(x)
+        if fd is not None:
+            x = x + delta
         x = x.reshape(N, -1)
         if logits_index is None:
             rows = torch.arange(N, device=x.device)
@@ -775,12 +825,37 @@ class LlamaModel(nn.Module):
         causal = torch.ones(T, T, dtype=torch.bool, device=ids.device).tril()
         mask = (causal.unsqueeze(0) & valid.unsqueeze(1)).unsqueeze(1)  # [B, 1, T, T]
         x = self.embed(ids)
+        if self.uses_fused_prefill(ids.device):
+            return self._last_layer_qk_fused(x, cos, sin, mask)
         for layer in self.layers[:-1]:
             q, k, v = layer.project_qk(x, cos, sin)
-            o = masked_attention(q, k, v, mask, expand=self.expand_gqa)
+            o = masked_attention(q, k, v, mask, expand=self.gqa_expand(q.device))
             x = layer.mlp(x + layer.o(o.transpose(1, 2).reshape(B, T, -1)))
         q, k, _ = self.layers[-1].project_qk(x, cos, sin)
         return q, k
+
+    def _last_layer_qk_fused(self, x, cos, sin, mask):
+        """last_layer_qk with the fused small operations over its B x T rows. The rotary + KV-write kernel writes
+        each row's keys and values to a scratch [Hkv, B*T, D] pair (row r to slot r), which the layer's attention
+        then reads as [B, Hkv, T, D]; the padding rows go through too (their outputs are never read)."""
+        fd, c = self.fused_decode, self.c
+        B, T, _ = x.shape
+        M, H, Hkv, D = B * T, c.num_heads, c.num_kv_heads, c.head_dim
+        x, cos, sin = x.reshape(M, -1), cos.reshape(M, D), sin.reshape(M, D)
+        slots = torch.arange(M, device=x.device)
+        ks = torch.empty(Hkv, M, D, dtype=x.dtype, device=x.device)
+        vs = torch.empty_like(ks)
+        delta = None
+        for li, layer in enumerate(self.layers):
+            x, h = fd.add_rms_norm(x, delta, layer.input_layernorm.weight, layer.input_layernorm.eps)
+            q = fd.rope_write_kv(layer.qkv(h), cos, sin, slots, ks, vs, H, Hkv).view(B, T, H, D).transpose(1, 2)
+            k = ks.view(Hkv, B, T, D).transpose(0, 1)
+            if li == len(self.layers) - 1:
+                return q, k
+            o = masked_attention(q, k, vs.view(Hkv, B, T, D).transpose(0, 1), mask, expand=self.gqa_expand(q.device))
+            x, h = fd.add_rms_norm(x, layer.o(o.transpose(1, 2).reshape(M, -1)),
+                                   layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
+            delta = layer.down(fd.silu_mul(layer.gate_up(h)))
 
     def _ctx_mask(self, b: AttnBatch):
         """[B, 1, T, S] causal + padding mask of new tokens over the per-sequence context part."""
@@ -832,7 +907,7 @@ class LlamaModel(nn.Module):
                 kpre, vpre = kp.index_select(1, b.prefix_slots), vp.index_select(1, b.prefix_slots)
             k = torch.cat([kpre.unsqueeze(0).expand(B, -1, -1, -1), k], dim=2)
             v = torch.cat([vpre.unsqueeze(0).expand(B, -1, -1, -1), v], dim=2)
-        return masked_attention(q, k, v, mask, self.scale, expand=self.expand_gqa)
+        return masked_attention(q, k, v, mask, self.scale, expand=self.gqa_expand(q.device))
 
     def paged_decode_op(self, device: torch.device, dtype: torch.dtype):
         """The own-context paged decode attention for tensors of this device/dtype, or None (torch cascade):

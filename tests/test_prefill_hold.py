@@ -1,0 +1,119 @@
+"""The engine's prefill hold ($FASTRAG_PREFILL_HOLD / Engine(prefill_hold=...)): while sequences decode, prefills that
+arrive in different steps may wait a few steps to go in one call. What a generation computes must not change, the
+waits must end (never while nothing decodes, never past the hold, never with a full prefill budget waiting), and
+fewer prefill calls must come of it."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from fastrag import engine as engine_mod
+from fastrag.engine import Engine
+from fastrag.model.llama import LlamaModel
+
+
+class _Tok:
+    eos_token_id = None
+
+
+@pytest.fixture(scope="module")
+def model():
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, eos_token_id=None)
+    return LlamaModel.from_hf_config(cfg, seed=3)
+
+
+def _run(model, hold: int, arrivals, max_prefill_tokens: int = 4096):
+    """arrivals: (step, prompt, max_new) - each generation starts before that engine step. Returns the generations'
+    (ids, log-probabilities), the engine's stats and, per step, how many sequences waited after it."""
+    eng = Engine(model, _Tok(), kv_cache_gb=0.01, max_batch=8, prefill_hold=hold,
+                 max_prefill_tokens=max_prefill_tokens)
+    seqs, waited, step = {}, [], 0
+    todo = sorted(arrivals, key=lambda a: a[0])
+    while todo or eng.has_work:
+        while todo and todo[0][0] <= step:
+            _, prompt, n = todo.pop(0)
+            s = eng.new_sequence()
+            eng.start(s, prompt, n)
+            seqs[len(seqs)] = s
+        if eng.has_work:
+            eng.step()
+            waited.append(len(eng.waiting))
+        step += 1
+        assert step < 500, "the run did not finish"
+    out = [(seqs[i].out.ids, seqs[i].out.logprob) for i in range(len(seqs))]
+    return out, dict(eng.stats), waited
+
+
+def _arrivals(seed: int):
+    """A long generation from step 0, then one new generation a step from step 2 to 7 (random prompts and
+    budgets), and two more at random steps."""
+    r = random.Random(seed)
+    arr = [(0, [r.randrange(1, 97) for _ in range(r.randint(5, 30))], 20)]
+    arr += [(t, [r.randrange(1, 97) for _ in range(r.randint(3, 40))], r.randint(2, 9)) for t in range(2, 8)]
+    arr += [(r.randint(1, 12), [r.randrange(1, 97) for _ in range(r.randint(3, 40))], r.randint(2, 9))
+            for _ in range(2)]
+    return arr
+
+
+@pytest.mark.parametrize("hold", [1, 3])
+def test_held_prefills_compute_the_same_generations_in_fewer_calls(model, hold):
+    seed = random.randrange(2**31)
+    arr = _arrivals(seed)
+    want, st0, _ = _run(model, 0, arr)
+    got, st, waited = _run(model, hold, arr)
+    assert [ids for ids, _ in got] == [ids for ids, _ in want], seed
+    for (_, la), (_, lb) in zip(got, want):
+        torch.testing.assert_close(torch.tensor(la), torch.tensor(lb), rtol=1e-4, atol=1e-5)
+    assert st0["prefill_holds"] == 0
+    assert st["prefill_holds"] > 0, (seed, st)
+    assert st["prefill_calls"] < st0["prefill_calls"], (seed, st["prefill_calls"], st0["prefill_calls"])
+    assert st["prefill_tokens"] == st0["prefill_tokens"] and st["decode_tokens"] == st0["decode_tokens"]
+    # never more than `hold` steps in a row with prefills left waiting
+    run = 0
+    for w in waited:
+        run = run + 1 if w else 0
+        assert run <= hold, (seed, waited)
+
+
+def test_nothing_decoding_means_no_hold(model):
+    """A lone generation is prefilled in the first step, whatever the hold."""
+    (ids, _), = _run(model, 5, [(0, list(range(1, 20)), 3)])[0]
+    assert len(ids) == 3
+    _, st, waited = _run(model, 5, [(0, list(range(1, 20)), 3)])
+    assert st["prefill_holds"] == 0 and waited[0] == 0
+
+
+def test_a_full_prefill_budget_is_not_held(model):
+    """What waits reaches one prefill's token budget: it goes at once."""
+    arr = [(0, list(range(1, 10)), 10), (1, list(range(20, 60)), 3)]  # 40 new tokens arrive while one decodes
+    _, st, waited = _run(model, 4, arr, max_prefill_tokens=32)
+    assert st["prefill_holds"] == 0 and not any(waited)
+    _, st, _ = _run(model, 4, arr, max_prefill_tokens=64)
+    assert st["prefill_holds"] > 0
+
+
+def test_settings_from_the_environment(model, monkeypatch):
+    monkeypatch.setenv(engine_mod.PREFILL_HOLD_ENV, "2")
+    monkeypatch.setenv(engine_mod.MIX_PREFILL_ENV, "1")
+    eng = Engine(model, _Tok(), kv_cache_gb=0.01)
+    assert eng.prefill_hold == 2 and eng.mix_prefill is True
+    eng = Engine(model, _Tok(), kv_cache_gb=0.01, prefill_hold=0, mix_prefill=False)  # arguments win
+    assert eng.prefill_hold == 0 and eng.mix_prefill is False
+    monkeypatch.delenv(engine_mod.PREFILL_HOLD_ENV)
+    monkeypatch.delenv(engine_mod.MIX_PREFILL_ENV)
+    eng = Engine(model, _Tok(), kv_cache_gb=0.01)
+    assert eng.prefill_hold == 0 and eng.mix_prefill is False
+    for bad in ("x", "-1", "1.5"):
+        monkeypatch.setenv(engine_mod.PREFILL_HOLD_ENV, bad)
+        with pytest.raises(ValueError, match=f"FASTRAG_PREFILL_HOLD='{bad}'"):
+            Engine(model, _Tok(), kv_cache_gb=0.01)
+    monkeypatch.delenv(engine_mod.PREFILL_HOLD_ENV)
+    for bad in (-1, True, 2.0):
+        with pytest.raises(ValueError, match="prefill_hold must be an int >= 0"):
+            Engine(model, _Tok(), kv_cache_gb=0.01, prefill_hold=bad)
