@@ -169,8 +169,9 @@ except RuntimeError as e:
                     --data-dir /tmp/fastrag_data --limit "${E2E_LIMIT:-64}" --batch-size "${E2E_BATCH:-128}" \
                     --oracle-limit "${E2E_ORACLE_LIMIT:-3}" --tuned-oracle-limit "${E2E_TUNED_LIMIT:-6}" \
                     --output "$RUNS" --results "/tmp/fastrag_variants/$vname" ${E2E_ARGS:-} "${vargs[@]}"
-                cp "/tmp/fastrag_variants/$vname/e2e_cuda.md" "$OUT/results/e2e_cuda_$vname.md" 2>/dev/null
-                cp "/tmp/fastrag_variants/$vname/e2e_cuda.json" "$OUT/results/e2e_cuda_$vname.json" 2>/dev/null
+                for f in "/tmp/fastrag_variants/$vname"/e2e_*; do  # e2e_cuda.md -> e2e_cuda_NAME.md (.json)
+                    [ -f "$f" ] && b=$(basename "$f") && cp "$f" "$OUT/results/${b%.*}_$vname.${b##*.}"
+                done
                 for f in "$RUNS"/*/engine/metrics.json; do
                     [ -f "$f" ] && cp "$f" "$OUT/results/e2e_engine_${vname}_$(basename "$(dirname "$(dirname "$f")")").json"
                 done
