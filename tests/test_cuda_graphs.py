@@ -419,3 +419,41 @@ def test_small_kv_pool_with_graphs_equals_eager():
     got, b_g = _run(eng, prompts, max_new)
     _same(got, eager)
     assert max(b_g) < len(prompts) and eng.graphs.stats["replays"] > 0  # the pool, not max_batch, bounded the batch
+
+
+def test_an_evicted_sequence_is_recomputed_with_graphs():
+    """Out of KV blocks (an 8-block pool, the scratch block one of them) an idle sequence is preempted: its blocks go
+    to a prompt that needs them, and its next generation prefills its prompt again. On a GPU this runs with
+    real graphs and the fused prefill; the tokens equal a roomy pool's, and nothing fails."""
+    g = torch.Generator().manual_seed(21)
+    a_prompt = torch.randint(1, 96, (20,), generator=g).tolist()  # 20 + 6 new: 2 blocks
+    b_prompt = torch.randint(1, 96, (90,), generator=g).tolist()  # 90 + 6 new: 6 blocks, 7 free in all
+
+    def run(eng):
+        a, b = eng.new_sequence(), eng.new_sequence()
+        eng.start(a, a_prompt, 6)
+        while eng.has_work:
+            eng.step()
+        eng.start(b, b_prompt, 6)
+        while eng.has_work:
+            eng.step()
+        more = a.tokens + [7]  # a's continuation: 27 tokens + 6 new, 3 blocks while b holds 6
+        eng.start(a, more, 6)
+        prefilled = a.out.prefilled
+        while eng.has_work:
+            eng.step()
+        return (a.out.ids, a.out.logprob), (b.out.ids, b.out.logprob), prefilled, len(more)
+
+    want_a, want_b, roomy_prefill, n_more = run(_engine(True))
+    per_block = 2 * CFG["num_hidden_layers"] * 16 * CFG["num_key_value_heads"] * 8 * 4
+    small = _engine(True, kv_cache_gb=8.5 * per_block / 2**30)
+    assert small.pool.num_blocks == 8
+    got_a, got_b, prefilled, _ = run(small)
+    for (ia, la), (ib, lb) in ((got_a, want_a), (got_b, want_b)):
+        assert ia == ib
+        torch.testing.assert_close(torch.tensor(la), torch.tensor(lb), rtol=1e-4, atol=1e-4)
+    assert small.stats["evictions"] == 2 and small.stats["evicted_tokens"] > 0
+    # evicted, the continuation prefills again what a roomy pool kept (less the full blocks that prefix caching
+    # still finds intact in the pool)
+    assert roomy_prefill < prefilled <= n_more, (roomy_prefill, prefilled, n_more)
+    assert small.graphs.stats["replays"] > 0
