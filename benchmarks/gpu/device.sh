@@ -154,8 +154,10 @@ except RuntimeError as e:
             # NAME=VALUE go to the environment (FASTRAG_FUSED_PREFILL=0, FASTRAG_PREFILL_HOLD=2, ...), the others
             # to bench_e2e after E2E_ARGS (--text-workers 8, ...). Tables: results/e2e_cuda_NAME.md, engine metrics:
             # results/e2e_engine_NAME_DATASET.json. T_variant bounds each run.
-            IFS=';' read -ra VS <<< "${E2E_VARIANTS:-}"
+            IFS=';' read -ra VS -d '' <<< "${E2E_VARIANTS:-}"  # (the whole list, newlines too)
             for v in "${VS[@]}"; do
+                v="${v#"${v%%[![:space:]]*}"}"  # (leading blanks and newlines of a wrapped list)
+                [ -n "$v" ] || continue
                 vname=${v%%:*}
                 vname=${vname//[^A-Za-z0-9_]/_}
                 envs=()
