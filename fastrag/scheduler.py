@@ -29,7 +29,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, ClassVar, Generator, Iterable
 
 from fastrag.engine import Engine, Generation, SeqState, sampling_key
-from fastrag.text.pool import BrokenProcessPool, TextPool, compute_text, failure_message, is_failure
+from fastrag.text.pool import BrokenProcessPool, TextPool, compute_text, compute_texts, failure_message, is_failure
 from fastrag.trace import QuestionResult
 
 
@@ -203,6 +203,9 @@ class Scheduler:
         else:
             self.text_pool, self._own_pool, self.text_workers = None, True, text_workers
         self._texts: list[tuple[Future, _Live, int | None, Request]] = []  # text requests at the workers
+        # without workers, the text requests of a step wait inside it for one nlp.pipe pass a kind (batch_texts;
+        # None outside a step: answered at once)
+        self._step_texts: list[tuple[_Live, int | None, Request]] | None = None
         self.text_requests = 0
         self.search_batches: list[int] = []
         self.search_seconds = 0.0  # summed over the batches (concurrent batches overlap)
@@ -299,6 +302,10 @@ class Scheduler:
             self.text_pool.shutdown()
             self.text_pool = None  # (a later text request starts workers again)
 
+    # without text workers, the spaCy texts that questions ask for in one step go through one nlp.pipe pass a kind
+    # (fastrag.text.pool.compute_texts), each answered within the step at the point where it was asked
+    batch_texts = True
+
     def step(self) -> bool:
         """Admit questions up to max_inflight, serve one round of batched requests (attention passes, a retrieval
         batch, spaCy texts, one engine step). Returns whether anything progressed.
@@ -310,6 +317,33 @@ class Scheduler:
         run both, the texts the workers send back go to their questions at once. Each other result reaches its
         question one step later than without overlap; what every question decides is the same either way.
         """
+        if not self.batch_texts or self.text_workers or self._step_texts is not None:
+            return self._step()
+        self._step_texts = []
+        try:
+            return self._step()
+        finally:
+            left, self._step_texts = self._step_texts, None
+            for lv, i, r in left:  # (only when the step raised: answered one by one, delivered next step)
+                if id(lv) in self._live:
+                    value = compute_text(r.kind, r.text)
+                    if is_failure(value):
+                        self._fail(lv, failure_message(value))
+                    else:
+                        self._ready.append((lv, i, value))
+
+    def _answer_step_texts(self) -> bool:
+        """Answer the text requests of this step so far in one pass a kind (and those their answers lead to)."""
+        any_ = False
+        while self._step_texts:
+            items, self._step_texts = self._step_texts, []
+            for (lv, i, r), value in zip(items, compute_texts([(r.kind, r.text) for _, _, r in items])):
+                if id(lv) in self._live:
+                    self._hand_text(lv, i, value, now=True)
+            any_ = True
+        return any_
+
+    def _step(self) -> bool:
         t0 = time.perf_counter()
         t_eng = t_attn = t_wait = 0.0
         progressed = False
@@ -332,6 +366,7 @@ class Scheduler:
             for lv, i, g in ready:
                 self._deliver(lv, i, g)
             progressed = True
+        self._answer_step_texts()  # (before the passes are taken: a text's answer may ask for one)
         # attention passes: one batched forward per kind, launched behind the step (collected below)
         passes = []
         for kind, cls in (("colmax", AttnColmax), ("rows", AttnRows)):
@@ -387,6 +422,8 @@ class Scheduler:
                                                  "titles": [x.title for x in d]})
                 self._result(lv, i, d)
         finished = []
+        if launched is None and not self.overlap:
+            self._answer_step_texts()  # (the generations their answers start join this step's engine step)
         if launched is not None:
             te = time.perf_counter()
             finished = self.engine.step_finish(launched)
@@ -429,6 +466,8 @@ class Scheduler:
                 progressed = True
             if self._collect_texts(now=False):
                 progressed = True
+        if self._answer_step_texts():
+            progressed = True
         sec = self.step_seconds
         sec["engine"] += t_eng
         sec["attention_passes"] += t_attn
@@ -611,6 +650,8 @@ class Scheduler:
             seq.on_token = self._token_hook(lv, req.branch) if lv.on_event is not None else None
             self._emit(lv, "generate", {"prompt_tokens": len(ids), "branch": req.branch})
             lv.generations += 1
+        elif isinstance(req, TEXT_REQUESTS) and not self.text_workers and self._step_texts is not None:
+            self._step_texts.append((lv, idx, req))  # a Parallel's part, answered with the step's other texts
         elif isinstance(req, TEXT_REQUESTS) and not self.text_workers:  # a Parallel's part, answered here
             value = compute_text(req.kind, req.text)
             if is_failure(value):
@@ -662,6 +703,9 @@ class Scheduler:
                 value = []
                 continue
             if isinstance(req, TEXT_REQUESTS) and not self.text_workers:  # answered here and now
+                if self._step_texts is not None:  # (within a step: with the step's other texts)
+                    self._step_texts.append((lv, None, req))
+                    return
                 value = compute_text(req.kind, req.text)
                 if is_failure(value):
                     self._fail(lv, failure_message(value))

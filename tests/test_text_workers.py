@@ -237,3 +237,51 @@ def test_closing_with_texts_at_the_workers(model):
     sched.run([Ex("1", "3 4")], out.append)  # the question that was in flight at close() finishes too
     want = str(len(split_sentences(" ".join(TEXTS[:6]))))
     assert sorted((r.qid, r.prediction, r.error) for r in out) == [("0", want, None), ("1", want, None)]
+
+
+# ---------------------------------------------------------------------------------------------- a step's texts together
+
+
+def test_texts_computed_together_equal_the_calls_one_by_one():
+    """compute_texts: each kind's texts in one nlp.pipe pass give what one call each gives, blank texts included,
+    and a text spaCy rejects fails alone (the pass is done again text by text)."""
+    from fastrag.text.nlp import get_nlp
+    from fastrag.text.pool import compute_text, compute_texts
+
+    texts = _real_texts(24, seed=int.from_bytes(os.urandom(2), "little"))
+    huge = "word " * (get_nlp().max_length // 5 + 10)
+    items = [(k, t) for t in texts for k in ("sentences", "real_words")] + [("sentences", huge)]
+    random.Random(3).shuffle(items)
+    got = compute_texts(items)
+    for (k, t), v in zip(items, got):
+        if t is huge:
+            assert is_failure(v) and not is_failure(compute_texts([(k, texts[0])])[0])
+        else:
+            assert v == compute_text(k, t), (k, t)
+    assert compute_texts([]) == []
+
+
+def test_a_step_s_texts_go_through_one_pass_and_decide_the_same(model, monkeypatch):
+    """Without workers, the texts the questions of a step ask for are computed together (several in one call of
+    compute_texts), and every question decides as when each text is computed on its own, with overlap or without."""
+    import fastrag.scheduler as sched_mod
+
+    sizes = []
+    real = sched_mod.compute_texts
+
+    def spy(items):
+        sizes.append(len(items))
+        return real(items)
+
+    monkeypatch.setattr(sched_mod, "compute_texts", spy)
+    for overlap in (False, True):
+        sizes.clear()
+        batched, _ = _schedule(model, 0, overlap=overlap)
+        assert sizes and max(sizes) > 1, sizes  # some step had several texts in one pass
+        monkeypatch.setattr(Scheduler, "batch_texts", False)
+        sizes.clear()
+        alone, _ = _schedule(model, 0, overlap=overlap)
+        monkeypatch.setattr(Scheduler, "batch_texts", True)
+        assert not sizes  # (switched off: one text at a time, not through compute_texts)
+        assert all(r.error is None for r in batched.values())
+        assert _decisions(batched) == _decisions(alone)

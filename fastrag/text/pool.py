@@ -31,8 +31,11 @@ from concurrent.futures.process import BrokenProcessPool
 # what a worker can compute: kind -> (module, function) of one text
 KINDS = {"sentences": ("fastrag.text.sentences", "split_sentences"),
          "real_words": ("fastrag.text.realwords", "real_words")}
+# the same through one nlp.pipe pass over several texts (equal results, text for text)
+BATCH_KINDS = {"sentences": ("fastrag.text.sentences", "split_sentences_batch"),
+               "real_words": ("fastrag.text.realwords", "real_words_batch")}
 
-__all__ = ["KINDS", "BrokenProcessPool", "TextPool", "compute_text", "failure_message",
+__all__ = ["KINDS", "BrokenProcessPool", "TextPool", "compute_text", "compute_texts", "failure_message",
            "is_failure", "run_text"]
 
 _HEADER = struct.Struct("<Q")
@@ -54,6 +57,34 @@ def compute_text(kind: str, text: str):
         return run_text(kind, text)
     except Exception as e:  # noqa: BLE001  (handed back to the asking question)
         return _Failed(f"{type(e).__name__}: {e}")
+
+
+def compute_texts(items: list[tuple[str, str]]) -> list:
+    """`[compute_text(kind, text) for kind, text in items]`, each kind's texts through one `nlp.pipe` pass: on the
+    2-core CPU, 2 / 4 / 8 texts together split 1.32x / 1.54x / 1.71x and tag 1.18x / 1.38x / 1.50x faster than one
+    call each (benchmarks/gpu/NOTES.md, 2026-11-26). A pass that raises (a text spaCy rejects) is done again text
+    by text, so the failure stays with the text that caused it."""
+    out: list = [None] * len(items)
+    groups: dict[str, list[int]] = {}
+    for j, (kind, text) in enumerate(items):
+        if kind in BATCH_KINDS and isinstance(text, str) and text.strip():
+            groups.setdefault(kind, []).append(j)
+        else:  # (blank texts and unknown kinds: what the one-text call says)
+            out[j] = compute_text(kind, text)
+    for kind, js in groups.items():
+        texts = [items[j][1] for j in js]
+        values = None
+        if len(js) > 1:
+            module, name = BATCH_KINDS[kind]
+            try:
+                values = getattr(importlib.import_module(module), name)(texts)
+            except Exception:  # noqa: BLE001  (one text's failure: found again below, text by text)
+                values = None
+        if values is None or len(values) != len(js):
+            values = [compute_text(kind, t) for t in texts]
+        for j, v in zip(js, values):
+            out[j] = v
+    return out
 
 
 class _Failed:
