@@ -30,17 +30,14 @@ PREFILL_HOLD_ENV = "FASTRAG_PREFILL_HOLD"  # steps a small prefill may wait for 
 MIX_PREFILL_ENV = "FASTRAG_MIX_PREFILL"  # 1: prefill batches mix shared prefixes (default 0)
 
 
-def _env_int(name: str, default: int, low: int = 0) -> int:
-    raw = os.environ.get(name)
-    if raw is None or raw.strip() == "":
+def _env_int(name: str, default: int) -> int:
+    """$name as an integer >= 0 (unset or blank: default); anything else is an error naming the variable."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
         return default
-    try:
-        v = int(raw)
-    except ValueError:
-        raise ValueError(f"${name}={raw!r}: expected an integer >= {low}") from None
-    if v < low:
-        raise ValueError(f"${name}={raw!r}: expected an integer >= {low}")
-    return v
+    if not raw.isdigit():
+        raise ValueError(f"${name}={os.environ[name]!r}: expected an integer >= 0")
+    return int(raw)
 
 
 def sampling_key(*parts: int) -> int:

@@ -83,9 +83,8 @@ def test_held_prefills_compute_the_same_generations_in_fewer_calls(model, hold):
 
 def test_nothing_decoding_means_no_hold(model):
     """A lone generation is prefilled in the first step, whatever the hold."""
-    (ids, _), = _run(model, 5, [(0, list(range(1, 20)), 3)])[0]
+    [(ids, _)], st, waited = _run(model, 5, [(0, list(range(1, 20)), 3)])
     assert len(ids) == 3
-    _, st, waited = _run(model, 5, [(0, list(range(1, 20)), 3)])
     assert st["prefill_holds"] == 0 and waited[0] == 0
 
 

@@ -80,7 +80,7 @@ def compute_texts(items: list[tuple[str, str]]) -> list:
                 values = getattr(importlib.import_module(module), name)(texts)
             except Exception:  # noqa: BLE001  (one text's failure: found again below, text by text)
                 values = None
-        if values is None or len(values) != len(js):
+        if values is None:
             values = [compute_text(kind, t) for t in texts]
         for j, v in zip(js, values):
             out[j] = v
