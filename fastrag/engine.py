@@ -26,7 +26,8 @@ from fastrag.transfer import tensor_on, to_device
 
 _M64 = (1 << 64) - 1
 CUDA_GRAPHS_ENV = "FASTRAG_CUDA_GRAPHS"
-PREFILL_HOLD_ENV = "FASTRAG_PREFILL_HOLD"  # steps a small prefill may wait for more (default 0)
+PREFILL_HOLD_ENV = "FASTRAG_PREFILL_HOLD"  # steps a small prefill may wait for more (default: 2 on CUDA, else 0)
+DEFAULT_PREFILL_HOLD = 2  # on CUDA devices (Engine's prefill_hold)
 MIX_PREFILL_ENV = "FASTRAG_MIX_PREFILL"  # 1: prefill batches mix shared prefixes (default 0)
 
 
@@ -38,6 +39,12 @@ def _env_int(name: str, default: int) -> int:
     if not raw.isdigit():
         raise ValueError(f"${name}={os.environ[name]!r}: expected an integer >= 0")
     return int(raw)
+
+
+def default_prefill_hold(device: torch.device) -> int:
+    """Engine(prefill_hold=None): $FASTRAG_PREFILL_HOLD when set, else DEFAULT_PREFILL_HOLD on CUDA devices (where a
+    prefill call's fixed cost is large) and 0 elsewhere."""
+    return _env_int(PREFILL_HOLD_ENV, DEFAULT_PREFILL_HOLD if torch.device(device).type == "cuda" else 0)
 
 
 def sampling_key(*parts: int) -> int:
@@ -222,16 +229,20 @@ class Engine:
                            c.num_kv_heads, c.head_dim, self.dtype, self.device)
         self.max_batch, self.max_prefill_tokens = max_batch, max_prefill_tokens
         # prefill batches of sequences with different shared prefixes (packed forward, each attends to its own).
-        # Off by default: in the 100-question two-dataset DRAGIN run it measured 789 s against 729 s with batches
-        # split by prefix (one run each; benchmarks/results/e2e_cpu.md). None: $FASTRAG_MIX_PREFILL (0 or 1)
+        # Off by default: in the 100-question two-dataset DRAGIN run on the CPU it measured 789 s against 729 s with
+        # batches split by prefix (one run each; benchmarks/results/e2e_cpu.md); on the H200 (128 questions, batch
+        # 128; benchmarks/results/gpu_h200_2026-11-26b.md) 16.3-16.5 s of engine time against 17.0 s, less than the
+        # prefill hold's gain, and the two together were not timed. None: $FASTRAG_MIX_PREFILL (0 or 1)
         self.mix_prefill = bool(_env_int(MIX_PREFILL_ENV, 0)) if mix_prefill is None else mix_prefill
         # prefill_hold: while sequences decode, a step may leave the waiting prefills (fewer new tokens than one
         # prefill's budget) for up to this many steps, so that more arrive and go in one call. On a GPU a prefill call
         # has a large fixed cost (H200, Llama-2-7B shape: 33.7 ms for 1 x 300 new tokens, 64.1 ms for 4 x 300;
-        # benchmarks/results/prefill_gpu_h200_2026-11-26.md), and a DRAGIN run's prefills arrive one or two a step
-        # (527 calls in 1,349 steps at batch 256). 0 (the default): every step prefills what waits. Not measured
-        # end to end yet. None: $FASTRAG_PREFILL_HOLD
-        self.prefill_hold = _env_int(PREFILL_HOLD_ENV, 0) if prefill_hold is None else prefill_hold
+        # benchmarks/results/prefill_gpu_h200_2026-11-26.md), and a DRAGIN run's prefills arrive one or two a step.
+        # Default: DEFAULT_PREFILL_HOLD on CUDA devices, 0 elsewhere (every step prefills what waits). Measured on
+        # the H200, 128 DRAGIN questions at batch 128 (benchmarks/results/gpu_h200_2026-11-26b.md): 2 steps gave 63
+        # prefill calls instead of 96, decode batches of 65 instead of 53, and 14.5 s of engine time instead of 17.0
+        # (20.1 s wall against 23.7-26.4 s). None: $FASTRAG_PREFILL_HOLD, else that default
+        self.prefill_hold = default_prefill_hold(self.device) if prefill_hold is None else prefill_hold
         if isinstance(self.prefill_hold, bool) or not isinstance(self.prefill_hold, int) or self.prefill_hold < 0:
             raise ValueError(f"prefill_hold must be an int >= 0, got {prefill_hold!r}")
         self._held = 0  # consecutive steps the waiting prefills were held

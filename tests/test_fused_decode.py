@@ -334,8 +334,10 @@ def test_env_switch(monkeypatch):
 
 
 def test_bench_prefill_times_fused_and_unfused_prefills(tmp_path, monkeypatch):
-    """bench_prefill --unfused where the fused kernels run (here the interpreter's, $FASTRAG_FUSED_DECODE=1): each
-    cell timed with them and again with torch's operations, each row saying which, both one prefill call."""
+    """bench_prefill --unfused where the fused kernels run (the GPU's, or on a CPU the interpreter's with
+    $FASTRAG_FUSED_DECODE=1): each cell timed with them and again with torch's operations, each row saying which,
+    both one prefill call. CPU tensors take the fused kernels only under the interpreter, so a GPU machine times
+    its own device (2026-11-26 on an H200, --cpu-small there gave the unfused row alone)."""
     import importlib.util
     import json
     import sys
@@ -346,11 +348,12 @@ def test_bench_prefill_times_fused_and_unfused_prefills(tmp_path, monkeypatch):
     spec = importlib.util.spec_from_file_location("_bench_prefill_fused", path)
     bp = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bp)
-    monkeypatch.setattr(sys, "argv", ["bench_prefill.py", "--cpu-small", "--shape", "tiny", "--cells", "2x12",
+    where = [] if DEV == "cuda" else ["--cpu-small"]
+    monkeypatch.setattr(sys, "argv", ["bench_prefill.py", *where, "--shape", "tiny", "--cells", "2x12",
                                       "--prefix", "16", "--jitter", "0", "--reps", "1", "--warmup", "0",
-                                      "--unfused", "--results", str(tmp_path)])
+                                      "--unfused", "--results", str(tmp_path), "--name", "prefill_tiny"])
     bp.main()
-    rows = json.loads((tmp_path / "prefill_cpu_tiny.json").read_text())["rows"]
+    rows = json.loads((tmp_path / "prefill_tiny.json").read_text())["rows"]
     assert [(r["seqs"], r["new"], r["fused"]) for r in rows] == [(2, 12, "yes"), (2, 12, "no")], rows
     assert all(r["tokens_per_call"] == 24 and r["wall_ms"] > 0 for r in rows), rows
-    assert "| 2 x 12 | default (flash,efficient,math) | yes |" in (tmp_path / "prefill_cpu_tiny.md").read_text()
+    assert "| 2 x 12 | default (flash,efficient,math) | yes |" in (tmp_path / "prefill_tiny.md").read_text()
