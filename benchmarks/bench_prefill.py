@@ -17,7 +17,9 @@ these $FASTRAG_SDPA settings (the backends the engine's masked attention may use
 cuDNN first on Hopper with CUDA 13 builds): the table gives every setting. `--unfused` times every cell again with
 torch's separate small operations instead of the fused kernels (on a GPU the prefill runs its residual adds,
 RMSNorms, rotary embedding with the KV write and SiLU product as kernels/fused_decode.py's launches, as the decode
-step does; $FASTRAG_FUSED_PREFILL=0 turns that off). `--profile` adds torch.profiler's tables
+step does; $FASTRAG_FUSED_PREFILL=0 turns that off). `--concat` times every cell again with the prefix attended
+in the one masked call over [prefix | context] (its keys copied for every sequence) instead of the cascade
+($FASTRAG_CASCADE_PREFILL=0). `--profile` adds torch.profiler's tables
 over --profile-calls calls of the last cell: the device kernels by total time, and the host operators by their own
 time.
 
@@ -212,6 +214,10 @@ def main() -> None:
                     help="also time every cell with torch's separate small operations in the prefill (residual "
                          "adds, RMSNorms, rotary embedding, KV write, SiLU product) instead of the fused kernels "
                          "($FASTRAG_FUSED_PREFILL=0); the fused ones run wherever the decode step's do")
+    ap.add_argument("--concat", action="store_true",
+                    help="also time every cell with the shared prefix in one masked call over [prefix | context] "
+                         "instead of the cascade ($FASTRAG_CASCADE_PREFILL=0); the cascade runs wherever its "
+                         "self-check passes")
     ap.add_argument("--profile", action="store_true", help="torch.profiler tables over --profile-calls calls")
     ap.add_argument("--profile-calls", type=positive_int, default=3)
     ap.add_argument("--name", default=None, help="result file stem (default prefill_gpu / prefill_cpu[_SHAPE])")
@@ -264,14 +270,20 @@ def main() -> None:
             "first ms: the first timed call.", "",
             "- fused small ops: whether the prefill ran its residual adds, RMSNorms, rotary embedding with the KV "
             "write and SiLU product as the fused kernels of kernels/fused_decode.py (yes) or as torch's separate "
-            "operations (no; `--unfused` adds those rows where the fused ones run by default)", "",
-            "| sequences x new tokens | $FASTRAG_SDPA | fused small ops | tokens a call | attention entries a call | "
-            "wall ms | floor ms | wall / floor | tokens/s | first ms | max ms |",
-            "|---|---|---|---|---|---|---|---|---|---|---|",
+            "operations (no; `--unfused` adds those rows where the fused ones run by default)",
+            f"- the cascade's self-check (lse_attention against the masked call): "
+            f"{', '.join(f'{k}: {v}' for k, v in model.cascade_checks.items()) or 'not run'}",
+            "- prefix attention: cascade (the prefix once for all the call's tokens, unmasked, merged by log-sum-exp "
+            "with each sequence's masked own context) or concat (one masked call over [prefix | context], the "
+            "prefix keys copied per sequence; `--concat` adds those rows where the cascade runs by default)", "",
+            "| sequences x new tokens | $FASTRAG_SDPA | fused small ops | prefix attention | tokens a call | "
+            "attention entries a call | wall ms | floor ms | wall / floor | tokens/s | first ms | max ms |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in rows:
             lines.append(
-                f"| {r['seqs']} x {r['new']} | {r['sdpa']} | {r['fused']} | {r['tokens_per_call']:.0f} | "
+                f"| {r['seqs']} x {r['new']} | {r['sdpa']} | {r['fused']} | {r.get('prefix_attn', '-')} | "
+                f"{r['tokens_per_call']:.0f} | "
                 f"{r['attn_entries_per_call']:.0f} | {r['wall_ms']:.2f} | {r['floor_ms']:.2f} | "
                 f"{r['wall_over_floor']:.2f} | {r['tok_per_s']:.0f} | {r['first_ms']:.2f} | {r['max_ms']:.2f} |")
         if prof:
@@ -290,23 +302,28 @@ def main() -> None:
             indent=1))
         return path
 
-    fused_default = model.fused_prefill
-    variants = [(None, True), *((s, True) for s in args.sdpa or [])]
+    fused_default, cascade_default = model.fused_prefill, model.cascade_prefill
+    variants = [(None, True, True), *((s, True, True) for s in args.sdpa or [])]
     if args.unfused and model.uses_fused_prefill(dev):
-        variants.append((None, False))
+        variants.append((None, False, True))
+    if args.concat and model.uses_cascade_prefill(dev, dtype):
+        variants.append((None, True, False))
     with torch.inference_mode():
         for n, t in cells:
-            for sdpa, fused in variants:
+            for sdpa, fused, cascade in variants:
                 model.fused_prefill = fused_default and fused
+                model.cascade_prefill = cascade_default and cascade
                 try:
                     r = time_cell(eng, prefix_ids, n, t, jitter, reps, args.warmup, g, shape["vocab_size"], costs,
                                   figures, sdpa)
                     r["fused"] = "yes" if model.uses_fused_prefill(dev) else "no"
+                    r["prefix_attn"] = "cascade" if prefix and model.uses_cascade_prefill(dev, dtype) else "concat"
                 finally:
-                    model.fused_prefill = fused_default
+                    model.fused_prefill, model.cascade_prefill = fused_default, cascade_default
                 rows.append({"seqs": n, "new": t, "sdpa": sdpa or default_sdpa, **r})
-                print(f"{n} x {t} ({rows[-1]['sdpa']}, fused small ops: {r['fused']}): {r['wall_ms']:.2f} ms, "
-                      f"floor {r['floor_ms']:.2f} ms ({r['wall_over_floor']:.2f}x)", flush=True)
+                print(f"{n} x {t} ({rows[-1]['sdpa']}, fused small ops: {r['fused']}, prefix attention: "
+                      f"{r['prefix_attn']}): {r['wall_ms']:.2f} ms, floor {r['floor_ms']:.2f} ms "
+                      f"({r['wall_over_floor']:.2f}x)", flush=True)
                 write()
         if args.profile:
             n, t = cells[-1]

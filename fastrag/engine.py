@@ -249,6 +249,10 @@ class Engine:
         # prefix caching (kv.py): a prompt's full blocks that some sequence already computed are shared, not
         # prefilled again
         self.prefix_caching = prefix_caching
+        # the cascade prefill's one-time self-check (a few small attention calls and a host read) here, not inside
+        # the first step's launch, which reads nothing from the device
+        if getattr(model, "cascade_prefill", False):
+            model.uses_cascade_prefill(self.device, self.dtype)
         self.sampling = sampling or SamplingParams()
         self.gen = torch.Generator(device="cpu").manual_seed(self.sampling.seed)
         self.signals = get_backend(signals)

@@ -678,6 +678,10 @@ def _run_many(runs: list[RunOptions], engine=None, retriever=None) -> list[dict]
 
             if isinstance(getattr(engine, "model", None), LlamaModel):  # for the device floor (fastrag.perf)
                 metrics["model_costs"] = model_costs(engine.model)
+                # how prefills attended to the shared prefix: the cascade's switch, and per device and dtype its
+                # self-check ("on", or "off: why")
+                metrics["prefill_attention"] = {"cascade": engine.model.cascade_prefill,
+                                                "checks": dict(engine.model.cascade_checks)}
             graphs = getattr(engine, "graphs", None)
             if graphs is not None:  # decode steps replayed vs launched eagerly, graphs captured
                 metrics["cuda_graphs"] = dict(graphs.stats) | {"graphs": len(graphs.graphs),
@@ -708,8 +712,8 @@ def _run_many(runs: list[RunOptions], engine=None, retriever=None) -> list[dict]
 # metrics.json fields measured while computing (not derived from the records): a rerun that computes nothing keeps
 # them from the run before it, so `python -m fastrag.perf DIR` and the throughput still describe a real run
 MEASURED_FIELDS = ("questions_per_s", "tokens_per_s", "wall_s", "questions_measured", "engine", "kv_cache_gb",
-                   "model_costs", "cuda_graphs", "retrieval", "step_seconds", "overlap", "text_workers", "joint",
-                   "environment")
+                   "model_costs", "prefill_attention", "cuda_graphs", "retrieval", "step_seconds", "overlap",
+                   "text_workers", "joint", "environment")
 
 
 def _warn_control_tokens(plans, tok) -> None:

@@ -80,6 +80,9 @@ def test_run_writes_results_and_metrics(run_dir):
     assert m["n"] == 3 and m["method"] == "dragin" and m["dataset"] == "hotpotqa"
     assert 0.0 <= m["em"] <= m["f1"] + 1e-9 <= 1.0 + 1e-9
     assert m["questions_per_s"] > 0
+    # the prompts after DRAGIN's demonstrations were prefilled with the prefix as a cascade, its self-check passed
+    pa = m["prefill_attention"]
+    assert pa["cascade"] is True and pa["checks"] and set(pa["checks"].values()) == {"on"}, pa
     assert "f1" in p.stdout  # the summary table
 
 

@@ -159,6 +159,9 @@ def test_a_prefill_forward_enters_the_backend_scope_once(monkeypatch):
     monkeypatch.setattr(llama.F, "scaled_dot_product_attention", watched_sdpa)
     m = _model()
     eng = Engine(m, Tok(), kv_cache_gb=0.02, max_batch=8)
+    assert len(entered) == 1 and all(calls)  # the cascade's one-time self-check, inside a scope of its own
+    entered.clear()
+    calls.clear()
     g = torch.Generator().manual_seed(5)
     for n in (3, 17, 40):  # the packed forward: several buckets, each a masked call per layer
         s = eng.new_sequence()

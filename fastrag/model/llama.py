@@ -211,6 +211,69 @@ def _fused_prefill_mode() -> str:
     return mode
 
 
+CASCADE_PREFILL_ENV = "FASTRAG_CASCADE_PREFILL"  # auto (default: wherever the self-check passes) | 0
+
+
+def _cascade_prefill_mode() -> str:
+    """How a prefill's new tokens attend to the shared prefix (the demonstrations every sequence starts with).
+    auto: as a cascade, the prefix once for all the call's tokens without a mask and each sequence's own context
+    with its causal mask, the two merged by their log-sum-exp (`LlamaModel._attend_prefill_cascade`), wherever the
+    attention kernels that return a log-sum-exp pass a self-check on first use; 0: one masked call per bucket over
+    [prefix | context], the prefix keys copied for every sequence. On the H200 that copy (`cat`) took 21% of a
+    12 x 300-token prefill's device time and the masked attention over the whole prefix 25%
+    (benchmarks/results/prefill_gpu_h200_2026-11-26b.md)."""
+    import os
+
+    mode = os.environ.get(CASCADE_PREFILL_ENV, "auto")
+    if mode not in ("auto", "0"):
+        raise ValueError(f"${CASCADE_PREFILL_ENV}={mode!r}: expected auto or 0")
+    return mode
+
+
+def lse_attention(q, k, v, bias, scale: float):
+    """softmax(q k^T * scale + bias) v and its row log-sum-exp, for q [B, H, T, D], k/v [B, H, S, D] (as many heads as
+    q), bias None or an additive float mask of q's dtype, [B, H, T, S] (broadcast views welcome; on CUDA its rows
+    16-element aligned, see `cascade_bias`). Returns (o [B, H, T, D] in q's dtype, lse [B, H, T] float32, natural
+    log of the scaled scores' sum of exponentials). torch's fused kernels return the log-sum-exp only through their
+    aten entry points: flash attention on CUDA for half types without a mask, memory-efficient attention on CUDA
+    otherwise, and the CPU's flash kernel (mask included)."""
+    T = q.shape[2]
+    if q.device.type == "cuda":
+        if bias is None and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] % 8 == 0 \
+                and q.shape[-1] <= 256:
+            out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, False, False, scale=scale)
+            return out[0], out[1][..., :T].float()
+        out = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, 0.0, False, scale=scale)
+        return out[0], out[1][..., :T].float()
+    o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=bias,
+                                                                         scale=scale)
+    return o, lse.float()
+
+
+def cascade_bias(mask: torch.Tensor, groups: int, dtype: torch.dtype) -> torch.Tensor:
+    """The additive float mask of the cascade's own-context call from a bool mask [B, 1, T, S] (True: attend):
+    [B, 1, groups * T, S], each query row repeated for the `groups` query heads that share a kv head (the call
+    stacks them as rows), 0 where visible and -inf elsewhere. A row that sees nothing (padding) sees key 0, so no
+    row is all -inf. On CUDA the rows are allocated 16-element aligned (the memory-efficient kernel's requirement)
+    and the result is a view of the first S columns."""
+    B, _, T, S = mask.shape
+    mask = mask | (~mask.any(-1, keepdim=True) & (torch.arange(S, device=mask.device) == 0))
+    if groups > 1:
+        mask = mask.expand(B, groups, T, S).reshape(B, 1, groups * T, S)
+    width = -(-S // 16) * 16 if mask.device.type == "cuda" else S
+    bias = torch.full((B, 1, mask.shape[2], width), float("-inf"), dtype=dtype, device=mask.device)
+    bias[..., :S].masked_fill_(mask, 0.0)
+    return bias[..., :S]
+
+
+@dataclass(slots=True)
+class CascadeMask:
+    """A prefill bucket's masks when its prefix is attended as a cascade: `bias` from `cascade_bias` (the own
+    context), `groups` query heads per kv head."""
+    bias: torch.Tensor
+    groups: int
+
+
 def _real_positions(lens: list[int], T: int, device) -> torch.Tensor:
     """[N] int64 flat positions (row-major over [B, T]) of each row's first lens[b] tokens, built on the host."""
     return tensor_on(np.concatenate([np.arange(n) + b * T for b, n in enumerate(lens)]), device)
@@ -440,6 +503,9 @@ class LlamaModel(nn.Module):
         self.fused_prefill = _fused_prefill_mode() == "auto"
         mode = _prefill_gqa_mode()
         self.expand_gqa = None if mode == "auto" else mode == "expand"  # None: by device (gqa_expand)
+        self.cascade_prefill = _cascade_prefill_mode() == "auto"
+        # per "device dtype": "on", or "off: why" when the log-sum-exp kernels failed their self-check there
+        self.cascade_checks: dict[str, str] = {}
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -880,9 +946,85 @@ class LlamaModel(nn.Module):
         kp.index_copy_(1, b.write_slots, k)
         vp.index_copy_(1, b.write_slots, v)
 
-    @staticmethod
-    def _prefill_mask(b: AttnBatch, mask_ctx):
-        """[B, 1, T, P + S] mask of the fused prefill attention (prefix entries always visible)."""
+    def uses_cascade_prefill(self, device: torch.device, dtype: torch.dtype) -> bool:
+        """Whether prefills on this device attend to their shared prefix as a cascade ($FASTRAG_CASCADE_PREFILL):
+        on unless switched off or `lse_attention` failed its self-check here (checked once per device and dtype,
+        with a warning and the reason in `cascade_checks` when it fails)."""
+        if not self.cascade_prefill:
+            return False
+        key = f"{torch.device(device)} {str(dtype).removeprefix('torch.')}"
+        if key not in self.cascade_checks:
+            self.cascade_checks[key] = self._check_cascade(torch.device(device), dtype)
+            if self.cascade_checks[key] != "on":
+                import warnings
+
+                warnings.warn(f"fastrag: prefix attention without the cascade on {key} "
+                              f"({self.cascade_checks[key]})", RuntimeWarning, stacklevel=2)
+        return self.cascade_checks[key] == "on"
+
+    def _check_cascade(self, device: torch.device, dtype: torch.dtype) -> str:
+        """The cascade against the one masked call on a small random problem of this model's heads: "on" when they
+        agree, else "off: " and why (a kernel this torch lacks or refuses, or a wrong result)."""
+        c = self.c
+        H, Hkv, D = c.num_heads, c.num_kv_heads, c.head_dim
+        B, T, S, P = 2, 5, 9, 7
+        g = torch.Generator().manual_seed(0)
+
+        def rnd(*shape):
+            return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
+
+        q, kpre, vpre, ks, vs = rnd(B, H, T, D), rnd(Hkv, P, D), rnd(Hkv, P, D), rnd(B, Hkv, S, D), rnd(B, Hkv, S, D)
+        lens = torch.tensor([S, S - 2], device=device)  # the new tokens are each sequence's last T entries
+        pos = (lens - T).view(B, 1) + torch.arange(T, device=device)
+        m = ((torch.arange(S, device=device).view(1, 1, S) <= pos.unsqueeze(-1))
+             & (torch.arange(S, device=device).view(1, 1, S) < lens.view(B, 1, 1))).unsqueeze(1)
+        try:
+            with torch.inference_mode():
+                got = self._cascade_core(q, kpre, vpre, ks, vs, CascadeMask(cascade_bias(m, H // Hkv, dtype),
+                                                                             H // Hkv))
+                full = torch.cat([m.new_ones(B, 1, T, P), m], dim=-1)
+                want = masked_attention(q.float(), torch.cat([kpre.unsqueeze(0).expand(B, -1, -1, -1), ks], 2).float(),
+                                        torch.cat([vpre.unsqueeze(0).expand(B, -1, -1, -1), vs], 2).float(), full,
+                                        self.scale, expand=True)
+        except Exception as e:  # (an op this torch build lacks, or one that refuses these shapes or this dtype)
+            return f"off: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        tol = 1e-4 if dtype == torch.float32 else 3e-2
+        err = (got.float() - want).abs().max().item()
+        if not err <= tol:  # (NaN included)
+            return f"off: the cascade differed from the masked call by {err:.3g} (tolerance {tol:g})"
+        return "on"
+
+    def _cascade_core(self, q, kpre, vpre, ks, vs, cm: CascadeMask):
+        """Cascade prefill attention: q [B, H, T, D] over the prefix kpre/vpre [Hkv, P, D] (every new token sees all
+        of it: one call for all B*T tokens, no mask) and over its own context ks/vs [B, Hkv, S, D] (causal and
+        padding mask `cm.bias`), merged by the two log-sum-exps. The query heads that share a kv head are stacked as
+        rows, so neither call repeats keys. Returns [B, H, T, D] in q's dtype."""
+        B, H, T, D = q.shape
+        Hkv, G = kpre.shape[0], cm.groups
+        qg = q.reshape(B, Hkv, G * T, D)  # head h = kv head h // G, row (h % G) * T + t
+        o1, l1 = lse_attention(qg.transpose(0, 1).reshape(1, Hkv, B * G * T, D), kpre.unsqueeze(0),
+                               vpre.unsqueeze(0), None, self.scale)
+        o2, l2 = lse_attention(qg, ks, vs, cm.bias.expand(B, Hkv, G * T, ks.shape[2]), self.scale)
+        o1 = o1.reshape(Hkv, B, G * T, D).transpose(0, 1)
+        w = torch.sigmoid(l1.reshape(Hkv, B, G * T).transpose(0, 1) - l2).unsqueeze(-1)  # the prefix's share
+        return torch.lerp(o2.float(), o1.float(), w).to(q.dtype).reshape(B, H, T, D)
+
+    def _attend_prefill_cascade(self, q, b: AttnBatch, kp, vp, ks, vs, cm: CascadeMask):
+        """`_attend_prefill` with the prefix as a cascade (`_cascade_core`); ks/vs: [Hkv, B, S, D] gathered."""
+        if b.prefix_start >= 0:
+            kpre = kp[:, b.prefix_start: b.prefix_start + b.prefix_len]
+            vpre = vp[:, b.prefix_start: b.prefix_start + b.prefix_len]
+        else:
+            kpre, vpre = kp.index_select(1, b.prefix_slots), vp.index_select(1, b.prefix_slots)
+        return self._cascade_core(q, kpre, vpre, ks.transpose(0, 1), vs.transpose(0, 1), cm)
+
+    def _prefill_mask(self, b: AttnBatch, mask_ctx):
+        """The prefill attention's mask, built once per forward: with a shared prefix and the cascade in use, a
+        `CascadeMask` of the own context alone; else [B, 1, T, P + S] over [prefix | context] (prefix entries
+        always visible)."""
+        if b.prefix_len and self.uses_cascade_prefill(mask_ctx.device, self.embed.weight.dtype):
+            G = self.c.num_heads // self.c.num_kv_heads
+            return CascadeMask(cascade_bias(mask_ctx, G, self.embed.weight.dtype), G)
         B, _, T, _ = mask_ctx.shape
         mask = mask_ctx
         if b.prefix_len:
@@ -891,11 +1033,12 @@ class LlamaModel(nn.Module):
         return mask | (~mask.any(-1, keepdim=True) & (torch.arange(mask.shape[-1], device=mask.device) == 0))
 
     def _attend_prefill(self, q, b: AttnBatch, kp, vp, ks, vs, mask):
-        """Many new tokens per sequence: compute-bound, so one fused SDPA call over [prefix | own context].
-
-        The prefix keys are broadcast to the batch (a copy of P rows per sequence, small next to the T x (P+S)
-        attention itself); fused attention beats the explicit-softmax cascade here by ~2x on CPU.
-        """
+        """Many new tokens per sequence. With a `CascadeMask` (the default where the shared prefix's cascade passed
+        its self-check): `_attend_prefill_cascade`. Else one fused SDPA call over [prefix | own context], the prefix
+        keys copied for every sequence (an explicit-softmax cascade was ~2x slower than this on the CPU; the
+        cascade of fused kernels that return their log-sum-exp is not)."""
+        if isinstance(mask, CascadeMask):
+            return self._attend_prefill_cascade(q, b, kp, vp, ks, vs, mask)
         B, H, T, D = q.shape
         k = ks.transpose(0, 1)  # [B, Hkv, S, D]
         v = vs.transpose(0, 1)

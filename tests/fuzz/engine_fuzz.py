@@ -305,12 +305,14 @@ class EngineCfg:
     overlap: bool = False
     sampling: object = None
     prefill_hold: int = 0
+    cascade: bool = True  # the shared prefix attended as a cascade in prefills (LlamaModel.cascade_prefill)
 
 
 def build(wl, ec):
     from fastrag.engine import Engine
 
     hf, m, cfg = models(wl.V)
+    m.cascade_prefill = ec.cascade  # (the model is shared between configurations: each engine sets its own)
     c = m.c
     per_block = 2 * c.num_layers * wl.block_size * c.num_kv_heads * c.head_dim * 4
     blocks = ec.blocks if ec.blocks is not None else 4000
@@ -704,7 +706,8 @@ def run_seed(seed, signals="torch", verbose=False, tight_extra=None, do_ref=True
     tight = EngineCfg("tight", max(lo + extra, 8), r.choice([2, 3, 4, 8]), signals=signals,
                       cuda_graphs=r.random() < 0.4, mix_prefill=r.random() < 0.3,
                       prefix_caching=r.random() < 0.8, max_prefill_tokens=r.choice([16, 64, 4096]),
-                      overlap=r.random() < 0.5, sampling=sampling, prefill_hold=r.choice([0, 0, 1, 3]))
+                      overlap=r.random() < 0.5, sampling=sampling, prefill_hold=r.choice([0, 0, 1, 3]),
+                      cascade=r.random() < 0.5)
     if tight_over:
         for k, v in tight_over.items():
             setattr(tight, k, v)
@@ -783,7 +786,7 @@ def main():
         print(f"seed {seed}: {'OK' if not problems else 'FAIL'} {dt:.1f}s tight(blocks={tight.blocks}, "
               f"batch={tight.max_batch}, graphs={tight.cuda_graphs}, mix={tight.mix_prefill}, "
               f"pc={tight.prefix_caching}, mpt={tight.max_prefill_tokens}, ov={tight.overlap}, "
-              f"hold={tight.prefill_hold}) {info}", flush=True)
+              f"hold={tight.prefill_hold}, cascade={tight.cascade}) {info}", flush=True)
         for p in problems[:12]:
             print("   ", p)
         bad += bool(problems)
