@@ -973,7 +973,10 @@ class LlamaModel(nn.Module):
         def rnd(*shape):
             return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
 
-        q, kpre, vpre, ks, vs = rnd(B, H, T, D), rnd(Hkv, P, D), rnd(Hkv, P, D), rnd(B, Hkv, S, D), rnd(B, Hkv, S, D)
+        # laid out as the engine's: the prefix a slice of a pool [Hkv, slots, D], the context gathered [Hkv, B, S, D]
+        q, pool_k, pool_v = rnd(B, H, T, D), rnd(Hkv, P + 3, D), rnd(Hkv, P + 3, D)
+        kpre, vpre = pool_k[:, 2: 2 + P], pool_v[:, 2: 2 + P]
+        ks, vs = rnd(Hkv, B, S, D).transpose(0, 1), rnd(Hkv, B, S, D).transpose(0, 1)
         lens = torch.tensor([S, S - 2], device=device)  # the new tokens are each sequence's last T entries
         pos = (lens - T).view(B, 1) + torch.arange(T, device=device)
         m = ((torch.arange(S, device=device).view(1, 1, S) <= pos.unsqueeze(-1))
