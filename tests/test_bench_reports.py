@@ -248,6 +248,23 @@ def test_bench_prefill_times_single_prefill_calls_against_their_floor(tmp_path, 
     assert "| 3 x 24 | math |" in md and "host operators, by their own time" in md, md
 
 
+def test_bench_prefill_times_the_cascade_and_the_masked_call(tmp_path, monkeypatch):
+    """bench_prefill --concat: every cell with the prefix attended as a cascade (the default, its self-check named
+    in the table) and again in the one masked call, the same counted work in both."""
+    bp = load("bench_prefill")
+    monkeypatch.delenv("FASTRAG_CASCADE_PREFILL", raising=False)
+    monkeypatch.setattr(sys, "argv", ["bench_prefill.py", "--cpu-small", "--shape", "tiny", "--cells", "2x12",
+                                      "--prefix", "16", "--jitter", "0", "--reps", "1", "--warmup", "0", "--concat",
+                                      "--results", str(tmp_path)])
+    bp.main()
+    rows = json.loads((tmp_path / "prefill_cpu_tiny.json").read_text())["rows"]
+    assert [(r["seqs"], r["new"], r["prefix_attn"]) for r in rows] == [(2, 12, "cascade"), (2, 12, "concat")], rows
+    assert rows[0]["attn_entries_per_call"] == rows[1]["attn_entries_per_call"] == 2 * (16 * 12 + 12 * 13 // 2)
+    md = (tmp_path / "prefill_cpu_tiny.md").read_text()
+    assert "lse_attention against the masked call): cpu float32: on" in md, md
+    assert "| 2 x 12 | default (flash,efficient,math) | no | concat |" in md, md
+
+
 @pytest.mark.parametrize("args, message", [
     (["--cells", "4by300"], "--cells: '4by300' is not SEQSxTOKENS"),
     (["--cells", "0x300"], "needs at least 1 sequence"),

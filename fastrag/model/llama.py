@@ -100,7 +100,11 @@ def sdpa_backends() -> list | None:
     milliseconds each in public measurements), its CUDA 13 builds try cuDNN first on Hopper, and no two prefill
     calls or attention passes of a run have the same shapes. In the H200 DRAGIN run of 2026-11-25 (torch's choice)
     the host spent 1.16 ms per SDPA call, about 37 ms per forward, and prefill ran at 8.7x its floor
-    (benchmarks/results/gpu_h200_2026-11-25.md); benchmarks/bench_prefill.py times both settings side by side."""
+    (benchmarks/results/gpu_h200_2026-11-25.md); benchmarks/bench_prefill.py times both settings side by side.
+
+    The cascade prefill (`lse_attention`) calls its kernels itself (flash and memory-efficient on CUDA, flash on the
+    CPU), never cuDNN: this setting governs the masked calls, i.e. prefills without a shared prefix or with the
+    cascade off, and the attention passes."""
     import os
 
     mode = os.environ.get(SDPA_ENV, "flash,efficient,math").strip()
