@@ -222,8 +222,8 @@ def _cascade_prefill_mode() -> str:
     """How a prefill's new tokens attend to the shared prefix (the demonstrations every sequence starts with).
     auto: as a cascade, the prefix once for all the call's tokens without a mask and each sequence's own context
     with its causal mask, the two merged by their log-sum-exp (`LlamaModel._attend_prefill_cascade`), wherever the
-    attention kernels that return a log-sum-exp pass a self-check on first use; 0: one masked call per bucket over
-    [prefix | context], the prefix keys copied for every sequence. On the H200 that copy (`cat`) took 21% of a
+    attention kernels that return a log-sum-exp pass a self-check (run when an Engine is built, else on first use);
+    0: one masked call per bucket over [prefix | context], the prefix keys copied for every sequence. On the H200 that copy (`cat`) took 21% of a
     12 x 300-token prefill's device time and the masked attention over the whole prefix 25%
     (benchmarks/results/prefill_gpu_h200_2026-11-26b.md)."""
     import os
