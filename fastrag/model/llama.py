@@ -223,9 +223,9 @@ def _cascade_prefill_mode() -> str:
     auto: as a cascade, the prefix once for all the call's tokens without a mask and each sequence's own context
     with its causal mask, the two merged by their log-sum-exp (`LlamaModel._attend_prefill_cascade`), wherever the
     attention kernels that return a log-sum-exp pass a self-check (run when an Engine is built, else on first use);
-    0: one masked call per bucket over [prefix | context], the prefix keys copied for every sequence. On the H200 that copy (`cat`) took 21% of a
-    12 x 300-token prefill's device time and the masked attention over the whole prefix 25%
-    (benchmarks/results/prefill_gpu_h200_2026-11-26b.md)."""
+    0: one masked call per bucket over [prefix | context], the prefix keys copied for every sequence. On the H200
+    that copy (`cat`) took 21% of a 12 x 300-token prefill's device time and the masked attention over the whole
+    prefix 25% (benchmarks/results/prefill_gpu_h200_2026-11-26b.md)."""
     import os
 
     mode = os.environ.get(CASCADE_PREFILL_ENV, "auto")
@@ -1016,22 +1016,28 @@ class LlamaModel(nn.Module):
         w = torch.sigmoid(l1.reshape(Hkv, B, G * T).transpose(0, 1) - l2).unsqueeze(-1)  # the prefix's share
         return torch.lerp(o2.float(), o1.float(), w).to(q.dtype).reshape(B, H, T, D)
 
+    @staticmethod
+    def _prefix_kv(b: AttnBatch, kp, vp):
+        """The shared prefix's keys and values [Hkv, P, D] from a layer's pool: a view when its slots are
+        consecutive, else gathered."""
+        if b.prefix_start >= 0:
+            end = b.prefix_start + b.prefix_len
+            return kp[:, b.prefix_start: end], vp[:, b.prefix_start: end]
+        return kp.index_select(1, b.prefix_slots), vp.index_select(1, b.prefix_slots)
+
     def _attend_prefill_cascade(self, q, b: AttnBatch, kp, vp, ks, vs, cm: CascadeMask):
         """`_attend_prefill` with the prefix as a cascade (`_cascade_core`); ks/vs: [Hkv, B, S, D] gathered."""
-        if b.prefix_start >= 0:
-            kpre = kp[:, b.prefix_start: b.prefix_start + b.prefix_len]
-            vpre = vp[:, b.prefix_start: b.prefix_start + b.prefix_len]
-        else:
-            kpre, vpre = kp.index_select(1, b.prefix_slots), vp.index_select(1, b.prefix_slots)
+        kpre, vpre = self._prefix_kv(b, kp, vp)
         return self._cascade_core(q, kpre, vpre, ks.transpose(0, 1), vs.transpose(0, 1), cm)
 
     def _prefill_mask(self, b: AttnBatch, mask_ctx):
         """The prefill attention's mask, built once per forward: with a shared prefix and the cascade in use, a
         `CascadeMask` of the own context alone; else [B, 1, T, P + S] over [prefix | context] (prefix entries
         always visible)."""
-        if b.prefix_len and self.uses_cascade_prefill(mask_ctx.device, self.embed.weight.dtype):
+        dtype = self.embed.weight.dtype
+        if b.prefix_len and self.uses_cascade_prefill(mask_ctx.device, dtype):
             G = self.c.num_heads // self.c.num_kv_heads
-            return CascadeMask(cascade_bias(mask_ctx, G, self.embed.weight.dtype), G)
+            return CascadeMask(cascade_bias(mask_ctx, G, dtype), G)
         B, _, T, _ = mask_ctx.shape
         mask = mask_ctx
         if b.prefix_len:
@@ -1050,11 +1056,7 @@ class LlamaModel(nn.Module):
         k = ks.transpose(0, 1)  # [B, Hkv, S, D]
         v = vs.transpose(0, 1)
         if b.prefix_len:
-            if b.prefix_start >= 0:
-                kpre = kp[:, b.prefix_start: b.prefix_start + b.prefix_len]
-                vpre = vp[:, b.prefix_start: b.prefix_start + b.prefix_len]
-            else:
-                kpre, vpre = kp.index_select(1, b.prefix_slots), vp.index_select(1, b.prefix_slots)
+            kpre, vpre = self._prefix_kv(b, kp, vp)
             k = torch.cat([kpre.unsqueeze(0).expand(B, -1, -1, -1), k], dim=2)
             v = torch.cat([vpre.unsqueeze(0).expand(B, -1, -1, -1), v], dim=2)
         return masked_attention(q, k, v, mask, self.scale, expand=self.gqa_expand(q.device))
@@ -1174,11 +1176,7 @@ class LlamaModel(nn.Module):
         m = mask_ctx.expand(B, G, T, S).reshape(1, B, G * T, S)
         s_ctx = torch.matmul(qh, ks.transpose(-1, -2)).mul_(self.scale).masked_fill_(~m, float("-inf"))
         if b.prefix_len:
-            if b.prefix_start >= 0:  # [Hkv, P, D], read once for all sequences
-                kpre = kp[:, b.prefix_start: b.prefix_start + b.prefix_len]
-                vpre = vp[:, b.prefix_start: b.prefix_start + b.prefix_len]
-            else:
-                kpre, vpre = kp.index_select(1, b.prefix_slots), vp.index_select(1, b.prefix_slots)
+            kpre, vpre = self._prefix_kv(b, kp, vp)  # [Hkv, P, D], read once for all sequences
             s_pre = torch.matmul(qh.reshape(Hkv, B * G * T, D), kpre.transpose(-1, -2)).mul_(self.scale)
             s_pre = s_pre.view(Hkv, B, G * T, -1)
             mx = torch.maximum(s_pre.amax(-1, keepdim=True), s_ctx.amax(-1, keepdim=True))
