@@ -398,7 +398,9 @@ def main() -> None:
                   f"({figures.copy_bytes_per_s / 1e9:.1f} GB/s) and {figures.dtype} matmul rate "
                   f"({figures.matmul_flops_per_s / 1e12:.2f} TFLOP/s) (fastrag/perf.py). prefill_and_passes_s / decode_s: the "
                   "engine's host seconds in each phase (device time included: each ends in a host copy; DRAGIN's "
-                  "attention passes count as prefill work).\n\n| "
+                  "attention passes count as prefill work). device_busy_s: the device's own seconds in those phases "
+                  "(CUDA events around each, fastrag.engine.DeviceClock; on a CPU the launches' host seconds), and "
+                  "device_busy_fraction its share of the wall time: the rest the device waited for the host.\n\n| "
                   + " | ".join(cols) + " |\n|" + "---|" * len(cols) + "\n")
         for r in f_rows:
             table += "| " + " | ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in r.values()) + " |\n"

@@ -159,6 +159,57 @@ class PendingStep:
     decode_s: float = 0.0  # host seconds of the launch's decode part
 
 
+class DeviceClock:
+    """Device seconds of the engine's launches, so that a run can say how long the device was busy beside its wall
+    time (the rest is the device waiting for the host).
+
+    On a GPU a phase is timed by CUDA events on the launching stream: a mark recorded before its first kernel and
+    one after its last (the timing-enabled event that marks the phase's host copy done, where it has one). One stream
+    runs the phases one after another, so their spans do not overlap; a span includes the gaps where the device
+    waited for the host to launch the phase's next kernel (a graphed decode step is one launch, an eager prefill a few
+    thousand). A pair is read once its end has completed (`settle`, called after the waits the engine makes anyway:
+    the clock adds no synchronisation). On a CPU the work runs as it is launched, so a phase's seconds are host
+    seconds."""
+
+    def __init__(self, device: torch.device, totals: dict):
+        self.cuda = torch.device(device).type == "cuda"
+        self.totals = totals  # key -> seconds (the engine's stats)
+        self._pending: list[tuple[str, object, object]] = []
+
+    def mark(self):
+        """A point on the device's timeline, now (in stream order on a GPU)."""
+        if not self.cuda:
+            return time.perf_counter()
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def stop(self, key: str, start, end=None) -> None:
+        """Add the seconds from `start` (a mark) to `end` (a recorded timing event; None: a mark now) to totals[key]:
+        at once on a CPU, on a GPU when the end has completed."""
+        end = self.mark() if end is None else end
+        if self.cuda:
+            self._pending.append((key, start, end))
+            self.settle()
+        else:
+            self.totals[key] += end - start
+
+    def settle(self) -> None:
+        """Count the timed phases the device has finished (no waiting)."""
+        left = []
+        for key, a, b in self._pending:
+            if b.query():
+                self.totals[key] += a.elapsed_time(b) / 1e3
+            else:
+                left.append((key, a, b))
+        self._pending = left
+
+    @property
+    def pending(self) -> int:
+        """Timed phases not yet counted (the device had not finished them at the last settle)."""
+        return len(self._pending)
+
+
 @dataclass(eq=False)
 class PendingPasses:
     """Launched attention passes (`Engine.attention_passes_launch`) whose results may still be on their way."""
@@ -277,7 +328,11 @@ class Engine:
                       "decode_s": 0.0, "kv_waits": 0, "evictions": 0, "evicted_tokens": 0,
                       "decode_ctx_tokens": 0, "decode_prefix_tokens": 0, "prefill_ctx_tokens": 0,
                       "prefix_prefill_s": 0.0,  # (set_prefix's prefills: outside the steps, inside prefill_tokens)
-                      "prefill_holds": 0}  # steps that left waiting prefills for a later step (prefill_hold)
+                      "prefill_holds": 0,  # steps that left waiting prefills for a later step (prefill_hold)
+                      # device seconds of the steps' prefills, decode steps and the attention passes (DeviceClock):
+                      # their sum against a run's wall time is how busy the device was
+                      "device_prefill_s": 0.0, "device_decode_s": 0.0, "device_passes_s": 0.0}
+        self.clock = DeviceClock(self.device, self.stats)
         # decode steps replayed from CUDA graphs (fastrag/cuda_graphs.py): on by default on a GPU,
         # FASTRAG_CUDA_GRAPHS=0 turns them off; cuda_graphs=True on a CPU runs the same static-buffer protocol
         # without CUDA (emulated; how the tests check it)
@@ -579,14 +634,19 @@ class Engine:
                 end = min(s.computed + n - s.base, len(s.keys) * bs) // bs
                 computing.update(s.keys[nxt:end])
             if group:
+                dev0 = self.clock.mark()
                 logits = self._prefill([(s, s.pending_prompt) for s in group], want_logits=True)
                 for s in group:
                     s.pending_prompt = []
                 # the first token of every prefilled generation in one signals call and one host copy (a sequence
                 # with tracked tokens still to feed samples nothing yet: they go in one per decode step)
                 rows = [i for i, s in enumerate(group) if s.computed == len(s.tokens)]
-                done = dict(zip(rows, self._append_batch(
-                    [group[i] for i in rows], logits if len(rows) == len(group) else logits[rows]))) if rows else {}
+                if rows:
+                    done = dict(zip(rows, self._append_batch(
+                        [group[i] for i in rows], logits if len(rows) == len(group) else logits[rows], dev0)))
+                else:
+                    done = {}
+                    self.clock.stop("device_prefill_s", dev0)
                 for i, s in enumerate(group):
                     (finished if done.get(i, False) else self.running).append(s)
         t1 = time.perf_counter()
@@ -594,12 +654,14 @@ class Engine:
         st = PendingStep(finished)
         if self.running:
             st.batch = batch = self.running[: self.max_batch]
+            dev0 = self.clock.mark()
             logits = self._decode(batch)
             # a sequence still feeding the tracked tokens of its prompt samples nothing this step
             st.ready = [i for i, s in enumerate(batch) if s.computed == len(s.tokens)]
             if st.ready:
                 st.sampled = self._sample_launch([batch[i] for i in st.ready],
                                                  logits if len(st.ready) == len(batch) else logits[st.ready])
+            self.clock.stop("device_decode_s", dev0, st.sampled[1] if st.sampled is not None else None)
             st.decode_s = time.perf_counter() - t1
         return st
 
@@ -639,6 +701,7 @@ class Engine:
             self.running = keep + [s for s in self.running if id(s) not in gone]
             finished += [s for s, d in zip(batch, done) if d and id(s) in self.live]
             self.stats["decode_s"] += st.decode_s + time.perf_counter() - t1
+        self.clock.settle()  # (the step's copy is on the host: its device time and any before it can be read)
         for s in finished:
             if s.amax is not None:
                 s.out.attn = s.amax[:, : len(s.tokens) - s.track_from].mean(0).tolist()
@@ -691,9 +754,13 @@ class Engine:
         # the last resort: the blocks of shared prefixes no live sequence starts from
         return freed or self._drop_idle_prefixes(keep=keep.prefix) > 0
 
-    def _append_batch(self, seqs: list[SeqState], logits: torch.Tensor) -> list[bool]:
-        """Sample one token per row of logits for seqs and append it; returns which generations finished."""
-        return self._sample_finish(seqs, self._sample_launch(seqs, logits))
+    def _append_batch(self, seqs: list[SeqState], logits: torch.Tensor, prefill_start=None) -> list[bool]:
+        """Sample one token per row of logits for seqs and append it; returns which generations finished.
+        prefill_start: the DeviceClock mark of the prefill these logits end (its device time ends at the copy)."""
+        sampled = self._sample_launch(seqs, logits)
+        if prefill_start is not None:
+            self.clock.stop("device_prefill_s", prefill_start, sampled[1])
+        return self._sample_finish(seqs, sampled)
 
     def _sample_launch(self, seqs: list[SeqState], logits: torch.Tensor):
         """Launch the fused decode-signals kernel over logits and the one host copy of its results per step
@@ -714,7 +781,7 @@ class Engine:
         if dev.device.type != "cuda":
             return dev, None
         host = self._d2h(dev)
-        ev = torch.cuda.Event()
+        ev = torch.cuda.Event(enable_timing=True)  # (timing: it also ends the phase's DeviceClock interval)
         ev.record()
         return host, ev
 
@@ -936,6 +1003,7 @@ class Engine:
                                  f"{self.max_context} tokens")
             self._check_ids(x, "an attention pass's sequence")
         pending = PendingPasses(kind, [len(x) for x in seqs])
+        dev0 = self.clock.mark()
         order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
         i = 0
         while i < len(order):  # group similar lengths so padding stays small
@@ -962,8 +1030,9 @@ class Engine:
             self.stats["prefill_ctx_tokens"] += sum(len(seqs[k]) * (len(seqs[k]) + 1) // 2 for k in idx)
             i = j
         if self.device.type == "cuda" and pending.groups:
-            pending.event = torch.cuda.Event()
+            pending.event = torch.cuda.Event(enable_timing=True)
             pending.event.record()
+        self.clock.stop("device_passes_s", dev0, pending.event)
         return pending
 
     @torch.inference_mode()
@@ -971,6 +1040,7 @@ class Engine:
         """Wait for launched attention passes; their results in the order of the lists given to the launch."""
         if pending.event is not None:
             pending.event.synchronize()
+            self.clock.settle()
         out = [None] * len(pending.lengths)
         for idx, r in pending.groups:
             for b, k in enumerate(idx):

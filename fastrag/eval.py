@@ -697,8 +697,13 @@ def _run_many(runs: list[RunOptions], engine=None, retriever=None) -> list[dict]
             # step's bookkeeping); retrieval runs in a worker thread, beside these
             metrics["step_seconds"] = dict(sched.step_seconds)
             metrics["overlap"] = sched.overlap
+            if sched.sync_watch is not None:  # ($FASTRAG_SYNC_WATCH) host calls that waited for the device in the
+                metrics["overlap_syncs"] = sched.sync_watch.summary()  # overlap window, by call site
+            elif sched.sync_watch_off is not None:
+                metrics["overlap_syncs"] = {"off": sched.sync_watch_off}
             # spaCy texts sent to worker processes (0 workers: all run on the scheduler's thread)
-            metrics["text_workers"] = {"workers": sched.text_workers, "texts": sched.text_requests}
+            metrics["text_workers"] = {"workers": sched.text_workers, "texts": sched.text_requests,
+                                       "lockstep": sched.text_lockstep}
         if new:  # where and with what the figures were measured (fastrag.provenance)
             metrics["environment"] = environment(getattr(engine, "device", None))
         else:  # nothing computed now: the throughput and engine figures (and their environment) stay those of the
@@ -713,7 +718,7 @@ def _run_many(runs: list[RunOptions], engine=None, retriever=None) -> list[dict]
 # them from the run before it, so `python -m fastrag.perf DIR` and the throughput still describe a real run
 MEASURED_FIELDS = ("questions_per_s", "tokens_per_s", "wall_s", "questions_measured", "engine", "kv_cache_gb",
                    "model_costs", "prefill_attention", "cuda_graphs", "retrieval", "step_seconds", "overlap",
-                   "text_workers", "joint", "environment")
+                   "text_workers", "joint", "environment", "overlap_syncs")
 
 
 def _warn_control_tokens(plans, tok) -> None:

@@ -125,6 +125,8 @@ def missing_field(m: dict) -> str | None:
 def phases(m: dict, f: dict) -> dict:
     """A run's phase seconds beside their floors `f` (from `floor`), and what its engine did."""
     st, sec = m["engine"], m.get("step_seconds") or {}
+    busy = device_busy(st)
+    wall = (m.get("joint") or {}).get("wall_s", m.get("wall_s"))
     return {
         # the attention passes are prefill work in the counters; their seconds are the scheduler's; the shared
         # prefixes' prefill (set before the first step) is in the counters too
@@ -136,7 +138,20 @@ def phases(m: dict, f: dict) -> dict:
         "methods_and_other_s": sec.get("methods_and_other"),
         # the scheduler's thread with nothing to do but wait for spaCy worker processes
         "waiting_text_workers_s": sec.get("waiting_text_workers"),
-        "kv_waits": st.get("kv_waits"), "evictions": st.get("evictions")}
+        "kv_waits": st.get("kv_waits"), "evictions": st.get("evictions"),
+        # the device's own seconds in the steps' prefills, decode steps and attention passes (Engine.clock), and
+        # their share of the wall time: the rest the device waited for the host (None: a run from before the clock)
+        "device_busy_s": busy, "device_busy_fraction": busy / wall if busy is not None and wall else None}
+
+
+DEVICE_KEYS = ("device_prefill_s", "device_decode_s", "device_passes_s")
+
+
+def device_busy(st: dict) -> float | None:
+    """Device seconds of an engine's counted phases (Engine.stats), None when it has no device clock."""
+    if not all(k in st for k in DEVICE_KEYS):
+        return None
+    return sum(st[k] for k in DEVICE_KEYS) + st.get("prefix_prefill_s", 0.0)
 
 
 def report(run_dirs: list[str], figures: DeviceFigures) -> list[dict]:

@@ -29,7 +29,9 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, ClassVar, Generator, Iterable
 
 from fastrag.engine import Engine, Generation, SeqState, sampling_key
-from fastrag.text.pool import BrokenProcessPool, TextPool, compute_text, compute_texts, failure_message, is_failure
+from fastrag.sync_watch import SyncWatch, sync_watch_requested
+from fastrag.text.pool import (BrokenProcessPool, TextPool, compute_text, compute_texts, failure_message, is_failure,
+                               text_lockstep_requested)
 from fastrag.trace import QuestionResult
 
 
@@ -166,7 +168,8 @@ class Scheduler:
 
     def __init__(self, engine: Engine, retriever, policy: Policy | None = None, max_inflight: int = 64,
                  overlap: bool | None = None, text_workers: int | TextPool | None = None,
-                 wait_for_search: bool = True, search_concurrency: int | None = None):
+                 wait_for_search: bool = True, search_concurrency: int | None = None,
+                 sync_watch: bool | None = None, text_lockstep: bool | None = None):
         self.engine, self.retriever, self.policy = engine, retriever, policy
         # retrieval batches in flight at once, each on its own thread; None: what the retriever says it serves
         # (Retriever.concurrent_searches: 1, one batch at a time, unless the retriever is safe to call from several
@@ -189,6 +192,19 @@ class Scheduler:
             raise ValueError(f"overlap needs an engine with step_launch/step_finish; {type(engine).__name__} has "
                              "only step()")
         self.overlap = overlap
+        # count the host calls that synchronise with the device while the overlap window is open (fastrag.sync_watch;
+        # None: $FASTRAG_SYNC_WATCH). A diagnosis for GPU runs: off otherwise, with the reason kept for metrics.json
+        if sync_watch is None:
+            sync_watch = sync_watch_requested()
+        self.sync_watch: SyncWatch | None = None
+        self.sync_watch_off: str | None = None
+        if sync_watch:
+            if not overlap:
+                self.sync_watch_off = "overlap is off (no window to watch)"
+            elif getattr(getattr(engine, "device", None), "type", None) != "cuda":
+                self.sync_watch_off = "not a CUDA device"
+            else:
+                self.sync_watch = SyncWatch()
         # spaCy requests (Sentences, RealWords): 0 answers them on this thread as they come; N > 0 sends them to N
         # worker processes (started at the first request), a TextPool shares one; None: 0. On the H200 (2026-11-25,
         # DRAGIN, 64 + 64 questions, batch 128) 8 workers made the run slower, 41.6 s against 35.3 s: the texts
@@ -202,11 +218,18 @@ class Scheduler:
             raise ValueError(f"text_workers must be an int >= 0 or a TextPool, got {text_workers!r}")
         else:
             self.text_pool, self._own_pool, self.text_workers = None, True, text_workers
+        # with workers, lockstep answers each step's texts where the scheduler's own thread would (the same steps,
+        # so the same prefill groups and decisions), the step's texts spread over the workers and waited for; off,
+        # a text goes to its question whenever it comes back (None: $FASTRAG_TEXT_LOCKSTEP, default off)
+        if text_lockstep is None:
+            text_lockstep = text_lockstep_requested()
+        self.text_lockstep = bool(text_lockstep)
         self._texts: list[tuple[Future, _Live, int | None, Request]] = []  # text requests at the workers
         # without workers, the text requests of a step wait inside it for one nlp.pipe pass a kind (batch_texts;
         # None outside a step: answered at once)
         self._step_texts: list[tuple[_Live, int | None, Request]] | None = None
         self.text_requests = 0
+        self._lockstep_wait = 0.0  # host seconds waiting for a step's texts on the workers (lockstep)
         self.search_batches: list[int] = []
         self.search_seconds = 0.0  # summed over the batches (concurrent batches overlap)
         self._search_lock = threading.Lock()
@@ -317,7 +340,14 @@ class Scheduler:
         run both, the texts the workers send back go to their questions at once. Each other result reaches its
         question one step later than without overlap; what every question decides is the same either way.
         """
-        if not self.batch_texts or self.text_workers or self._step_texts is not None:
+        try:
+            return self._step_batched()
+        finally:
+            if self.sync_watch is not None:
+                self.sync_watch.stop()  # (a step that raised in the window leaves the debug mode off too)
+
+    def _step_batched(self) -> bool:
+        if not self.batch_texts or not self._texts_in_step or self._step_texts is not None:
             return self._step()
         self._step_texts = []
         try:
@@ -332,16 +362,41 @@ class Scheduler:
                     else:
                         self._ready.append((lv, i, value))
 
+    @property
+    def _texts_in_step(self) -> bool:
+        """Whether text requests are answered within the step that asks for them (no workers, or lockstep)."""
+        return not self.text_workers or self.text_lockstep
+
     def _answer_step_texts(self) -> bool:
         """Answer the text requests of this step so far in one pass a kind (and those their answers lead to)."""
         any_ = False
         while self._step_texts:
             items, self._step_texts = self._step_texts, []
-            for (lv, i, r), value in zip(items, compute_texts([(r.kind, r.text) for _, _, r in items])):
+            for (lv, i, r), value in zip(items, self._compute_texts([(r.kind, r.text) for _, _, r in items])):
                 if id(lv) in self._live:
                     self._hand_text(lv, i, value, now=True)
             any_ = True
         return any_
+
+    def _compute_texts(self, items: list[tuple[str, str]]) -> list:
+        """compute_texts(items): in lockstep on the workers (all of them sent, then all waited for), else here."""
+        if self.text_lockstep and self.text_workers and len(items) > 1:
+            if self.text_pool is None:
+                try:
+                    self.text_pool = TextPool(self.text_workers)
+                except (OSError, RuntimeError) as e:  # no processes here: answer on this thread
+                    self._lose_pool(e)
+            if self.text_pool is not None:
+                tw = time.perf_counter()
+                try:
+                    values = self.text_pool.compute_texts(items)
+                except (BrokenProcessPool, RuntimeError) as e:  # the pool died: this step's texts run here
+                    self._lose_pool(e)
+                else:
+                    self.text_requests += len(items)
+                    self._lockstep_wait += time.perf_counter() - tw
+                    return values
+        return compute_texts(items)
 
     def _step(self) -> bool:
         t0 = time.perf_counter()
@@ -353,6 +408,8 @@ class Scheduler:
             launched = self.engine.step_launch()
             t_eng += time.perf_counter() - te
             progressed = True
+            if self.sync_watch is not None:
+                self.sync_watch.start()  # (until step_finish, which waits by design)
         while self._todo and len(self._live) < self.max_inflight:
             t = self._todo.popleft()
             lv = _Live(t.example, t.policy(t.example), {}, time.perf_counter(), t.on_result, t.on_event)
@@ -425,6 +482,8 @@ class Scheduler:
         if launched is None and not self.overlap:
             self._answer_step_texts()  # (the generations their answers start join this step's engine step)
         if launched is not None:
+            if self.sync_watch is not None:
+                self.sync_watch.stop()
             te = time.perf_counter()
             finished = self.engine.step_finish(launched)
             t_eng += time.perf_counter() - te
@@ -471,6 +530,8 @@ class Scheduler:
         sec = self.step_seconds
         sec["engine"] += t_eng
         sec["attention_passes"] += t_attn
+        t_wait += self._lockstep_wait  # (the step's texts on the workers in lockstep: this thread only waited)
+        self._lockstep_wait = 0.0
         sec["waiting_text_workers"] += t_wait
         sec["methods_and_other"] += time.perf_counter() - t0 - t_eng - t_attn - t_wait
         if not progressed and self._live and not self._searches and not self._texts:
@@ -650,9 +711,9 @@ class Scheduler:
             seq.on_token = self._token_hook(lv, req.branch) if lv.on_event is not None else None
             self._emit(lv, "generate", {"prompt_tokens": len(ids), "branch": req.branch})
             lv.generations += 1
-        elif isinstance(req, TEXT_REQUESTS) and not self.text_workers and self._step_texts is not None:
+        elif isinstance(req, TEXT_REQUESTS) and self._texts_in_step and self._step_texts is not None:
             self._step_texts.append((lv, idx, req))  # a Parallel's part, answered with the step's other texts
-        elif isinstance(req, TEXT_REQUESTS) and not self.text_workers:  # a Parallel's part, answered here
+        elif isinstance(req, TEXT_REQUESTS) and self._texts_in_step:  # a Parallel's part, answered here
             value = compute_text(req.kind, req.text)
             if is_failure(value):
                 self._fail(lv, failure_message(value))
@@ -702,7 +763,7 @@ class Scheduler:
             if isinstance(req, Parallel) and not req.parts:
                 value = []
                 continue
-            if isinstance(req, TEXT_REQUESTS) and not self.text_workers:  # answered here and now
+            if isinstance(req, TEXT_REQUESTS) and self._texts_in_step:  # answered here and now
                 if self._step_texts is not None:  # (within a step: with the step's other texts)
                     self._step_texts.append((lv, None, req))
                     return

@@ -129,10 +129,10 @@ def model():
     return m
 
 
-def _schedule(model, text_workers, overlap=False, n=8, pol=policy):
+def _schedule(model, text_workers, overlap=False, n=8, pol=policy, **kw):
     eng = Engine(model, Tok(), kv_cache_gb=0.02, max_batch=4)
     out = []
-    sched = Scheduler(eng, Retriever(), pol, max_inflight=6, overlap=overlap, text_workers=text_workers)
+    sched = Scheduler(eng, Retriever(), pol, max_inflight=6, overlap=overlap, text_workers=text_workers, **kw)
     sched.run([Ex(str(i), f"{1 + i} {2 + 3 * i} {5 + i % 7}") for i in range(n)], out.append)
     return {r.qid: r for r in out}, sched
 
@@ -285,3 +285,100 @@ def test_a_step_s_texts_go_through_one_pass_and_decide_the_same(model, monkeypat
         assert not sizes  # (switched off: one text at a time, not through compute_texts)
         assert all(r.error is None for r in batched.values())
         assert _decisions(batched) == _decisions(alone)
+
+
+# ---------------------------------------------------------------------------------------------- lockstep
+
+
+def test_the_pool_computes_a_step_s_texts_as_this_process_does(pool):
+    """TextPool.compute_texts: the items split over the workers, each share through one nlp.pipe pass a kind, come
+    back in order, equal to compute_texts here; a text spaCy rejects fails alone."""
+    from fastrag.text.nlp import get_nlp
+    from fastrag.text.pool import compute_texts
+
+    texts = _real_texts(13, seed=int.from_bytes(os.urandom(2), "little"))
+    huge = "word " * (get_nlp().max_length // 5 + 10)
+    items = [(k, t) for t in texts for k in ("sentences", "real_words")] + [("real_words", huge)]
+    random.Random(5).shuffle(items)
+    got = pool.compute_texts(items)
+    want = compute_texts(items)
+    assert len(got) == len(items)
+    for (k, t), g, w in zip(items, got, want):
+        if t is huge:
+            assert is_failure(g) and is_failure(w)
+        else:
+            assert g == w, (k, t)
+    assert pool.compute_texts(items[:1]) == want[:1]  # (one item: one worker)
+    with pytest.raises(ValueError, match="unknown text request kind 'pos'"):
+        pool.compute_texts([("sentences", "a"), ("pos", "b")])
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_lockstep_workers_run_the_steps_of_a_run_without_workers(model, pool, overlap, monkeypatch):
+    """In lockstep a step's texts are answered where the scheduler's thread answers them without workers: the run
+    makes the same engine steps (prefill calls, decode steps, tokens) and every question decides the same; the
+    steps with several texts went to the workers."""
+    from fastrag.text.pool import TextPool as Pool
+
+    shares = []
+    real = Pool.compute_texts
+
+    def spy(self, items):
+        shares.append(len(items))
+        return real(self, items)
+
+    monkeypatch.setattr(Pool, "compute_texts", spy)
+    here, s0 = _schedule(model, 0, overlap=overlap)
+    there, s1 = _schedule(model, pool, overlap=overlap, text_lockstep=True)
+    assert all(r.error is None for r in here.values())
+    assert _decisions(here) == _decisions(there)
+    keys = ("prefill_calls", "decode_steps", "prefill_tokens", "decode_tokens")
+    assert {k: s1.engine.stats[k] for k in keys} == {k: s0.engine.stats[k] for k in keys}
+    assert shares and min(shares) > 1 and s1.text_requests == sum(shares)  # (single texts stay on this thread)
+    assert s1.text_lockstep and not s1._texts  # nothing was left to come back later
+
+
+def test_lockstep_with_workers_that_die_costs_no_work(model):
+    """The workers killed mid-run in lockstep: the step's texts and all later ones run here, with a warning."""
+    here, _ = _schedule(model, 0)
+    sched_ref, killed = [], []
+
+    def killer(ex):
+        gen = policy(ex)
+        value = None
+        while True:
+            try:
+                req = gen.send(value)
+            except StopIteration as stop:
+                return stop.value
+            sched = sched_ref[0]
+            if isinstance(req, Sentences) and not killed and sched.text_pool is not None:
+                for pid in sched.text_pool.pids():
+                    os.kill(pid, signal.SIGKILL)
+                killed.append(True)
+            value = yield req
+
+    eng = Engine(model, Tok(), kv_cache_gb=0.02, max_batch=4)
+    sched = Scheduler(eng, Retriever(), killer, max_inflight=6, text_workers=2, text_lockstep=True)
+    sched_ref.append(sched)
+    out = []
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        sched.run([Ex(str(i), f"{1 + i} {2 + 3 * i} {5 + i % 7}") for i in range(8)], out.append)
+    assert killed and sched.text_workers == 0
+    assert any("spaCy worker pool failed" in str(x.message) for x in w)
+    assert _decisions({r.qid: r for r in out}) == _decisions(here)
+
+
+def test_the_lockstep_switch(model, monkeypatch):
+    from fastrag.text.pool import TEXT_LOCKSTEP_ENV
+
+    eng = Engine(model, Tok(), kv_cache_gb=0.02, max_batch=4)
+    monkeypatch.delenv(TEXT_LOCKSTEP_ENV, raising=False)
+    assert not Scheduler(eng, Retriever(), policy, text_workers=2).text_lockstep
+    monkeypatch.setenv(TEXT_LOCKSTEP_ENV, "1")
+    assert Scheduler(eng, Retriever(), policy, text_workers=2).text_lockstep
+    assert not Scheduler(eng, Retriever(), policy, text_workers=2, text_lockstep=False).text_lockstep
+    monkeypatch.setenv(TEXT_LOCKSTEP_ENV, "sometimes")
+    with pytest.raises(ValueError, match=TEXT_LOCKSTEP_ENV):
+        Scheduler(eng, Retriever(), policy, text_workers=2)

@@ -35,8 +35,22 @@ KINDS = {"sentences": ("fastrag.text.sentences", "split_sentences"),
 BATCH_KINDS = {"sentences": ("fastrag.text.sentences", "split_sentences_batch"),
                "real_words": ("fastrag.text.realwords", "real_words_batch")}
 
-__all__ = ["KINDS", "BrokenProcessPool", "TextPool", "compute_text", "compute_texts", "failure_message",
-           "is_failure", "run_text"]
+_BATCH = "__batch__"  # a frame holding several (kind, text) items: answered with compute_texts, in order
+TEXT_LOCKSTEP_ENV = "FASTRAG_TEXT_LOCKSTEP"
+
+__all__ = ["KINDS", "TEXT_LOCKSTEP_ENV", "BrokenProcessPool", "TextPool", "compute_text", "compute_texts",
+           "failure_message", "is_failure", "run_text", "text_lockstep_requested"]
+
+
+def text_lockstep_requested() -> bool:
+    """$FASTRAG_TEXT_LOCKSTEP as a switch (Scheduler(text_lockstep=None)): 1/true/on/yes on, 0/false/off/no/unset
+    off; anything else is an error naming the variable."""
+    raw = os.environ.get(TEXT_LOCKSTEP_ENV, "").strip().lower()
+    if raw in ("", "0", "false", "off", "no"):
+        return False
+    if raw in ("1", "true", "on", "yes"):
+        return True
+    raise ValueError(f"${TEXT_LOCKSTEP_ENV}={os.environ[TEXT_LOCKSTEP_ENV]!r}: expected 1 or 0")
 
 _HEADER = struct.Struct("<Q")
 
@@ -216,6 +230,29 @@ class TextPool:
         self.texts += 1
         return min(live, key=_Worker.load).submit(next(self._ids), kind, text)
 
+    def compute_texts(self, items: list[tuple[str, str]]) -> list:
+        """`compute_texts(items)` (this module's) on the workers: the items split into one contiguous share a
+        worker, each share one frame through one nlp.pipe pass a kind, then all waited for. Raises
+        BrokenProcessPool when a worker dies meanwhile (the caller computes the items itself)."""
+        for kind, _ in items:
+            if kind not in KINDS:
+                raise ValueError(f"unknown text request kind {kind!r}; expected one of {sorted(KINDS)}")
+        if self._closed:
+            raise RuntimeError("TextPool: compute_texts after shutdown")
+        live = [w for w in self._workers if w.broken is None]
+        if not live:
+            raise BrokenProcessPool(self._workers[0].broken or "no text worker left")
+        n = len(items)
+        k = min(len(live), n)
+        bounds = [n * j // k for j in range(k + 1)]
+        futs = [w.submit(next(self._ids), _BATCH, items[a:b])
+                for w, a, b in zip(sorted(live, key=_Worker.load), bounds, bounds[1:])]
+        self.texts += n
+        out: list = []
+        for f in futs:
+            out += f.result()  # (BrokenProcessPool when its worker died)
+        return out
+
     def pids(self) -> list[int]:
         return [w.proc.pid for w in self._workers]
 
@@ -261,7 +298,7 @@ def _worker_main() -> None:
         if msg is None:
             break
         rid, kind, text = msg
-        _write_frame(out, (rid, compute_text(kind, text)))
+        _write_frame(out, (rid, compute_texts(text) if kind == _BATCH else compute_text(kind, text)))
 
 
 if __name__ == "__main__":
