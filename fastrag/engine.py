@@ -157,6 +157,7 @@ class PendingStep:
     ready: list = field(default_factory=list)  # rows of batch that sample a token this step
     sampled: tuple | None = None  # (host tensor [3, len(ready)], CUDA event or None)
     decode_s: float = 0.0  # host seconds of the launch's decode part
+    trace_row: dict | None = None  # the step's row of Engine.trace (None: not tracing)
 
 
 class DeviceClock:
@@ -174,7 +175,7 @@ class DeviceClock:
     def __init__(self, device: torch.device, totals: dict):
         self.cuda = torch.device(device).type == "cuda"
         self.totals = totals  # key -> seconds (the engine's stats)
-        self._pending: list[tuple[str, object, object]] = []
+        self._pending: list[tuple[str, object, object, dict | None]] = []
 
     def mark(self):
         """A point on the device's timeline, now (in stream order on a GPU)."""
@@ -184,24 +185,29 @@ class DeviceClock:
         ev.record()
         return ev
 
-    def stop(self, key: str, start, end=None) -> None:
-        """Add the seconds from `start` (a mark) to `end` (a recorded timing event; None: a mark now) to totals[key]:
-        at once on a CPU, on a GPU when the end has completed."""
+    def stop(self, key: str, start, end=None, row: dict | None = None) -> None:
+        """Add the seconds from `start` (a mark) to `end` (a recorded timing event; None: a mark now) to totals[key],
+        and to row[key] when a step's trace row is given: at once on a CPU, on a GPU when the end has completed."""
         end = self.mark() if end is None else end
         if self.cuda:
-            self._pending.append((key, start, end))
+            self._pending.append((key, start, end, row))
             self.settle()
         else:
-            self.totals[key] += end - start
+            self._add(key, end - start, row)
+
+    def _add(self, key: str, seconds: float, row: dict | None) -> None:
+        self.totals[key] += seconds
+        if row is not None:
+            row[key] = row.get(key, 0.0) + seconds
 
     def settle(self) -> None:
         """Count the timed phases the device has finished (no waiting)."""
         left = []
-        for key, a, b in self._pending:
+        for key, a, b, row in self._pending:
             if b.query():
-                self.totals[key] += a.elapsed_time(b) / 1e3
+                self._add(key, a.elapsed_time(b) / 1e3, row)
             else:
-                left.append((key, a, b))
+                left.append((key, a, b, row))
         self._pending = left
 
     @property
@@ -333,6 +339,10 @@ class Engine:
                       # their sum against a run's wall time is how busy the device was
                       "device_prefill_s": 0.0, "device_decode_s": 0.0, "device_passes_s": 0.0}
         self.clock = DeviceClock(self.device, self.stats)
+        # a row per step_launch when a list (`trace = []`, fastrag.eval with $FASTRAG_STEP_TRACE=1): what the step
+        # prefilled and decoded, its host seconds and, once known, its device seconds (the scheduler adds its own)
+        self.trace: list[dict] | None = None
+        self._trace_row: dict | None = None
         # decode steps replayed from CUDA graphs (fastrag/cuda_graphs.py): on by default on a GPU,
         # FASTRAG_CUDA_GRAPHS=0 turns them off; cuda_graphs=True on a CPU runs the same static-buffer protocol
         # without CUDA (emulated; how the tests check it)
@@ -593,6 +603,11 @@ class Engine:
         """
         finished: list[SeqState] = []
         t0 = time.perf_counter()
+        row = None
+        if self.trace is not None:
+            row = {"step": len(self.trace), "prefill_seqs": 0, "prefill_tokens": 0, "decode_batch": 0}
+            self.trace.append(row)
+        self._trace_row = row
         if self.waiting:
             self._admit_fed()
         if self.waiting and not self._hold_prefill():
@@ -634,6 +649,8 @@ class Engine:
                 end = min(s.computed + n - s.base, len(s.keys) * bs) // bs
                 computing.update(s.keys[nxt:end])
             if group:
+                if row is not None:
+                    row["prefill_seqs"], row["prefill_tokens"] = len(group), sum(len(s.pending_prompt) for s in group)
                 dev0 = self.clock.mark()
                 logits = self._prefill([(s, s.pending_prompt) for s in group], want_logits=True)
                 for s in group:
@@ -643,17 +660,19 @@ class Engine:
                 rows = [i for i, s in enumerate(group) if s.computed == len(s.tokens)]
                 if rows:
                     done = dict(zip(rows, self._append_batch(
-                        [group[i] for i in rows], logits if len(rows) == len(group) else logits[rows], dev0)))
+                        [group[i] for i in rows], logits if len(rows) == len(group) else logits[rows], dev0, row)))
                 else:
                     done = {}
-                    self.clock.stop("device_prefill_s", dev0)
+                    self.clock.stop("device_prefill_s", dev0, row=row)
                 for i, s in enumerate(group):
                     (finished if done.get(i, False) else self.running).append(s)
         t1 = time.perf_counter()
         self.stats["prefill_s"] += t1 - t0
-        st = PendingStep(finished)
+        st = PendingStep(finished, trace_row=row)
         if self.running:
             st.batch = batch = self.running[: self.max_batch]
+            if row is not None:
+                row["decode_batch"] = len(batch)
             dev0 = self.clock.mark()
             logits = self._decode(batch)
             # a sequence still feeding the tracked tokens of its prompt samples nothing this step
@@ -661,8 +680,10 @@ class Engine:
             if st.ready:
                 st.sampled = self._sample_launch([batch[i] for i in st.ready],
                                                  logits if len(st.ready) == len(batch) else logits[st.ready])
-            self.clock.stop("device_decode_s", dev0, st.sampled[1] if st.sampled is not None else None)
+            self.clock.stop("device_decode_s", dev0, st.sampled[1] if st.sampled is not None else None, row)
             st.decode_s = time.perf_counter() - t1
+        if row is not None:
+            row["launch_s"] = time.perf_counter() - t0
         return st
 
     def _hold_prefill(self) -> bool:
@@ -686,6 +707,7 @@ class Engine:
     def step_finish(self, st: "PendingStep") -> list[SeqState]:
         """`step()`'s second half: wait for the launched step's host copy, append the sampled tokens, and return the
         sequences whose generation finished (the prefill's and the decode step's)."""
+        t_fin = time.perf_counter()
         finished = [s for s in st.finished if id(s) in self.live]  # (one released since the launch is gone)
         if st.batch:
             t1 = time.perf_counter()
@@ -702,6 +724,8 @@ class Engine:
             finished += [s for s, d in zip(batch, done) if d and id(s) in self.live]
             self.stats["decode_s"] += st.decode_s + time.perf_counter() - t1
         self.clock.settle()  # (the step's copy is on the host: its device time and any before it can be read)
+        if st.trace_row is not None:
+            st.trace_row["finish_s"] = time.perf_counter() - t_fin
         for s in finished:
             if s.amax is not None:
                 s.out.attn = s.amax[:, : len(s.tokens) - s.track_from].mean(0).tolist()
@@ -754,12 +778,14 @@ class Engine:
         # the last resort: the blocks of shared prefixes no live sequence starts from
         return freed or self._drop_idle_prefixes(keep=keep.prefix) > 0
 
-    def _append_batch(self, seqs: list[SeqState], logits: torch.Tensor, prefill_start=None) -> list[bool]:
+    def _append_batch(self, seqs: list[SeqState], logits: torch.Tensor, prefill_start=None,
+                      row: dict | None = None) -> list[bool]:
         """Sample one token per row of logits for seqs and append it; returns which generations finished.
-        prefill_start: the DeviceClock mark of the prefill these logits end (its device time ends at the copy)."""
+        prefill_start: the DeviceClock mark of the prefill these logits end (its device time ends at the copy);
+        row: its step's trace row."""
         sampled = self._sample_launch(seqs, logits)
         if prefill_start is not None:
-            self.clock.stop("device_prefill_s", prefill_start, sampled[1])
+            self.clock.stop("device_prefill_s", prefill_start, sampled[1], row)
         return self._sample_finish(seqs, sampled)
 
     def _sample_launch(self, seqs: list[SeqState], logits: torch.Tensor):
@@ -1032,7 +1058,7 @@ class Engine:
         if self.device.type == "cuda" and pending.groups:
             pending.event = torch.cuda.Event(enable_timing=True)
             pending.event.record()
-        self.clock.stop("device_passes_s", dev0, pending.event)
+        self.clock.stop("device_passes_s", dev0, pending.event, self._trace_row)  # (the step launched last)
         return pending
 
     @torch.inference_mode()

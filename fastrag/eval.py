@@ -30,7 +30,9 @@ from fastrag.cache.kv import OutOfBlocks
 from fastrag.data.datasets import Example, load_examples
 from fastrag.data.metrics import aggregate, score
 from fastrag.model.loading import control_token_strings, find_control_token
+from fastrag.perf import STEP_TRACE_ENV, trace_summary
 from fastrag.provenance import environment, source_commit
+from fastrag.switches import env_switch
 from fastrag.trace import QuestionResult
 
 BUNDLED = Path(__file__).resolve().parent / "data" / "bundled"
@@ -606,6 +608,7 @@ def _run_many(runs: list[RunOptions], engine=None, retriever=None) -> list[dict]
     news: list[list[QuestionResult]] = [[] for _ in runs]
     answered = [0] * len(runs)
     sched = None
+    step_trace = None
     tok0 = 0
     if any(p[4] for p in plans):
         engine = engine or build_engine(first.model, first.batch_size, first.signals, first.kv_cache_gb,
@@ -641,6 +644,9 @@ def _run_many(runs: list[RunOptions], engine=None, retriever=None) -> list[dict]
             _write_progress(outs[i], len(news[i]), answered[i], time.perf_counter() - t0)
             bar.update(1)
 
+        trace = env_switch(STEP_TRACE_ENV)
+        if trace:  # the engine's per-step rows ($FASTRAG_STEP_TRACE=1), written beside the results below
+            engine.trace = []
         try:
             # twice the decode batch in flight: questions waiting on attention passes or retrieval do not
             # leave holes in the decode batch
@@ -652,6 +658,12 @@ def _run_many(runs: list[RunOptions], engine=None, retriever=None) -> list[dict]
             bar.close()
             for w in writers:
                 w.close()
+            if trace:
+                rows, engine.trace = engine.trace or [], None
+                for out in outs:  # (one engine ran every run's questions: each run's folder gets the steps)
+                    with open(out / "step_trace.jsonl", "w") as f:
+                        f.writelines(json.dumps(r) + "\n" for r in rows)
+                step_trace = trace_summary(rows) | {"file": "step_trace.jsonl"}
         tokens = engine.stats["prefill_tokens"] + engine.stats["decode_tokens"] - tok0
     else:
         tokens = 0
@@ -697,6 +709,8 @@ def _run_many(runs: list[RunOptions], engine=None, retriever=None) -> list[dict]
             # step's bookkeeping); retrieval runs in a worker thread, beside these
             metrics["step_seconds"] = dict(sched.step_seconds)
             metrics["overlap"] = sched.overlap
+            if step_trace is not None:
+                metrics["step_trace"] = step_trace
             if sched.sync_watch is not None:  # ($FASTRAG_SYNC_WATCH) host calls that waited for the device in the
                 metrics["overlap_syncs"] = sched.sync_watch.summary()  # overlap window, by call site
             elif sched.sync_watch_off is not None:
@@ -718,7 +732,7 @@ def _run_many(runs: list[RunOptions], engine=None, retriever=None) -> list[dict]
 # them from the run before it, so `python -m fastrag.perf DIR` and the throughput still describe a real run
 MEASURED_FIELDS = ("questions_per_s", "tokens_per_s", "wall_s", "questions_measured", "engine", "kv_cache_gb",
                    "model_costs", "prefill_attention", "cuda_graphs", "retrieval", "step_seconds", "overlap",
-                   "text_workers", "joint", "environment", "overlap_syncs")
+                   "text_workers", "joint", "environment", "overlap_syncs", "step_trace")
 
 
 def _warn_control_tokens(plans, tok) -> None:

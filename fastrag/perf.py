@@ -145,6 +145,31 @@ def phases(m: dict, f: dict) -> dict:
 
 
 DEVICE_KEYS = ("device_prefill_s", "device_decode_s", "device_passes_s")
+STEP_TRACE_ENV = "FASTRAG_STEP_TRACE"  # 1: fastrag.eval writes the engine's per-step rows (step_trace.jsonl)
+
+
+def trace_summary(rows: list[dict]) -> dict:
+    """Where the steps' wall time went, from Engine.trace rows with the scheduler's additions (window_s, step_s: a
+    step launched with overlap). Per step the device was busy for its device seconds (prefill + decode + the passes
+    launched in it) and idle for the rest of the step's wall; idle seconds are split by what the step did."""
+    def dev(r):
+        return sum(r.get(k, 0.0) for k in DEVICE_KEYS)
+
+    timed = [r for r in rows if "step_s" in r]
+    out = {"steps": len(rows), "steps_timed": len(timed)}
+    if not timed:
+        return out
+    idle = [max(0.0, r["step_s"] - dev(r)) for r in timed]
+    walls = sorted(r["step_s"] for r in timed)
+    decode = sorted(r["device_decode_s"] for r in timed if r.get("decode_batch") and "device_decode_s" in r)
+    out |= {"step_s": sum(walls), "device_s": sum(dev(r) for r in timed), "idle_s": sum(idle),
+            "idle_in_prefill_steps_s": sum(i for i, r in zip(idle, timed) if r.get("prefill_seqs")),
+            "idle_in_steps_with_passes_s": sum(i for i, r in zip(idle, timed) if r.get("device_passes_s")),
+            "steps_idle_over_half": sum(i > 0.5 * r["step_s"] for i, r in zip(idle, timed)),
+            "median_step_ms": 1e3 * walls[len(walls) // 2],
+            "median_device_decode_ms": 1e3 * decode[len(decode) // 2] if decode else None,
+            "median_window_ms": 1e3 * sorted(r.get("window_s", 0.0) for r in timed)[len(timed) // 2]}
+    return out
 
 
 def device_busy(st: dict) -> float | None:

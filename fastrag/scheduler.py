@@ -407,6 +407,7 @@ class Scheduler:
             te = time.perf_counter()
             launched = self.engine.step_launch()
             t_eng += time.perf_counter() - te
+            t_window = time.perf_counter()
             progressed = True
             if self.sync_watch is not None:
                 self.sync_watch.start()  # (until step_finish, which waits by design)
@@ -481,10 +482,13 @@ class Scheduler:
         finished = []
         if launched is None and not self.overlap:
             self._answer_step_texts()  # (the generations their answers start join this step's engine step)
+        row = getattr(launched, "trace_row", None)
         if launched is not None:
             if self.sync_watch is not None:
                 self.sync_watch.stop()
             te = time.perf_counter()
+            if row is not None:  # the host's time between the launch and the wait (the passes' wait included)
+                row["window_s"], row["passes_s"] = te - t_window, t_attn
             finished = self.engine.step_finish(launched)
             t_eng += time.perf_counter() - te
         elif not self.overlap and self.engine.has_work:
@@ -533,7 +537,10 @@ class Scheduler:
         t_wait += self._lockstep_wait  # (the step's texts on the workers in lockstep: this thread only waited)
         self._lockstep_wait = 0.0
         sec["waiting_text_workers"] += t_wait
-        sec["methods_and_other"] += time.perf_counter() - t0 - t_eng - t_attn - t_wait
+        t_end = time.perf_counter()
+        sec["methods_and_other"] += t_end - t0 - t_eng - t_attn - t_wait
+        if row is not None:
+            row["step_s"] = t_end - t0
         if not progressed and self._live and not self._searches and not self._texts:
             stuck = [type(lv.request).__name__ for lv in self._live.values()]
             raise RuntimeError(f"scheduler made no progress; pending requests: {stuck}")

@@ -16,13 +16,14 @@ costs host time on every CUDA call. A run's metrics.json has the counts under `o
 
 from __future__ import annotations
 
-import os
 import traceback
 import warnings
 from collections import Counter
 from pathlib import Path
 
 import torch
+
+from fastrag.switches import env_switch
 
 SYNC_WATCH_ENV = "FASTRAG_SYNC_WATCH"
 # torch's warning in sync debug mode "warn" (c10/cuda/CUDAFunctions.cpp: warn_or_error_on_sync)
@@ -31,14 +32,8 @@ _PKG = str(Path(__file__).resolve().parent)
 
 
 def sync_watch_requested() -> bool:
-    """$FASTRAG_SYNC_WATCH as a switch: 1/true/on/yes turn the watch on, 0/false/off/no/unset leave it off; anything
-    else is an error naming the variable."""
-    raw = os.environ.get(SYNC_WATCH_ENV, "").strip().lower()
-    if raw in ("", "0", "false", "off", "no"):
-        return False
-    if raw in ("1", "true", "on", "yes"):
-        return True
-    raise ValueError(f"${SYNC_WATCH_ENV}={os.environ[SYNC_WATCH_ENV]!r}: expected 1 or 0")
+    """$FASTRAG_SYNC_WATCH (fastrag.switches.env_switch)."""
+    return env_switch(SYNC_WATCH_ENV)
 
 
 def _site(stack: list[traceback.FrameSummary]) -> str:

@@ -148,3 +148,90 @@ def test_device_busy_in_the_floor_report(model):
     old = {k: v for k, v in st.items() if k not in KEYS}  # a run from before the clock
     r = phases(m | {"engine": old}, f)
     assert r["device_busy_s"] is None and r["device_busy_fraction"] is None
+
+
+# ---------------------------------------------------------------------------------------------- per-step trace
+
+
+def test_the_engine_s_trace_rows_add_up_to_its_counters(model):
+    eng = Engine(model, _Tok(), kv_cache_gb=0.01, max_batch=8)
+    eng.trace = []
+    g = torch.Generator().manual_seed(5)
+    seqs = []
+    for i in range(7):
+        s = eng.new_sequence()
+        eng.start(s, torch.randint(1, 97, (int(torch.randint(5, 40, (1,), generator=g)),), generator=g).tolist(), 6 + i)
+        seqs.append(s)
+    n = 0
+    while eng.has_work:
+        if n == 3:  # a late arrival: a prefill in the middle of the decode steps
+            s = eng.new_sequence()
+            eng.start(s, [4, 5, 6, 7, 8, 9], 5)
+        eng.step()
+        n += 1
+    rows, st = eng.trace, eng.stats
+    assert len(rows) == n and [r["step"] for r in rows] == list(range(n))
+    assert sum(r["decode_batch"] for r in rows) == st["decode_tokens"]
+    assert sum(r["prefill_tokens"] for r in rows) == st["prefill_tokens"]  # (no prefix, no passes here)
+    assert sum(1 for r in rows if r["prefill_seqs"]) == 2  # the first group and the late one
+    for k in KEYS[:2]:
+        assert sum(r.get(k, 0.0) for r in rows) == pytest.approx(st[k], rel=1e-9, abs=1e-12)
+    assert all(r["launch_s"] > 0 and "finish_s" in r for r in rows)
+    assert all(("device_decode_s" in r) == (r["decode_batch"] > 0) for r in rows)
+
+
+def test_trace_summary_on_steps_of_known_times():
+    from fastrag.perf import trace_summary
+
+    rows = [  # step wall, device seconds: idle = wall - device, never below 0
+        {"step": 0, "prefill_seqs": 2, "decode_batch": 2, "device_prefill_s": 0.03, "device_decode_s": 0.01,
+         "window_s": 0.002, "step_s": 0.05},  # idle 0.01
+        {"step": 1, "prefill_seqs": 0, "decode_batch": 2, "device_decode_s": 0.01, "device_passes_s": 0.004,
+         "window_s": 0.03, "step_s": 0.034},  # idle 0.02 (> half: a host-bound step)
+        {"step": 2, "prefill_seqs": 0, "decode_batch": 2, "device_decode_s": 0.012, "window_s": 0.001,
+         "step_s": 0.011},  # idle 0 (the device ran past the host's clock: not negative)
+        {"step": 3, "prefill_seqs": 0, "decode_batch": 1},  # launched without the scheduler's timing
+    ]
+    s = trace_summary(rows)
+    assert s["steps"] == 4 and s["steps_timed"] == 3
+    assert s["step_s"] == pytest.approx(0.095) and s["device_s"] == pytest.approx(0.066)
+    assert s["idle_s"] == pytest.approx(0.03)
+    assert s["idle_in_prefill_steps_s"] == pytest.approx(0.01) and s["idle_in_steps_with_passes_s"] == pytest.approx(0.02)
+    assert s["steps_idle_over_half"] == 1
+    assert s["median_step_ms"] == pytest.approx(34.0) and s["median_device_decode_ms"] == pytest.approx(10.0)
+    assert s["median_window_ms"] == pytest.approx(2.0)
+    assert trace_summary([{"step": 0}]) == {"steps": 1, "steps_timed": 0}
+
+
+def test_a_run_writes_its_step_trace_when_asked(tmp_path, monkeypatch):
+    """fastrag.eval with $FASTRAG_STEP_TRACE=1 and overlap: step_trace.jsonl (one row per engine step, the
+    scheduler's timings in it) and its summary in metrics.json; without the switch neither."""
+    import json
+    import sys
+
+    from fastrag.eval import BUNDLED, RunOptions, run
+
+    sys.path.insert(0, str(BUNDLED.parents[2] / "benchmarks"))
+    from make_random_model import make
+
+    model_dir = make("tiny", tmp_path / "tiny", dtype=torch.float32, device="cpu")
+    cfg = tmp_path / "dragin.json"
+    cfg.write_text(json.dumps({"method": "attn_entropy", "generate_max_length": 16, "hallucination_threshold": 0.5,
+                               "retrieve_topk": 2, "query_formulation": "real_words"}))
+
+    def opts(out):
+        return RunOptions(method="dragin", dataset="hotpotqa", data=str(BUNDLED / "hotpotqa_dev20.jsonl"),
+                          corpus=str(BUNDLED / "wiki_passages.jsonl"), model=str(model_dir), config=str(cfg),
+                          limit=3, batch_size=4, output=str(tmp_path / out), progress=False, overlap=True)
+
+    monkeypatch.setenv("FASTRAG_STEP_TRACE", "1")
+    m = run(opts("traced"))
+    rows = [json.loads(x) for x in (tmp_path / "traced" / "step_trace.jsonl").read_text().splitlines()]
+    assert m["step_trace"]["steps"] == len(rows) == m["step_trace"]["steps_timed"] > 0
+    assert sum(r["decode_batch"] for r in rows) == m["engine"]["decode_tokens"]
+    assert sum(r["decode_batch"] > 0 for r in rows) == m["engine"]["decode_steps"]
+    assert all("step_s" in r and "window_s" in r for r in rows)
+    assert m["step_trace"]["device_s"] <= m["step_trace"]["step_s"] * 1.05 + 0.01
+    monkeypatch.setenv("FASTRAG_STEP_TRACE", "0")
+    m = run(opts("plain"))
+    assert "step_trace" not in m and not (tmp_path / "plain" / "step_trace.jsonl").exists()

@@ -145,6 +145,10 @@ except RuntimeError as e:
             for f in "$RUNS"/*/engine/metrics.json; do  # also when the oracle part was cut short
                 [ -f "$f" ] && cp "$f" "$OUT/results/e2e_engine_$(basename "$(dirname "$(dirname "$f")")").json"
             done
+            # FASTRAG_STEP_TRACE=1: the engine's per-step rows (the joint run writes them into every dataset's folder)
+            for f in "$RUNS"/*/engine/step_trace.jsonl; do
+                [ -f "$f" ] && gzip -c "$f" > "$OUT/results/e2e_step_trace.jsonl.gz" && break
+            done
             # every side's per-question records (rounds, tokens, wall) in one file: with random weights the
             # recipes' work per question differs, and the records say by how much (lost with the machine before)
             (cd "$RUNS" && find . -name results.jsonl -path '*/engine/*' -o -name results.jsonl \
@@ -178,6 +182,9 @@ except RuntimeError as e:
                 done
                 for f in "$RUNS"/*/engine/metrics.json; do
                     [ -f "$f" ] && cp "$f" "$OUT/results/e2e_engine_${vname}_$(basename "$(dirname "$(dirname "$f")")").json"
+                done
+                for f in "$RUNS"/*/engine/step_trace.jsonl; do  # (a traced variant's steps)
+                    [ -f "$f" ] && gzip -c "$f" > "$OUT/results/e2e_step_trace_$vname.jsonl.gz" && break
                 done
             done
             ;;

@@ -28,6 +28,8 @@ import threading
 from concurrent.futures import Future
 from concurrent.futures.process import BrokenProcessPool
 
+from fastrag.switches import env_switch
+
 # what a worker can compute: kind -> (module, function) of one text
 KINDS = {"sentences": ("fastrag.text.sentences", "split_sentences"),
          "real_words": ("fastrag.text.realwords", "real_words")}
@@ -43,16 +45,8 @@ __all__ = ["KINDS", "TEXT_LOCKSTEP_ENV", "BrokenProcessPool", "TextPool", "compu
 
 
 def text_lockstep_requested() -> bool:
-    """$FASTRAG_TEXT_LOCKSTEP as a switch (Scheduler(text_lockstep=None)): 1/true/on/yes on, 0/false/off/no/unset
-    off; anything else is an error naming the variable."""
-    raw = os.environ.get(TEXT_LOCKSTEP_ENV, "").strip().lower()
-    if raw in ("", "0", "false", "off", "no"):
-        return False
-    if raw in ("1", "true", "on", "yes"):
-        return True
-    raise ValueError(f"${TEXT_LOCKSTEP_ENV}={os.environ[TEXT_LOCKSTEP_ENV]!r}: expected 1 or 0")
-
-_HEADER = struct.Struct("<Q")
+    """$FASTRAG_TEXT_LOCKSTEP (Scheduler(text_lockstep=None); fastrag.switches.env_switch)."""
+    return env_switch(TEXT_LOCKSTEP_ENV)
 
 
 def run_text(kind: str, text: str):
