@@ -11,24 +11,18 @@ import pytest
 import torch
 
 from fastrag.engine import DeviceClock, Engine
-from fastrag.model.llama import LlamaModel
 from fastrag.perf import device_busy, floor, phases
+
+from engine_fakes import IntTok as _Tok
+from engine_fakes import tiny_llama
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 KEYS = ("device_prefill_s", "device_decode_s", "device_passes_s")
 
 
-class _Tok:
-    eos_token_id = None
-
-
 @pytest.fixture(scope="module")
 def model():
-    from transformers import LlamaConfig
-
-    cfg = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, eos_token_id=None)
-    return LlamaModel.from_hf_config(cfg, seed=3, device=DEV)
+    return tiny_llama(vocab_size=97, hidden_size=32, intermediate_size=48, num_attention_heads=4, device=DEV)
 
 
 def _run(model, n: int = 6, passes: bool = True):

@@ -12,20 +12,14 @@ import torch
 
 from fastrag import engine as engine_mod
 from fastrag.engine import Engine
-from fastrag.model.llama import LlamaModel
 
-
-class _Tok:
-    eos_token_id = None
+from engine_fakes import IntTok as _Tok
+from engine_fakes import tiny_llama
 
 
 @pytest.fixture(scope="module")
 def model():
-    from transformers import LlamaConfig
-
-    cfg = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, eos_token_id=None)
-    return LlamaModel.from_hf_config(cfg, seed=3)
+    return tiny_llama(vocab_size=97, hidden_size=32, intermediate_size=48, num_attention_heads=4)
 
 
 def _run(model, hold: int, arrivals, max_prefill_tokens: int = 4096):

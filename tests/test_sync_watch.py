@@ -6,7 +6,6 @@ the warning torch raises for one; the real mode runs in the GPU stage (benchmark
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -14,10 +13,12 @@ import torch
 
 import fastrag
 from fastrag.engine import Engine
-from fastrag.model.llama import LlamaModel
 from fastrag.scheduler import Generate, Scheduler
 from fastrag.sync_watch import SYNC_MESSAGE, SYNC_WATCH_ENV, SyncWatch, sync_watch_requested
 from fastrag.trace import QuestionResult
+
+from engine_fakes import Ex, tiny_llama
+from engine_fakes import IntTok as Tok
 
 
 class Modes:
@@ -87,27 +88,9 @@ def test_the_switch(monkeypatch):
 # ---------------------------------------------------------------------------------------------- in the scheduler
 
 
-class Tok:
-    eos_token_id = None
-
-    def encode(self, s):
-        return [int(x) for x in s.split()]
-
-
-@dataclass
-class Ex:
-    qid: str
-    question: str
-    answers: list = field(default_factory=lambda: ["x"])
-
-
 @pytest.fixture(scope="module")
 def model():
-    from transformers import LlamaConfig
-
-    cfg = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, eos_token_id=None)
-    return LlamaModel.from_hf_config(cfg, seed=3)
+    return tiny_llama(vocab_size=96, hidden_size=32, intermediate_size=48, num_attention_heads=4)
 
 
 def test_the_scheduler_watches_its_overlap_window_only(model, monkeypatch):

@@ -12,7 +12,6 @@ import os
 import random
 import signal
 import warnings
-from dataclasses import dataclass, field
 
 import pytest
 import torch
@@ -26,6 +25,9 @@ from fastrag.text.pool import TextPool, failure_message, is_failure
 from fastrag.text.realwords import real_words
 from fastrag.text.sentences import split_sentences
 from fastrag.trace import QuestionResult, Round
+
+from engine_fakes import Ex
+from engine_fakes import IntTok as Tok
 
 
 def _real_texts(n: int, seed: int) -> list[str]:
@@ -71,21 +73,28 @@ def test_a_text_spacy_rejects_comes_back_as_its_failure(pool):
         TextPool(0)
 
 
+def test_a_reader_that_fails_fails_what_waits_instead_of_hanging(monkeypatch):
+    """Whatever stops a worker's reader thread (here a frame it cannot read), the worker is stopped and every text
+    waiting on it fails with BrokenProcessPool, saying why: nothing waits forever."""
+    from concurrent.futures.process import BrokenProcessPool
+
+    import fastrag.text.pool as pool_mod
+
+    def unreadable(f):
+        raise RuntimeError("a frame that cannot be read")
+
+    monkeypatch.setattr(pool_mod, "_read_frame", unreadable)
+    p = TextPool(1)
+    try:
+        with pytest.raises(BrokenProcessPool, match="reader failed: RuntimeError: a frame that cannot be read"):
+            p.submit("sentences", "One. Two.").result(timeout=60)
+        with pytest.raises(BrokenProcessPool):
+            p.compute_texts([("sentences", "One."), ("real_words", "Two.")])
+    finally:
+        p.shutdown()
+
+
 # ---------------------------------------------------------------------------------------------- scheduler level
-
-
-class Tok:
-    eos_token_id = None
-
-    def encode(self, s):
-        return [int(x) for x in s.split()]
-
-
-@dataclass
-class Ex:
-    qid: str
-    question: str
-    answers: list = field(default_factory=lambda: ["x"])
 
 
 TEXTS = _real_texts(30, seed=7)
@@ -152,9 +161,10 @@ def test_a_run_with_text_workers_decides_as_one_without(model, pool, overlap):
     assert len({x.query for r in here.values() for x in r.rounds}) > 3  # the texts chosen really vary
 
 
-def test_a_worker_that_dies_costs_no_work(model):
+@pytest.mark.parametrize("lockstep", [False, True])
+def test_a_worker_that_dies_costs_no_work(model, lockstep):
     """Kill the workers mid-run: the texts they held and all later ones run on the scheduler's thread, with a
-    warning, and every question decides as before."""
+    warning, and every question decides as before (free-running workers, and in lockstep)."""
     here, _ = _schedule(model, 0)
     killed = []
 
@@ -174,7 +184,7 @@ def test_a_worker_that_dies_costs_no_work(model):
 
     sched_ref = []
     eng = Engine(model, Tok(), kv_cache_gb=0.02, max_batch=4)
-    sched = Scheduler(eng, Retriever(), killer, max_inflight=6, text_workers=2)
+    sched = Scheduler(eng, Retriever(), killer, max_inflight=6, text_workers=2, text_lockstep=lockstep)
     sched_ref.append(sched)
     out = []
     with warnings.catch_warnings(record=True) as w:
@@ -336,38 +346,6 @@ def test_lockstep_workers_run_the_steps_of_a_run_without_workers(model, pool, ov
     assert {k: s1.engine.stats[k] for k in keys} == {k: s0.engine.stats[k] for k in keys}
     assert shares and min(shares) > 1 and s1.text_requests == sum(shares)  # (single texts stay on this thread)
     assert s1.text_lockstep and not s1._texts  # nothing was left to come back later
-
-
-def test_lockstep_with_workers_that_die_costs_no_work(model):
-    """The workers killed mid-run in lockstep: the step's texts and all later ones run here, with a warning."""
-    here, _ = _schedule(model, 0)
-    sched_ref, killed = [], []
-
-    def killer(ex):
-        gen = policy(ex)
-        value = None
-        while True:
-            try:
-                req = gen.send(value)
-            except StopIteration as stop:
-                return stop.value
-            sched = sched_ref[0]
-            if isinstance(req, Sentences) and not killed and sched.text_pool is not None:
-                for pid in sched.text_pool.pids():
-                    os.kill(pid, signal.SIGKILL)
-                killed.append(True)
-            value = yield req
-
-    eng = Engine(model, Tok(), kv_cache_gb=0.02, max_batch=4)
-    sched = Scheduler(eng, Retriever(), killer, max_inflight=6, text_workers=2, text_lockstep=True)
-    sched_ref.append(sched)
-    out = []
-    with warnings.catch_warnings(record=True) as w:
-        warnings.simplefilter("always")
-        sched.run([Ex(str(i), f"{1 + i} {2 + 3 * i} {5 + i % 7}") for i in range(8)], out.append)
-    assert killed and sched.text_workers == 0
-    assert any("spaCy worker pool failed" in str(x.message) for x in w)
-    assert _decisions({r.qid: r for r in out}) == _decisions(here)
 
 
 def test_the_lockstep_switch(model, monkeypatch):

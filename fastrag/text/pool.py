@@ -49,6 +49,9 @@ def text_lockstep_requested() -> bool:
     return env_switch(TEXT_LOCKSTEP_ENV)
 
 
+_HEADER = struct.Struct("<Q")
+
+
 def run_text(kind: str, text: str):
     """One text request computed here: split_sentences(text) or real_words(text)."""
     try:
@@ -162,6 +165,7 @@ class _Worker:
                 pass
 
     def _read(self) -> None:
+        why = None
         try:
             while True:
                 msg = _read_frame(self.proc.stdout)
@@ -172,11 +176,14 @@ class _Worker:
                     fut = self.pending.pop(rid, None)
                 if fut is not None and fut.set_running_or_notify_cancel():
                     fut.set_result(value)
-        except (OSError, pickle.UnpicklingError, EOFError, ValueError):
-            pass
+        except BaseException as e:  # noqa: BLE001  (whatever stops this reader, nothing may wait on it forever:
+            # a worker whose answers cannot be read is stopped, and what waits on it fails below)
+            why = f"{type(e).__name__}: {e}"
+            self.proc.kill()
         code = self.proc.wait()
         with self.lock:
-            self.broken = f"text worker pid {self.proc.pid} exited with code {code}"
+            self.broken = f"text worker pid {self.proc.pid} exited with code {code}" + \
+                (f" (its reader failed: {why})" if why else "")
             left, self.pending = self.pending, {}
         for fut in left.values():
             if fut.set_running_or_notify_cancel():
@@ -213,14 +220,20 @@ class TextPool:
         self._closed = False
         self.texts = 0
 
-    def submit(self, kind: str, text: str) -> Future:
-        if kind not in KINDS:
-            raise ValueError(f"unknown text request kind {kind!r}; expected one of {sorted(KINDS)}")
+    def _live(self, kinds, call: str) -> list[_Worker]:
+        """The workers still alive, once the kinds asked for and the pool's state are checked."""
+        for kind in kinds:
+            if kind not in KINDS:
+                raise ValueError(f"unknown text request kind {kind!r}; expected one of {sorted(KINDS)}")
         if self._closed:
-            raise RuntimeError("TextPool: submit after shutdown")
+            raise RuntimeError(f"TextPool: {call} after shutdown")
         live = [w for w in self._workers if w.broken is None]
         if not live:
             raise BrokenProcessPool(self._workers[0].broken or "no text worker left")
+        return live
+
+    def submit(self, kind: str, text: str) -> Future:
+        live = self._live([kind], "submit")
         self.texts += 1
         return min(live, key=_Worker.load).submit(next(self._ids), kind, text)
 
@@ -228,14 +241,7 @@ class TextPool:
         """`compute_texts(items)` (this module's) on the workers: the items split into one contiguous share a
         worker, each share one frame through one nlp.pipe pass a kind, then all waited for. Raises
         BrokenProcessPool when a worker dies meanwhile (the caller computes the items itself)."""
-        for kind, _ in items:
-            if kind not in KINDS:
-                raise ValueError(f"unknown text request kind {kind!r}; expected one of {sorted(KINDS)}")
-        if self._closed:
-            raise RuntimeError("TextPool: compute_texts after shutdown")
-        live = [w for w in self._workers if w.broken is None]
-        if not live:
-            raise BrokenProcessPool(self._workers[0].broken or "no text worker left")
+        live = self._live([k for k, _ in items], "compute_texts")
         n = len(items)
         k = min(len(live), n)
         bounds = [n * j // k for j in range(k + 1)]
