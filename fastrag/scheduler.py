@@ -379,14 +379,18 @@ class Scheduler:
         return any_
 
     def _compute_texts(self, items: list[tuple[str, str]]) -> list:
-        """compute_texts(items): in lockstep on the workers (all of them sent, then all waited for), else here."""
-        if self.text_lockstep and self.text_workers and len(items) > 1:
+        """compute_texts(items): in lockstep on the workers (all of them sent, then all waited for), else here. The
+        workers start at the first text and load their pipelines meanwhile; until one has, and for a lone text
+        (nothing to spread), the texts are computed here: a step never waits for a worker to start."""
+        if self.text_lockstep and self.text_workers:
             if self.text_pool is None:
                 try:
                     self.text_pool = TextPool(self.text_workers)
                 except (OSError, RuntimeError) as e:  # no processes here: answer on this thread
                     self._lose_pool(e)
-            if self.text_pool is not None:
+            if self.text_pool is not None and self.text_pool.broken is not None:  # every worker died meanwhile
+                self._lose_pool(BrokenProcessPool(self.text_pool.broken))
+            if self.text_pool is not None and len(items) > 1 and self.text_pool.ready:
                 tw = time.perf_counter()
                 try:
                     values = self.text_pool.compute_texts(items)

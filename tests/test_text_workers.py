@@ -185,6 +185,9 @@ def test_a_worker_that_dies_costs_no_work(model, lockstep):
     sched_ref = []
     eng = Engine(model, Tok(), kv_cache_gb=0.02, max_batch=4)
     sched = Scheduler(eng, Retriever(), killer, max_inflight=6, text_workers=2, text_lockstep=lockstep)
+    if lockstep:  # (workers still loading get no texts in lockstep: these are ready before the run)
+        sched.text_pool = TextPool(2)
+        _wait_ready(sched.text_pool)
     sched_ref.append(sched)
     out = []
     with warnings.catch_warnings(record=True) as w:
@@ -338,6 +341,7 @@ def test_lockstep_workers_run_the_steps_of_a_run_without_workers(model, pool, ov
         return real(self, items)
 
     monkeypatch.setattr(Pool, "compute_texts", spy)
+    _wait_ready(pool)  # (a step never waits for workers still loading: it computes its texts itself meanwhile)
     here, s0 = _schedule(model, 0, overlap=overlap)
     there, s1 = _schedule(model, pool, overlap=overlap, text_lockstep=True)
     assert all(r.error is None for r in here.values())
@@ -346,6 +350,72 @@ def test_lockstep_workers_run_the_steps_of_a_run_without_workers(model, pool, ov
     assert {k: s1.engine.stats[k] for k in keys} == {k: s0.engine.stats[k] for k in keys}
     assert shares and min(shares) > 1 and s1.text_requests == sum(shares)  # (single texts stay on this thread)
     assert s1.text_lockstep and not s1._texts  # nothing was left to come back later
+
+
+def _wait_ready(pool, timeout: float = 120.0) -> None:
+    import time
+
+    t = time.monotonic()
+    while pool.ready < pool.workers:
+        assert time.monotonic() - t < timeout, "text workers did not load their pipelines"
+        time.sleep(0.05)
+
+
+def test_lockstep_never_waits_for_workers_still_loading(model, monkeypatch):
+    """Until a worker has loaded its pipeline (or for a lone text), a lockstep step computes its texts itself; once
+    one has, several texts go to the pool. The same decisions either way."""
+    from fastrag.text.pool import compute_texts
+
+    class Loading:
+        """A pool whose workers are still starting, then ready after `after` texts were asked for."""
+
+        workers, texts, broken = 2, 0, None
+
+        def __init__(self, after):
+            self.after, self.asked, self.sent = after, 0, []
+
+        @property
+        def ready(self):
+            return 2 if self.asked >= self.after else 0
+
+        def compute_texts(self, items):
+            self.sent.append(len(items))
+            return compute_texts(items)
+
+        def shutdown(self):
+            pass
+
+    here, _ = _schedule(model, 0)
+    for after in (10**9, 4):
+        eng = Engine(model, Tok(), kv_cache_gb=0.02, max_batch=4)
+        sched = Scheduler(eng, Retriever(), policy, max_inflight=6, text_workers=2, text_lockstep=True)
+        fake = sched.text_pool = Loading(after)
+        real = sched._compute_texts
+
+        def counting(items, real=real, fake=fake):
+            fake.asked += len(items)
+            return real(items)
+
+        sched._compute_texts = counting
+        out = []
+        sched.run([Ex(str(i), f"{1 + i} {2 + 3 * i} {5 + i % 7}") for i in range(8)], out.append)
+        assert _decisions({r.qid: r for r in out}) == _decisions(here)
+        if after > 10**6:
+            assert fake.sent == [] and sched.text_requests == 0  # never ready: all here, nothing waited for
+        else:
+            assert fake.sent and min(fake.sent) > 1 and sched.text_requests == sum(fake.sent)
+
+
+def test_a_worker_says_when_its_pipeline_is_loaded():
+    p = TextPool(1)
+    try:
+        _wait_ready(p)
+        assert p.ready == 1
+        assert p.compute_texts([("sentences", "One. Two."), ("real_words", "Paris is big.")]) == \
+            [split_sentences("One. Two."), real_words("Paris is big.")]
+    finally:
+        p.shutdown()
+    assert p.ready == 0  # (stopped workers are not ready)
 
 
 def test_the_lockstep_switch(model, monkeypatch):

@@ -38,6 +38,7 @@ BATCH_KINDS = {"sentences": ("fastrag.text.sentences", "split_sentences_batch"),
                "real_words": ("fastrag.text.realwords", "real_words_batch")}
 
 _BATCH = "__batch__"  # a frame holding several (kind, text) items: answered with compute_texts, in order
+_READY = -1  # the id of a worker's first frame: its pipeline is loaded (request ids count from 0)
 TEXT_LOCKSTEP_ENV = "FASTRAG_TEXT_LOCKSTEP"
 
 __all__ = ["KINDS", "TEXT_LOCKSTEP_ENV", "BrokenProcessPool", "TextPool", "compute_text", "compute_texts",
@@ -143,6 +144,7 @@ class _Worker:
         self.pending: dict[int, Future] = {}
         self.lock = threading.Lock()
         self.broken: str | None = None
+        self.ready = False  # its pipeline is loaded (the worker says so before its first answer)
         self.outbox: queue.SimpleQueue = queue.SimpleQueue()
         self.writer = threading.Thread(target=self._write, name=f"fastrag-text-writer-{index}", daemon=True)
         self.reader = threading.Thread(target=self._read, name=f"fastrag-text-reader-{index}", daemon=True)
@@ -172,6 +174,9 @@ class _Worker:
                 if msg is None:
                     break
                 rid, value = msg
+                if rid == _READY:
+                    self.ready = True
+                    continue
                 with self.lock:
                     fut = self.pending.pop(rid, None)
                 if fut is not None and fut.set_running_or_notify_cancel():
@@ -237,11 +242,25 @@ class TextPool:
         self.texts += 1
         return min(live, key=_Worker.load).submit(next(self._ids), kind, text)
 
+    @property
+    def ready(self) -> int:
+        """Workers alive with their pipeline loaded (each takes a few seconds to start)."""
+        return sum(w.ready and w.broken is None for w in self._workers)
+
+    @property
+    def broken(self) -> str | None:
+        """Why the pool can compute nothing more (every worker gone), else None."""
+        if self._closed:
+            return "the pool was shut down"
+        return None if any(w.broken is None for w in self._workers) else self._workers[0].broken
+
     def compute_texts(self, items: list[tuple[str, str]]) -> list:
         """`compute_texts(items)` (this module's) on the workers: the items split into one contiguous share a
-        worker, each share one frame through one nlp.pipe pass a kind, then all waited for. Raises
-        BrokenProcessPool when a worker dies meanwhile (the caller computes the items itself)."""
+        worker (those with their pipeline loaded, when any is), each share one frame through one nlp.pipe pass a
+        kind, then all waited for. Raises BrokenProcessPool when a worker dies meanwhile (the caller computes the
+        items itself)."""
         live = self._live([k for k, _ in items], "compute_texts")
+        live = [w for w in live if w.ready] or live
         n = len(items)
         k = min(len(live), n)
         bounds = [n * j // k for j in range(k + 1)]
@@ -293,6 +312,7 @@ def _worker_main() -> None:
     from fastrag.text.nlp import get_nlp
 
     get_nlp()
+    _write_frame(out, (_READY, None))
     while True:
         msg = _read_frame(inp)
         if msg is None:
