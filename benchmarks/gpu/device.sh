@@ -120,6 +120,7 @@ except RuntimeError as e:
                 --deselect tests/test_model.py::test_entropy_and_logprob_of_decoding_match_reference \
                 --deselect tests/test_model.py::test_rebuild_after_truncation_equals_fresh_prefill \
                 --deselect tests/test_model.py::test_prompt_longer_than_context_is_rejected \
+                --deselect tests/test_device_clock.py::test_a_run_writes_its_step_trace_when_asked \
                 tests/test_kernels.py tests/test_paged_attention_triton.py tests/test_cuda_graphs.py \
                 tests/test_kernels_engine.py tests/test_attn_tracking.py tests/test_model.py tests/test_kv_reuse.py \
                 tests/test_paged_attention.py tests/test_signals.py tests/test_cache.py tests/test_fused_decode.py \
