@@ -5,10 +5,11 @@ With overlap (fastrag.scheduler), the engine launches a decode step and the meth
 `.cpu()` of a device tensor, `nonzero`, a blocking copy between host and device, a stream's synchronize) makes the host
 wait for the step, and the window hides nothing after it. `SyncWatch` turns torch's synchronisation debug mode to
 "warn" for the window only, counts the warnings it raises there by call site in the project's code (the innermost
-frame under `fastrag/`, else the innermost frame), and lets every other warning through. torch's debug mode reports
-the calls that go through its copy-and-synchronise and stream-synchronise paths; `torch.cuda.synchronize()` and an
-event's `synchronize()` are not reported (the window's one intended wait, for the attention passes, is an event's).
-The launch itself is covered by tests/test_host_sync.py; this covers everything else the window runs, in a real run.
+frame under `fastrag/`, else the innermost frame), and lets every other warning through when the window closes (once
+a text and place). torch's debug mode reports the calls that go through its copy-and-synchronise and
+stream-synchronise paths; `torch.cuda.synchronize()` and an event's `synchronize()` are not reported (the window's
+one intended wait, for the attention passes, is an event's). The launch itself is covered by
+tests/test_host_sync.py; this covers everything else the window runs, in a real run.
 
 Off unless asked ($FASTRAG_SYNC_WATCH=1, or `Scheduler(sync_watch=True)`), and only on CUDA devices: the debug mode
 costs host time on every CUDA call. A run's metrics.json has the counts under `overlap_syncs`.
@@ -59,6 +60,7 @@ class SyncWatch:
         self._ctx = None
         self._seen = 0
         self._others: list = []
+        self._shown: set = set()  # the other warnings of the windows shown so far (text, category, place)
 
     @property
     def active(self) -> bool:
@@ -67,6 +69,8 @@ class SyncWatch:
     def start(self) -> None:
         if self._ctx is not None:
             return
+        # (the mode is set outside the hook: torch warns that the debug mode is a prototype, once, as usual)
+        self._set_mode("warn")
         self._ctx = warnings.catch_warnings()
         self._ctx.__enter__()
         warnings.filterwarnings("always", message=SYNC_MESSAGE)  # (every occurrence, not once per site)
@@ -82,20 +86,22 @@ class SyncWatch:
         warnings.showwarning = hook
         self._seen = 0
         self.windows += 1
-        self._set_mode("warn")
 
     def stop(self) -> None:
         if self._ctx is None:
             return
+        ctx, self._ctx = self._ctx, None
         try:
-            self._set_mode("default")
-        finally:
-            ctx, self._ctx = self._ctx, None
             ctx.__exit__(None, None, None)  # (restores showwarning and the filters)
             self.windows_with_syncs += self._seen > 0
             others, self._others = self._others, []
             for message, category, filename, lineno in others:
-                warnings.warn_explicit(message, category, filename, lineno)
+                key = (str(message), category, filename, lineno)
+                if key not in self._shown:  # (once a text and place: the window's filters change every step, so
+                    self._shown.add(key)  # Python's own once-a-place record starts afresh in each window)
+                    warnings.warn_explicit(message, category, filename, lineno)
+        finally:
+            self._set_mode("default")
 
     def summary(self, top: int = 20) -> dict:
         """Windows watched, how many had a synchronising call, the calls in all, and the most frequent sites."""

@@ -69,6 +69,19 @@ def test_counts_syncs_by_site_and_lets_other_warnings_through():
     assert modes.calls == ["warn", "default", "warn", "default"]
 
 
+def test_a_warning_repeated_in_every_window_is_shown_once():
+    """Other warnings raised in the windows are shown when each closes, deduplicated by place as Python does (a
+    warning from the methods' logic in every step must not flood the log)."""
+    w = SyncWatch(set_mode=Modes())
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("default")
+        for _ in range(5):
+            w.start()
+            warnings.warn("the same note", RuntimeWarning)
+            w.stop()
+    assert [str(x.message) for x in seen] == ["the same note"]
+
+
 def test_outside_a_window_nothing_is_counted_and_the_warning_is_shown():
     w = SyncWatch(set_mode=Modes())
     with pytest.warns(UserWarning, match="synchronizing"):
