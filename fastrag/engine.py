@@ -173,7 +173,8 @@ class DeviceClock:
     seconds."""
 
     def __init__(self, device: torch.device, totals: dict):
-        self.cuda = torch.device(device).type == "cuda"
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
         self.totals = totals  # key -> seconds (the engine's stats)
         self._pending: list[tuple[str, object, object, dict | None]] = []
 
@@ -182,7 +183,7 @@ class DeviceClock:
         if not self.cuda:
             return time.perf_counter()
         ev = torch.cuda.Event(enable_timing=True)
-        ev.record()
+        ev.record(torch.cuda.current_stream(self.device))  # (the engine's device, whichever is current)
         return ev
 
     def stop(self, key: str, start, end=None, row: dict | None = None) -> None:

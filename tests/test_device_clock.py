@@ -70,7 +70,8 @@ class _Event:
         self.t, self.done = None, False
         _Event.instances.append(self)
 
-    def record(self):
+    def record(self, stream=None):
+        assert stream == "stream of cpu", stream  # (the clock records on its own device's stream)
         self.t = _Event.now
 
     def query(self) -> bool:
@@ -83,6 +84,7 @@ class _Event:
 
 def test_a_gpu_phase_counts_only_once_its_end_has_completed(monkeypatch):
     monkeypatch.setattr(torch.cuda, "Event", _Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: f"stream of {device}")
     _Event.now, _Event.instances = 0.0, []
     totals = dict.fromkeys(KEYS, 0.0)
     clock = DeviceClock(torch.device("cpu"), totals)
@@ -90,7 +92,7 @@ def test_a_gpu_phase_counts_only_once_its_end_has_completed(monkeypatch):
     a = clock.mark()
     _Event.now = 0.25
     end = torch.cuda.Event(enable_timing=True)
-    end.record()
+    end.record("stream of cpu")
     clock.stop("device_decode_s", a, end)
     assert totals["device_decode_s"] == 0.0 and clock.pending == 1  # not reached yet: not read, not waited for
     b = clock.mark()
@@ -107,6 +109,7 @@ def test_a_gpu_phase_counts_only_once_its_end_has_completed(monkeypatch):
 
 def test_a_gpu_phase_left_pending_while_a_later_one_completes(monkeypatch):
     monkeypatch.setattr(torch.cuda, "Event", _Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: f"stream of {device}")
     _Event.now, _Event.instances = 0.0, []
     totals = dict.fromkeys(KEYS, 0.0)
     clock = DeviceClock(torch.device("cpu"), totals)

@@ -138,10 +138,27 @@ def model():
     return m
 
 
-def _schedule(model, text_workers, overlap=False, n=8, pol=policy, **kw):
+class _Inline:
+    """An executor that runs each search as it is submitted: the steps at which results come back no longer depend
+    on a thread's timing (for comparing the engine steps of two runs)."""
+
+    def submit(self, fn, *a):
+        from concurrent.futures import Future
+
+        f = Future()
+        f.set_result(fn(*a))
+        return f
+
+    def shutdown(self, wait=True):
+        pass
+
+
+def _schedule(model, text_workers, overlap=False, n=8, pol=policy, inline_search=False, **kw):
     eng = Engine(model, Tok(), kv_cache_gb=0.02, max_batch=4)
     out = []
     sched = Scheduler(eng, Retriever(), pol, max_inflight=6, overlap=overlap, text_workers=text_workers, **kw)
+    if inline_search:
+        sched._pool = _Inline()
     sched.run([Ex(str(i), f"{1 + i} {2 + 3 * i} {5 + i % 7}") for i in range(n)], out.append)
     return {r.qid: r for r in out}, sched
 
@@ -322,6 +339,7 @@ def test_the_pool_computes_a_step_s_texts_as_this_process_does(pool):
         else:
             assert g == w, (k, t)
     assert pool.compute_texts(items[:1]) == want[:1]  # (one item: one worker)
+    assert pool.compute_texts([]) == []
     with pytest.raises(ValueError, match="unknown text request kind 'pos'"):
         pool.compute_texts([("sentences", "a"), ("pos", "b")])
 
@@ -330,7 +348,8 @@ def test_the_pool_computes_a_step_s_texts_as_this_process_does(pool):
 def test_lockstep_workers_run_the_steps_of_a_run_without_workers(model, pool, overlap, monkeypatch):
     """In lockstep a step's texts are answered where the scheduler's thread answers them without workers: the run
     makes the same engine steps (prefill calls, decode steps, tokens) and every question decides the same; the
-    steps with several texts went to the workers."""
+    steps with several texts went to the workers. (Searches are answered inline in both runs: a search thread's
+    timing moves a prefill call in any two runs.)"""
     from fastrag.text.pool import TextPool as Pool
 
     shares = []
@@ -342,8 +361,8 @@ def test_lockstep_workers_run_the_steps_of_a_run_without_workers(model, pool, ov
 
     monkeypatch.setattr(Pool, "compute_texts", spy)
     _wait_ready(pool)  # (a step never waits for workers still loading: it computes its texts itself meanwhile)
-    here, s0 = _schedule(model, 0, overlap=overlap)
-    there, s1 = _schedule(model, pool, overlap=overlap, text_lockstep=True)
+    here, s0 = _schedule(model, 0, overlap=overlap, inline_search=True)
+    there, s1 = _schedule(model, pool, overlap=overlap, text_lockstep=True, inline_search=True)
     assert all(r.error is None for r in here.values())
     assert _decisions(here) == _decisions(there)
     keys = ("prefill_calls", "decode_steps", "prefill_tokens", "decode_tokens")

@@ -262,6 +262,8 @@ class TextPool:
         live = self._live([k for k, _ in items], "compute_texts")
         live = [w for w in live if w.ready] or live
         n = len(items)
+        if n == 0:
+            return []
         k = min(len(live), n)
         bounds = [n * j // k for j in range(k + 1)]
         futs = [w.submit(next(self._ids), _BATCH, items[a:b])
