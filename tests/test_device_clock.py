@@ -82,13 +82,20 @@ class _Event:
         return (end.t - self.t) * 1e3
 
 
-def test_a_gpu_phase_counts_only_once_its_end_has_completed(monkeypatch):
+@pytest.fixture
+def gpu_clock(monkeypatch):
+    """A DeviceClock on its GPU branch with the stand-in events, and its totals."""
     monkeypatch.setattr(torch.cuda, "Event", _Event)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: f"stream of {device}")
     _Event.now, _Event.instances = 0.0, []
     totals = dict.fromkeys(KEYS, 0.0)
     clock = DeviceClock(torch.device("cpu"), totals)
-    clock.cuda = True  # (the GPU branch, with the stand-in events)
+    clock.cuda = True
+    return clock, totals
+
+
+def test_a_gpu_phase_counts_only_once_its_end_has_completed(gpu_clock):
+    clock, totals = gpu_clock
     a = clock.mark()
     _Event.now = 0.25
     end = torch.cuda.Event(enable_timing=True)
@@ -107,13 +114,8 @@ def test_a_gpu_phase_counts_only_once_its_end_has_completed(monkeypatch):
     assert totals["device_decode_s"] == pytest.approx(0.25)
 
 
-def test_a_gpu_phase_left_pending_while_a_later_one_completes(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "Event", _Event)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: f"stream of {device}")
-    _Event.now, _Event.instances = 0.0, []
-    totals = dict.fromkeys(KEYS, 0.0)
-    clock = DeviceClock(torch.device("cpu"), totals)
-    clock.cuda = True
+def test_a_gpu_phase_left_pending_while_a_later_one_completes(gpu_clock):
+    clock, totals = gpu_clock
     a = clock.mark()
     _Event.now = 1.0
     clock.stop("device_passes_s", a)
