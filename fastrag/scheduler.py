@@ -383,11 +383,7 @@ class Scheduler:
         workers start at the first text and load their pipelines meanwhile; until one has, and for a lone text
         (nothing to spread), the texts are computed here: a step never waits for a worker to start."""
         if self.text_lockstep and self.text_workers:
-            if self.text_pool is None:
-                try:
-                    self.text_pool = TextPool(self.text_workers)
-                except (OSError, RuntimeError) as e:  # no processes here: answer on this thread
-                    self._lose_pool(e)
+            self._start_pool()
             if self.text_pool is not None and self.text_pool.broken is not None:  # every worker died meanwhile
                 self._lose_pool(BrokenProcessPool(self.text_pool.broken))
             if self.text_pool is not None and len(items) > 1 and self.text_pool.ready:
@@ -570,11 +566,8 @@ class Scheduler:
     # ------------------------------------------------------------------ spaCy texts on the workers
     def _submit_texts(self) -> None:
         items = self._take(TEXT_REQUESTS)
-        if items and self.text_workers and self.text_pool is None:
-            try:
-                self.text_pool = TextPool(self.text_workers)
-            except (OSError, RuntimeError) as e:  # no processes here: answer on this thread
-                self._lose_pool(e)
+        if items and self.text_workers:
+            self._start_pool()
         for lv, i, r in items:
             if self.text_pool is not None:
                 try:
@@ -584,6 +577,15 @@ class Scheduler:
                 except (BrokenProcessPool, RuntimeError) as e:  # the pool died (or was shut down)
                     self._lose_pool(e)
             self._hand_text(lv, i, compute_text(r.kind, r.text), now=False)
+
+    def _start_pool(self) -> None:
+        """The worker pool, started at the first text that needs it (none where processes cannot start: the texts
+        are answered on this thread from then on)."""
+        if self.text_pool is None:
+            try:
+                self.text_pool = TextPool(self.text_workers)
+            except (OSError, RuntimeError) as e:
+                self._lose_pool(e)
 
     def _collect_texts(self, now: bool) -> bool:
         """Hand the finished text requests to their questions: `now` at once (a question may then ask for more),
