@@ -17,6 +17,7 @@ import contextlib
 import hashlib
 import json
 import math
+import numbers
 import os
 import shutil
 import time
@@ -87,10 +88,18 @@ class RunOptions:
         get_method(self.method)  # raises with the list of available methods
         if self.retriever not in RETRIEVERS:
             raise ValueError(f"--retriever {self.retriever!r}: expected one of {', '.join(RETRIEVERS)}")
-        if self.batch_size <= 0:
-            raise ValueError(f"--batch-size must be positive, got {self.batch_size}")
-        if self.limit is not None and self.limit <= 0:
-            raise ValueError(f"--limit must be positive, got {self.limit}")
+        # (any integer type, numpy's included, kept as a Python int; floats, bools and strings refused by name)
+        if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, numbers.Integral) \
+                or self.batch_size <= 0:
+            raise ValueError(f"--batch-size must be a positive int, got {self.batch_size!r}")
+        self.batch_size = int(self.batch_size)
+        if self.limit is not None:
+            if isinstance(self.limit, bool) or not isinstance(self.limit, numbers.Integral) or self.limit <= 0:
+                raise ValueError(f"--limit must be a positive int, got {self.limit!r}")
+            self.limit = int(self.limit)
+        if not isinstance(self.output, (str, os.PathLike)) or not str(self.output).strip():
+            raise ValueError(f"--output must name a folder, got {self.output!r} (an empty path would write into "
+                             "the current directory)")
         from fastrag.signals.checks import MIN_TEMPERATURE
 
         t = self.temperature
@@ -125,8 +134,10 @@ class RunOptions:
             p, flag = Path(getattr(self, name)), "--" + name.replace("_", "-")
             if p.is_dir():
                 raise ValueError(f"{flag} {p}: is a directory, expected a file")
-            if not p.is_file():
+            if not p.exists():
                 raise FileNotFoundError(f"{flag} {p}: no such file")
+            if not p.is_file():
+                raise ValueError(f"{flag} {p}: not a regular file (a pipe or a device?): give a file on disk")
             if not os.access(p, os.R_OK):
                 raise PermissionError(f"{flag} {p}: not readable")
 
@@ -562,8 +573,9 @@ def run_many(runs: list[RunOptions], engine=None, retriever=None) -> list[dict]:
     if not runs:
         raise ValueError("run_many: no runs given")
     outs = [Path(o.output) for o in runs]
-    if len(set(outs)) != len(outs):
-        raise ValueError("run_many: two runs write to the same output directory")
+    same = [(a, b) for i, a in enumerate(outs) for b in outs[i + 1:] if a.resolve() == b.resolve()]
+    if same:
+        raise ValueError(f"run_many: two runs write to the same output directory ({same[0][0]} and {same[0][1]})")
     for out in outs:
         if out.exists() and not out.is_dir():
             raise ValueError(f"--output {out}: is a file, expected a directory")

@@ -301,7 +301,7 @@ def test_benchmark_counts_below_one_are_refused_by_name(script, args, monkeypatc
 
 
 @pytest.mark.parametrize("script, args, message", [
-    ("bench_e2e", ["--limit", "0"], "--limit must be positive, got 0"),
+    ("bench_e2e", ["--limit", "0"], "--limit must be a positive int, got 0"),
     ("bench_e2e", ["--data-dir", "{tmp}/none"], "--data {tmp}/none/hotpotqa/dev_distractor_200.jsonl: no such file"),
     ("bench_ray", ["--data", "{tmp}/none.jsonl"], "{tmp}/none.jsonl: no such file"),
     ("bench_retrieval", ["--qrels", "{tmp}/none.tsv"], "--qrels {tmp}/none.tsv: no such file"),

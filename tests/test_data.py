@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 import os
 import re
+import warnings
 from pathlib import Path
 
 import pytest
 
 from fastrag.data import DATASETS, DataError, case_text, demo_text, load_examples, load_exemplars
+from fastrag.data.metrics import exact_match
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("FASTRAG_SHARED_DATA", REPO.parent / "shared" / "data"))
@@ -37,8 +39,14 @@ def _raw_records(path: Path) -> list[dict]:
 @pytest.mark.parametrize("dataset,rel,count,fmt", SHARED_FILES)
 def test_shared_files_load(dataset, rel, count, fmt):
     path = SHARED / rel
-    ex = load_examples(dataset, path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ex = load_examples(dataset, path)
     assert len(ex) == count
+    no_gold = [e.qid for e in ex if not e.answers]  # (every gold normalised to nothing: left out, and warned)
+    if no_gold:
+        assert any(f"{len(no_gold)} question(s) have no gold answer (first: {no_gold[0]})" in str(w.message)
+                   for w in caught), [str(w.message) for w in caught]
     assert len({e.qid for e in ex}) == count, "qids must be unique"
     raw = _raw_records(path)
     assert len(raw) == count
@@ -234,6 +242,82 @@ def test_iirc(tmp_path):
     bad = _json(tmp_path / "bad.json", [{"title": "P", "questions": [{"qid": "z", "question": "q", "answer": {"type": "odd"}}]}])
     with pytest.raises(DataError, match=r"bad\.json\[0\]\.questions\[0\].*answer\.type"):
         load_examples("iirc", bad)
+
+
+def test_blank_gold_answers_are_left_out_and_golds_that_normalise_to_nothing_are_named(tmp_path):
+    """A blank gold is a missing value: scored, it would credit any answer that normalises to nothing (an empty one,
+    "the."). A written gold that normalises to nothing ("A", "---") is scored as the SQuAD rule scores it."""
+    rows = [{"id": f"q{i}", "question": "q?", "golden_answers": [b, "Paris"]} for i, b in enumerate(["", " \t"])]
+    rows += [{"id": "only-blank", "question": "q?", "golden_answers": [""]},
+             {"id": "letter", "question": "q?", "golden_answers": ["A"]}, {"id": "ok", "question": "q?", "golden_answers": ["x"]}]
+    p = _jsonl(tmp_path / "blank.jsonl", rows)
+    with pytest.warns(UserWarning) as caught:
+        ex = load_examples("nq", p)
+    msgs = [str(w.message) for w in caught]
+    assert any("3 question(s) have a blank gold answer (first: q0); it is left out" in m for m in msgs), msgs
+    assert any("1 question(s) have a gold answer that normalises to nothing (first: letter, 'A';" in m for m in msgs), msgs
+    assert any("1 question(s) have no gold answer (first: only-blank)" in m for m in msgs), msgs
+    assert [e.answers for e in ex] == [["Paris"], ["Paris"], [], ["A"], ["x"]]
+    assert exact_match("The.", ex[0].answers) == 0.0 and exact_match("the paris", ex[0].answers) == 1.0
+    assert exact_match("", ex[2].answers) == 0.0
+    assert exact_match("A", ex[3].answers) == 1.0  # (as published: both sides normalise to "")
+
+
+def test_answer_aliases_that_gave_a_question_its_gold_end_its_no_gold_warning(tmp_path):
+    p = _jsonl(tmp_path / "d.jsonl", [{"_id": "a", "question": "q", "answer": " ", "answer_id": "Q1"},
+                                      {"_id": "b", "question": "q", "answer": "x", "answer_id": "Q2"}])
+    aliases = _jsonl(tmp_path / "id_aliases.jsonl", [{"Q_id": "Q1", "aliases": ["Paris", ""], "demonyms": []}])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ex = load_examples("2wikimultihopqa", p, answer_aliases=aliases)
+    assert [e.answers for e in ex] == [["Paris"], ["x"]]  # (the blank alias: left out too)
+    msgs = [str(w.message) for w in caught]
+    assert any("1 question(s) have a blank gold answer (first: a)" in m for m in msgs), msgs
+    assert not any("no gold answer" in m for m in msgs), msgs
+
+
+@pytest.mark.parametrize("bad", [None, {"x": 1}, 1.5, True, ["a"]])
+def test_a_question_id_that_is_not_a_string_or_an_integer_is_refused(tmp_path, bad):
+    for dataset, row, key in (("nq", {"id": bad, "question": "q", "golden_answers": ["a"]}, "id"),
+                              ("2wikimultihopqa", {"_id": bad, "question": "q", "answer": "a"}, "_id"),
+                              ("webq", {"qId": bad, "qText": "q", "answers": ["a"]}, "qId"),
+                              ("strategyqa", {"qid": bad, "question": "q", "answer": True}, "qid")):
+        p = _jsonl(tmp_path / f"{key}.jsonl", [{**row, **({key: "ok"})}, row])
+        with pytest.raises(DataError, match=rf"{key}\.jsonl:2: field '{key}' must be a string or an integer id"):
+            load_examples(dataset, p)
+    p = _jsonl(tmp_path / "ints.jsonl", [{"id": 7, "question": "q", "golden_answers": ["a"]}])
+    assert [e.qid for e in load_examples("nq", p)] == ["7"]
+    # NQ-open's id is optional: absent or null, the question is numbered; anything else is checked the same way
+    p = _jsonl(tmp_path / "nqo.jsonl", [{"question": "q", "answer": ["x"], "id": None}, {"question": "q", "answer": ["x"]}])
+    assert [e.qid for e in load_examples("nq", p)] == ["nq-0", "nq-1"]
+    if bad is not None:
+        p = _jsonl(tmp_path / "nqo_bad.jsonl", [{"question": "q", "answer": ["x"], "qid": bad}])
+        with pytest.raises(DataError, match=r"nqo_bad\.jsonl:1: field 'qid' must be a string or an integer id"):
+            load_examples("nq", p)
+
+
+def test_a_key_given_twice_in_a_record_is_refused(tmp_path):
+    """json keeps the last of two equal keys silently: {"question": "q1", "question": "q2"} ran q2."""
+    p = tmp_path / "d.jsonl"
+    p.write_text('{"id": "1", "question": "q", "golden_answers": ["x"]}\n'
+                 '{"id": "2", "question": "q1", "question": "q2", "golden_answers": ["x"]}\n', encoding="utf-8")
+    with pytest.raises(DataError, match=r"d\.jsonl:2: the key 'question' is given twice in one object"):
+        load_examples("nq", p)
+    p = tmp_path / "d.json"
+    p.write_text('[{"qid": "1", "question": "q", "answer": true, "facts": [{"a": 1, "a": 2}]}]', encoding="utf-8")
+    with pytest.raises(DataError, match=r"d\.json: the key 'a' is given twice in one object"):
+        load_examples("strategyqa", p)
+    p.write_text('[{"qid": "1", "question": "q", "answer": true, "facts": [{"a": 1, "b": 2}]}]', encoding="utf-8")
+    assert [e.qid for e in load_examples("strategyqa", p)] == ["1"]
+
+
+def test_an_iirc_span_without_text_is_refused(tmp_path):
+    for text in (None, 3, ["a"]):
+        p = _json(tmp_path / "dev.json", [{"title": "P", "questions": [
+            {"qid": "i1", "question": "q", "answer": {"type": "span", "answer_spans": [{"text": "ok"}, {"text": text}]}}]}])
+        with pytest.raises(DataError, match=r"dev\.json\[0\]\.questions\[0\]: field 'answer\.answer_spans\[1\]\.text' "
+                                             "must be a string"):
+            load_examples("iirc", p)
 
 
 def test_empty_question_loads_and_duplicate_ids_are_made_unique(tmp_path):

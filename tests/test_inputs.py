@@ -421,6 +421,24 @@ def test_cli_errors_for_odd_arguments(tmp_path):
     with pytest.raises(ValueError, match="finite"):
         RunOptions(method="wo-rag", dataset="nq", data=str(data), corpus=str(CORPUS), output=str(tmp_path / "x"),
                    temperature=float("inf"))
+    kw = dict(method="wo-rag", dataset="nq", data=str(data), corpus=str(CORPUS), output=str(tmp_path / "x"))
+    for field, flag in (("batch_size", "--batch-size"), ("limit", "--limit")):
+        for bad in ("2", 1.5, 2.0, True, 0, -1):  # (a float batch used to reach the engine's slicing)
+            with pytest.raises(ValueError, match=f"{flag} must be a positive int, got {re.escape(repr(bad))}"):
+                RunOptions(**{**kw, field: bad})
+        import numpy as np
+
+        o = RunOptions(**{**kw, field: np.int64(3)})
+        assert type(getattr(o, field)) is int and getattr(o, field) == 3
+    for bad in ("", "  ", None):  # (Path("") is the current directory)
+        with pytest.raises(ValueError, match="--output must name a folder"):
+            RunOptions(**{**kw, "output": bad})
+    p = subprocess.run([sys.executable, "-m", "fastrag", *base, "--output", ""],
+                       capture_output=True, text=True, cwd=tmp_path)
+    assert p.returncode == 2 and "--output must name a folder" in p.stderr and "Traceback" not in p.stderr, p.stderr
+    assert not (tmp_path / "results.jsonl").exists()
+    with pytest.raises(ValueError, match="--data /dev/null: not a regular file"):
+        RunOptions(**{**kw, "data": "/dev/null"})
 
 
 def test_a_numpy_integer_seed_is_taken_as_an_int(tmp_path):

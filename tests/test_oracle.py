@@ -170,6 +170,56 @@ def test_an_empty_question_is_refused_as_the_engine_refuses_it():
             oracle.run("q", q, ["x"])
 
 
+@pytest.mark.parametrize("which", ["dragin", "dragin-attention", "flare", "beamsearchqa"])
+def test_the_oracles_refuse_a_prompt_past_the_model_context_as_the_engine_does(which):
+    """transformers runs past max_position_embeddings with at most a warning; the engine refuses such a prompt, so
+    the oracle wrote an answer for a question the engine failed (a parity report leaves it out, but the oracle's
+    results.jsonl held the answer). The check comes before the model is used."""
+    from types import SimpleNamespace
+
+    from fastrag.oracle.beamsearchqa import BeamSearchQAOracle
+    from fastrag.oracle.dragin import DraginOracle
+    from fastrag.oracle.flare import FlareOracle
+
+    calls = []
+
+    class Model:
+        config = SimpleNamespace(max_position_embeddings=32)
+        device = torch.device("cpu")
+
+        def generate(self, input_ids, **kw):
+            calls.append(input_ids.shape[1])
+            raise _Reached
+
+        def __call__(self, input_ids, **kw):
+            calls.append(input_ids.shape[1])
+            raise _Reached
+
+    class _Reached(Exception):
+        pass
+
+    cls = {"dragin": DraginOracle, "dragin-attention": DraginOracle, "flare": FlareOracle,
+           "beamsearchqa": BeamSearchQAOracle}[which]
+    oracle = cls.__new__(cls)  # (only what the generation reads)
+    oracle.model = Model()
+    oracle.tokenizer = SimpleNamespace(encode=lambda text: list(range(1, len(text.split()) + 1)))
+    oracle._pad_id = oracle._pad = 0
+    oracle.eos_ids = {0}
+    oracle._prefill = 0
+    if which == "dragin-attention":
+        call = lambda n, new: oracle.last_layer_attention(list(range(n)))  # noqa: E731
+    else:
+        call = lambda n, new: oracle.generate(" ".join(["w"] * n), new)  # noqa: E731
+    limit_new = 0 if which == "dragin-attention" else 8
+    with pytest.raises(ValueError, match=rf"prompt of {33 - limit_new} tokens \+ {limit_new} new exceeds the model "
+                                         "context of 32 tokens"):
+        call(33 - limit_new, limit_new)
+    assert calls == []
+    with pytest.raises(_Reached):  # at the limit: the model runs
+        call(32 - limit_new, limit_new)
+    assert calls == [32 - limit_new]
+
+
 def _hotpot_questions(n: int):
     with HOTPOT.open() as f:
         for _, line in zip(range(n), f):

@@ -7,6 +7,7 @@ Real SmolLM2 and bm25s over the bundled corpus, short generations for CI.
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -86,6 +87,13 @@ def test_runs_must_share_the_engine_settings(tmp_path):
         run_many([a, b])
     with pytest.raises(ValueError, match="same output"):
         run_many([a, a])
+    # one folder spelt two ways (relative and absolute, a "..") is the same folder: said so, not taken for another
+    # process's lock
+    (tmp_path / "sub").mkdir()
+    kw = dict(method="dragin", data=str(DATA), corpus=str(CORPUS))
+    for other in (tmp_path / "sub" / ".." / "a", os.path.relpath(tmp_path / "a")):
+        with pytest.raises(ValueError, match=r"run_many: two runs write to the same output directory \("):
+            run_many([a, RunOptions(**kw, output=str(other), dataset="2wikimultihopqa")])
 
 
 def test_run_history_totals(tmp_path):

@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fastrag.data.metrics import normalize_answer
+
 DATASETS = ("2wikimultihopqa", "hotpotqa", "strategyqa", "iirc", "nq", "webq")
 
 # Names used by the published DRAGIN configs and by common file/dir names -> our dataset names.
@@ -84,6 +86,15 @@ def _need(rec: _Rec, key: str, types: type | tuple[type, ...] | None = None) -> 
     return value
 
 
+def _qid(rec: _Rec, key: str) -> str:
+    """A question id field: a string, or an integer written as its decimal text (a null, a bool, a float or an
+    object is refused: an id made of its repr would key the outputs by text no one wrote)."""
+    value = _need(rec, key)
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise DataError(f"{rec.where}: field {key!r} must be a string or an integer id, got {value!r:.80}")
+    return str(value)
+
+
 def _tname(types: type | tuple[type, ...]) -> str:
     return " or ".join(t.__name__ for t in (types if isinstance(types, tuple) else (types,)))
 
@@ -125,19 +136,19 @@ def _read_ircot(rec: _Rec) -> _Row:
             raise DataError(f"{rec.where}: answers_objects[{i}] has no field 'spans'")
         answers += _str_list(rec, f"answers_objects[{i}].spans", o["spans"])
     used = ("question_id", "question_text", "answers_objects")
-    return str(_need(rec, "question_id")), _question(rec, "question_text"), answers, _meta(rec, used, "ircot")
+    return _qid(rec, "question_id"), _question(rec, "question_text"), answers, _meta(rec, used, "ircot")
 
 
 def _read_2wiki(rec: _Rec) -> _Row:
     answer = _str_list(rec, "answer", _need(rec, "answer"))
     used = ("_id", "question", "answer")
-    return str(_need(rec, "_id")), _question(rec, "question"), answer, _meta(rec, used, "2wiki")
+    return _qid(rec, "_id"), _question(rec, "question"), answer, _meta(rec, used, "2wiki")
 
 
 def _read_2wiki_list(rec: _Rec) -> _Row:
     answer = _str_list(rec, "answer", _need(rec, "answer"))
     used = ("test_id", "question", "answer")
-    return str(_need(rec, "test_id")), _question(rec, "question"), answer, _meta(rec, used, "2wiki_list")
+    return _qid(rec, "test_id"), _question(rec, "question"), answer, _meta(rec, used, "2wiki_list")
 
 
 def _read_strategyqa(rec: _Rec) -> _Row:
@@ -148,25 +159,26 @@ def _read_strategyqa(rec: _Rec) -> _Row:
         raise DataError(f"{rec.where}: field 'answer' must be a bool (or 'yes'/'no'), got {a!r:.80}")
     meta = _meta(rec, ("qid", "question", "answer"), "strategyqa")
     meta["answer_bool"] = a
-    return str(_need(rec, "qid")), _question(rec, "question"), ["yes" if a else "no"], meta
+    return _qid(rec, "qid"), _question(rec, "question"), ["yes" if a else "no"], meta
 
 
 def _read_flashrag(rec: _Rec) -> _Row:
     answers = _str_list(rec, "golden_answers", _need(rec, "golden_answers"))
     used = ("id", "question", "golden_answers")
-    return str(_need(rec, "id")), _question(rec, "question"), answers, _meta(rec, used, "flashrag")
+    return _qid(rec, "id"), _question(rec, "question"), answers, _meta(rec, used, "flashrag")
 
 
 def _read_webq(rec: _Rec) -> _Row:
     answers = _str_list(rec, "answers", _need(rec, "answers"))
-    return str(_need(rec, "qId")), _question(rec, "qText"), answers, _meta(rec, ("qId", "qText", "answers"), "webq")
+    return _qid(rec, "qId"), _question(rec, "qText"), answers, _meta(rec, ("qId", "qText", "answers"), "webq")
 
 
 def _read_nq_open(rec: _Rec) -> _Row:
     answers = _str_list(rec, "answer", _need(rec, "answer"))
-    qid = rec.obj.get("id", rec.obj.get("qid"))
+    key = "id" if "id" in rec.obj else "qid"
+    qid = None if rec.obj.get(key) is None else _qid(rec, key)  # (no id, or a null one: numbered in file order)
     used = ("question", "answer", "id", "qid")
-    return (None if qid is None else str(qid)), _question(rec, "question"), answers, _meta(rec, used, "nq_open")
+    return qid, _question(rec, "question"), answers, _meta(rec, used, "nq_open")
 
 
 def _read_iirc_question(rec: _Rec, passage_title: Any) -> _Row:
@@ -182,12 +194,17 @@ def _read_iirc_question(rec: _Rec, passage_title: Any) -> _Row:
         spans = ans.get("answer_spans")
         if not isinstance(spans, list) or not all(isinstance(s, dict) and "text" in s for s in spans):
             raise DataError(f"{rec.where}: span answer needs 'answer_spans' as a list of {{'text': ...}}")
-        answers = [str(s["text"]).strip() for s in spans]
+        answers = []
+        for i, s in enumerate(spans):
+            if not isinstance(s["text"], str):
+                raise DataError(f"{rec.where}: field 'answer.answer_spans[{i}].text' must be a string, got "
+                                f"{s['text']!r:.80}")
+            answers.append(s["text"].strip())
     else:
         raise DataError(f"{rec.where}: field 'answer.type' is {kind!r}, expected span, value, binary or none")
     meta = _meta(rec, ("qid", "question"), "iirc")
     meta["passage_title"] = passage_title
-    return str(_need(rec, "qid")), _question(rec, "question"), answers, meta
+    return _qid(rec, "qid"), _question(rec, "question"), answers, meta
 
 
 _READERS: dict[str, Callable[[_Rec], _Row]] = {
@@ -255,6 +272,19 @@ def read_text_file(path: Path, error: type[Exception]) -> str:
         raise error(f"{path}:{line}: not UTF-8 text (byte 0x{raw[e.start]:02x}); convert the file to UTF-8") from None
 
 
+class _RepeatedKey(Exception):
+    pass
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """json object_pairs_hook: a key given twice in one object is an error (json.loads keeps the last silently)."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        raise _RepeatedKey(next(k for k, _ in pairs if k in seen or seen.add(k)))
+    return out
+
+
 def _records(path: Path) -> Iterator[_Rec]:
     """Yield the JSON objects of a json-list or jsonl file with their location; malformed input raises DataError."""
     text = read_text_file(path, DataError)
@@ -263,11 +293,16 @@ def _records(path: Path) -> Iterator[_Rec]:
         raise DataError(f"{path}: file is empty")
     if head == "[" or head == "{":
         try:
-            whole = json.loads(text)
+            whole = json.loads(text, object_pairs_hook=_unique_keys)
         except json.JSONDecodeError as e:
             if head == "[":
                 raise DataError(f"{path}: not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
             whole = None  # several objects: jsonl
+        except _RepeatedKey as e:
+            if head == "[":
+                raise DataError(f"{path}: the key {e.args[0]!r} is given twice in one object (JSON keeps the "
+                                "last silently)") from None
+            whole = None  # (jsonl: the line is named below)
         if isinstance(whole, list):
             for i, obj in enumerate(whole):
                 if not isinstance(obj, dict):
@@ -282,9 +317,12 @@ def _records(path: Path) -> Iterator[_Rec]:
         if not line.strip():
             continue
         try:
-            obj = json.loads(line)
+            obj = json.loads(line, object_pairs_hook=_unique_keys)
         except json.JSONDecodeError as e:
             raise DataError(f"{path}:{lineno}: malformed JSON line: {e.msg} (column {e.colno})") from None
+        except _RepeatedKey as e:
+            raise DataError(f"{path}:{lineno}: the key {e.args[0]!r} is given twice in one object (JSON keeps the "
+                            "last silently)") from None
         if not isinstance(obj, dict):
             raise DataError(f"{path}:{lineno}: line is a {type(obj).__name__}, expected a JSON object")
         yield _Rec(f"{path}:{lineno}", obj)
@@ -328,7 +366,8 @@ def with_answer_aliases(examples: list[Example], aliases: dict[str, list[str]], 
                         "apply (they are keyed by it: 2WikiMultihopQA's original dev.json format carries it)")
     n = 0
     for e in examples:
-        extra = [a for a in aliases.get(e.meta.get("answer_id") or "", []) if a not in e.answers]
+        extra = [a for a in aliases.get(e.meta.get("answer_id") or "", [])
+                 if a not in e.answers and a.strip()]  # (a blank alias: left out, as a blank gold is)
         if extra:
             e.answers = e.answers + extra
             n += 1
@@ -347,7 +386,8 @@ def load_examples(dataset: str, path: str | Path, limit: int | None = None,
         raise DataError(f"{path}: is a directory, expected a .json or .jsonl file")
     out: list[Example] = []
     seen: set[str] = set()
-    no_gold: list[str] = []  # questions whose answer list is empty (they can only score 0)
+    blank_gold: list[str] = []  # questions with a blank gold answer (left out)
+    odd_gold: list[tuple[str, str]] = []  # (question, gold) of golds that normalise to nothing (kept)
     fmt: str | None = None
     index = 0  # running question index, the qid of formats without ids
     for rec in _records(path):
@@ -388,8 +428,12 @@ def load_examples(dataset: str, path: str | Path, limit: int | None = None,
             if name == "strategyqa" and any(a.strip().lower() not in ("yes", "no") for a in answers):
                 raise DataError(f"{rec.where}: --dataset strategyqa scores yes/no answers, but question {qid!r} "
                                 f"has gold {answers[:3]}: a file of another dataset?")
-            if not answers:
-                no_gold.append(qid)
+            if any(not a.strip() for a in answers):
+                # a blank gold is a missing value: scored, it would credit every answer that normalises to nothing
+                blank_gold.append(qid)
+                answers = [a for a in answers if a.strip()]
+            if (odd := [a for a in answers if not normalize_answer(a)]):
+                odd_gold.append((qid, odd[0]))  # (written text, e.g. "A" or "---": scored as published)
             out.append(Example(qid=qid, question=question, answers=answers, dataset=name, meta=meta))
     if not out and limit != 0:
         raise DataError(f"{path}: no question to run in the file (every record was skipped: e.g. IIRC questions "
@@ -398,6 +442,16 @@ def load_examples(dataset: str, path: str | Path, limit: int | None = None,
         if with_answer_aliases(out, load_answer_aliases(answer_aliases), where=str(path)) == 0:
             warnings.warn(f"{answer_aliases}: no question of {path} has an answer_id with aliases there (another "
                           "dataset's file?); the gold answers are the data's own", UserWarning, stacklevel=2)
+    if blank_gold:
+        warnings.warn(f"{path}: {len(blank_gold)} question(s) have a blank gold answer (first: {blank_gold[0]}); "
+                      "it is left out (it would credit every answer that normalises to nothing)", UserWarning,
+                      stacklevel=2)
+    if odd_gold:
+        warnings.warn(f"{path}: {len(odd_gold)} question(s) have a gold answer that normalises to nothing (first: "
+                      f"{odd_gold[0][0]}, {odd_gold[0][1]!r}; lowercase, no punctuation or articles): it matches "
+                      "only answers that do too, an empty one included, as in the published evaluation",
+                      UserWarning, stacklevel=2)
+    no_gold = [e.qid for e in out if not e.answers]  # (they can only score 0; counted after the aliases)
     if no_gold:
         warnings.warn(f"{path}: {len(no_gold)} question(s) have no gold answer (first: {no_gold[0]}); they score 0",
                       UserWarning, stacklevel=2)

@@ -26,6 +26,7 @@ from fastrag.methods.beamsearchqa import (
     prune,
     reached,
 )
+from fastrag.oracle.context import check_context
 from fastrag.trace import BeamNode, QuestionResult, Round
 
 
@@ -63,6 +64,7 @@ class BeamSearchQAOracle:
     def generate(self, prompt: str, max_new_tokens: int) -> str:
         """Greedy `model.generate` over the whole prompt; the decoded new text (a final EOS dropped)."""
         ids = self.tokenizer.encode(prompt)
+        check_context(self.model, len(ids), max_new_tokens)
         input_ids = torch.tensor([ids], device=self.model.device)  # [1, P]
         out = self.model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
                                   max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=self._pad_id,

@@ -21,6 +21,7 @@ import torch
 from fastrag.data.exemplars import case_text, demo_text
 from fastrag.data.metrics import ANSWER_MAX_TOKENS, answer_prompt, complete_answer, needs_answer_generation
 from fastrag.oracle import decisions as D
+from fastrag.oracle.context import check_context
 from fastrag.text.realwords import matches_real_word, real_words
 from fastrag.text.sentences import first_sentence, split_sentences
 from fastrag.text.words import WordBoundaries, assign_words_to_sentences, sentence_word_ranges
@@ -112,6 +113,7 @@ class DraginOracle:
         scores=False (the retrieval round's and the answer's generations, whose entropies no rule reads): no
         scores kept, as the published code keeps none there; Generation.entropy is then empty."""
         ids = self.encode(prompt)
+        check_context(self.model, len(ids), max_new_tokens)
         input_ids = torch.tensor([ids], device=self.model.device)  # [1, P]
         out = self.model.generate(
             input_ids=input_ids,
@@ -136,6 +138,7 @@ class DraginOracle:
     @torch.no_grad()
     def last_layer_attention(self, ids: list[int]) -> torch.Tensor:
         """One forward over `ids` alone (positions from 0): last-layer attention [H, T, T]."""
+        check_context(self.model, len(ids))
         input_ids = torch.tensor([ids], device=self.model.device)
         mask = torch.ones_like(input_ids)
         self._prefill += len(ids)

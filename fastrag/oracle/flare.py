@@ -17,6 +17,7 @@ from fastrag.data.exemplars import case_text, demo_text
 from fastrag.data.metrics import ANSWER_MAX_TOKENS, answer_prompt, complete_answer, needs_answer_generation
 from fastrag.methods.common import STOP_PHRASE, join, rag_prompt
 from fastrag.methods.flare import explicit_question_prompt
+from fastrag.oracle.context import check_context
 from fastrag.text.sentences import split_sentences
 from fastrag.trace import QuestionResult, Round
 
@@ -43,6 +44,7 @@ class FlareOracle:
     def generate(self, prompt: str, n: int) -> tuple[list[int], list[float]]:
         """Greedy continuation of `prompt`: (token ids, their probabilities), a final EOS dropped."""
         ids = self.tokenizer.encode(prompt)
+        check_context(self.model, len(ids), n)
         x = torch.tensor([ids], device=self.model.device)
         out = self.model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
                                   output_scores=True, return_dict_in_generate=True, pad_token_id=self._pad)

@@ -168,6 +168,9 @@ def _iter_tsv_rows(path: Path) -> Iterator[tuple[str, str, str]]:
         raise CorpusError(f"{path}:1: empty tsv (expected a header line 'id\\ttext\\ttitle')")
     header = _tsv_fields(first[1].rstrip("\r\n"))
     cols = {name.strip(): i for i, name in enumerate(header)}
+    if len(cols) != len(header):
+        twice = sorted({n.strip() for n in header if [h.strip() for h in header].count(n.strip()) > 1})
+        raise CorpusError(f"{path}:1: tsv header names a column more than once: {twice} (got {header})")
     for need in ("id", "text", "title"):
         if need not in cols:
             raise CorpusError(f"{path}:1: tsv header lacks column {need!r} (got {header})")
