@@ -21,6 +21,7 @@ from typing import Any
 
 from fastrag.data.datasets import DataError, canonical_dataset
 from fastrag.data.exemplars import load_exemplars
+from fastrag.jsonkeys import RepeatedKey, unique_keys
 
 MODES = ("reference", "streaming")
 QUERY_FORMULATIONS = ("real_words",)
@@ -125,23 +126,6 @@ def dragin_config(dataset: str, overrides: dict[str, Any] | None = None) -> Drag
     return DraginConfig(**values)
 
 
-class _RepeatedKey(ValueError):
-    def __init__(self, key: str):
-        super().__init__(key)
-        self.key = key
-
-
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """json object_pairs_hook: a key given twice in one object is an error (json.loads keeps the last silently,
-    so an edit to the first would change nothing)."""
-    out: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in out:
-            raise _RepeatedKey(k)
-        out[k] = v
-    return out
-
-
 def read_json_object(path: str | Path, error: type[Exception] = ConfigError) -> dict[str, Any]:
     """A config file's top-level JSON object; `error` (naming the file, and line/column for bad JSON, the lines of
     a key given twice) otherwise."""
@@ -150,14 +134,14 @@ def read_json_object(path: str | Path, error: type[Exception] = ConfigError) -> 
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8-sig")
-        raw = json.loads(text, object_pairs_hook=_unique_keys)
+        raw = json.loads(text, object_pairs_hook=unique_keys)
     except FileNotFoundError:
         raise error(f"{path}: no such file") from None
     except (OSError, UnicodeDecodeError) as e:
         raise error(f"{path}: cannot read: {e}") from None
     except json.JSONDecodeError as e:
         raise error(f"{path}: not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
-    except _RepeatedKey as e:
+    except RepeatedKey as e:
         lines = [text.count("\n", 0, m.start()) + 1
                  for m in re.finditer(re.escape(json.dumps(e.key, ensure_ascii=False)) + r"\s*:", text)]
         at = f" (lines {', '.join(map(str, lines))})" if len(lines) > 1 else ""

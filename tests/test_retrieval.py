@@ -406,6 +406,8 @@ def test_contents_without_a_title_line_is_text(tmp_path):
         ("ty.jsonl", '{"id": "1", "title": 3, "text": "x"}\n', r"ty\.jsonl:1: field 'title' must be a string"),
         ("arr.jsonl", '[1, 2]\n', r"arr\.jsonl:1: expected a JSON object"),
         ("h.tsv", "id\ttext\n1\tx\n", r"h\.tsv:1: tsv header lacks column 'title'"),
+        ("k2.jsonl", '{"id": "1", "text": "a"}\n{"id": "x", "id": "y", "text": "b"}\n',
+         r"k2\.jsonl:2: the key 'id' is given twice in one object"),
         ("h2.tsv", "id\ttext\ttitle\t text\n1\tx\tT\ty\n",
          r"h2\.tsv:1: tsv header names a column more than once: \['text'\]"),
         ("w.tsv", "id\ttext\ttitle\n1\tx\tT\n2\ty\n", r"w\.tsv:3: expected 3 tab-separated fields, got 2"),

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from fastrag.data.metrics import normalize_answer
+from fastrag.jsonkeys import RepeatedKey, unique_keys
 
 DATASETS = ("2wikimultihopqa", "hotpotqa", "strategyqa", "iirc", "nq", "webq")
 
@@ -272,19 +273,6 @@ def read_text_file(path: Path, error: type[Exception]) -> str:
         raise error(f"{path}:{line}: not UTF-8 text (byte 0x{raw[e.start]:02x}); convert the file to UTF-8") from None
 
 
-class _RepeatedKey(Exception):
-    pass
-
-
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """json object_pairs_hook: a key given twice in one object is an error (json.loads keeps the last silently)."""
-    out = dict(pairs)
-    if len(out) != len(pairs):
-        seen: set[str] = set()
-        raise _RepeatedKey(next(k for k, _ in pairs if k in seen or seen.add(k)))
-    return out
-
-
 def _records(path: Path) -> Iterator[_Rec]:
     """Yield the JSON objects of a json-list or jsonl file with their location; malformed input raises DataError."""
     text = read_text_file(path, DataError)
@@ -293,14 +281,14 @@ def _records(path: Path) -> Iterator[_Rec]:
         raise DataError(f"{path}: file is empty")
     if head == "[" or head == "{":
         try:
-            whole = json.loads(text, object_pairs_hook=_unique_keys)
+            whole = json.loads(text, object_pairs_hook=unique_keys)
         except json.JSONDecodeError as e:
             if head == "[":
                 raise DataError(f"{path}: not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
             whole = None  # several objects: jsonl
-        except _RepeatedKey as e:
+        except RepeatedKey as e:
             if head == "[":
-                raise DataError(f"{path}: the key {e.args[0]!r} is given twice in one object (JSON keeps the "
+                raise DataError(f"{path}: the key {e.key!r} is given twice in one object (JSON keeps the "
                                 "last silently)") from None
             whole = None  # (jsonl: the line is named below)
         if isinstance(whole, list):
@@ -317,11 +305,11 @@ def _records(path: Path) -> Iterator[_Rec]:
         if not line.strip():
             continue
         try:
-            obj = json.loads(line, object_pairs_hook=_unique_keys)
+            obj = json.loads(line, object_pairs_hook=unique_keys)
         except json.JSONDecodeError as e:
             raise DataError(f"{path}:{lineno}: malformed JSON line: {e.msg} (column {e.colno})") from None
-        except _RepeatedKey as e:
-            raise DataError(f"{path}:{lineno}: the key {e.args[0]!r} is given twice in one object (JSON keeps the "
+        except RepeatedKey as e:
+            raise DataError(f"{path}:{lineno}: the key {e.key!r} is given twice in one object (JSON keeps the "
                             "last silently)") from None
         if not isinstance(obj, dict):
             raise DataError(f"{path}:{lineno}: line is a {type(obj).__name__}, expected a JSON object")

@@ -21,6 +21,8 @@ import re
 from pathlib import Path
 from typing import Iterator
 
+from fastrag.jsonkeys import RepeatedKey, unique_keys
+
 
 # How the readers turn a file into passages; saved in every index manifest, so that an index built by a reader that
 # read some file differently (2: tsv quotes that are not csv quoting stay text, `contents` without a line break is
@@ -112,7 +114,10 @@ def _iter_jsonl(path: Path) -> Iterator[tuple[str, str, str]]:
         if not line.strip():
             continue
         try:
-            rec = json.loads(line)
+            rec = json.loads(line, object_pairs_hook=unique_keys)
+        except RepeatedKey as e:
+            raise CorpusError(f"{path}:{lineno}: the key {e.key!r} is given twice in one object (JSON keeps the "
+                              "last silently)") from None
         except json.JSONDecodeError as e:
             if not seen and line.lstrip().startswith("["):
                 raise _json_array(path, lineno) from e
