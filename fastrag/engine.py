@@ -58,6 +58,18 @@ def sampling_key(*parts: int) -> int:
     return x
 
 
+def _as_int(value) -> int | None:
+    """value as a Python int when it is an integer (numpy's and other types with __index__; not a bool), else None."""
+    import operator
+
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
 def check_seed(seed, name: str = "seed") -> int:
     """seed as a Python int of 64 bits (numpy and other integer types too, through __index__); anything else, or an
     int outside [-2**63, 2**64), is a ValueError naming `name`."""
@@ -272,6 +284,11 @@ class Engine:
                  max_batch: int = 64, max_prefill_tokens: int = 4096, sampling: SamplingParams | None = None,
                  signals: str | None = None, mix_prefill: bool | None = None, cuda_graphs: bool | None = None,
                  prefix_caching: bool = True, prefill_hold: int | None = None):
+        for name, value in (("block_size", block_size), ("max_batch", max_batch),
+                            ("max_prefill_tokens", max_prefill_tokens)):
+            if _as_int(value) is None or value < 1:  # (max_batch 0 left every sequence waiting forever)
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        block_size, max_batch, max_prefill_tokens = int(block_size), int(max_batch), int(max_prefill_tokens)
         self.model, self.tok = model, tokenizer
         c = model.c
         p = next(model.parameters())
@@ -392,7 +409,7 @@ class Engine:
         self._check_ids(ids, "the shared prefix (the method's demos, tokenized)")  # (a tokenizer not the model's)
         if len(ids) >= self.max_context:  # no prompt that starts with it could fit a generated token
             raise ValueError(f"a shared prefix of {len(ids)} tokens leaves no room in the model context of "
-                             f"{self.max_context} tokens")
+                             f"{self.max_context} tokens (the method's demos: give fewer, e.g. its config's fewshot)")
         for p in self.prefixes:
             if p.token_ids == ids[:n]:
                 return p
@@ -464,8 +481,12 @@ class Engine:
         if not prompt_ids:
             raise ValueError("empty prompt")
         self._check_ids(prompt_ids, "prompt_ids")
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        n_new = _as_int(max_new_tokens)
+        if n_new is None or n_new < 1:
             raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+        max_new_tokens = n_new
+        if sample_key is not None:  # (checked before the sequence changes: a bad key used to fail the whole step)
+            sample_key = check_seed(sample_key, "sample_key")
         if id(s) not in self.live:
             raise ValueError("the sequence was released (or not made by this engine's new_sequence)")
         if any(x is s for x in self.waiting) or any(x is s for x in self.running):

@@ -128,6 +128,11 @@ class RunOptions:
                                                     or not isinstance(self.search_concurrency, int)
                                                     or self.search_concurrency < 1):
             raise ValueError(f"--search-concurrency must be an int >= 1, got {self.search_concurrency!r}")
+        if self.qids is not None:
+            if isinstance(self.qids, (str, bytes)) or not isinstance(self.qids, (list, tuple, set, frozenset)) \
+                    or not all(isinstance(q, str) for q in self.qids):
+                raise ValueError(f"qids must be a list or tuple of question ids (strings), got {self.qids!r:.80}")
+            self.qids = tuple(self.qids)
         for name in ("data", "corpus", "answer_aliases"):
             if getattr(self, name) is None and name == "answer_aliases":
                 continue
@@ -140,6 +145,20 @@ class RunOptions:
                 raise ValueError(f"{flag} {p}: not a regular file (a pipe or a device?): give a file on disk")
             if not os.access(p, os.R_OK):
                 raise PermissionError(f"{flag} {p}: not readable")
+
+
+def select_qids(examples: list, opts: RunOptions, what: str = "question") -> list:
+    """The examples `opts.qids` names (all with qids None); an id not among them is a ValueError naming it (a run
+    of none of the file's questions used to end as a success with nothing written)."""
+    if opts.qids is None:
+        return examples
+    wanted = set(opts.qids)
+    missing = wanted - {e.qid for e in examples}
+    if missing:
+        among = f"the first {opts.limit} questions" if opts.limit is not None else "the questions"
+        raise ValueError(f"{len(missing)} {what} id(s) of qids are not among {among} of {opts.data}: "
+                         f"{sorted(missing)[:3]}")
+    return [e for e in examples if e.qid in wanted]
 
 
 def method_config(opts: RunOptions):
@@ -606,9 +625,7 @@ def _run_many(runs: list[RunOptions], engine=None, retriever=None) -> list[dict]
     for o, out in zip(runs, outs):
         cfg = method_config(o)
         examples = load_examples(o.dataset, o.data, limit=o.limit, answer_aliases=o.answer_aliases)
-        if o.qids is not None:
-            keep = set(o.qids)
-            examples = [e for e in examples if e.qid in keep]
+        examples = select_qids(examples, o)
         out.mkdir(parents=True, exist_ok=True)
         check_manifest(out, run_identity(o, cfg))
         done, todo = resume(out / "results.jsonl", examples)

@@ -19,7 +19,7 @@ import torch
 
 from fastrag.data.datasets import load_examples
 from fastrag.eval import (ResultWriter, RunOptions, check_manifest, latest_records, method_config, output_lock,
-                          resume, run, run_identity, score_result, write_json)
+                          resume, run, run_identity, score_result, select_qids, write_json)
 from fastrag.provenance import environment
 from fastrag.trace import QuestionResult
 
@@ -102,13 +102,7 @@ def _run_oracle(opts: RunOptions, out: Path, recipe: str) -> tuple[list[Question
     spec = _with_oracle(opts.method)
     out.mkdir(parents=True, exist_ok=True)
     examples = load_examples(opts.dataset, opts.data, limit=opts.limit, answer_aliases=opts.answer_aliases)
-    if opts.qids is not None:
-        wanted = set(opts.qids)
-        missing = wanted - {e.qid for e in examples}
-        if missing:
-            raise ValueError(f"{len(missing)} oracle question id(s) are not among the first {opts.limit} of "
-                             f"{opts.data}: {sorted(missing)[:3]}")
-        examples = [e for e in examples if e.qid in wanted]
+    examples = select_qids(examples, opts, "oracle question")
     check_manifest(out, run_identity(opts, method_config(opts), oracle=recipe))
     path = out / "results.jsonl"
     done, todo = resume(path, examples)

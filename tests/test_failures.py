@@ -6,8 +6,10 @@ blocks back when a request needs the room. A tiny random model (benchmarks/make_
 from __future__ import annotations
 
 import json
+import re
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -101,6 +103,38 @@ def test_start_refuses_a_busy_or_released_sequence_and_a_bad_length(tiny):
     for bad in (0, -3, 2.0, True):
         with pytest.raises(ValueError, match="max_new_tokens must be an int >= 1"):
             eng.start(s, ids, bad)
+    eng.start(s, ids, np.int64(2))  # (any integer type)
+    drain(eng)
+    assert len(s.out.ids) == 2
+
+
+def test_a_bad_sample_key_is_refused_at_start_and_the_other_sequences_go_on(tiny):
+    """A float or string sample_key was taken by start() and failed the next step's sampling, losing every other
+    sequence of that step (in neither the waiting nor the running list: a caller waiting on one hung)."""
+    from fastrag.engine import SamplingParams
+
+    eng = build_engine(tiny, 4, kv_cache_gb=0.05, device="cpu", sampling=SamplingParams(temperature=0.7, seed=1))
+    ids = eng.tok.encode("kilo lima")
+    good, bad = eng.new_sequence(), eng.new_sequence()
+    eng.start(good, ids, 3, sample_key=11)
+    for key in (1.5, "x", True, 2**64, -2**63 - 1):
+        with pytest.raises(ValueError, match=f"sample_key must be an int of 64 bits.*got {re.escape(repr(key))}"):
+            eng.start(bad, ids, 3, sample_key=key)
+    eng.start(bad, ids, 3, sample_key=np.int64(7))  # (numpy integers are integers)
+    drain(eng)
+    assert len(good.out.ids) == 3 and len(bad.out.ids) == 3
+
+
+@pytest.mark.parametrize("name", ["block_size", "max_batch", "max_prefill_tokens"])
+def test_engine_sizes_must_be_positive_ints(tiny, name):
+    """max_batch 0 left every sequence waiting forever; block_size 0 divided by zero; 2.5 failed later."""
+    from fastrag.engine import Engine
+
+    eng = build_engine(tiny, 4, kv_cache_gb=0.05, device="cpu")
+    for bad in (0, -1, 2.5, True, "4"):
+        with pytest.raises(ValueError, match=f"{name} must be an int >= 1, got {re.escape(repr(bad))}"):
+            Engine(eng.model, eng.tok, kv_cache_gb=0.05, **{name: bad})
+    assert getattr(Engine(eng.model, eng.tok, kv_cache_gb=0.05, **{name: np.int64(32)}), name, 32) == 32
 
 
 def test_an_attention_pass_longer_than_the_context_is_refused(tiny):

@@ -439,6 +439,14 @@ def test_cli_errors_for_odd_arguments(tmp_path):
     assert not (tmp_path / "results.jsonl").exists()
     with pytest.raises(ValueError, match="--data /dev/null: not a regular file"):
         RunOptions(**{**kw, "data": "/dev/null"})
+    for bad in ("nq-1", [1, 2], 5, ["ok", None]):  # (a string was read as the set of its characters)
+        with pytest.raises(ValueError, match="qids must be a list or tuple of question ids"):
+            RunOptions(**{**kw, "qids": bad})
+    assert RunOptions(**{**kw, "qids": ["a", "b"]}).qids == ("a", "b")
+    with pytest.raises(ValueError, match=r"1 question id\(s\) of qids are not among the first 1 questions of "
+                                         r".*nq\.jsonl: \['nope'\]"):  # (ended as a success with nothing computed)
+        run(RunOptions(**{**kw, "qids": ("nope",), "limit": 1}))
+    assert not (tmp_path / "x" / "results.jsonl").exists()
 
 
 def test_a_numpy_integer_seed_is_taken_as_an_int(tmp_path):

@@ -400,3 +400,42 @@ def test_sigterm_cancels_what_is_still_in_flight_after_the_shutdown_timeout(tmp_
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_serve_refuses_a_timeout_port_or_batch_it_cannot_serve_before_loading_anything(tmp_path):
+    """--timeout 0, -1 or nan started a server that timed every request out (or none); --port 70000 ended in
+    OverflowError. All are refused by name before the model loads (the model path here does not exist)."""
+    import subprocess
+
+    from fastrag.serving.server import create_app, serve
+
+    for kw, msg in (({"timeout_s": 0}, "--timeout must be a finite number of seconds > 0"),
+                    ({"timeout_s": -1.0}, "--timeout must be"), ({"timeout_s": float("nan")}, "--timeout must be"),
+                    ({"timeout_s": float("inf")}, "--timeout must be"), ({"timeout_s": True}, "--timeout must be"),
+                    ({"port": 70000}, r"--port must be an int in \[0, 65535\], got 70000"),
+                    ({"batch_size": 0}, "--batch-size must be an int >= 1, got 0")):
+        with pytest.raises(ValueError, match=msg):
+            serve(model=str(tmp_path / "no-model"), **kw)
+    with pytest.raises(ValueError, match="--timeout must be"):
+        create_app(None, timeout_s=-5)
+    p = subprocess.run([sys.executable, "-m", "fastrag", "serve", "--model", str(tmp_path / "no-model"),
+                        "--timeout", "-1"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "--timeout must be a finite number of seconds > 0" in p.stderr, p.stderr
+    assert "Traceback" not in p.stderr
+
+
+def test_demos_that_leave_no_room_in_the_context_are_the_request_s_fault():
+    """A method whose demos fill the model's context (a dataset's demos, a large fewshot) is a 422 naming the
+    demos, not a 500: the same request with fewer demos is served."""
+    from engine_fakes import IntTok, tiny_llama
+
+    from fastrag.engine import Engine
+    from fastrag.serving.server import _error_status
+
+    eng = Engine(tiny_llama(max_position_embeddings=64), IntTok(), kv_cache_gb=0.01)
+    with pytest.raises(ValueError) as e:
+        eng.set_prefix(" ".join(["5"] * 80))
+    assert "leaves no room in the model context of 64 tokens (the method's demos" in str(e.value)
+    assert _error_status(f"ValueError: {e.value}") == 422
+    assert _error_status("RuntimeError: CUDA error: an illegal memory access") == 500
+

@@ -31,6 +31,7 @@ disconnects (streaming or not) cancels its question; the others are not affected
 import asyncio
 import json
 import logging
+import math
 import signal
 import threading
 import time
@@ -41,8 +42,18 @@ from fastrag.model.loading import control_token_strings, find_control_token
 from fastrag.serving.async_engine import AsyncEngine, QueueFull
 
 
+def check_timeout(timeout_s) -> float:
+    """A per-request timeout: a finite number of seconds > 0 (0, a negative or NaN timed every request out or
+    none), else ValueError naming --timeout."""
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not math.isfinite(timeout_s) \
+            or timeout_s <= 0:
+        raise ValueError(f"--timeout must be a finite number of seconds > 0, got {timeout_s!r}")
+    return float(timeout_s)
+
+
 def create_app(engine: AsyncEngine, timeout_s: float = 600.0, max_question_chars: int = 8192,
                model_name: str = "smollm2"):
+    timeout_s = check_timeout(timeout_s)
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -410,7 +421,10 @@ def create_app(engine: AsyncEngine, timeout_s: float = 600.0, max_question_chars
 
 
 # a question's error caused by the request itself (too long for the model or for the KV pool): 422, not 500
-_REQUEST_ERRORS = ("exceeds the model context", "the pool can ever give one sequence")
+# engine errors a request's own settings cause (422, not 500): its prompt or budget past the context, the method's
+# demos (its dataset, fewshot) leaving no room in the context, a sequence larger than the KV pool
+_REQUEST_ERRORS = ("exceeds the model context", "leaves no room in the model context",
+                   "the pool can ever give one sequence")
 
 
 def _error_status(message: str) -> int:
@@ -493,6 +507,11 @@ def serve(model: str = "smollm2", corpus: str | None = None, retriever: str = "b
 
     if not (isinstance(shutdown_timeout_s, (int, float)) and shutdown_timeout_s >= 0):
         raise ValueError(f"--shutdown-timeout must be a number of seconds >= 0, got {shutdown_timeout_s!r}")
+    check_timeout(timeout_s)
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ValueError(f"--port must be an int in [0, 65535], got {port!r}")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"--batch-size must be an int >= 1, got {batch_size!r}")
     sampling = SamplingParams(temperature=temperature, top_p=top_p, seed=seed, top_k=top_k)  # ValueError: bad value
     eng = build_engine(model, batch_size, kv_cache_gb=kv_cache_gb, sampling=sampling)
     ret = make_retriever(retriever, corpus_path=corpus or str(BUNDLED / "wiki_passages.jsonl"))
