@@ -58,7 +58,7 @@ def sampling_key(*parts: int) -> int:
     return x
 
 
-def _as_int(value) -> int | None:
+def as_int(value) -> int | None:
     """value as a Python int when it is an integer (numpy's and other types with __index__; not a bool), else None."""
     import operator
 
@@ -73,12 +73,7 @@ def _as_int(value) -> int | None:
 def check_seed(seed, name: str = "seed") -> int:
     """seed as a Python int of 64 bits (numpy and other integer types too, through __index__); anything else, or an
     int outside [-2**63, 2**64), is a ValueError naming `name`."""
-    import operator
-
-    try:
-        value = operator.index(seed) if not isinstance(seed, bool) else None
-    except TypeError:
-        value = None
+    value = as_int(seed)
     if value is None or not -2**63 <= value < 2**64:
         raise ValueError(f"{name} must be an int of 64 bits, in [-2**63, 2**64), got {seed!r}")
     return value
@@ -286,7 +281,7 @@ class Engine:
                  prefix_caching: bool = True, prefill_hold: int | None = None):
         for name, value in (("block_size", block_size), ("max_batch", max_batch),
                             ("max_prefill_tokens", max_prefill_tokens)):
-            if _as_int(value) is None or value < 1:  # (max_batch 0 left every sequence waiting forever)
+            if as_int(value) is None or value < 1:  # (max_batch 0 left every sequence waiting forever)
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         block_size, max_batch, max_prefill_tokens = int(block_size), int(max_batch), int(max_prefill_tokens)
         self.model, self.tok = model, tokenizer
@@ -481,7 +476,7 @@ class Engine:
         if not prompt_ids:
             raise ValueError("empty prompt")
         self._check_ids(prompt_ids, "prompt_ids")
-        n_new = _as_int(max_new_tokens)
+        n_new = as_int(max_new_tokens)
         if n_new is None or n_new < 1:
             raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
         max_new_tokens = n_new

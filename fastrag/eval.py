@@ -17,7 +17,6 @@ import contextlib
 import hashlib
 import json
 import math
-import numbers
 import os
 import shutil
 import time
@@ -88,15 +87,16 @@ class RunOptions:
         get_method(self.method)  # raises with the list of available methods
         if self.retriever not in RETRIEVERS:
             raise ValueError(f"--retriever {self.retriever!r}: expected one of {', '.join(RETRIEVERS)}")
+        from fastrag.engine import as_int, check_seed
+
         # (any integer type, numpy's included, kept as a Python int; floats, bools and strings refused by name)
-        if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, numbers.Integral) \
-                or self.batch_size <= 0:
-            raise ValueError(f"--batch-size must be a positive int, got {self.batch_size!r}")
-        self.batch_size = int(self.batch_size)
-        if self.limit is not None:
-            if isinstance(self.limit, bool) or not isinstance(self.limit, numbers.Integral) or self.limit <= 0:
-                raise ValueError(f"--limit must be a positive int, got {self.limit!r}")
-            self.limit = int(self.limit)
+        for name, flag in (("batch_size", "--batch-size"), ("limit", "--limit")):
+            value = getattr(self, name)
+            if value is None and name == "limit":
+                continue
+            if as_int(value) is None or value <= 0:
+                raise ValueError(f"{flag} must be a positive int, got {value!r}")
+            setattr(self, name, as_int(value))
         if not isinstance(self.output, (str, os.PathLike)) or not str(self.output).strip():
             raise ValueError(f"--output must name a folder, got {self.output!r} (an empty path would write into "
                              "the current directory)")
@@ -115,8 +115,6 @@ class RunOptions:
         if self.top_p < 1 and self.temperature == 0:
             raise ValueError(f"--top-p {self.top_p} applies only when sampling: give --temperature > 0 too "
                              "(greedy decoding has no nucleus)")
-        from fastrag.engine import check_seed
-
         self.seed = check_seed(self.seed, "--seed")
         if self.threads is not None and (isinstance(self.threads, bool) or not isinstance(self.threads, int)
                                          or self.threads < 1):

@@ -11,7 +11,7 @@ class RepeatedKey(ValueError):
     """A JSON object gave `key` twice (raised from inside json.loads; the reader names its file and line)."""
 
     def __init__(self, key: str):
-        super().__init__(key)
+        super().__init__(f"the key {key!r} is given twice in one object (JSON keeps the last silently)")
         self.key = key
 
 

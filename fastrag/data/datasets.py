@@ -288,8 +288,7 @@ def _records(path: Path) -> Iterator[_Rec]:
             whole = None  # several objects: jsonl
         except RepeatedKey as e:
             if head == "[":
-                raise DataError(f"{path}: the key {e.key!r} is given twice in one object (JSON keeps the "
-                                "last silently)") from None
+                raise DataError(f"{path}: {e}") from None
             whole = None  # (jsonl: the line is named below)
         if isinstance(whole, list):
             for i, obj in enumerate(whole):
@@ -309,8 +308,7 @@ def _records(path: Path) -> Iterator[_Rec]:
         except json.JSONDecodeError as e:
             raise DataError(f"{path}:{lineno}: malformed JSON line: {e.msg} (column {e.colno})") from None
         except RepeatedKey as e:
-            raise DataError(f"{path}:{lineno}: the key {e.key!r} is given twice in one object (JSON keeps the "
-                            "last silently)") from None
+            raise DataError(f"{path}:{lineno}: {e}") from None
         if not isinstance(obj, dict):
             raise DataError(f"{path}:{lineno}: line is a {type(obj).__name__}, expected a JSON object")
         yield _Rec(f"{path}:{lineno}", obj)

@@ -6,16 +6,11 @@ of writing an answer."""
 from __future__ import annotations
 
 
-def model_context(model) -> int | None:
-    """The model's `config.max_position_embeddings` (None when the config has none: nothing to check)."""
-    n = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
-
-
 def check_context(model, prompt_tokens: int, max_new_tokens: int = 0) -> None:
-    """Raise ValueError when `prompt_tokens` + `max_new_tokens` exceed the model's context."""
-    limit = model_context(model)
-    if limit is not None and prompt_tokens + max_new_tokens > limit:
+    """Raise ValueError when `prompt_tokens` + `max_new_tokens` exceed the model's `config.max_position_embeddings`
+    (a config without one: nothing to check)."""
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if isinstance(limit, int) and prompt_tokens + max_new_tokens > limit:
         raise ValueError(f"prompt of {prompt_tokens} tokens + {max_new_tokens} new exceeds the model context of "
                          f"{limit} tokens (the prompt holds the method's demos, the question, its retrieved passages "
                          "and the text generated so far)")

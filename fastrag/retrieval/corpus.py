@@ -13,6 +13,7 @@ names both lines.
 
 from __future__ import annotations
 
+import collections
 import csv
 import hashlib
 import json
@@ -116,8 +117,7 @@ def _iter_jsonl(path: Path) -> Iterator[tuple[str, str, str]]:
         try:
             rec = json.loads(line, object_pairs_hook=unique_keys)
         except RepeatedKey as e:
-            raise CorpusError(f"{path}:{lineno}: the key {e.key!r} is given twice in one object (JSON keeps the "
-                              "last silently)") from None
+            raise CorpusError(f"{path}:{lineno}: {e}") from None
         except json.JSONDecodeError as e:
             if not seen and line.lstrip().startswith("["):
                 raise _json_array(path, lineno) from e
@@ -174,7 +174,7 @@ def _iter_tsv_rows(path: Path) -> Iterator[tuple[str, str, str]]:
     header = _tsv_fields(first[1].rstrip("\r\n"))
     cols = {name.strip(): i for i, name in enumerate(header)}
     if len(cols) != len(header):
-        twice = sorted({n.strip() for n in header if [h.strip() for h in header].count(n.strip()) > 1})
+        twice = sorted(n for n, k in collections.Counter(h.strip() for h in header).items() if k > 1)
         raise CorpusError(f"{path}:1: tsv header names a column more than once: {twice} (got {header})")
     for need in ("id", "text", "title"):
         if need not in cols:

@@ -420,7 +420,6 @@ def create_app(engine: AsyncEngine, timeout_s: float = 600.0, max_question_chars
     return app
 
 
-# a question's error caused by the request itself (too long for the model or for the KV pool): 422, not 500
 # engine errors a request's own settings cause (422, not 500): its prompt or budget past the context, the method's
 # demos (its dataset, fewshot) leaving no room in the context, a sequence larger than the KV pool
 _REQUEST_ERRORS = ("exceeds the model context", "leaves no room in the model context",
