@@ -148,6 +148,20 @@ def floor_rows(names: list[str], metrics: list[dict], joint: bool, figures) -> l
     return rows
 
 
+def graphs_line(metrics: list[dict]) -> str:
+    """The header line on the engine's CUDA graphs (one engine ran every dataset: the first metrics.json's
+    figures), or "" when it decoded without them."""
+    g = metrics[0].get("cuda_graphs") if metrics else None
+    if not g:
+        return ""
+    ahead = g.get("captured_ahead", 0)
+    return (f"- CUDA graphs: {ahead} captured before the clock started ({g.get('capture_ahead_s', 0.0):.2f} s, not in "
+            f"the wall), {g['captures'] - ahead} captured by the timed run's steps, {g['replays']} steps replayed, "
+            f"{g['eager_steps']} decoded eagerly; block tables "
+            + (f"{g['table_width_blocks']} blocks wide\n" if g.get("table_width_blocks")
+               else "as wide as the step's longest context, rounded up to a power of two\n"))
+
+
 def run_engine(args, opts: dict) -> None:
     """The engine's part of the benchmark: the untimed warm-up, then the timed run (cProfile'd with --profile)."""
     if args.warmup:  # (the timed engine frees what this one left before sizing its pool: auto_kv_cache_gb)
@@ -379,6 +393,7 @@ def main() -> None:
             f"{args.overlap if args.overlap != 'auto' else ('on' if torch.cuda.is_available() else 'off')}\n"
             + (f"- warm-up: before the timed run, an untimed engine run over the first {args.warmup} questions "
                f"of each dataset (Triton kernels compiled)\n" if args.warmup else "")
+            + graphs_line(metrics)
             + f"- command: `{cmd}`\n\n")
     cols = list(rows[0])
     table = "| " + " | ".join(cols) + " |\n|" + "---|" * len(cols) + "\n"

@@ -6,8 +6,14 @@ replays it with one launch. Everything a replay reads lives in static buffers th
 
     ids [Bb, 1], positions [Bb, 1], write_slots [Bb], ctx_blocks [Bb, NBb], ctx_lens [Bb]
 
-with Bb the batch rounded up to a bucket and NBb the longest own context (in blocks) rounded up to a power of two
-(the paged kernel's work follows the real lengths, so the extra columns are free). Rows past the real batch are
+with Bb the batch rounded up to a bucket and NBb the table's width in blocks. Where the model decodes its own context
+through a paged kernel (`LlamaModel.paged_decode_op`: its work follows the real lengths, so extra columns cost a
+wider host copy of the table and nothing on the device), every graph takes the width of the model's whole context
+(`ctx_blocks=`), so a graph is keyed by batch bucket and prefix only and a run's graphs can all be captured before
+its first question (`capture_ahead`): on the H200 of 2026-11-26c a run of 128 DRAGIN questions captured 36-43 graphs
+as batch sizes and context lengths changed, and those steps took 5.3-7.3 s of a 20-26 s wall. Elsewhere (the torch
+cascade, which gathers every column) the width is the longest own context rounded up to a power of two, and graphs
+are captured as steps need them. Rows past the real batch are
 padding: token 0 at position 0, written to a scratch block that no sequence owns and attending to that one key,
 so they stay finite and never touch a sequence's cache; their logits are dropped. The shared prefix is part of the
 graph (its consecutive slots are a fixed view of the pool, or its slot tensor is kept alive by the graph), so each
@@ -73,11 +79,17 @@ class DecodeGraphs:
     """Captures and replays decode steps for one engine (see the module doc).
 
     model, pool: the engine's.
+    ctx_blocks: the fixed width (blocks) of every graph's block table, at least the most blocks one sequence's own
+    context can take; None: the longest context of the step rounded up to a power of two (a graph per width).
     max_graphs: captures beyond it decode eagerly (each graph holds its own kernel arguments; memory is shared).
     """
 
-    def __init__(self, model, pool, max_batch: int, *, emulate: bool = False, max_graphs: int = 96):
+    def __init__(self, model, pool, max_batch: int, *, emulate: bool = False, max_graphs: int = 96,
+                 ctx_blocks: int | None = None):
+        if ctx_blocks is not None and (not isinstance(ctx_blocks, int) or ctx_blocks < 1):
+            raise ValueError(f"ctx_blocks must be a positive int or None, got {ctx_blocks!r}")
         self.model, self.pool = model, pool
+        self.width = ctx_blocks
         self.emulate = emulate
         self.device = pool.k[0].device
         if not emulate and self.device.type != "cuda":
@@ -103,9 +115,9 @@ class DecodeGraphs:
 
     def bucket(self, B: int, NB: int) -> tuple[int, int] | None:
         """(batch bucket, block bucket) for B sequences whose longest context takes NB blocks; None: too big."""
-        if B > self.buckets[-1]:
+        if B > self.buckets[-1] or (self.width is not None and NB > self.width):
             return None
-        return next(b for b in self.buckets if b >= B), _pow2(max(NB, 1))
+        return next(b for b in self.buckets if b >= B), self.width or _pow2(max(NB, 1))
 
     def run(self, ids: list[int], positions: list[int], write_slots: list[int],
             ctx: list[tuple[list[int], int]], prefix, prefix_start: int = -1,
@@ -130,32 +142,13 @@ class DecodeGraphs:
             return None
         Bb, NBb = bk
         mixed = row_prefix is not None
-        if mixed:
-            if len(prefix) > MAX_PREFIXES or not self.model.mixes_prefixes:
-                self.stats["eager_steps"] += 1
-                return None
-            pkey = ("mixed", *(_pkey(p, st) for p, st in prefix))
-        else:
-            pkey = _pkey(prefix, prefix_start)
-        key = (Bb, NBb, pkey)
-        g = self.graphs.get(key)
+        if mixed and (len(prefix) > MAX_PREFIXES or not self.model.mixes_prefixes):
+            self.stats["eager_steps"] += 1
+            return None
+        g = self._graph(Bb, NBb, prefix, prefix_start, mixed)
         if g is None:
-            if len(self.graphs) >= self.max_graphs:
-                self.stats["eager_steps"] += 1
-                return None
-            try:
-                g = self._capture(Bb, NBb, prefix, prefix_start, mixed)
-            except Exception as e:  # noqa: BLE001  (any capture failure: this step decodes eagerly)
-                self.failures += 1
-                why = f"{type(e).__name__}: {e}"
-                if self.failures >= self.max_failures:
-                    self.disabled = why
-                warnings.warn(f"CUDA graph capture failed ({why}); "
-                              + ("decoding eagerly from now on" if self.disabled else "this step decodes eagerly"),
-                              RuntimeWarning, stacklevel=2)
-                self.stats["eager_steps"] += 1
-                return None
-            self.graphs[key] = g
+            self.stats["eager_steps"] += 1
+            return None
         # the whole padded host image of the buffers, so rows left by a bigger previous batch become padding again
         sb = self.scratch_block * bs
         ids_h = torch.zeros(Bb, 1, dtype=torch.long)
@@ -181,6 +174,51 @@ class DecodeGraphs:
             g.graph.replay()
         self.stats["replays"] += 1
         return g.logits[:B], g.batch
+
+    def _graph(self, Bb: int, NBb: int, prefix, prefix_start: int, mixed: bool) -> _Graph | None:
+        """The graph of (Bb, NBb, prefix set), captured now if it is new; None: none may be captured (max_graphs,
+        graphs turned off, or this capture failed: warned)."""
+        if mixed:
+            key = (Bb, NBb, ("mixed", *(_pkey(p, st) for p, st in prefix)))
+        else:
+            key = (Bb, NBb, _pkey(prefix, prefix_start))
+        g = self.graphs.get(key)
+        if g is not None:
+            return g
+        if self.disabled is not None or len(self.graphs) >= self.max_graphs:
+            return None
+        try:
+            g = self._capture(Bb, NBb, prefix, prefix_start, mixed)
+        except Exception as e:  # noqa: BLE001  (any capture failure: this step decodes eagerly)
+            self.failures += 1
+            why = f"{type(e).__name__}: {e}"
+            if self.failures >= self.max_failures:
+                self.disabled = why
+            warnings.warn(f"CUDA graph capture failed ({why}); "
+                          + ("decoding eagerly from now on" if self.disabled else "this step decodes eagerly"),
+                          RuntimeWarning, stacklevel=3)
+            return None
+        self.graphs[key] = g
+        return g
+
+    def capture_ahead(self, prefix_sets: list[list[tuple[object, int]]]) -> int:
+        """Capture, for every batch bucket, the graph of each prefix set: a list of (prefix, first slot or -1) whose
+        one element (prefix None: sequences without one) is a plain graph, and whose several elements, in the order
+        `run` gets them, are a graph of mixed prefixes. Only with a fixed table width (the graphs then depend on
+        nothing else); returns the number of graphs captured now."""
+        if self.width is None:
+            return 0
+        before = len(self.graphs)
+        for Bb in self.buckets:
+            for pset in prefix_sets:
+                mixed = len(pset) > 1
+                if mixed and (len(pset) > MAX_PREFIXES or not self.model.mixes_prefixes):
+                    continue
+                if mixed:
+                    self._graph(Bb, self.width, pset, -1, True)
+                else:
+                    self._graph(Bb, self.width, pset[0][0], pset[0][1], False)
+        return len(self.graphs) - before
 
     def _forward(self, g: _Graph) -> torch.Tensor:
         return self.model(g.ids, g.batch, self.pool.k, self.pool.v, logits_index=self._all_rows[: g.ids.shape[0]])

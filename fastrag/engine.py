@@ -361,8 +361,30 @@ class Engine:
         # without CUDA (emulated; how the tests check it)
         if cuda_graphs is None:
             cuda_graphs = self.device.type == "cuda" and os.environ.get(CUDA_GRAPHS_ENV, "1") != "0"
-        self.graphs = DecodeGraphs(model, self.pool, max_batch, emulate=self.device.type != "cuda") \
-            if cuda_graphs else None
+        # (a model whose own-context decode attention is a paged kernel takes graphs of the whole context's width,
+        # which depend on batch bucket and prefix only: capture_graphs() captures them all before a run)
+        paged = getattr(model, "paged_decode_op", None)
+        width = -(-self.max_context // block_size) if paged is not None and paged(self.device, self.dtype) is not None \
+            else None
+        self.graphs = DecodeGraphs(model, self.pool, max_batch, emulate=self.device.type != "cuda",
+                                   ctx_blocks=width) if cuda_graphs else None
+
+    def capture_graphs(self) -> int:
+        """Capture, for every batch bucket, the decode graphs of the shared prefixes held now: each prefix alone,
+        and all of them together where the model decodes mixed batches (2 to MAX_PREFIXES prefixes); sequences
+        without a prefix when none is held. A step that needs another graph (a subset of several prefixes, a
+        prefix set later) still captures it then. Without graphs, or where graphs depend on the context's length
+        (see fastrag/cuda_graphs.py), nothing is captured. Returns the number of graphs captured now.
+
+        A capture costs tens of milliseconds of host and device time; done inside a run it is paid by the step that
+        first needs each graph (fastrag.eval calls this once the prefixes are set, before its clock starts)."""
+        if self.graphs is None:
+            return 0
+        held = [(p, self._starts.get(id(p), -1)) for p in self.prefixes]
+        sets = [[h] for h in held] or [[(None, -1)]]
+        if len(held) > 1:  # (in the order _decode_graphed gives them)
+            sets.append(sorted(held, key=lambda h: id(h[0])))
+        return self.graphs.capture_ahead(sets)
 
     # ------------------------------------------------------------------ sequences
     def new_sequence(self) -> SeqState:

@@ -637,6 +637,7 @@ def _run_many(runs: list[RunOptions], engine=None, retriever=None) -> list[dict]
     sched = None
     step_trace = None
     tok0 = 0
+    captured_ahead, capture_ahead_s = 0, 0.0
     if any(p[4] for p in plans):
         engine = engine or build_engine(first.model, first.batch_size, first.signals, first.kv_cache_gb,
                                         sampling=sampling_of(first), prefix_caching=first.prefix_caching)
@@ -651,6 +652,13 @@ def _run_many(runs: list[RunOptions], engine=None, retriever=None) -> list[dict]
             except OutOfBlocks as e:  # its questions compute the demos in their own blocks (or fail one by one)
                 warnings.warn(f"no room for a shared demo prefix ({e}); its questions run without one",
                               RuntimeWarning, stacklevel=2)
+        # the decode graphs of these prefixes, captured once per engine like its loading and outside the clock (a
+        # step that captures one inside the run waits tens of milliseconds: 36-43 of them took 5.3-7.3 s of a
+        # 20-26 s DRAGIN run of 128 questions on the H200 of 2026-11-26c)
+        t_cap = time.perf_counter()
+        captured_ahead = engine.capture_graphs() if hasattr(engine, "capture_graphs") else 0
+        capture_ahead_s = time.perf_counter() - t_cap
+        t0 += capture_ahead_s
         tok0 = engine.stats["prefill_tokens"] + engine.stats["decode_tokens"]
         writers = [ResultWriter(out / "results.jsonl") for out in outs]
         which: dict[int, int] = {}  # id(example) -> run index
@@ -723,8 +731,13 @@ def _run_many(runs: list[RunOptions], engine=None, retriever=None) -> list[dict]
                                                 "checks": dict(engine.model.cascade_checks)}
             graphs = getattr(engine, "graphs", None)
             if graphs is not None:  # decode steps replayed vs launched eagerly, graphs captured
+                # captured_ahead / capture_ahead_s: graphs captured before the run's clock (Engine.capture_graphs);
+                # "captures" counts those too, so captures - captured_ahead were captured by the run's steps
                 metrics["cuda_graphs"] = dict(graphs.stats) | {"graphs": len(graphs.graphs),
-                                                               "disabled": graphs.disabled}
+                                                               "disabled": graphs.disabled,
+                                                               "table_width_blocks": graphs.width,
+                                                               "captured_ahead": captured_ahead,
+                                                               "capture_ahead_s": capture_ahead_s}
         metrics["all_runs"] = _close_progress(out)
         if sched is not None:  # retrieval batches of this run: how many queries went to the retriever together
             b = sched.search_batches

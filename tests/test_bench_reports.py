@@ -186,6 +186,20 @@ def test_bench_e2e_oracle_rate_without_its_answer_generations():
     assert be.rate_without_answer_generation([]) is None
 
 
+def test_bench_e2e_says_where_its_cuda_graphs_were_captured():
+    be = load("bench_e2e")
+    g = {"replays": 800, "captures": 40, "eager_steps": 2, "captured_ahead": 33, "capture_ahead_s": 2.5,
+         "table_width_blocks": 256}
+    line = be.graphs_line([{"cuda_graphs": g}])
+    assert "33 captured before the clock started (2.50 s, not in the wall)" in line
+    assert "7 captured by the timed run's steps" in line and "800 steps replayed, 2 decoded eagerly" in line
+    assert "256 blocks wide" in line
+    older = {k: v for k, v in g.items() if k not in ("captured_ahead", "capture_ahead_s", "table_width_blocks")}
+    assert "40 captured by the timed run's steps" in be.graphs_line([{"cuda_graphs": older}])
+    assert "power of two" in be.graphs_line([{"cuda_graphs": older}])
+    assert be.graphs_line([{}]) == "" and be.graphs_line([]) == ""
+
+
 def test_bench_decode_runs_a_named_shape(tmp_path, monkeypatch):
     """bench_decode builds the shape it is given (`--shape`, make_random_model's shapes with their published
     vocabularies), names the table after it when it is not the device's default, and fills every cell."""

@@ -314,7 +314,90 @@ def test_graph_cap_and_oversized_batches_fall_back_to_eager():
     assert len(eng.graphs.graphs) == 1 and eng.graphs.stats["eager_steps"] > 0 and eng.graphs.stats["replays"] > 0
     g = eng.graphs
     assert g.bucket(g.buckets[-1] + 1, 3) is None
-    assert g.bucket(5, 3) == (8, 4) and g.bucket(1, 1) == (1, 1) and g.bucket(12, 9) == (12, 16)
+    if g.width is not None:  # a paged kernel: every graph as wide as the model's context
+        assert g.width == -(-eng.max_context // eng.pool.block_size)
+        assert g.bucket(5, 3) == (8, g.width) and g.bucket(1, 1) == (1, g.width) and g.bucket(12, 9) == (12, g.width)
+        assert g.bucket(1, g.width + 1) is None
+    # without a fixed width (the torch cascade): the step's longest context rounded up to a power of two
+    p = DecodeGraphs(eng.model, eng.pool, 12, emulate=DEV != "cuda")
+    assert p.width is None
+    assert p.bucket(5, 3) == (8, 4) and p.bucket(1, 1) == (1, 1) and p.bucket(12, 9) == (12, 16)
+    assert p.bucket(1, 10_000) == (1, 16384)
+    with pytest.raises(ValueError, match="ctx_blocks"):
+        DecodeGraphs(eng.model, eng.pool, 12, emulate=DEV != "cuda", ctx_blocks=0)
+
+
+def test_graphs_captured_ahead_serve_every_step_of_a_run():
+    """With the paged kernel a graph depends on batch bucket and prefix set only: Engine.capture_graphs() captures
+    each prefix's graphs and the mixed set's for every bucket before the run, and a run whose batch shrinks and whose
+    contexts grow across several powers of two (16 to 120+ tokens, 1 to 8+ blocks) then captures nothing; its
+    tokens, log-probabilities and entropies equal eager decoding's."""
+    pb = list(range(50, 82))
+    g = torch.Generator().manual_seed(21)
+    prompts = [(PREFIX if i % 2 else pb) + torch.randint(1, 96, (int(torch.randint(1, 30, (1,), generator=g)),),
+                                                         generator=g).tolist() for i in range(10)]
+    max_new = [4, 90, 12, 60, 7, 33, 100, 2, 45, 70]
+
+    def run(graphs):
+        eng = _engine(graphs)
+        eng.set_prefix(" ".join(map(str, PREFIX)))
+        eng.set_prefix(" ".join(map(str, pb)))
+        ahead = eng.capture_graphs() if graphs else 0
+        seqs = [eng.new_sequence() for _ in prompts]
+        for s, p, n in zip(seqs, prompts, max_new):
+            eng.start(s, p, n)
+        sizes, longest = set(), 0
+        while eng.has_work:
+            sizes.add(len(eng.running))
+            longest = max([longest] + [s.table.num_tokens for s in eng.running])
+            eng.step()
+        return [(s.out.ids, s.out.logprob, s.out.entropy, None) for s in seqs], eng, ahead, sizes, longest
+
+    want, _, _, _, _ = run(False)
+    got, eng, ahead, sizes, longest = run(True)
+    _same(got, want)
+    gr = eng.graphs
+    if gr.width is None:
+        pytest.skip("no paged decode kernel here: graphs follow the context's length and are captured as needed")
+    sets = 3 if eng.model.mixes_prefixes else 2
+    assert ahead == sets * len(gr.buckets) == len(gr.graphs)
+    assert {k[1] for k in gr.graphs} == {gr.width}
+    assert len(sizes) >= 4 and longest > 96  # (several batch buckets, contexts past 6 blocks of 16)
+    assert gr.stats["captures"] == ahead and gr.stats["replays"] == eng.stats["decode_steps"] > 0
+    assert gr.stats["eager_steps"] == 0
+    assert eng.capture_graphs() == 0  # nothing new to capture
+
+
+def test_capture_ahead_without_a_prefix_and_without_a_fixed_width():
+    """No prefix held: the graphs of sequences without one are captured ahead. The torch cascade (no paged kernel
+    on the CPU once the C++ op is removed) keeps graphs per context width and captures nothing ahead."""
+    eng = _engine(True)
+    if eng.graphs.width is not None:
+        assert eng.capture_graphs() == len(eng.graphs.buckets)
+        assert {k[2] for k in eng.graphs.graphs} == {None}
+        prompts = _prompts(5, seed=4, prefix=False)
+        want, _ = _run(_engine(False), prompts, [6, 9, 3, 12, 1], prefix=False)
+        got, _ = _run(eng, prompts, [6, 9, 3, 12, 1], prefix=False)
+        _same(got, want)
+        assert eng.graphs.stats["captures"] == len(eng.graphs.buckets)
+    if DEV == "cpu":
+        flat = _engine(True, native=False)
+        assert flat.graphs.width is None and flat.capture_graphs() == 0 and not flat.graphs.graphs
+
+
+def test_a_context_wider_than_the_graphs_decodes_eagerly():
+    """A step whose longest context needs more blocks than the graphs' fixed width decodes eagerly (the same
+    tokens); steps that fit replay."""
+    prompts = _prompts(3, seed=8)
+    want, _ = _run(_engine(False), prompts, [40, 5, 20])
+    eng = _engine(True)
+    if eng.graphs.width is None:
+        pytest.skip("no paged decode kernel here")
+    eng.graphs.width = 3  # 48 tokens: the 40-token generation passes it
+    got, _ = _run(eng, prompts, [40, 5, 20])
+    _same(got, want)
+    st = eng.graphs.stats
+    assert st["eager_steps"] > 0 and st["replays"] > 0 and {k[1] for k in eng.graphs.graphs} == {3}
 
 
 def test_real_graphs_need_cuda():

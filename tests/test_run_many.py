@@ -65,7 +65,8 @@ def test_joint_run_equals_separate_runs(tmp_path, short_cfg):
     from fastrag.cuda_graphs import DecodeGraphs
 
     geng = build_engine("smollm2", batch_size=8, kv_cache_gb=1.0, device="cpu")
-    geng.graphs = DecodeGraphs(geng.model, geng.pool, geng.max_batch, emulate=True)
+    geng.graphs = DecodeGraphs(geng.model, geng.pool, geng.max_batch, emulate=True,
+                               ctx_blocks=-(-geng.max_context // geng.pool.block_size))  # (as Engine does)
     gm = run_many([mk("hotpotqa", "graph_h", overlap=True, text_workers=2),
                    mk("2wikimultihopqa", "graph_w", overlap=True, text_workers=2)], engine=geng, retriever=ret)
     assert gm[0]["overlap"] is True and joint[0]["overlap"] is False
@@ -77,6 +78,9 @@ def test_joint_run_equals_separate_runs(tmp_path, short_cfg):
     assert g["replays"] == gm[0]["engine"]["decode_steps"] > 0 and g["eager_steps"] == 0
     assert any(k[2] is not None and k[2][0] == "mixed" for k in geng.graphs.graphs)
     assert g["graphs"] == len(geng.graphs.graphs) and g["disabled"] is None
+    # every graph captured before the clock (each prefix's and the mixed set's, per batch bucket): none by a step
+    assert g["captured_ahead"] == 3 * len(geng.graphs.buckets) == g["captures"] and g["capture_ahead_s"] > 0
+    assert g["table_width_blocks"] == geng.graphs.width
 
 
 def test_runs_must_share_the_engine_settings(tmp_path):
