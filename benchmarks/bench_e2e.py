@@ -47,6 +47,24 @@ DATA = {ds: SHARED / f for ds, f in FILES.items()}
 CORPUS = SHARED / "corpus" / "wiki_passages.jsonl"
 
 
+def data_files(pairs: list[str], datasets: list[str], ap: argparse.ArgumentParser) -> dict[str, Path]:
+    """Each dataset's question file (relative to --data-dir unless absolute): FILES, with the --data-file
+    DATASET=FILE pairs in its place; a malformed pair, a dataset not run or one given twice is a usage error."""
+    files = dict(FILES)
+    seen = set()
+    for pair in pairs:
+        ds, sep, f = pair.partition("=")
+        if not sep or not ds or not f:
+            ap.error(f"--data-file {pair!r}: expected DATASET=FILE")
+        if ds not in datasets:
+            ap.error(f"--data-file {pair!r}: {ds!r} is not among --datasets ({' '.join(datasets)})")
+        if ds in seen:
+            ap.error(f"--data-file: {ds!r} given twice")
+        seen.add(ds)
+        files[ds] = Path(f)
+    return files
+
+
 def spread(ids: list[str], n: int) -> list[str]:
     """n of `ids` spread evenly over them (the first, the last and equal steps between): the oracle's questions
     sample the engine's whole run, not the head of the data file, whose cost per question may differ."""
@@ -213,6 +231,10 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2", help="engine and oracle model: smollm2 or an HF directory")
     ap.add_argument("--data-dir", default=str(SHARED),
                     help="folder holding hotpotqa/, 2wikimultihopqa/, strategyqa/ and corpus/ (default ../shared/data)")
+    ap.add_argument("--data-file", action="append", default=[], metavar="DATASET=FILE",
+                    help="read DATASET's questions from FILE (relative to --data-dir unless absolute) instead of its "
+                         "default file, e.g. 2wikimultihopqa=2wikimultihopqa/dev_first1000.json for a run of more "
+                         "than 200 of its questions; repeatable")
     ap.add_argument("--oracle-limit", type=int, default=None,
                     help="questions per dataset for the published-recipe oracle (default: --limit)")
     ap.add_argument("--tuned-oracle-limit", type=int, default=0,
@@ -250,8 +272,9 @@ def main() -> None:
         f"CPU {cpu_name()} x{torch.get_num_threads()} threads"
     outs = {ds: Path(args.output) / ds for ds in args.datasets}
     data_dir = Path(args.data_dir)
+    files = data_files(args.data_file, args.datasets, ap)
     try:  # (the options are checked here: a missing data file or corpus, a --limit below 1)
-        opts = {ds: RunOptions(method="dragin", dataset=ds, data=str(data_dir / FILES[ds]),
+        opts = {ds: RunOptions(method="dragin", dataset=ds, data=str(data_dir / files[ds]),
                                corpus=str(data_dir / "corpus" / "wiki_passages.jsonl"),
                                output=str(outs[ds] / "engine"), limit=args.limit, batch_size=args.batch_size,
                                model=args.model, kv_cache_gb=args.kv_cache_gb,
@@ -380,6 +403,8 @@ def main() -> None:
             f"- model: {'SmolLM2-135M-Instruct (embedded GGUF)' if args.model == 'smollm2' else args.model} "
             f"({'bf16' if torch.cuda.is_available() else 'fp32'} engine), BM25 (bm25s) over the 13.5k-passage corpus\n"
             f"- settings: DRAGIN paper Table 9 per dataset, greedy; engine batch {args.batch_size}\n"
+            f"- questions: the first {args.limit} of each file: "
+            + ", ".join(f"{ds} {files[ds].as_posix()}" for ds in args.datasets) + "\n"
             f"- engine: {'one run per dataset' if reports['all']['engine_mode'] == 'separate' else 'one joint run over all datasets (per-dataset speed not separable: see the all row)'}; "
             f"engine wall {e_wall:.0f} s for {n_e} questions\n"
             f"- oracle questions: per dataset, --oracle-limit / --tuned-oracle-limit of the engine's questions spread "

@@ -84,7 +84,7 @@ class DecodeGraphs:
     max_graphs: captures beyond it decode eagerly (each graph holds its own kernel arguments; memory is shared).
     """
 
-    def __init__(self, model, pool, max_batch: int, *, emulate: bool = False, max_graphs: int = 96,
+    def __init__(self, model, pool, max_batch: int, *, emulate: bool = False, max_graphs: int = 160,
                  ctx_blocks: int | None = None):
         if ctx_blocks is not None and (not isinstance(ctx_blocks, int) or ctx_blocks < 1):
             raise ValueError(f"ctx_blocks must be a positive int or None, got {ctx_blocks!r}")

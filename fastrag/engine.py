@@ -8,6 +8,7 @@ that any sequence computed for the same tokens), and only the rest is prefilled.
 
 from __future__ import annotations
 
+import itertools
 import math
 import numbers
 import os
@@ -371,10 +372,12 @@ class Engine:
 
     def capture_graphs(self) -> int:
         """Capture, for every batch bucket, the decode graphs of the shared prefixes held now: each prefix alone,
-        and all of them together where the model decodes mixed batches (2 to MAX_PREFIXES prefixes); sequences
-        without a prefix when none is held. A step that needs another graph (a subset of several prefixes, a
-        prefix set later) still captures it then. Without graphs, or where graphs depend on the context's length
-        (see fastrag/cuda_graphs.py), nothing is captured. Returns the number of graphs captured now.
+        and where the model decodes mixed batches every set of two or more of them when they are 2 or 3 (a run's
+        datasets finish at different times, so their subsets decode together too), all of them together when
+        more (up to MAX_PREFIXES); sequences without a prefix when none is held. A step that needs another graph
+        (a set of more prefixes, sequences with and without one, a prefix set later) still captures it then.
+        Without graphs, or where graphs depend on the context's length (see fastrag/cuda_graphs.py), nothing is
+        captured. Returns the number of graphs captured now.
 
         A capture costs tens of milliseconds of host and device time; done inside a run it is paid by the step that
         first needs each graph (fastrag.eval calls this once the prefixes are set, before its clock starts)."""
@@ -382,8 +385,9 @@ class Engine:
             return 0
         held = [(p, self._starts.get(id(p), -1)) for p in self.prefixes]
         sets = [[h] for h in held] or [[(None, -1)]]
-        if len(held) > 1:  # (in the order _decode_graphed gives them)
-            sets.append(sorted(held, key=lambda h: id(h[0])))
+        sizes = range(2, len(held) + 1) if len(held) <= 3 else [len(held)]
+        for r in sizes:  # (each set in the order _decode_graphed gives its prefixes)
+            sets += [sorted(c, key=lambda h: id(h[0])) for c in itertools.combinations(held, r)]
         return self.graphs.capture_ahead(sets)
 
     # ------------------------------------------------------------------ sequences

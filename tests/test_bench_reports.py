@@ -317,6 +317,8 @@ def test_benchmark_counts_below_one_are_refused_by_name(script, args, monkeypatc
 @pytest.mark.parametrize("script, args, message", [
     ("bench_e2e", ["--limit", "0"], "--limit must be a positive int, got 0"),
     ("bench_e2e", ["--data-dir", "{tmp}/none"], "--data {tmp}/none/hotpotqa/dev_distractor_200.jsonl: no such file"),
+    ("bench_e2e", ["--data-dir", "{tmp}", "--datasets", "hotpotqa", "--data-file", "hotpotqa=other/q.jsonl"],
+     "--data {tmp}/other/q.jsonl: no such file"),
     ("bench_ray", ["--data", "{tmp}/none.jsonl"], "{tmp}/none.jsonl: no such file"),
     ("bench_retrieval", ["--qrels", "{tmp}/none.tsv"], "--qrels {tmp}/none.tsv: no such file"),
     ("bench_methods", ["--data-dir", "{tmp}/none"],
@@ -335,6 +337,35 @@ def test_benchmark_bad_data_or_limit_is_a_message(script, args, message, tmp_pat
         mod.main()
     assert str(e.value) == f"{script}.py: error: {message.format(tmp=tmp_path)}"
     assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--data-file", "hotpotqa"], "--data-file 'hotpotqa': expected DATASET=FILE"),
+    (["--data-file", "=x.jsonl"], "--data-file '=x.jsonl': expected DATASET=FILE"),
+    (["--data-file", "strategyqa=s.json"], "--data-file 'strategyqa=s.json': 'strategyqa' is not among --datasets "
+                                           "(hotpotqa 2wikimultihopqa)"),
+    (["--data-file", "hotpotqa=a.jsonl", "--data-file", "hotpotqa=b.jsonl"], "--data-file: 'hotpotqa' given twice"),
+])
+def test_bench_e2e_data_file_pairs_are_checked(args, message, tmp_path, monkeypatch, capsys):
+    mod = load("bench_e2e")
+    monkeypatch.setattr(sys, "argv", ["bench_e2e.py", *args, "--output", str(tmp_path / "o"),
+                                      "--results", str(tmp_path / "r")])
+    with pytest.raises(SystemExit) as e:
+        mod.main()
+    assert e.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
+
+
+def test_bench_e2e_data_file_replaces_a_datasets_file(tmp_path):
+    import argparse
+
+    mod = load("bench_e2e")
+    ap = argparse.ArgumentParser()
+    files = mod.data_files(["2wikimultihopqa=2wikimultihopqa/dev_first1000.json", "hotpotqa=/abs/h.jsonl"],
+                           ["hotpotqa", "2wikimultihopqa"], ap)
+    assert files["2wikimultihopqa"] == Path("2wikimultihopqa/dev_first1000.json")
+    assert Path("/data") / files["hotpotqa"] == Path("/abs/h.jsonl")  # (an absolute file stays itself)
+    assert files["strategyqa"] == mod.FILES["strategyqa"] and mod.FILES["hotpotqa"] != files["hotpotqa"]
 
 
 @pytest.mark.parametrize("script", ["bench_kernels", "bench_host", "bench_paged_attention", "bench_cpu_decode_step",

@@ -368,6 +368,43 @@ def test_graphs_captured_ahead_serve_every_step_of_a_run():
     assert eng.capture_graphs() == 0  # nothing new to capture
 
 
+def test_three_prefixes_capture_every_subset_ahead():
+    """Three families, one finishing long before the others: the batches mix all three, then two. Every set of two
+    or more prefixes was captured ahead, so no step captures; tokens equal eager decoding's."""
+    fams = [PREFIX, list(range(50, 82)), list(range(10, 42))]
+    g = torch.Generator().manual_seed(33)
+    prompts, max_new = [], []
+    for k, fam in enumerate(fams):
+        for _ in range(3):
+            prompts.append(fam + torch.randint(1, 96, (int(torch.randint(1, 12, (1,), generator=g)),),
+                                               generator=g).tolist())
+            max_new.append(3 if k == 0 else int(torch.randint(20, 40, (1,), generator=g)))
+
+    def run(graphs):
+        eng = _engine(graphs)
+        for fam in fams:
+            eng.set_prefix(" ".join(map(str, fam)))
+        ahead = eng.capture_graphs() if graphs else 0
+        seqs = [eng.new_sequence() for _ in prompts]
+        for s, p, n in zip(seqs, prompts, max_new):
+            eng.start(s, p, n)
+        mixes = set()
+        while eng.has_work:
+            mixes.add(len({id(s.prefix) for s in eng.running}))
+            eng.step()
+        return [s.out.ids for s in seqs], eng, ahead, mixes
+
+    want, _, _, _ = run(False)
+    got, eng, ahead, mixes = run(True)
+    assert got == want
+    gr = eng.graphs
+    if gr.width is None or not eng.model.mixes_prefixes:
+        pytest.skip("no paged decode kernel here, or a model that decodes each prefix family on its own")
+    assert {2, 3} <= mixes
+    assert ahead == 7 * len(gr.buckets) == gr.stats["captures"]  # 3 alone, 3 pairs, 1 triple
+    assert gr.stats["replays"] == eng.stats["decode_steps"] and gr.stats["eager_steps"] == 0
+
+
 def test_capture_ahead_without_a_prefix_and_without_a_fixed_width():
     """No prefix held: the graphs of sequences without one are captured ahead. The torch cascade (no paged kernel
     on the CPU once the C++ op is removed) keeps graphs per context width and captures nothing ahead."""

@@ -39,7 +39,8 @@ export FASTRAG_CACHE=/tmp/fastrag_cache
 PY=${PYTHON:-python3}
 SHAPE=${E2E_SHAPE:-llama2-7b}  # make_random_model.py shape of the e2e model
 MODEL=/tmp/fastrag_model_$SHAPE
-RUNS=/tmp/fastrag_runs/bench_e2e_$SHAPE  # per shape: the oracle folders of another model are another run
+RUNS=${E2E_RUNS:-/tmp/fastrag_runs/bench_e2e_$SHAPE}  # per shape: the oracle folders of another model are another
+# run (E2E_RUNS: another folder, e.g. for other question files, whose oracle records must not mix with these)
 
 setup() {
     if [ -f /tmp/fastrag_setup_done ]; then return 0; fi
