@@ -732,7 +732,8 @@ def _run_many(runs: list[RunOptions], engine=None, retriever=None) -> list[dict]
             graphs = getattr(engine, "graphs", None)
             if graphs is not None:  # decode steps replayed vs launched eagerly, graphs captured
                 # captured_ahead / capture_ahead_s: graphs captured before the run's clock (Engine.capture_graphs);
-                # "captures" counts those too, so captures - captured_ahead were captured by the run's steps
+                # "captures" counts those too (and an engine the caller passed in, its earlier runs' captures), so
+                # on an engine built by this run captures - captured_ahead were captured by the run's steps
                 metrics["cuda_graphs"] = dict(graphs.stats) | {"graphs": len(graphs.graphs),
                                                                "disabled": graphs.disabled,
                                                                "table_width_blocks": graphs.width,

@@ -259,6 +259,23 @@ def test_malformed_json_is_a_4xx(server):
     assert r.status_code == 422 and "json" in r.json()["error"]["message"].lower()
 
 
+def test_errors_of_the_web_framework_have_the_error_shape(server):
+    """A path not served, a method a path does not take and a body that is not UTF-8 answer `{"error": {...}}` as
+    every other error does (they answered `{"detail": ...}`), and the last one says where the body stops being
+    text."""
+    url, _ = server
+    r = httpx.get(url + "/v1/no-such-path", timeout=60)
+    assert r.status_code == 404 and r.json()["error"]["message"] == "Not Found" and "detail" not in r.json()
+    assert r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.get(url + "/v1/completions", timeout=60)
+    assert r.status_code == 405 and r.json()["error"]["message"] == "Method Not Allowed"
+    assert r.headers.get("allow") == "POST"
+    r = httpx.post(url + "/v1/completions", content=b'{"prompt": "caf\xe9"}', timeout=60,
+                   headers={"content-type": "application/json"})
+    assert 400 <= r.status_code < 500, r.text
+    assert "not UTF-8 text (byte 15 is 0xe9)" in r.json()["error"]["message"]
+
+
 def test_disconnect_cancels_and_the_server_keeps_serving(server):
     url, engine = server
     before = engine.metrics()["cancelled"]
@@ -322,6 +339,13 @@ def test_a_non_streaming_client_that_hangs_up_while_its_question_decodes_cancels
         engine.close()
 
 
+def test_a_full_queue_says_the_retry_time_its_header_gives():
+    """The 429's message and its Retry-After header round the wait up alike (the message rounded 1.2 s to 1 s while
+    the header said 2)."""
+    assert str(QueueFull(1.2)) == "admission queue full; retry after 2s" and QueueFull(1.2).retry_after_s == 2
+    assert QueueFull(3.0).retry_after_s == 3 and str(QueueFull(3.0)).endswith("retry after 3s")
+
+
 def test_admission_queue_overflow_is_429(parts):
     async def go():
         engine = AsyncEngine(*parts, max_inflight=1, max_queue=0)
@@ -330,6 +354,7 @@ def test_admission_queue_overflow_is_429(parts):
             with pytest.raises(QueueFull) as e:
                 await engine.submit(QUESTIONS[1], "dragin", "hotpotqa", CFG)
             assert e.value.retry_after >= 1
+            assert f"retry after {e.value.retry_after_s}s" in str(e.value)  # (the header's value: rounded up)
             evs = [ev async for ev in first]
             assert evs[-1].kind == "answer"
             again = await engine.submit(QUESTIONS[1], "dragin", "hotpotqa", CFG)  # room again

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import math
 import queue
 import tempfile
 import threading
@@ -77,11 +78,13 @@ class EventStream:
 
 
 class QueueFull(RuntimeError):
-    """The admission queue is full; retry after `retry_after` seconds."""
+    """The admission queue is full; retry after `retry_after` seconds (`retry_after_s`: rounded up, as the message
+    and the HTTP Retry-After header say it)."""
 
     def __init__(self, retry_after: float):
-        super().__init__(f"admission queue full; retry after {retry_after:.0f}s")
         self.retry_after = retry_after
+        self.retry_after_s = math.ceil(retry_after)
+        super().__init__(f"admission queue full; retry after {self.retry_after_s}s")
 
 
 @dataclass(slots=True)

@@ -58,6 +58,7 @@ def create_app(engine: AsyncEngine, timeout_s: float = 600.0, max_question_chars
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
     from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+    from starlette.exceptions import HTTPException as StarletteHTTPException
 
     class Retrieval(BaseModel):
         model_config = ConfigDict(extra="forbid")
@@ -237,6 +238,19 @@ def create_app(engine: AsyncEngine, timeout_s: float = 600.0, max_question_chars
             err["code"] = kind
         return JSONResponse(status_code=status, headers=headers, content={"error": err})
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        """Starlette's and FastAPI's own errors (a path not served, a method the path does not take, a body that
+        cannot be parsed) in the `{"error": ...}` shape of every other error here (they answered `{"detail": ...}`);
+        a body that is not UTF-8 says so."""
+        message = str(exc.detail)
+        if exc.status_code == 400:
+            try:
+                (await request.body()).decode("utf-8")
+            except UnicodeDecodeError as e:
+                message = f"body: not UTF-8 text (byte {e.start} is {e.object[e.start]:#04x})"
+        return _error(exc.status_code, message, headers=getattr(exc, "headers", None))
+
     async def _open(question: str, body: Common):
         cfg = dict(body.retrieval.config or {})
         if body.max_tokens is not None:  # the length of each generation round (BeamSearchQA: of its answers)
@@ -246,7 +260,7 @@ def create_app(engine: AsyncEngine, timeout_s: float = 600.0, max_question_chars
             return await engine.submit(question, method=body.retrieval.method, dataset=body.retrieval.dataset,
                                        config=cfg or None), None
         except QueueFull as e:
-            return None, _error(429, str(e), {"Retry-After": str(int(e.retry_after + 0.999))})
+            return None, _error(429, str(e), {"Retry-After": str(e.retry_after_s)})
         except (ValueError, KeyError) as e:
             return None, _error(422, f"retrieval: {e}")
 
