@@ -651,6 +651,7 @@ class Engine:
             row = {"step": len(self.trace), "prefill_seqs": 0, "prefill_tokens": 0, "decode_batch": 0}
             self.trace.append(row)
         self._trace_row = row
+        cap0 = self.graphs.stats["captures"] if row is not None and self.graphs is not None else None
         if self.waiting:
             self._admit_fed()
         if self.waiting and not self._hold_prefill():
@@ -727,6 +728,8 @@ class Engine:
             st.decode_s = time.perf_counter() - t1
         if row is not None:
             row["launch_s"] = time.perf_counter() - t0
+            if cap0 is not None and self.graphs.stats["captures"] > cap0:  # (graphs captured in this step)
+                row["graph_captures"] = self.graphs.stats["captures"] - cap0
         return st
 
     def _hold_prefill(self) -> bool:

@@ -169,6 +169,30 @@ def trace_summary(rows: list[dict]) -> dict:
             "median_step_ms": 1e3 * walls[len(walls) // 2],
             "median_device_decode_ms": 1e3 * decode[len(decode) // 2] if decode else None,
             "median_window_ms": 1e3 * sorted(r.get("window_s", 0.0) for r in timed)[len(timed) // 2]}
+    # by what a step did: "decode" (decode only), "prefill", "passes" (DRAGIN's attention passes ran in its window),
+    # "prefill+passes", and apart from those "graph_capture" (a CUDA graph was captured in it: tens of ms each)
+    kinds: dict[str, dict] = {}
+    for r, i in zip(timed, idle):
+        if r.get("graph_captures"):
+            k = "graph_capture"
+        else:
+            k = "+".join(n for n, on in (("prefill", r.get("prefill_seqs")), ("passes", r.get("device_passes_s")))
+                         if on) or "decode"
+        d = kinds.setdefault(k, {"steps": 0, "step_s": 0.0, "device_s": 0.0, "idle_s": 0.0, "_walls": []})
+        d["steps"] += 1
+        d["step_s"] += r["step_s"]
+        d["device_s"] += dev(r)
+        d["idle_s"] += i
+        d["_walls"].append(r["step_s"])
+    for d in kinds.values():
+        w = sorted(d.pop("_walls"))
+        d["median_step_ms"] = 1e3 * w[len(w) // 2]
+    out["by_kind"] = kinds
+    out["graph_captures"] = sum(r.get("graph_captures", 0) for r in rows)
+    # the run's tail: steps that decoded fewer than 16 sequences (the weights read for a handful of tokens)
+    small = [r for r in timed if 0 < r.get("decode_batch", 0) < 16]
+    out["steps_under_16_sequences"] = len(small)
+    out["step_s_under_16_sequences"] = sum(r["step_s"] for r in small)
     return out
 
 

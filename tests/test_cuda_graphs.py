@@ -343,6 +343,7 @@ def test_graphs_captured_ahead_serve_every_step_of_a_run():
         eng.set_prefix(" ".join(map(str, PREFIX)))
         eng.set_prefix(" ".join(map(str, pb)))
         ahead = eng.capture_graphs() if graphs else 0
+        eng.trace = []  # (the steps' rows: one that captured a graph says how many)
         seqs = [eng.new_sequence() for _ in prompts]
         for s, p, n in zip(seqs, prompts, max_new):
             eng.start(s, p, n)
@@ -364,8 +365,16 @@ def test_graphs_captured_ahead_serve_every_step_of_a_run():
     assert {k[1] for k in gr.graphs} == {gr.width}
     assert len(sizes) >= 4 and longest > 96  # (several batch buckets, contexts past 6 blocks of 16)
     assert gr.stats["captures"] == ahead and gr.stats["replays"] == eng.stats["decode_steps"] > 0
-    assert gr.stats["eager_steps"] == 0
+    assert gr.stats["eager_steps"] == 0 and not any("graph_captures" in r for r in eng.trace)
     assert eng.capture_graphs() == 0  # nothing new to capture
+    # without the captures ahead, the steps that capture say so in their trace rows
+    lazy = _engine(True)
+    lazy.set_prefix(" ".join(map(str, PREFIX)))
+    lazy.trace = []
+    _run(lazy, [p for p in prompts if p[:32] == PREFIX], [n for p, n in zip(prompts, max_new) if p[:32] == PREFIX],
+         prefix=False)
+    caps = [r["graph_captures"] for r in lazy.trace if "graph_captures" in r]
+    assert sum(caps) == lazy.graphs.stats["captures"] == len(lazy.graphs.graphs) > 1 and len(caps) > 1
 
 
 def test_three_prefixes_capture_every_subset_ahead():

@@ -199,6 +199,14 @@ def test_trace_summary_on_steps_of_known_times():
     assert s["steps_idle_over_half"] == 1
     assert s["median_step_ms"] == pytest.approx(34.0) and s["median_device_decode_ms"] == pytest.approx(10.0)
     assert s["median_window_ms"] == pytest.approx(2.0)
+    k = s["by_kind"]
+    assert set(k) == {"prefill", "passes", "decode"} and [k[x]["steps"] for x in ("prefill", "passes", "decode")] == [1, 1, 1]
+    assert k["prefill"]["idle_s"] == pytest.approx(0.01) and k["passes"]["device_s"] == pytest.approx(0.014)
+    assert k["decode"]["median_step_ms"] == pytest.approx(11.0) and s["graph_captures"] == 0
+    assert s["steps_under_16_sequences"] == 3 and s["step_s_under_16_sequences"] == pytest.approx(0.095)
+    cap = trace_summary(rows[:2] + [dict(rows[2], graph_captures=2, decode_batch=20)])
+    assert cap["graph_captures"] == 2 and cap["by_kind"]["graph_capture"]["steps"] == 1
+    assert "decode" not in cap["by_kind"] and cap["steps_under_16_sequences"] == 2
     assert trace_summary([{"step": 0}]) == {"steps": 1, "steps_timed": 0}
 
 
