@@ -142,9 +142,6 @@ class DecodeGraphs:
             return None
         Bb, NBb = bk
         mixed = row_prefix is not None
-        if mixed and (len(prefix) > MAX_PREFIXES or not self.model.mixes_prefixes):
-            self.stats["eager_steps"] += 1
-            return None
         g = self._graph(Bb, NBb, prefix, prefix_start, mixed)
         if g is None:
             self.stats["eager_steps"] += 1
@@ -176,8 +173,11 @@ class DecodeGraphs:
         return g.logits[:B], g.batch
 
     def _graph(self, Bb: int, NBb: int, prefix, prefix_start: int, mixed: bool) -> _Graph | None:
-        """The graph of (Bb, NBb, prefix set), captured now if it is new; None: none may be captured (max_graphs,
-        graphs turned off, or this capture failed: warned)."""
+        """The graph of (Bb, NBb, prefix set), captured now if it is new; None: there is none (a mixed set of more
+        than MAX_PREFIXES or on a model that cannot mix them, max_graphs reached, graphs turned off, or this capture
+        failed: warned)."""
+        if mixed and (len(prefix) > MAX_PREFIXES or not self.model.mixes_prefixes):
+            return None
         if mixed:
             key = (Bb, NBb, ("mixed", *(_pkey(p, st) for p, st in prefix)))
         else:
@@ -211,10 +211,7 @@ class DecodeGraphs:
         before = len(self.graphs)
         for Bb in self.buckets:
             for pset in prefix_sets:
-                mixed = len(pset) > 1
-                if mixed and (len(pset) > MAX_PREFIXES or not self.model.mixes_prefixes):
-                    continue
-                if mixed:
+                if len(pset) > 1:
                     self._graph(Bb, self.width, pset, -1, True)
                 else:
                     self._graph(Bb, self.width, pset[0][0], pset[0][1], False)

@@ -139,8 +139,8 @@ except RuntimeError as e:
             [ -f "$MODEL/config.json" ] || stage model $PY benchmarks/make_random_model.py \
                 --shape "$SHAPE" --out "$MODEL" --tokenizer "$C/tokenizer"
             # the model's 13.5 GB go to disk now, not in the background of the next stage's timed run (the first
-            # e2e after this stage measured 2.7 s more of host time than the same run minutes later, on
-            # 2026-11-26b and c: one suspect is this write-back)
+            # e2e after this stage measured more host time than the same code minutes later: about 4 s on
+            # 2026-11-26b, 2.7 s on 2026-11-26c; one suspect is this write-back)
             stage sync sync
             ;;
         e2e)
