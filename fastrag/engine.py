@@ -30,6 +30,7 @@ CUDA_GRAPHS_ENV = "FASTRAG_CUDA_GRAPHS"
 PREFILL_HOLD_ENV = "FASTRAG_PREFILL_HOLD"  # steps a small prefill may wait for more (default: 2 on CUDA, else 0)
 DEFAULT_PREFILL_HOLD = 2  # on CUDA devices (Engine's prefill_hold)
 MIX_PREFILL_ENV = "FASTRAG_MIX_PREFILL"  # 1: prefill batches mix shared prefixes (default 0)
+ASYNC_PREFILL_ENV = "FASTRAG_ASYNC_PREFILL"  # 1: a prefill's first tokens reach the host with its step (default 0)
 
 
 def _env_int(name: str, default: int) -> int:
@@ -164,6 +165,8 @@ class PendingStep:
     batch: list = field(default_factory=list)  # the decode batch
     ready: list = field(default_factory=list)  # rows of batch that sample a token this step
     sampled: tuple | None = None  # (host tensor [3, len(ready)], CUDA event or None)
+    joining: list = field(default_factory=list)  # async_prefill: prefilled sequences whose first token is in flight
+    join_sampled: tuple | None = None  # their (host tensor, CUDA event or None), as `sampled`
     decode_s: float = 0.0  # host seconds of the launch's decode part
     trace_row: dict | None = None  # the step's row of Engine.trace (None: not tracing)
 
@@ -279,7 +282,7 @@ class Engine:
     def __init__(self, model: LlamaModel, tokenizer, *, block_size: int = 16, kv_cache_gb: float | None = None,
                  max_batch: int = 64, max_prefill_tokens: int = 4096, sampling: SamplingParams | None = None,
                  signals: str | None = None, mix_prefill: bool | None = None, cuda_graphs: bool | None = None,
-                 prefix_caching: bool = True, prefill_hold: int | None = None):
+                 prefix_caching: bool = True, prefill_hold: int | None = None, async_prefill: bool | None = None):
         for name, value in (("block_size", block_size), ("max_batch", max_batch),
                             ("max_prefill_tokens", max_prefill_tokens)):
             if as_int(value) is None or value < 1:  # (max_batch 0 left every sequence waiting forever)
@@ -317,6 +320,20 @@ class Engine:
         if isinstance(self.prefill_hold, bool) or not isinstance(self.prefill_hold, int) or self.prefill_hold < 0:
             raise ValueError(f"prefill_hold must be an int >= 0, got {prefill_hold!r}")
         self._held = 0  # consecutive steps the waiting prefills were held
+        # async_prefill: a step's prefill samples its sequences' first tokens on the device and copies them to the
+        # host together with the decode step's results, so step_launch never waits for a prefill (the caller's host
+        # work then runs while the device computes the prefill and the decode step, not only the decode step); the
+        # prefilled sequences join the decode batch one step later than without it (their first token is on the
+        # host only after step_finish). Off (False): the prefill's first tokens are copied to the host inside
+        # step_launch and the sequences decode in the same step. What a generation computes is the same either way.
+        # Default off until a GPU run compares the two. None: $FASTRAG_ASYNC_PREFILL (0 or 1)
+        if async_prefill is None:
+            async_prefill = _env_int(ASYNC_PREFILL_ENV, 0)
+            if async_prefill > 1:
+                raise ValueError(f"${ASYNC_PREFILL_ENV}={os.environ[ASYNC_PREFILL_ENV]!r}: expected 0 or 1")
+        elif not isinstance(async_prefill, bool):
+            raise ValueError(f"async_prefill must be a bool, got {async_prefill!r}")
+        self.async_prefill = bool(async_prefill)
         # prefix caching (kv.py): a prompt's full blocks that some sequence already computed are shared, not
         # prefilled again
         self.prefix_caching = prefix_caching
@@ -645,6 +662,8 @@ class Engine:
         release or drop other sequences (stream order keeps their blocks safe), but must not launch another step.
         """
         finished: list[SeqState] = []
+        joining: list[SeqState] = []
+        join_sampled = None
         t0 = time.perf_counter()
         row = None
         if self.trace is not None:
@@ -702,19 +721,33 @@ class Engine:
                 # the first token of every prefilled generation in one signals call and one host copy (a sequence
                 # with tracked tokens still to feed samples nothing yet: they go in one per decode step)
                 rows = [i for i, s in enumerate(group) if s.computed == len(s.tokens)]
-                if rows:
+                done = {}
+                if rows and self.async_prefill:  # sampled now, read in step_finish: they decode from the next step
+                    joining = [group[i] for i in rows]
+                    join_sampled = self._sample_launch(joining, logits if len(rows) == len(group) else logits[rows])
+                    self.clock.stop("device_prefill_s", dev0, join_sampled[1], row)
+                elif rows:
                     done = dict(zip(rows, self._append_batch(
                         [group[i] for i in rows], logits if len(rows) == len(group) else logits[rows], dev0, row)))
                 else:
-                    done = {}
                     self.clock.stop("device_prefill_s", dev0, row=row)
                 for i, s in enumerate(group):
                     (finished if done.get(i, False) else self.running).append(s)
         t1 = time.perf_counter()
         self.stats["prefill_s"] += t1 - t0
         st = PendingStep(finished, trace_row=row)
-        if self.running:
-            st.batch = batch = self.running[: self.max_batch]
+        if joining:
+            st.joining, st.join_sampled = joining, join_sampled
+            if row is not None:
+                row["joining"] = len(joining)
+        # (sequences whose first token is still on the device sit in `running` but decode from the next step)
+        if joining:
+            pending = {id(s) for s in joining}
+            decodable = [s for s in self.running if id(s) not in pending]
+        else:
+            decodable = self.running
+        if decodable:
+            st.batch = batch = decodable[: self.max_batch]
             if row is not None:
                 row["decode_batch"] = len(batch)
             dev0 = self.clock.mark()
@@ -747,7 +780,7 @@ class Engine:
     @staticmethod
     def step_done(st: "PendingStep") -> bool:
         """Whether a launched step's results are on the host already (step_finish would not wait)."""
-        return st.sampled is None or st.sampled[1] is None or st.sampled[1].query()
+        return all(x is None or x[1] is None or x[1].query() for x in (st.join_sampled, st.sampled))
 
     @torch.inference_mode()
     def step_finish(self, st: "PendingStep") -> list[SeqState]:
@@ -769,6 +802,14 @@ class Engine:
             self.running = keep + [s for s in self.running if id(s) not in gone]
             finished += [s for s, d in zip(batch, done) if d and id(s) in self.live]
             self.stats["decode_s"] += st.decode_s + time.perf_counter() - t1
+        if st.joining:  # async_prefill: the prefill's first tokens (copied before the decode step's, in stream order)
+            t1 = time.perf_counter()
+            done = self._sample_finish(st.joining, st.join_sampled)
+            ended = {id(s) for s, d in zip(st.joining, done) if d}
+            if ended:
+                self.running = [s for s in self.running if id(s) not in ended]
+            finished += [s for s, d in zip(st.joining, done) if d and id(s) in self.live]
+            self.stats["prefill_s"] += time.perf_counter() - t1
         self.clock.settle()  # (the step's copy is on the host: its device time and any before it can be read)
         if st.trace_row is not None:
             st.trace_row["finish_s"] = time.perf_counter() - t_fin

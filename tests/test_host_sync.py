@@ -219,6 +219,38 @@ def test_prefill_launch_reads_only_its_first_tokens(prefixes):
     assert all(len(s.out.ids) >= 1 for s in seqs)
 
 
+@pytest.mark.parametrize("graphs", [True, False])
+def test_async_prefill_launch_reads_nothing_from_the_device(graphs):
+    """With async_prefill, a step that prefills new prompts beside a running decode batch waits for nothing at all:
+    the first tokens' copy goes to the host with the decode step's, read in step_finish."""
+    eng = Engine(_model(), Tok(), kv_cache_gb=0.02, max_batch=16, mix_prefill=True, cuda_graphs=graphs,
+                 async_prefill=True)
+    g = torch.Generator().manual_seed(13)
+    head = list(range(20, 52))
+    eng.set_prefix(" ".join(map(str, head)))
+    old = []
+    for n in (4, 9):
+        s = eng.new_sequence()
+        eng.start(s, head + torch.randint(1, 96, (n,), generator=g).tolist(), 30)
+        old.append(s)
+    for _ in range(4):  # their prefill, then decode steps (every graph and kernel of this batch made)
+        eng.step()
+    eng.attention_passes([[1, 2, 3]], "colmax")  # (nothing compiled inside the watch)
+    new = []
+    for n in (1, 70, 6):
+        s = eng.new_sequence()
+        eng.start(s, head + torch.randint(1, 96, (n,), generator=g).tolist(), 4)
+        new.append(s)
+    calls = eng.stats["prefill_calls"]
+    with _no_host_reads(eng):  # (no first-tokens exemption)
+        st = eng.step_launch()
+    assert eng.stats["prefill_calls"] == calls + 1 and st.batch == old
+    assert sorted(map(id, st.joining)) == sorted(map(id, new))  # (the prefill takes them shortest first)
+    eng.step_finish(st)
+    # (the old ones: a first token with their prefill step, then one a decode step)
+    assert all(len(s.out.ids) == 1 for s in new) and all(len(s.out.ids) == 5 for s in old)
+
+
 @pytest.mark.parametrize("kind", ["colmax", "rows"])
 def test_attention_pass_launch_reads_nothing_from_the_device(kind):
     eng, _ = _engine(False, 1)

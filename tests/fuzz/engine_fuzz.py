@@ -305,6 +305,7 @@ class EngineCfg:
     overlap: bool = False
     sampling: object = None
     prefill_hold: int = 0
+    async_prefill: bool = False  # first tokens of a prefill read in step_finish (Engine(async_prefill=...))
     cascade: bool = True  # the shared prefix attended as a cascade in prefills (LlamaModel.cascade_prefill)
 
 
@@ -319,7 +320,8 @@ def build(wl, ec):
     eng = Engine(m, IdTok(wl.V, wl.eos), block_size=wl.block_size, kv_cache_gb=(blocks + 0.5) * per_block / 2**30,
                  max_batch=ec.max_batch, signals=ec.signals, mix_prefill=ec.mix_prefill,
                  cuda_graphs=ec.cuda_graphs, prefix_caching=ec.prefix_caching,
-                 max_prefill_tokens=ec.max_prefill_tokens, sampling=ec.sampling, prefill_hold=ec.prefill_hold)
+                 max_prefill_tokens=ec.max_prefill_tokens, sampling=ec.sampling, prefill_hold=ec.prefill_hold,
+                 async_prefill=ec.async_prefill)
     assert eng.pool.num_blocks == max(8, blocks), (eng.pool.num_blocks, blocks)
     return eng
 
@@ -707,7 +709,7 @@ def run_seed(seed, signals="torch", verbose=False, tight_extra=None, do_ref=True
                       cuda_graphs=r.random() < 0.4, mix_prefill=r.random() < 0.3,
                       prefix_caching=r.random() < 0.8, max_prefill_tokens=r.choice([16, 64, 4096]),
                       overlap=r.random() < 0.5, sampling=sampling, prefill_hold=r.choice([0, 0, 1, 3]),
-                      cascade=r.random() < 0.5)
+                      cascade=r.random() < 0.5, async_prefill=r.random() < 0.5)
     if tight_over:
         for k, v in tight_over.items():
             setattr(tight, k, v)
@@ -786,7 +788,7 @@ def main():
         print(f"seed {seed}: {'OK' if not problems else 'FAIL'} {dt:.1f}s tight(blocks={tight.blocks}, "
               f"batch={tight.max_batch}, graphs={tight.cuda_graphs}, mix={tight.mix_prefill}, "
               f"pc={tight.prefix_caching}, mpt={tight.max_prefill_tokens}, ov={tight.overlap}, "
-              f"hold={tight.prefill_hold}, cascade={tight.cascade}) {info}", flush=True)
+              f"hold={tight.prefill_hold}, async={tight.async_prefill}, cascade={tight.cascade}) {info}", flush=True)
         for p in problems[:12]:
             print("   ", p)
         bad += bool(problems)

@@ -239,6 +239,7 @@ def run_seed(seed):
     ov = r.random() < 0.5
     inflight = r.randint(2, 10)
     sc = r.choice([1, 1, 2, 4])  # retrieval batches in flight (drawn last: the earlier draws stay each seed's)
+    tight.async_prefill = r.random() < 0.5  # (after it, for the same reason)
     try:
         ta, ra, sa, reused = run(seed, tight, n_q, inflight, ov, cancel, search_concurrency=sc)
     except Exception as e:  # noqa: BLE001
