@@ -167,15 +167,18 @@ def _run_ray(opts: RunOptions, num_workers: int, max_retries: int, ray_address: 
     return metrics
 
 
+_PEAKS = ("kv_peak_blocks",)  # per-engine highs: the shards' largest, not their sum (each has its own pool)
+
+
 def _engine_totals(folders: list[Path]) -> dict:
     """The engine counters of the shards' metrics.json summed (tokens, steps, seconds of engine work over all
-    workers); {} when no shard has any."""
+    workers), the peaks in _PEAKS their maximum; {} when no shard has any."""
     out: dict = {}
     for f in folders:
         eng = (read_metrics(f / "metrics.json") or {}).get("engine") or {}
         for k, v in eng.items():
             if isinstance(v, (int, float)) and not isinstance(v, bool):
-                out[k] = out.get(k, 0) + v
+                out[k] = max(out.get(k, v), v) if k in _PEAKS else out.get(k, 0) + v
     return out
 
 

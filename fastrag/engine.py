@@ -366,6 +366,10 @@ class Engine:
                       "decode_ctx_tokens": 0, "decode_prefix_tokens": 0, "prefill_ctx_tokens": 0,
                       "prefix_prefill_s": 0.0,  # (set_prefix's prefills: outside the steps, inside prefill_tokens)
                       "prefill_holds": 0,  # steps that left waiting prefills for a later step (prefill_hold)
+                      # the most KV blocks held at once, seen after a step's admissions (sequences' own blocks and
+                      # reservations, shared prefixes, the graphs' scratch block): against pool.num_blocks, how
+                      # close a run came to waiting for room
+                      "kv_peak_blocks": 0,
                       # device seconds of the steps' prefills, decode steps and the attention passes (DeviceClock):
                       # their sum against a run's wall time is how busy the device was
                       "device_prefill_s": 0.0, "device_decode_s": 0.0, "device_passes_s": 0.0}
@@ -733,6 +737,9 @@ class Engine:
                     self.clock.stop("device_prefill_s", dev0, row=row)
                 for i, s in enumerate(group):
                     (finished if done.get(i, False) else self.running).append(s)
+        held = self.pool.num_blocks - self.pool.num_free
+        if held > self.stats["kv_peak_blocks"]:
+            self.stats["kv_peak_blocks"] = held
         t1 = time.perf_counter()
         self.stats["prefill_s"] += t1 - t0
         st = PendingStep(finished, trace_row=row)

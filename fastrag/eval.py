@@ -720,6 +720,7 @@ def _run_many(runs: list[RunOptions], engine=None, retriever=None) -> list[dict]
         if engine is not None:
             metrics["engine"] = dict(engine.stats)
             metrics["kv_cache_gb"] = engine.kv_cache_gb
+            metrics["kv_cache_blocks"] = engine.pool.num_blocks  # (engine.kv_peak_blocks: the most held at once)
             from fastrag.model.llama import LlamaModel
             from fastrag.perf import model_costs
 
@@ -772,6 +773,7 @@ def _run_many(runs: list[RunOptions], engine=None, retriever=None) -> list[dict]
 # metrics.json fields measured while computing (not derived from the records): a rerun that computes nothing keeps
 # them from the run before it, so `python -m fastrag.perf DIR` and the throughput still describe a real run
 MEASURED_FIELDS = ("questions_per_s", "tokens_per_s", "wall_s", "questions_measured", "engine", "kv_cache_gb",
+                   "kv_cache_blocks",
                    "model_costs", "prefill_attention", "cuda_graphs", "retrieval", "step_seconds", "overlap",
                    "text_workers", "joint", "environment", "overlap_syncs", "step_trace")
 

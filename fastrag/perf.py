@@ -139,6 +139,9 @@ def phases(m: dict, f: dict) -> dict:
         # the scheduler's thread with nothing to do but wait for spaCy worker processes
         "waiting_text_workers_s": sec.get("waiting_text_workers"),
         "kv_waits": st.get("kv_waits"), "evictions": st.get("evictions"),
+        # the most KV blocks held at once against the pool's size (None: a run from before the counter)
+        "kv_peak_fraction": st["kv_peak_blocks"] / m["kv_cache_blocks"]
+        if st.get("kv_peak_blocks") is not None and m.get("kv_cache_blocks") else None,
         # the device's own seconds in the steps' prefills, decode steps and attention passes (Engine.clock), and
         # their share of the wall time: the rest the device waited for the host (None: a run from before the clock)
         "device_busy_s": busy, "device_busy_fraction": busy / wall if busy is not None and wall else None}

@@ -140,14 +140,14 @@ def test_bench_e2e_floor_rows_one_per_engine():
              "attn_flops_per_entry": 4, "dtype_bytes": 4}
     st = {"decode_steps": 5, "decode_tokens": 40, "decode_ctx_tokens": 300, "decode_prefix_tokens": 200,
           "prefill_calls": 2, "prefill_tokens": 50, "prefill_ctx_tokens": 900, "prefill_s": 0.5, "decode_s": 2.5,
-          "kv_waits": 3, "evictions": 1}
+          "kv_waits": 3, "evictions": 1, "kv_peak_blocks": 30}
     dev = DeviceFigures("test", "float32", copy_bytes_per_s=1e4, matmul_flops_per_s=2e4)
-    m = {"wall_s": 9.0, "joint": {"wall_s": 6.0}, "engine": st, "model_costs": costs,
+    m = {"wall_s": 9.0, "joint": {"wall_s": 6.0}, "engine": st, "model_costs": costs, "kv_cache_blocks": 120,
          "step_seconds": {"attention_passes": 0.25, "methods_and_other": 1.0}}
     (r,) = be.floor_rows(["hotpotqa", "2wikimultihopqa"], [m, m], True, dev)
     assert r["run"] == "all" and r["engine_wall_s"] == 6.0 and r["floor_s"] == pytest.approx(1.53)
     assert r["wall_over_floor"] == pytest.approx(6.0 / 1.53) and r["prefill_and_passes_s"] == pytest.approx(0.75)
-    assert (r["mean_decode_batch"], r["kv_waits"], r["evictions"]) == (8, 3, 1)
+    assert (r["mean_decode_batch"], r["kv_waits"], r["evictions"], r["kv_peak_fraction"]) == (8, 3, 1, 0.25)
     old = {"wall_s": 3.0, "engine": {k: v for k, v in st.items() if k != "decode_ctx_tokens"}, "model_costs": costs}
     rows = be.floor_rows(["hotpotqa", "2wikimultihopqa"], [m | {"joint": None}, old], False, dev)
     assert [(x["run"], x["engine_wall_s"]) for x in rows] == [("hotpotqa", 9.0)]

@@ -266,6 +266,12 @@ def test_a_full_pool_defers_admission_and_decodes_the_same_tokens(model):
     roomy_eng = engine(model)
     _decode_all(roomy_eng, prompts, 8)
     assert (roomy_eng.stats["kv_waits"], roomy_eng.stats["evictions"], roomy_eng.stats["evicted_tokens"]) == (0, 0, 0)
+    # the most blocks held at once: both prompts' blocks with room for their 8 new tokens in the roomy pool, the
+    # whole small pool (the second's blocks taken while the first's idle cache still held them, then evicted) at most
+    bs = roomy_eng.pool.block_size
+    need = [-(-(len(p) + 8) // bs) for p in prompts]
+    assert roomy_eng.stats["kv_peak_blocks"] == sum(need)
+    assert max(need) <= small.stats["kv_peak_blocks"] <= 8
 
 
 def test_an_idle_sequence_is_evicted_for_room_and_prefilled_again(model):

@@ -73,6 +73,8 @@ def test_ray_run_equals_single_process(tmp_path, cfg, single):
     shard_eng = [json.loads((out / "shards" / str(i) / "metrics.json").read_text())["engine"] for i in range(2)]
     for k in ("prefill_tokens", "decode_tokens", "decode_steps"):
         assert m["engine_total"][k] == shard_eng[0][k] + shard_eng[1][k] > 0, k
+    # (a peak is each engine's own: the larger of the shards')
+    assert m["engine_total"]["kv_peak_blocks"] == max(e["kv_peak_blocks"] for e in shard_eng) > 0
     for k in ("em", "f1", "questions_per_s", "retrievals_per_question", "wall_s"):
         assert k in m
     assert m["sampling"] == {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0}  # (as a single process)
