@@ -659,10 +659,11 @@ class Engine:
 
     @torch.inference_mode()
     def step_launch(self) -> "PendingStep":
-        """`step()`'s first half: the prefill (which ends in a host copy of its sampled tokens), then the decode
-        step's kernels and the non-blocking copy of its sampled tokens and signals to pinned host memory. On a GPU
-        it returns while the device still runs the decode step, so the caller can do host work (the methods' own
-        logic for sequences that finished earlier) until `step_finish`. Between the two, the caller may start,
+        """`step()`'s first half: the prefill (which ends in a host copy of its sampled tokens; with async_prefill
+        that copy is non-blocking too and read in step_finish, and the prefilled sequences decode from the next
+        step), then the decode step's kernels and the non-blocking copy of its sampled tokens and signals to pinned
+        host memory. On a GPU it returns while the device still runs the decode step, so the caller can do host
+        work (the methods' own logic for sequences that finished earlier) until `step_finish`. Between the two, the caller may start,
         release or drop other sequences (stream order keeps their blocks safe), but must not launch another step.
         """
         finished: list[SeqState] = []
@@ -743,16 +744,13 @@ class Engine:
         t1 = time.perf_counter()
         self.stats["prefill_s"] += t1 - t0
         st = PendingStep(finished, trace_row=row)
-        if joining:
+        decodable = self.running
+        if joining:  # (in `running` already, so nothing else takes their place, but decoding from the next step)
             st.joining, st.join_sampled = joining, join_sampled
             if row is not None:
                 row["joining"] = len(joining)
-        # (sequences whose first token is still on the device sit in `running` but decode from the next step)
-        if joining:
             pending = {id(s) for s in joining}
             decodable = [s for s in self.running if id(s) not in pending]
-        else:
-            decodable = self.running
         if decodable:
             st.batch = batch = decodable[: self.max_batch]
             if row is not None:

@@ -197,9 +197,10 @@ def _schedule(model, overlap: bool, n: int = 9, **kw):
     return {r.qid: r for r in out}, eng, spy
 
 
-def test_every_question_decides_the_same_with_overlap(model):
+@pytest.mark.parametrize("async_prefill", [False, True])
+def test_every_question_decides_the_same_with_overlap(model, async_prefill):
     plain, eng0, _ = _schedule(model, overlap=False)
-    over, eng1, spy = _schedule(model, overlap=True)
+    over, eng1, spy = _schedule(model, overlap=True, async_prefill=async_prefill)
     assert set(plain) == set(over) and len(plain) == 9
     for q in plain:
         a, b = plain[q], over[q]
@@ -214,13 +215,15 @@ def test_every_question_decides_the_same_with_overlap(model):
     assert not eng1.live and not eng1.running and not eng1.waiting  # every sequence was given back
 
 
-def test_overlap_under_kv_pressure_waits_and_evicts_but_decides_the_same(model):
-    """A pool too small for the batch: admissions wait and idle caches are evicted, with overlap as without."""
+@pytest.mark.parametrize("async_prefill", [False, True])
+def test_overlap_under_kv_pressure_waits_and_evicts_but_decides_the_same(model, async_prefill):
+    """A pool too small for the batch: admissions wait and idle caches are evicted, with overlap as without (and
+    with the asynchronous prefill, whose sequences join the batch a step later)."""
     c = model.c
     per_block = 2 * c.num_layers * 16 * c.num_kv_heads * c.head_dim * next(model.parameters()).element_size()
     gb = 16 * per_block / 2**30  # 16 blocks: the prefix's 2, and room for about two questions' sequences
     plain, _, _ = _schedule(model, overlap=False, kv_cache_gb=gb)
-    over, eng, _ = _schedule(model, overlap=True, kv_cache_gb=gb)
+    over, eng, _ = _schedule(model, overlap=True, kv_cache_gb=gb, async_prefill=async_prefill)
     assert eng.pool.num_blocks == 16
     assert eng.stats["kv_waits"] > 0 and eng.stats["evictions"] > 0
     assert {q: r.prediction for q, r in plain.items()} == {q: r.prediction for q, r in over.items()}
