@@ -36,3 +36,23 @@ def tiny_llama(dtype=None, device: str = "cpu", seed: int = 3, **cfg):
                 num_key_value_heads=2, eos_token_id=None)
     return LlamaModel.from_hf_config(LlamaConfig(**(base | cfg)), dtype=dtype or torch.float32, seed=seed,
                                      device=device)
+
+
+def drive(eng, arrivals, after_step=None, max_steps: int = 500) -> list:
+    """Step an engine until it is idle, starting each generation of `arrivals` (step, prompt, max_new) before that
+    engine step; after_step(eng) runs after every step. Returns the sequences in the order they started."""
+    seqs, step = [], 0
+    todo = sorted(arrivals, key=lambda a: a[0])
+    while todo or eng.has_work:
+        while todo and todo[0][0] <= step:
+            _, prompt, n = todo.pop(0)
+            s = eng.new_sequence()
+            eng.start(s, prompt, n)
+            seqs.append(s)
+        if eng.has_work:
+            eng.step()
+            if after_step is not None:
+                after_step(eng)
+        step += 1
+        assert step < max_steps, "the run did not finish"
+    return seqs

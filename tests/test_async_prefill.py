@@ -15,7 +15,7 @@ from fastrag import engine as engine_mod
 from fastrag.engine import Engine
 
 from engine_fakes import IntTok as _Tok
-from engine_fakes import tiny_llama
+from engine_fakes import drive, tiny_llama
 
 
 @pytest.fixture(scope="module")
@@ -31,18 +31,7 @@ def _run(model, async_prefill: bool, arrivals, **kw):
     """arrivals: (step, prompt, max_new), each started before that engine step. Returns the generations' (ids,
     log-probabilities) and the engine's stats."""
     eng = _engine(model, async_prefill, **kw)
-    seqs, step = [], 0
-    todo = sorted(arrivals, key=lambda a: a[0])
-    while todo or eng.has_work:
-        while todo and todo[0][0] <= step:
-            _, prompt, n = todo.pop(0)
-            s = eng.new_sequence()
-            eng.start(s, prompt, n)
-            seqs.append(s)
-        if eng.has_work:
-            eng.step()
-        step += 1
-        assert step < 500, "the run did not finish"
+    seqs = drive(eng, arrivals)
     assert not eng.running and not eng.waiting
     return [(s.out.ids, s.out.logprob) for s in seqs], dict(eng.stats)
 

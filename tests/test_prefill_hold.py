@@ -14,7 +14,7 @@ from fastrag import engine as engine_mod
 from fastrag.engine import Engine
 
 from engine_fakes import IntTok as _Tok
-from engine_fakes import tiny_llama
+from engine_fakes import drive, tiny_llama
 
 
 @pytest.fixture(scope="module")
@@ -32,20 +32,9 @@ def _run(model, hold: int, arrivals, max_prefill_tokens: int = 4096, max_batch: 
     assert len(arrivals) <= max_batch, "a generation could wait for room in the batch, which is no hold"
     eng = Engine(model, _Tok(), kv_cache_gb=0.01, max_batch=max_batch, prefill_hold=hold,
                  max_prefill_tokens=max_prefill_tokens)
-    seqs, waited, step = {}, [], 0
-    todo = sorted(arrivals, key=lambda a: a[0])
-    while todo or eng.has_work:
-        while todo and todo[0][0] <= step:
-            _, prompt, n = todo.pop(0)
-            s = eng.new_sequence()
-            eng.start(s, prompt, n)
-            seqs[len(seqs)] = s
-        if eng.has_work:
-            eng.step()
-            waited.append(len(eng.waiting))
-        step += 1
-        assert step < 500, "the run did not finish"
-    out = [(seqs[i].out.ids, seqs[i].out.logprob) for i in range(len(seqs))]
+    waited = []
+    seqs = drive(eng, arrivals, after_step=lambda e: waited.append(len(e.waiting)))
+    out = [(s.out.ids, s.out.logprob) for s in seqs]
     return out, dict(eng.stats), waited
 
 
