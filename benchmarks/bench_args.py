@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -27,3 +29,12 @@ def data_paths(script: str, data_dir: str, files: dict, datasets: list[str], che
         if not p.is_file():
             sys.exit(f"{script}: error: --data-dir {root}: {p} not found")
     return data, corpus
+
+
+def env_prefix() -> str:
+    """The FASTRAG_* switches set in the environment as `NAME=VALUE ` words to put before a table's command (a
+    variant of device.sh's runs differs from the default run by these alone); FASTRAG_CACHE, a folder, is left out.
+    "" when none is set."""
+    words = [f"{k}={shlex.quote(v)}" for k, v in sorted(os.environ.items())
+             if k.startswith("FASTRAG_") and k != "FASTRAG_CACHE"]
+    return " ".join(words) + " " if words else ""

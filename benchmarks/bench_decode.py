@@ -42,7 +42,7 @@ from fastrag.engine import Engine  # noqa: E402
 from fastrag.model.llama import LlamaModel  # noqa: E402
 from fastrag.perf import model_costs  # noqa: E402
 from fastrag.provenance import versions  # noqa: E402
-from bench_args import positive_int  # noqa: E402  (the script's folder is on sys.path)
+from bench_args import env_prefix, positive_int  # noqa: E402  (the script's folder is on sys.path)
 
 
 class _Tok:
@@ -127,7 +127,7 @@ def main() -> None:
                  f"{shape['vocab_size']}), random {str(dtype).split('.')[-1]} weights; context (tokens per sequence) "
                  "per row",
                  f"- measured copy bandwidth {bw / 1e9:.1f} GB/s; roofline = (weights + KV read) / bandwidth",
-                 f"- command: `python benchmarks/bench_decode.py {shlex.join(sys.argv[1:])}`",
+                 f"- command: `{env_prefix()}python benchmarks/bench_decode.py {shlex.join(sys.argv[1:])}`",
                  "- plain = forward + argmax + host copy of the tokens; signals = forward + fused decode_signals + one "
                  "host copy of (token, entropy, logprob); plain_again = plain timed a second time (the noise floor); "
                  f"signals+attn = signals plus, for every sequence, the in-context attention statistics of its last "

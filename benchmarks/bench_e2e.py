@@ -392,7 +392,9 @@ def main() -> None:
         "engine_mode": "separate" if args.separate_engine_runs or joint is None else "joint"}
     o_devs = oracle_devices([outs[ds] / sub for ds in args.datasets for sub in ("oracle", "oracle-tuned")])
     here = device_name("cuda" if torch.cuda.is_available() else None)  # as the oracles' runs.jsonl name it
-    cmd = "python " + shlex.join([str(Path(sys.argv[0]).relative_to(ROOT)) if Path(sys.argv[0]).is_absolute()
+    from bench_args import env_prefix  # (the script's folder is on sys.path)
+
+    cmd = env_prefix() + "python " + shlex.join([str(Path(sys.argv[0]).relative_to(ROOT)) if Path(sys.argv[0]).is_absolute()
                                   else sys.argv[0], *sys.argv[1:]])
     tag = "cuda" if torch.cuda.is_available() else "cpu"
     res = Path(args.results)

@@ -50,7 +50,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_args import positive_int  # noqa: E402  (the script's folder is on sys.path)
+from bench_args import env_prefix, positive_int  # noqa: E402  (the script's folder is on sys.path)
 from make_random_model import SHAPES, hf_shape  # noqa: E402
 
 from fastrag.engine import Engine  # noqa: E402
@@ -252,7 +252,7 @@ def main() -> None:
     costs = model_costs(model)
     g = torch.Generator().manual_seed(2)
     rows, prof = [], None
-    cmd = "python benchmarks/bench_prefill.py " + shlex.join(sys.argv[1:])
+    cmd = env_prefix() + "python benchmarks/bench_prefill.py " + shlex.join(sys.argv[1:])
 
     def write() -> Path:  # after every cell: a run cut short keeps what it measured
         out_dir.mkdir(parents=True, exist_ok=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -200,9 +201,29 @@ def test_bench_e2e_says_where_its_cuda_graphs_were_captured():
     assert be.graphs_line([{}]) == "" and be.graphs_line([]) == ""
 
 
+def _only_fastrag_env(monkeypatch, **settings):
+    for k in [k for k in os.environ if k.startswith("FASTRAG_")]:
+        monkeypatch.delenv(k)
+    for k, v in settings.items():
+        monkeypatch.setenv(k, v)
+
+
+def test_a_tables_command_names_the_switches_in_the_environment(monkeypatch):
+    """device.sh's variants differ from the default run by FASTRAG_* settings alone: a table's command line carries
+    them (sorted, quoted; FASTRAG_CACHE, a folder, is no setting)."""
+    ba = load("bench_args")
+    _only_fastrag_env(monkeypatch)
+    assert ba.env_prefix() == ""
+    _only_fastrag_env(monkeypatch, FASTRAG_PREFILL_HOLD="3", FASTRAG_ASYNC_PREFILL="1", FASTRAG_CACHE="/tmp/c",
+                      FASTRAG_NOTE="a b", OTHER="x")
+    assert ba.env_prefix() == "FASTRAG_ASYNC_PREFILL=1 FASTRAG_NOTE='a b' FASTRAG_PREFILL_HOLD=3 "
+
+
 def test_bench_decode_runs_a_named_shape(tmp_path, monkeypatch):
     """bench_decode builds the shape it is given (`--shape`, make_random_model's shapes with their published
-    vocabularies), names the table after it when it is not the device's default, and fills every cell."""
+    vocabularies), names the table after it when it is not the device's default, and fills every cell; its command
+    line carries the FASTRAG_* settings in force."""
+    _only_fastrag_env(monkeypatch, FASTRAG_NOTE="decode run")
     bd = load("bench_decode")
     assert bd.hf_shape("llama2-13b") == dict(vocab_size=32000, hidden_size=5120, intermediate_size=13824,
                                              num_hidden_layers=40, num_attention_heads=40, num_key_value_heads=40,
@@ -212,6 +233,7 @@ def test_bench_decode_runs_a_named_shape(tmp_path, monkeypatch):
     bd.main()
     md = (tmp_path / "decode_cpu_tiny.md").read_text()
     assert "tiny shape (2 layers, hidden 64, 4 / 2 heads, vocabulary 512)" in md, md
+    assert "- command: `FASTRAG_NOTE='decode run' python benchmarks/bench_decode.py --cpu-small" in md, md
     rows = [line.split(" | ") for line in md.splitlines() if line.startswith("| 24 |")]
     assert [r[1] for r in rows] == ["1", "3"], md
     for r in rows:  # plain ms, roofline ms and their ratio are measured numbers, not placeholders
