@@ -727,13 +727,13 @@ class Engine:
                 # with tracked tokens still to feed samples nothing yet: they go in one per decode step)
                 rows = [i for i, s in enumerate(group) if s.computed == len(s.tokens)]
                 done = {}
-                if rows and self.async_prefill:  # sampled now, read in step_finish: they decode from the next step
-                    joining = [group[i] for i in rows]
-                    join_sampled = self._sample_launch(joining, logits if len(rows) == len(group) else logits[rows])
-                    self.clock.stop("device_prefill_s", dev0, join_sampled[1], row)
-                elif rows:
-                    done = dict(zip(rows, self._append_batch(
-                        [group[i] for i in rows], logits if len(rows) == len(group) else logits[rows], dev0, row)))
+                if rows:
+                    sel, lg = [group[i] for i in rows], logits if len(rows) == len(group) else logits[rows]
+                    if self.async_prefill:  # sampled now, read in step_finish: they decode from the next step
+                        joining, join_sampled = sel, self._sample_launch(sel, lg)
+                        self.clock.stop("device_prefill_s", dev0, join_sampled[1], row)
+                    else:
+                        done = dict(zip(rows, self._append_batch(sel, lg, dev0, row)))
                 else:
                     self.clock.stop("device_prefill_s", dev0, row=row)
                 for i, s in enumerate(group):

@@ -92,8 +92,8 @@ def test_a_one_token_generation_ends_with_the_step_that_prefilled_it(model):
 
 
 def test_a_first_token_that_is_eos_ends_the_generation(model):
-    want, *_ = _step_with_a_prefill(model, False, new_max=4)[2:]  # b's first token, prefilled synchronously
-    first = want.out.ids[0]
+    _, _, b, _ = _step_with_a_prefill(model, False, new_max=4)  # b's first token, prefilled synchronously
+    first = b.out.ids[0]
     eng = _engine(model, True)
     eng.eos_ids = {first}
     s = eng.new_sequence()
