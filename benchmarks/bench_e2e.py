@@ -180,6 +180,23 @@ def graphs_line(metrics: list[dict]) -> str:
                else "as wide as the step's longest context, rounded up to a power of two\n"))
 
 
+def prefill_line(metrics: list[dict]) -> str:
+    """The header line on how the engine's prefills attended (the first metrics.json's figures): the paged prefill
+    kernel ($FASTRAG_PAGED_PREFILL=1) with its self-check, or the torch buckets with the cascade's; "" when the
+    run does not say."""
+    pa = metrics[0].get("prefill_attention") if metrics else None
+    if not pa:
+        return ""
+
+    def checks(d: dict) -> str:
+        return ", ".join(f"{k}: {v}" for k, v in d.items()) or "not run"
+
+    if pa.get("paged_kernel"):
+        return f"- prefill attention: the paged prefill kernel (self-check {checks(pa.get('paged_checks', {}))})\n"
+    return (f"- prefill attention: torch buckets, prefix as a cascade {'on' if pa.get('cascade') else 'off'} "
+            f"(self-check {checks(pa.get('checks', {}))})\n")
+
+
 def run_engine(args, opts: dict) -> None:
     """The engine's part of the benchmark: the untimed warm-up, then the timed run (cProfile'd with --profile)."""
     if args.warmup:  # (the timed engine frees what this one left before sizing its pool: auto_kv_cache_gb)
@@ -420,7 +437,7 @@ def main() -> None:
             f"{args.overlap if args.overlap != 'auto' else ('on' if torch.cuda.is_available() else 'off')}\n"
             + (f"- warm-up: before the timed run, an untimed engine run over the first {args.warmup} questions "
                f"of each dataset (Triton kernels compiled)\n" if args.warmup else "")
-            + graphs_line(metrics)
+            + graphs_line(metrics) + prefill_line(metrics)
             + f"- command: `{cmd}`\n\n")
     cols = list(rows[0])
     table = "| " + " | ".join(cols) + " |\n|" + "---|" * len(cols) + "\n"

@@ -10,7 +10,10 @@ Four measurements (the first with a second part), each with its baseline in the 
    through 1 and 2 workers (N for `--workers`).
 3. Torch operations of one packed prefill forward (12 sequences of random lengths 16-600 after a 1,536-token prefix):
    per layer and fixed, counted with the GPU's bucket rule (similar lengths share an attention call) against one
-   attention call per sequence (the CPU's rule). On a GPU each operation is a kernel launch.
+   attention call per sequence (the CPU's rule), then as a GPU runs it: the small operations fused
+   (kernels/fused_decode.py), with the attention buckets and with the paged prefill kernel ($FASTRAG_PAGED_PREFILL=1,
+   kernels/paged_prefill.py); there each Triton kernel counts as one operation (one launch). Views and other
+   operations that launch nothing are counted too: each costs the host its dispatch.
 4. Decode-step signals over [B, 49152] logits on the CPU: the torch backend against the C++ one (`cpp`).
 
     python benchmarks/bench_host.py              # writes benchmarks/results/host_<device>.md
@@ -159,26 +162,56 @@ def text_pool(n_texts: int, workers: list[int]) -> dict:
     return out
 
 
-def packed_ops() -> dict:
+def packed_ops(reps: int = 20) -> dict:
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from fastrag.model.llama import AttnBatch, LlamaModel
 
     class Count(TorchDispatchMode):
         n = 0
+        off = False  # inside a stubbed kernel: its own torch calls are not counted
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Count.n += 1
+            Count.n += not Count.off
             return func(*args, **(kwargs or {}))
 
-    def count(layers: int, fill: float) -> int:
+    def launch(make):  # a Triton kernel stubbed out: one launch, its output tensors made uncounted
+        def call(*a, **k):
+            Count.off = True
+            try:
+                return make(*a, **k)
+            finally:
+                Count.off = False
+                Count.n += 1
+        return call
+
+    class Fused:  # kernels/fused_decode.py's launches, outputs of the right shapes
+        add_rms_norm = staticmethod(launch(lambda x, delta, w, eps: (torch.empty_like(x), torch.empty_like(x))))
+        rope_write_kv = staticmethod(launch(lambda qkv, cos, sin, slots, kp, vp, H, Hkv: torch.empty(
+            qkv.shape[0], H, kp.shape[2], dtype=qkv.dtype)))
+        silu_mul = staticmethod(launch(lambda gu: torch.empty(gu.shape[0], gu.shape[1] // 2, dtype=gu.dtype)))
+
+    class Paged:  # kernels/paged_prefill.py: the host layout as it is, the kernel one launch
+        def __init__(self):
+            from fastrag.kernels import paged_prefill
+
+            self.prefill_layout = paged_prefill.prefill_layout
+            self.paged_prefill_attention = launch(lambda q, kp, vp, lay, scale: torch.empty(q.shape, dtype=q.dtype))
+
+    def count(layers: int, fill: float, fused: bool = False, paged: bool = False, reps: int = 0,
+              lo: int = 16, hi: int = 600, P: int = 1536):
+        """Operations of one forward (reps = 0), else the median seconds of `reps` forwards without counting."""
         cfg = _tiny_config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                            num_attention_heads=4, num_key_value_heads=2)
         m = LlamaModel.from_hf_config(cfg, seed=1)
         m.pack_below, m.bucket_fill_cpu = 1.0, fill
+        if fused:
+            m.fused_decode, m._fused_on_cpu, m.fused_prefill = Fused(), True, True
+        if paged:
+            m.paged_prefill, m._paged_prefill_on_cpu, m.paged_prefill_checks = Paged(), True, {"cpu float32": "on"}
         rng = random.Random(0)
-        bs, P = 16, 1536
-        lens = [rng.randint(16, 600) for _ in range(12)]
+        bs = 16
+        lens = [rng.randint(lo, hi) for _ in range(12)]
         B, T = len(lens), max(lens)
         nb = (T + bs - 1) // bs + 1
         blocks = torch.arange(B * nb).view(B, nb) + P // bs
@@ -189,18 +222,31 @@ def packed_ops() -> dict:
                                                     for i in range(lens[b])]),
                           valid=valid, positions=(P + torch.arange(T)).expand(B, T) * valid, prefix_len=P,
                           prefix_slots=torch.arange(P), ctx_blocks=blocks, ctx_lens=torch.tensor(lens),
-                          block_size=bs, prefix_start=0)
+                          block_size=bs, prefix_start=0, lens=lens, ctx_lens_host=lens)
+        ids, last = torch.randint(0, 128, (B, T)), torch.tensor([b * T + n - 1 for b, n in enumerate(lens)])
+        if reps:
+            times = []
+            with torch.inference_mode():
+                for _ in range(reps + 2):
+                    t0 = time.perf_counter()
+                    m(ids, batch, kp, vp, logits_index=last)
+                    times.append(time.perf_counter() - t0)
+            return statistics.median(times[2:])
         Count.n = 0
         with torch.inference_mode(), Count():
-            m(torch.randint(0, 128, (B, T)), batch, kp, vp,
-              logits_index=torch.tensor([b * T + n - 1 for b, n in enumerate(lens)]))
+            m(ids, batch, kp, vp, logits_index=last)
         return Count.n
 
     out = {}
-    for name, fill in (("gpu_rule", 0.6), ("cpu_rule", 1.0)):
-        one, four = count(1, fill), count(4, fill)
+    for name, fill, kw in (("gpu rule", 0.6, {}), ("cpu rule", 1.0, {}),
+                           ("gpu rule, fused small ops", 0.6, dict(fused=True)),
+                           ("paged kernel, fused small ops", 0.6, dict(fused=True, paged=True))):
+        one, four = count(1, fill, **kw), count(4, fill, **kw)
         per_layer = (four - one) / 3
-        out[name] = {"per_layer": per_layer, "fixed": one - per_layer, "at_32_layers": one - per_layer + 32 * per_layer}
+        out[name] = {"per_layer": per_layer, "fixed": one - per_layer, "at_32_layers": one - per_layer + 32 * per_layer,
+                     # the host's time for such a forward where its compute is negligible (12 x 8-40 new tokens
+                     # after a 128-token prefix, 32 layers): the dispatches' cost on this CPU
+                     "ms_32_layers": 1e3 * count(32, fill, **kw, reps=reps, lo=8, hi=40, P=128)}
     return out
 
 
@@ -236,7 +282,7 @@ def main() -> int:
     prep = host_prep(args.reps)
     step = step_host(args.reps)
     pool = text_pool(args.texts, args.workers)
-    ops = packed_ops()
+    ops = packed_ops(max(5, args.reps // 3))
     sig = signals(max(10, args.reps // 2))
     cmd = "python benchmarks/bench_host.py " + shlex.join(sys.argv[1:])
     lines = [
@@ -259,8 +305,11 @@ def main() -> int:
         + " | ".join(f"{pool[f'workers_{n}_per_s']:.0f} (x{pool[f'workers_{n}_per_s'] / pool['in_process_per_s']:.2f})"
                      for n in args.workers) + " |", "",
         "## Torch operations of one packed prefill forward (12 sequences, lengths 16-600, 1,536-token prefix)", "",
-        "| attention buckets | per layer | fixed | at 32 layers |", "|---|---|---|---|",
-        *(f"| {name.replace('_', ' ')} | {v['per_layer']:.0f} | {v['fixed']:.0f} | {v['at_32_layers']:.0f} |"
+        "The last column times a forward of 32 layers whose compute is negligible (12 sequences of 8-40 new tokens "
+        "after a 128-token prefix, hidden size 64; the Triton kernels stubbed out as one empty tensor each): the "
+        "host's cost of those dispatches on this CPU, median.", "",
+        "| attention | per layer | fixed | at 32 layers | host ms at 32 layers |", "|---|---|---|---|---|",
+        *(f"| {name} | {v['per_layer']:.0f} | {v['fixed']:.0f} | {v['at_32_layers']:.0f} | {v['ms_32_layers']:.1f} |"
           for name, v in ops.items()), "",
         "## Decode-step signals over [B, 49152] logits (greedy), median ms", "",
         "| B | torch | C++ (`cpp`) | torch / C++ |", "|---|---|---|---|",

@@ -19,7 +19,9 @@ torch's separate small operations instead of the fused kernels (on a GPU the pre
 RMSNorms, rotary embedding with the KV write and SiLU product as kernels/fused_decode.py's launches, as the decode
 step does; $FASTRAG_FUSED_PREFILL=0 turns that off). `--concat` times every cell again with the prefix attended
 in the one masked call over [prefix | context] (its keys copied for every sequence) instead of the cascade
-($FASTRAG_CASCADE_PREFILL=0). `--profile` adds torch.profiler's tables
+($FASTRAG_CASCADE_PREFILL=0). `--paged` times every cell again with the packed prefill's attention as the one
+launch a layer of kernels/paged_prefill.py ($FASTRAG_PAGED_PREFILL=1: every new token over its prefix and its own
+paged keys, read in place) instead of the attention buckets of torch calls. `--profile` adds torch.profiler's tables
 over --profile-calls calls of the last cell: the device kernels by total time, and the host operators by their own
 time.
 
@@ -218,6 +220,9 @@ def main() -> None:
                     help="also time every cell with the shared prefix in one masked call over [prefix | context] "
                          "instead of the cascade ($FASTRAG_CASCADE_PREFILL=0); the cascade runs wherever its "
                          "self-check passes")
+    ap.add_argument("--paged", action="store_true",
+                    help="also time every cell with the paged prefill kernel ($FASTRAG_PAGED_PREFILL=1; on a CPU "
+                         "only under TRITON_INTERPRET=1)")
     ap.add_argument("--profile", action="store_true", help="torch.profiler tables over --profile-calls calls")
     ap.add_argument("--profile-calls", type=positive_int, default=3)
     ap.add_argument("--name", default=None, help="result file stem (default prefill_gpu / prefill_cpu[_SHAPE])")
@@ -275,7 +280,11 @@ def main() -> None:
             f"{', '.join(f'{k}: {v}' for k, v in model.cascade_checks.items()) or 'not run'}",
             "- prefix attention: cascade (the prefix once for all the call's tokens, unmasked, merged by log-sum-exp "
             "with each sequence's masked own context) or concat (one masked call over [prefix | context], the "
-            "prefix keys copied per sequence; `--concat` adds those rows where the cascade runs by default)", "",
+            "prefix keys copied per sequence; `--concat` adds those rows where the cascade runs by default) or paged "
+            "kernel (kernels/paged_prefill.py: one launch a layer for every token's prefix and own keys, read in "
+            "place; `--paged` adds those rows, $FASTRAG_PAGED_PREFILL=1 makes them the default)",
+            f"- the paged kernel's self-check: "
+            f"{', '.join(f'{k}: {v}' for k, v in model.paged_prefill_checks.items()) or 'not run'}", "",
             "| sequences x new tokens | $FASTRAG_SDPA | fused small ops | prefix attention | tokens a call | "
             "attention entries a call | wall ms | floor ms | wall / floor | tokens/s | first ms | max ms |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -303,23 +312,38 @@ def main() -> None:
         return path
 
     fused_default, cascade_default = model.fused_prefill, model.cascade_prefill
-    variants = [(None, True, True), *((s, True, True) for s in args.sdpa or [])]
+    paged_default, paged_module = model.paged_prefill, model.paged_prefill
+    if args.paged and paged_module is None:
+        from fastrag.kernels import INTERPRETED
+        from fastrag.kernels import paged_prefill
+
+        if not gpu and not INTERPRETED:
+            ap.error("--paged on a CPU needs TRITON_INTERPRET=1 (the Triton interpreter)")
+        paged_module, model._paged_prefill_on_cpu = llama._ModuleRef(paged_prefill), INTERPRETED
+    variants = [(None, True, True, paged_default is not None), *((s, True, True, paged_default is not None)
+                                                                 for s in args.sdpa or [])]
     if args.unfused and model.uses_fused_prefill(dev):
-        variants.append((None, False, True))
+        variants.append((None, False, True, paged_default is not None))
     if args.concat and model.uses_cascade_prefill(dev, dtype):
-        variants.append((None, True, False))
+        variants.append((None, True, False, paged_default is not None))
+    if args.paged and paged_default is None:
+        variants.append((None, True, True, True))
     with torch.inference_mode():
         for n, t in cells:
-            for sdpa, fused, cascade in variants:
+            for sdpa, fused, cascade, paged in variants:
                 model.fused_prefill = fused_default and fused
                 model.cascade_prefill = cascade_default and cascade
+                model.paged_prefill = paged_module if paged else None
                 try:
                     r = time_cell(eng, prefix_ids, n, t, jitter, reps, args.warmup, g, shape["vocab_size"], costs,
                                   figures, sdpa)
                     r["fused"] = "yes" if model.uses_fused_prefill(dev) else "no"
-                    r["prefix_attn"] = "cascade" if prefix and model.uses_cascade_prefill(dev, dtype) else "concat"
+                    r["prefix_attn"] = ("paged kernel" if model.uses_paged_prefill(dev, dtype)
+                                        else "cascade" if prefix and model.uses_cascade_prefill(dev, dtype)
+                                        else "concat")
                 finally:
                     model.fused_prefill, model.cascade_prefill = fused_default, cascade_default
+                    model.paged_prefill = paged_default
                 rows.append({"seqs": n, "new": t, "sdpa": sdpa or default_sdpa, **r})
                 print(f"{n} x {t} ({rows[-1]['sdpa']}, fused small ops: {r['fused']}, prefix attention: "
                       f"{r['prefix_attn']}): {r['wall_ms']:.2f} ms, floor {r['floor_ms']:.2f} ms "

@@ -341,6 +341,8 @@ class Engine:
         # the first step's launch, which reads nothing from the device
         if getattr(model, "cascade_prefill", False):
             model.uses_cascade_prefill(self.device, self.dtype)
+        if getattr(model, "paged_prefill", None) is not None:  # (the paged prefill kernel's, likewise)
+            model.uses_paged_prefill(self.device, self.dtype)
         self.sampling = sampling or SamplingParams()
         self.gen = torch.Generator(device="cpu").manual_seed(self.sampling.seed)
         self.signals = get_backend(signals)
@@ -720,7 +722,11 @@ class Engine:
                 if row is not None:
                     row["prefill_seqs"], row["prefill_tokens"] = len(group), sum(len(s.pending_prompt) for s in group)
                 dev0 = self.clock.mark()
-                logits = self._prefill([(s, s.pending_prompt) for s in group], want_logits=True)
+                try:
+                    logits = self._prefill([(s, s.pending_prompt) for s in group], want_logits=True)
+                except BaseException:  # (the forward failed: out of memory, a kernel error, Ctrl-C) the group
+                    self.waiting[:0] = group  # waits again as it was, its blocks reserved, nothing computed
+                    raise
                 for s in group:
                     s.pending_prompt = []
                 # the first token of every prefilled generation in one signals call and one host copy (a sequence
@@ -1084,7 +1090,7 @@ class Engine:
             positions=self._h2d(pos), prefix_len=prefix.length if prefix else 0,
             prefix_slots=prefix.slots if prefix else torch.zeros(0, dtype=torch.long, device=d),
             ctx_blocks=self._h2d(ctx_t), ctx_lens=self._h2d(lens), block_size=bs,
-            prefix_start=self._starts.get(id(prefix), -1) if prefix else -1,
+            prefix_start=self._starts.get(id(prefix), -1) if prefix else -1, ctx_lens_host=[n for _, n in ctx],
         )
 
     def _groups(self, seqs: list[SeqState]) -> list[PrefixGroup]:

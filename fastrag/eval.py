@@ -727,9 +727,11 @@ def _run_many(runs: list[RunOptions], engine=None, retriever=None) -> list[dict]
             if isinstance(getattr(engine, "model", None), LlamaModel):  # for the device floor (fastrag.perf)
                 metrics["model_costs"] = model_costs(engine.model)
                 # how prefills attended to the shared prefix: the cascade's switch, and per device and dtype its
-                # self-check ("on", or "off: why")
+                # self-check ("on", or "off: why"); the paged prefill kernel's switch and self-checks likewise
                 metrics["prefill_attention"] = {"cascade": engine.model.cascade_prefill,
-                                                "checks": dict(engine.model.cascade_checks)}
+                                                "checks": dict(engine.model.cascade_checks),
+                                                "paged_kernel": engine.model.paged_prefill is not None,
+                                                "paged_checks": dict(engine.model.paged_prefill_checks)}
             graphs = getattr(engine, "graphs", None)
             if graphs is not None:  # decode steps replayed vs launched eagerly, graphs captured
                 # captured_ahead / capture_ahead_s: graphs captured before the run's clock (Engine.capture_graphs);

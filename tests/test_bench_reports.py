@@ -201,6 +201,19 @@ def test_bench_e2e_says_where_its_cuda_graphs_were_captured():
     assert be.graphs_line([{}]) == "" and be.graphs_line([]) == ""
 
 
+def test_the_e2e_header_says_how_prefills_attended():
+    """The paged prefill kernel with its self-check when the run used it, else the torch buckets with the
+    cascade's; nothing for a run whose metrics do not say."""
+    be = load("bench_e2e")
+    paged = {"cascade": True, "checks": {"cuda:0 bfloat16": "on"}, "paged_kernel": True,
+             "paged_checks": {"cuda:0 bfloat16": "off: CompilationError: x"}}
+    assert "paged prefill kernel (self-check cuda:0 bfloat16: off: CompilationError: x)" in \
+        be.prefill_line([{"prefill_attention": paged}])
+    line = be.prefill_line([{"prefill_attention": paged | {"paged_kernel": False}}])
+    assert "torch buckets, prefix as a cascade on (self-check cuda:0 bfloat16: on)" in line
+    assert be.prefill_line([{}]) == "" and be.prefill_line([]) == ""
+
+
 def _only_fastrag_env(monkeypatch, **settings):
     for k in [k for k in os.environ if k.startswith("FASTRAG_")]:
         monkeypatch.delenv(k)

@@ -84,6 +84,35 @@ def test_releasing_a_busy_sequence_takes_it_out_and_the_others_decode_unchanged(
     assert eng.pool.num_free == free  # every block back
 
 
+def test_a_prefill_that_raises_leaves_its_sequences_waiting_and_a_later_step_computes_them(tiny, monkeypatch):
+    """A prefill forward that fails (out of device memory, a kernel error) raises from step(), and its sequences
+    wait again as they were: none is lost between the queues, and once the forward works again they generate
+    exactly what an engine that never failed generates."""
+    ref = build_engine(tiny, 4, kv_cache_gb=0.05, device="cpu")
+    ref_seqs = started(ref)
+    want = drain(ref)
+    eng = build_engine(tiny, 4, kv_cache_gb=0.05, device="cpu")
+    seqs = started(eng)
+    real = type(eng)._prefill
+    calls = {"n": 0}
+
+    def failing(self, items, *a, **k):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("CUDA out of memory (simulated)")
+        return real(self, items, *a, **k)
+
+    monkeypatch.setattr(type(eng), "_prefill", failing)
+    free = eng.pool.num_free
+    with pytest.raises(RuntimeError, match="simulated"):
+        eng.step()
+    assert {id(s) for s in eng.waiting} == {id(s) for s in seqs} and not eng.running
+    assert all(s.pending_prompt and s.table.num_tokens == 0 and not s.out.ids for s in seqs)
+    assert eng.pool.num_free <= free  # (the blocks reserved for them stay theirs)
+    got = drain(eng)
+    assert [got[id(s)] for s in seqs] == [want[id(s)] for s in ref_seqs]
+
+
 def test_start_refuses_a_busy_or_released_sequence_and_a_bad_length(tiny):
     eng = build_engine(tiny, 4, kv_cache_gb=0.05, device="cpu")
     seqs = started(eng)

@@ -17,9 +17,10 @@
 #             the same cells, launch settings swept, GB/s vs the copy bandwidth)
 #   pattn     benchmarks/bench_prefill_attention.py (masked prefill attention with grouped-query heads: SDPA's
 #             enable_gqa against keys repeated per head, and the SDPA backends that accept each; ~1 minute)
-#   prefill   benchmarks/bench_prefill.py --profile --unfused --concat (engine prefill calls of the Llama-2-7B shape vs
-#             their floor, with the fused small operations and with torch's, with the prefix attended as a cascade
-#             and in one masked call; torch.profiler's tables; PREFILL_ARGS adds
+#   prefill   benchmarks/bench_prefill.py --profile --unfused --concat --paged (engine prefill calls of the
+#             Llama-2-7B shape vs their floor, with the fused small operations and with torch's, with the prefix
+#             attended as a cascade, in one masked call and through the paged prefill kernel; torch.profiler's
+#             tables; PREFILL_ARGS adds
 #             arguments, e.g. "--sdpa torch" for torch's own SDPA choice; ~1-2 minutes)
 #   model     make_random_model.py llama2-7b (E2E_SHAPE) into /tmp (kept while the machine stays warm)
 #   e2e       bench_e2e.py: engine DRAGIN vs the published per-question recipe and the tuned one, on that model
@@ -127,14 +128,15 @@ except RuntimeError as e:
                 tests/test_paged_attention.py tests/test_signals.py tests/test_cache.py tests/test_fused_decode.py \
                 tests/test_overlap.py tests/test_text_workers.py tests/test_host_sync.py \
                 tests/test_prefill_gqa.py tests/test_cascade_prefill.py tests/test_prefill_hold.py \
-                tests/test_device_clock.py tests/test_sync_watch.py tests/test_async_prefill.py
+                tests/test_device_clock.py tests/test_sync_watch.py tests/test_async_prefill.py \
+                tests/test_paged_prefill.py
             ;;
         kernels) stage kernels $PY benchmarks/bench_kernels.py ;;
         # DECODE_ARGS: e.g. "--ctx 4096 --name decode_gpu_4k" (other cells into their own table)
         decode) stage decode $PY benchmarks/bench_decode.py ${DECODE_ARGS:-} ;;
         attn) stage attn $PY benchmarks/bench_paged_attention.py ;;
         pattn) stage pattn $PY benchmarks/bench_prefill_attention.py ;;
-        prefill) stage prefill $PY benchmarks/bench_prefill.py --profile --unfused --concat ${PREFILL_ARGS:-} ;;
+        prefill) stage prefill $PY benchmarks/bench_prefill.py --profile --unfused --concat --paged ${PREFILL_ARGS:-} ;;
         model)
             [ -f "$MODEL/config.json" ] || stage model $PY benchmarks/make_random_model.py \
                 --shape "$SHAPE" --out "$MODEL" --tokenizer "$C/tokenizer"

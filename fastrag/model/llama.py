@@ -65,6 +65,29 @@ def _triton_decode_attention():
     return paged_decode_attention_lse, mode == "triton" and INTERPRETED
 
 
+PAGED_PREFILL_ENV = "FASTRAG_PAGED_PREFILL"  # 0 (default) | 1
+
+
+def _paged_prefill_attention():
+    """(op, runs on CPU tensors) of the Triton paged prefill attention (kernels/paged_prefill.py), or (None, False).
+
+    $FASTRAG_PAGED_PREFILL=1: a packed prefill's attention is that kernel, one launch per layer over all the call's
+    new tokens, their prefixes and their own paged context read in place, for CUDA tensors wherever its self-check
+    passes (`LlamaModel.uses_paged_prefill`), and for CPU tensors when the kernels were imported under
+    TRITON_INTERPRET=1 (how CI runs it without a GPU). 0 (the default until a GPU run has compared the two): the
+    attention buckets of torch calls (`LlamaModel._attention_buckets`)."""
+    from fastrag.switches import env_switch
+
+    if not env_switch(PAGED_PREFILL_ENV):
+        return None, False
+    try:
+        from fastrag.kernels import INTERPRETED
+        from fastrag.kernels import paged_prefill
+    except ImportError as e:
+        raise RuntimeError(f"${PAGED_PREFILL_ENV}=1 but the Triton kernels do not import: {e}") from e
+    return _ModuleRef(paged_prefill), INTERPRETED
+
+
 PREFILL_GQA_ENV = "FASTRAG_PREFILL_GQA"  # auto (default: expand for CUDA tensors, native elsewhere) | native | expand
 
 
@@ -393,6 +416,8 @@ class AttnBatch:
                             the forward lays out a packed prefill without reading valid back from the device
     valid_index:            [N] flat positions of the real tokens (row-major), set by a padded prefill from `lens`
                             so that writing the KV needs no boolean indexing (a host synchronisation per layer)
+    ctx_lens_host:          optional host list of ctx_lens (what the paged prefill kernel's layout reads without a
+                            copy back from the device)
     """
 
     write_slots: torch.Tensor
@@ -408,6 +433,7 @@ class AttnBatch:
     last_layer: dict | None = None
     lens: list[int] | None = None
     valid_index: torch.Tensor | None = None
+    ctx_lens_host: list[int] | None = None
 
 
 @dataclass(slots=True)
@@ -510,6 +536,8 @@ class LlamaModel(nn.Module):
         self.cascade_prefill = _cascade_prefill_mode() == "auto"
         # per "device dtype": "on", or "off: why" when the log-sum-exp kernels failed their self-check there
         self.cascade_checks: dict[str, str] = {}
+        self.paged_prefill, self._paged_prefill_on_cpu = _paged_prefill_attention()
+        self.paged_prefill_checks: dict[str, str] = {}  # as cascade_checks, for the paged prefill kernel
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -659,7 +687,8 @@ class LlamaModel(nn.Module):
         # a prefill with the fused small operations runs packed: its rows are the real tokens, each written to
         # its own slot by the fused rotary + KV-write kernel (a padded row has no slot)
         if mixed or (T > 1 and ((B > 1 and self._real_tokens(batch) < self.pack_below * B * T)
-                                or self.uses_fused_prefill(ids.device))):
+                                or self.uses_fused_prefill(ids.device)
+                                or self.uses_paged_prefill(ids.device, self.embed.weight.dtype))):
             return self._forward_packed(ids, batch, k_pool, v_pool, logits_index)
         if T == 1 and self.uses_fused_decode(ids.device):
             return self._forward_decode_fused(ids, batch, k_pool, v_pool, logits_index)
@@ -698,6 +727,90 @@ class LlamaModel(nn.Module):
         """Whether the masked attention on this device repeats grouped keys and values to every query head
         ($FASTRAG_PREFILL_GQA; auto: on CUDA devices)."""
         return device.type == "cuda" if self.expand_gqa is None else self.expand_gqa
+
+    def uses_paged_prefill(self, device: torch.device, dtype: torch.dtype) -> bool:
+        """Whether a prefill on this device attends through the paged prefill kernel ($FASTRAG_PAGED_PREFILL=1):
+        for CUDA tensors (CPU tensors: under TRITON_INTERPRET=1) where its self-check passed, run once per device
+        and dtype against a dense torch computation (a warning and the reason in `paged_prefill_checks` when it
+        fails: a Triton that cannot compile it there, or a wrong result)."""
+        if self.paged_prefill is None or not (device.type == "cuda" or (device.type == "cpu"
+                                                                         and self._paged_prefill_on_cpu)):
+            return False
+        key = f"{torch.device(device)} {str(dtype).removeprefix('torch.')}"
+        if key not in self.paged_prefill_checks:
+            self.paged_prefill_checks[key] = self._check_paged_prefill(torch.device(device), dtype)
+            if self.paged_prefill_checks[key] != "on":
+                import warnings
+
+                warnings.warn(f"fastrag: the packed prefill's attention without the paged kernel on {key} "
+                              f"({self.paged_prefill_checks[key]})", RuntimeWarning, stacklevel=2)
+        return self.paged_prefill_checks[key] == "on"
+
+    def _check_paged_prefill(self, device: torch.device, dtype: torch.dtype) -> str:
+        """The paged prefill kernel against the project's reference (`paged_prefill_ref`, float64) on a random
+        problem of this model's heads: a sequence of several query and key tiles after an 80-token prefix, a short
+        one of the same prefix and one without, blocks out of order. "on" when they agree, else "off: " and why."""
+        c = self.c
+        H, Hkv, D, bs = c.num_heads, c.num_kv_heads, c.head_dim, 16
+        g = torch.Generator().manual_seed(0)
+        P, q_lens, ctx_lens = 80, [70, 5, 2], [90, 5, 4]
+        nb = [-(-n // bs) for n in ctx_lens]
+        first = -(-(1 + P) // bs)  # the prefix in slots 1 .. P, the own blocks after its blocks
+        pool_blocks = first + sum(nb) + 1
+        kp = torch.randn(Hkv, pool_blocks * bs, D, generator=g)
+        vp = torch.randn(Hkv, pool_blocks * bs, D, generator=g)
+        q = torch.randn(sum(q_lens), H, D, generator=g)
+        order = torch.randperm(pool_blocks - first, generator=g) + first
+        table, used = torch.zeros(3, max(nb), dtype=torch.long), 0
+        for b, n in enumerate(nb):
+            table[b, :n] = order[used: used + n]
+            used += n
+        pre_slots = torch.arange(1, 1 + P)
+        pre = [(0, P), (0, P), (0, 0)]
+        try:
+            pp = self.paged_prefill
+            lay = pp.prefill_layout(q_lens, ctx_lens, pre, pre_slots.to(device), table.to(device), bs)
+            with torch.inference_mode():
+                got = pp.paged_prefill_attention(q.to(device, dtype), kp.to(device, dtype), vp.to(device, dtype),
+                                                 lay, self.scale).float().cpu()
+        except Exception as e:  # (a Triton that cannot compile or launch it here)
+            return f"off: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        from fastrag.signals.reference import paged_prefill_ref
+
+        r = lambda t: t.to(dtype)  # noqa: E731  (the reference reads the inputs the kernel read)
+        want = paged_prefill_ref(r(q), r(kp), r(vp), q_lens, ctx_lens, [pre_slots[: n] for _, n in pre], table, bs,
+                                 self.scale)
+        err = (got.double() - want).abs().max().item()
+        tol = 1e-4 if dtype == torch.float32 else 3e-2
+        if not err <= tol:  # (NaN included)
+            return f"off: the kernel differed from the dense computation by {err:.3g} (tolerance {tol:g})"
+        return "on"
+
+    def _paged_layout(self, batch: AttnBatch, lens: list[int], device: torch.device):
+        """The paged prefill kernel's layout of this packed forward (kernels/paged_prefill.py `prefill_layout`):
+        each sequence's new tokens, own keys and prefix (from `prefix_groups` when the call mixes prefixes)."""
+        B = len(lens)
+        ctx = batch.ctx_lens_host if batch.ctx_lens_host is not None else batch.ctx_lens.tolist()
+        if batch.prefix_groups is None:
+            pre_slots = batch.prefix_slots
+            pre = [(0, batch.prefix_len)] * B
+        else:
+            pre, parts, off = [(0, 0)] * B, [], 0
+            for grp in batch.prefix_groups:
+                if grp.rows is not None:
+                    rows = grp.host_rows if grp.host_rows is not None else grp.rows.tolist()
+                elif grp.member is not None:  # (a graphed decode's layout: which rows start with it)
+                    rows = [r for r, m in enumerate(grp.member.tolist()) if m]
+                else:
+                    rows = range(B)
+                for r in rows:
+                    pre[r] = (off, grp.length)
+                parts.append(grp.slots)
+                off += grp.length
+            pre_slots = torch.cat(parts) if len(parts) > 1 else parts[0] if parts else batch.prefix_slots
+        if pre_slots.numel() == 0:  # (a kernel argument must point somewhere: one slot no sequence reads)
+            pre_slots = torch.zeros(1, dtype=torch.long, device=device)
+        return self.paged_prefill.prefill_layout(lens, ctx, pre, pre_slots, batch.ctx_blocks, batch.block_size)
 
     def uses_fused_prefill(self, device: torch.device) -> bool:
         """Whether prefills and attention passes on this device run the same fused kernels ($FASTRAG_FUSED_PREFILL,
@@ -754,8 +867,11 @@ class LlamaModel(nn.Module):
         N = flat.numel()
         x = self.embed(ids.reshape(-1)[flat]).unsqueeze(0)  # [1, N, hidden]
         cos, sin = self.rope(batch.positions.reshape(-1)[flat].unsqueeze(0))
-        buckets = self._attention_buckets(batch, lens)
-        singles = all(idx[1] == 1 for idx, _, _ in buckets)
+        paged = self._paged_layout(batch, lens, ids.device) \
+            if self.uses_paged_prefill(ids.device, self.embed.weight.dtype) else None
+        if paged is None:
+            buckets = self._attention_buckets(batch, lens)
+            singles = all(idx[1] == 1 for idx, _, _ in buckets)
         fd = self.fused_decode if self.uses_fused_prefill(ids.device) else None
         if fd is not None:  # rows: the N tokens; the residual stream and each sublayer's output kept apart
             x, cos, sin, delta = x[0], cos[0], sin[0], None
@@ -764,11 +880,22 @@ class LlamaModel(nn.Module):
             if fd is not None:
                 x, h = fd.add_rms_norm(x, delta, layer.input_layernorm.weight, layer.input_layernorm.eps)
                 q = fd.rope_write_kv(layer.qkv(h), cos, sin, batch.write_slots, kp, vp, self.c.num_heads,
-                                     self.c.num_kv_heads).transpose(0, 1).unsqueeze(0)  # [1, H, N, D]
+                                     self.c.num_kv_heads)  # [N, H, D]
+                if paged is not None:  # one launch: every token over its prefix and its own keys, read in place
+                    o = self.paged_prefill.paged_prefill_attention(q, kp, vp, paged, self.scale)  # [N, H, D]
+                    x, h = fd.add_rms_norm(x, layer.o(o.view(N, -1)), layer.post_attention_layernorm.weight,
+                                           layer.post_attention_layernorm.eps)
+                    delta = layer.down(fd.silu_mul(layer.gate_up(h)))
+                    continue
+                q = q.transpose(0, 1).unsqueeze(0)  # [1, H, N, D]
             else:
                 q, k, v = layer.project_qk(x, cos, sin)  # [1, H, N, D], [1, Hkv, N, D]
                 kp.index_copy_(1, batch.write_slots, k[0])
                 vp.index_copy_(1, batch.write_slots, v[0])
+            if paged is not None:
+                o = self.paged_prefill.paged_prefill_attention(q[0].transpose(0, 1), kp, vp, paged, self.scale)
+                x = layer.mlp(x + layer.o(o.view(1, N, -1)))
+                continue
             if singles:  # one sequence a bucket (in packed order): slices of the packed row, concatenated
                 o = torch.cat([self._attend(q[:, :, d: d + t_b], bb, kp, vp, m)
                                for (d, _, t_b, *_), bb, m in buckets], dim=2)

@@ -300,3 +300,35 @@ def causal_attn_rows_ref(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor
             if 0 <= row < int(lengths[b]):
                 out[b, j] = M[b, row]
     return out
+
+
+def paged_prefill_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, q_lens: list[int],
+                      ctx_lens: list[int], prefixes: list[torch.Tensor], block_tables: torch.Tensor,
+                      block_size: int, scale: float) -> torch.Tensor:
+    """out [N, H, D] f64: the prefill attention of packed new tokens over the paged cache (the model's attention,
+    not a signal; the reference of kernels/paged_prefill.py).
+
+    q [N, H, D] holds sequence b's q_lens[b] new tokens after those of sequences 0 .. b-1; they are its own tokens
+    ctx_lens[b] - q_lens[b] .. ctx_lens[b] - 1. Token j of them attends to its prefix (the keys in slots
+    prefixes[b], all of them) and to its own tokens 0 .. ctx_lens[b] - q_lens[b] + j (causal), the own token i in
+    slot block_tables[b, i // block_size] * block_size + i % block_size:
+    out = softmax(q . k * scale) v over those keys, head h reading kv head h // G."""
+    N, H, _ = q.shape
+    G = H // k_cache.shape[0]
+    vf = v_cache.detach().cpu().to(torch.float64)
+    qf = q.detach().cpu().to(torch.float64)
+    out = torch.empty(N, H, q.shape[2], dtype=torch.float64)
+    row = 0
+    for b, (n, c) in enumerate(zip(q_lens, ctx_lens)):
+        pre = prefixes[b].detach().cpu().to(torch.int64)
+        own_k = paged_keys_ref(k_cache, block_tables[b], c, block_size)  # [Hkv, c, D]
+        own_v = paged_keys_ref(v_cache, block_tables[b], c, block_size)
+        k_all = torch.cat([k_cache.detach().cpu().to(torch.float64)[:, pre], own_k], dim=1)
+        v_all = torch.cat([vf[:, pre], own_v], dim=1)
+        for j in range(n):
+            seen = pre.numel() + c - n + j + 1  # the prefix, then own tokens up to this one
+            for h in range(H):
+                s = (k_all[h // G, :seen] @ qf[row + j, h]) * scale
+                out[row + j, h] = torch.softmax(s, dim=0) @ v_all[h // G, :seen]
+        row += n
+    return out

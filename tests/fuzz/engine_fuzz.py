@@ -307,6 +307,25 @@ class EngineCfg:
     prefill_hold: int = 0
     async_prefill: bool = False  # first tokens of a prefill read in step_finish (Engine(async_prefill=...))
     cascade: bool = True  # the shared prefix attended as a cascade in prefills (LlamaModel.cascade_prefill)
+    paged: bool = False  # prefills attend through the paged prefill kernel (kernels/paged_prefill.py; interpreted
+    #                      on a CPU), where that kernel can run here
+
+
+def paged_prefill_module():
+    """kernels/paged_prefill.py as the model holds it, or None where it cannot run (no Triton, or its kernels were
+    imported compiled on a machine without a GPU)."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # (only matters if fastrag.kernels is not imported yet)
+    try:
+        from fastrag.kernels import INTERPRETED
+        from fastrag.kernels import paged_prefill
+    except ImportError:
+        return None
+    if not (torch.cuda.is_available() or INTERPRETED):
+        return None
+    from fastrag.model.llama import _ModuleRef
+
+    return _ModuleRef(paged_prefill)
 
 
 def build(wl, ec):
@@ -314,6 +333,9 @@ def build(wl, ec):
 
     hf, m, cfg = models(wl.V)
     m.cascade_prefill = ec.cascade  # (the model is shared between configurations: each engine sets its own)
+    m.paged_prefill = paged_prefill_module() if ec.paged else None
+    m._paged_prefill_on_cpu = m.paged_prefill is not None
+    ec.paged = m.paged_prefill is not None  # (what ran: the summary line says it)
     c = m.c
     per_block = 2 * c.num_layers * wl.block_size * c.num_kv_heads * c.head_dim * 4
     blocks = ec.blocks if ec.blocks is not None else 4000
@@ -709,7 +731,7 @@ def run_seed(seed, signals="torch", verbose=False, tight_extra=None, do_ref=True
                       cuda_graphs=r.random() < 0.4, mix_prefill=r.random() < 0.3,
                       prefix_caching=r.random() < 0.8, max_prefill_tokens=r.choice([16, 64, 4096]),
                       overlap=r.random() < 0.5, sampling=sampling, prefill_hold=r.choice([0, 0, 1, 3]),
-                      cascade=r.random() < 0.5, async_prefill=r.random() < 0.5)
+                      cascade=r.random() < 0.5, async_prefill=r.random() < 0.5, paged=r.random() < 0.3)
     if tight_over:
         for k, v in tight_over.items():
             setattr(tight, k, v)
@@ -788,7 +810,8 @@ def main():
         print(f"seed {seed}: {'OK' if not problems else 'FAIL'} {dt:.1f}s tight(blocks={tight.blocks}, "
               f"batch={tight.max_batch}, graphs={tight.cuda_graphs}, mix={tight.mix_prefill}, "
               f"pc={tight.prefix_caching}, mpt={tight.max_prefill_tokens}, ov={tight.overlap}, "
-              f"hold={tight.prefill_hold}, async={tight.async_prefill}, cascade={tight.cascade}) {info}", flush=True)
+              f"hold={tight.prefill_hold}, async={tight.async_prefill}, cascade={tight.cascade}, "
+              f"paged={tight.paged}) {info}", flush=True)
         for p in problems[:12]:
             print("   ", p)
         bad += bool(problems)
