@@ -354,6 +354,9 @@ class Engine:
         self.prefixes: list[SharedPrefix] = []  # shared prefixes (one per method/dataset prompt family)
         self._starts: dict[int, int] = {}  # id(prefix) -> first slot when its slots are consecutive, else -1
         self.live: dict[int, SeqState] = {}  # sequences that may hold blocks
+        # generations a step's prefill finished when that step then raised in its decode part: the next
+        # step_finish returns them with its own
+        self._carried: list[SeqState] = []
         # counters, plus host seconds spent in step()'s prefill and decode parts (each ends in a host copy, so on
         # a GPU they include the device's time: where a run's time goes, beside the scheduler's method time).
         # Attention reads (fastrag/perf.py's floor): decode_ctx_tokens / decode_prefix_tokens are the own and the
@@ -648,7 +651,7 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._carried)
 
     # ------------------------------------------------------------------ stepping
     @torch.inference_mode()
@@ -667,6 +670,9 @@ class Engine:
         host memory. On a GPU it returns while the device still runs the decode step, so the caller can do host
         work (the methods' own logic for sequences that finished earlier) until `step_finish`. Between the two, the caller may start,
         release or drop other sequences (stream order keeps their blocks safe), but must not launch another step.
+        When a forward raises, no sequence is lost: a failed prefill's sequences wait again as they were, and when
+        the decode part fails after the prefill ran, the generations that prefill finished come back from the next
+        `step_finish` (see `_carry_prefill`).
         """
         finished: list[SeqState] = []
         joining: list[SeqState] = []
@@ -762,12 +768,16 @@ class Engine:
             if row is not None:
                 row["decode_batch"] = len(batch)
             dev0 = self.clock.mark()
-            logits = self._decode(batch)
-            # a sequence still feeding the tracked tokens of its prompt samples nothing this step
-            st.ready = [i for i, s in enumerate(batch) if s.computed == len(s.tokens)]
-            if st.ready:
-                st.sampled = self._sample_launch([batch[i] for i in st.ready],
-                                                 logits if len(st.ready) == len(batch) else logits[st.ready])
+            try:
+                logits = self._decode(batch)
+                # a sequence still feeding the tracked tokens of its prompt samples nothing this step
+                st.ready = [i for i, s in enumerate(batch) if s.computed == len(s.tokens)]
+                if st.ready:
+                    st.sampled = self._sample_launch([batch[i] for i in st.ready],
+                                                     logits if len(st.ready) == len(batch) else logits[st.ready])
+            except BaseException:  # the decode step failed (its sequences are as they were: nothing appended)
+                self._carry_prefill(st)
+                raise
             self.clock.stop("device_decode_s", dev0, st.sampled[1] if st.sampled is not None else None, row)
             st.decode_s = time.perf_counter() - t1
         if row is not None:
@@ -775,6 +785,23 @@ class Engine:
             if cap0 is not None and self.graphs.stats["captures"] > cap0:  # (graphs captured in this step)
                 row["graph_captures"] = self.graphs.stats["captures"] - cap0
         return st
+
+    def _carry_prefill(self, st: "PendingStep") -> None:
+        """A step whose decode part raised after its prefill ran: the prefill's outcome is kept, not lost with the
+        step. Its first tokens (async_prefill) are read and appended now, and the generations it finished are
+        returned by the next step_finish."""
+        finished = list(st.finished)
+        if st.joining:
+            try:
+                done = self._sample_finish(st.joining, st.join_sampled)
+            except BaseException:  # (the device itself failed: these sequences cannot decode on, they end here)
+                done = [True] * len(st.joining)
+                for s in st.joining:
+                    s.out.error = s.out.error or "the engine failed while this generation's first token was read"
+            ended = {id(s) for s, d in zip(st.joining, done) if d}
+            self.running = [s for s in self.running if id(s) not in ended]
+            finished += [s for s, d in zip(st.joining, done) if d]
+        self._carried += finished
 
     def _hold_prefill(self) -> bool:
         """Whether this step leaves the waiting prefills for a later one (prefill_hold): only while sequences decode
@@ -798,7 +825,8 @@ class Engine:
         """`step()`'s second half: wait for the launched step's host copy, append the sampled tokens, and return the
         sequences whose generation finished (the prefill's and the decode step's)."""
         t_fin = time.perf_counter()
-        finished = [s for s in st.finished if id(s) in self.live]  # (one released since the launch is gone)
+        carried, self._carried = self._carried, []
+        finished = [s for s in carried + st.finished if id(s) in self.live]  # (one released since is gone)
         if st.batch:
             t1 = time.perf_counter()
             batch = st.batch

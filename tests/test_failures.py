@@ -113,6 +113,54 @@ def test_a_prefill_that_raises_leaves_its_sequences_waiting_and_a_later_step_com
     assert [got[id(s)] for s in seqs] == [want[id(s)] for s in ref_seqs]
 
 
+@pytest.mark.parametrize("async_prefill", [False, True], ids=["sync-prefill", "async-prefill"])
+def test_a_decode_step_that_raises_after_its_prefill_loses_nothing(tiny, monkeypatch, async_prefill):
+    """The decode part of a step fails after the step's prefill ran: step() raises, the generations the prefill
+    finished (one-token budgets) come back from the next step, the prefill's first tokens (read with the decode
+    step's results under async_prefill) are appended, and every generation ends as on an engine that never
+    failed."""
+    budgets = [1, 5, 1, 9]
+    prompts = PROMPTS + ["juliet kilo"]
+
+    def run(fail: bool) -> list:
+        eng = build_engine(tiny, 4, kv_cache_gb=0.05, device="cpu")
+        eng.async_prefill = async_prefill
+        seqs = [eng.new_sequence() for _ in prompts]
+        out = {}
+
+        def begin(idx):
+            for i in idx:
+                eng.start(seqs[i], eng.tok.encode(prompts[i]), budgets[i])
+
+        begin([1, 3])  # two decode first, so that the failing step has both a prefill and a decode part
+        for _ in range(2):
+            out |= {id(s): list(s.out.ids) for s in eng.step()}
+        begin([0, 2])
+        real = type(eng)._decode
+        calls = {"n": 0}
+
+        def failing(self, batch):
+            calls["n"] += 1
+            if calls["n"] == 1 and fail:
+                raise RuntimeError("an illegal memory access (simulated)")
+            return real(self, batch)
+
+        monkeypatch.setattr(type(eng), "_decode", failing)
+        if fail:
+            with pytest.raises(RuntimeError, match="simulated"):
+                eng.step()
+            assert calls["n"] == 1 and eng.has_work
+            assert eng._carried if not async_prefill else True  # (sync: the one-token budget ended in the prefill)
+        out |= drain(eng)
+        monkeypatch.undo()
+        assert not eng.has_work and not eng._carried
+        return [out.get(id(s)) for s in seqs]
+
+    want = run(False)
+    assert all(w is not None for w in want) and [len(w) for w in want] == budgets
+    assert run(True) == want
+
+
 def test_start_refuses_a_busy_or_released_sequence_and_a_bad_length(tiny):
     eng = build_engine(tiny, 4, kv_cache_gb=0.05, device="cpu")
     seqs = started(eng)
