@@ -234,7 +234,8 @@ def test_the_kernel_is_what_the_prefill_calls(monkeypatch):
             return real(*a, **k)
 
     m.paged_prefill = Spy()
-    m.paged_prefill_checks = {f"{torch.device(DEV)} float32": "on"}
+    # (its self-check passed already: on a GPU both "cuda" and the tensors' "cuda:0")
+    m.paged_prefill_checks = {f"{d} float32": "on" for d in (torch.device(DEV), m.embed.weight.device)}
     _generate(m, [list(range(20, 52)) + [1, 2, 3], [9, 8, 7, 6]], [list(range(20, 52))], [2, 2])
     # per layer (2): the prefix's own 32 tokens, then both prompts' new tokens in one call, then the second round's
     assert calls[:4] == [32, 32, 3 + 4, 3 + 4] and len(calls) == 6 and calls[4] == calls[5]

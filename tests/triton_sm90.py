@@ -1,0 +1,153 @@
+"""Compile every Triton kernel of fastrag.kernels for Hopper (sm_90) on a machine without a GPU.
+
+The Triton interpreter, which runs the kernels on CI's CPUs, accepts programs the GPU compiler rejects (in 2026-11 a
+`tl.constexpr` reassigned inside `tl.static_range` passed every interpreted test and failed to compile on the H100).
+This script calls each kernel's launcher on small CPU tensors with `JITFunction.run` replaced: a launch is not run
+but compiled, ahead of time, through Triton's whole pipeline down to a cubin (`triton.compile` with
+`GPUTarget("cuda", 90, 32)`, ptxas from the Triton wheel), with the argument types and constants that launch had.
+The outputs stay unwritten: nothing reads them here.
+
+    python tests/triton_sm90.py            # prints one JSON object: {"compiled": [...], "failed": {...}}
+
+Run with TRITON_INTERPRET unset (tests/test_triton_sm90.py runs it in a subprocess), so that `triton.jit` gives
+compilable functions and the launchers pick their GPU settings.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+
+os.environ.pop("TRITON_INTERPRET", None)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+_PTR = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.float64: "*fp64",
+        torch.int64: "*i64", torch.int32: "*i32", torch.int16: "*i16", torch.int8: "*i8", torch.uint8: "*u8",
+        torch.bool: "*i1"}
+_OPTIONS = ("num_warps", "num_stages", "num_ctas", "enable_fp_fusion", "maxnreg")
+
+compiled: list[str] = []
+failed: dict[str, str] = {}
+_seen: set[str] = set()
+
+
+def _compile_instead(self: JITFunction, *args, grid, warmup, **kwargs):
+    """JITFunction.run replaced: the launch's signature compiled for sm_90, nothing launched."""
+    options = {k: kwargs.pop(k) for k in list(kwargs) if k in _OPTIONS}
+    bound = dict(zip(self.arg_names, args)) | kwargs
+    signature, constexprs = {}, {}
+    for p in self.params:
+        v = bound[p.name] if p.name in bound else p.default
+        if p.is_constexpr:
+            signature[p.name], constexprs[p.name] = "constexpr", v
+        elif isinstance(v, torch.Tensor):
+            signature[p.name] = _PTR[v.dtype]
+        elif isinstance(v, bool):
+            signature[p.name] = "i1"
+        elif isinstance(v, int):
+            signature[p.name] = "i32" if -2**31 <= v < 2**31 else "i64"
+        elif isinstance(v, float):
+            signature[p.name] = "fp32"
+        elif v is None:
+            signature[p.name], constexprs[p.name] = "constexpr", None
+        else:
+            raise TypeError(f"{self.fn.__name__}: argument {p.name} of type {type(v).__name__}")
+    name = f"{self.fn.__module__.rsplit('.', 1)[-1]}.{self.fn.__name__}"
+    key = name + json.dumps({k: str(v) for k, v in sorted(signature.items())}) + str(sorted(constexprs.items())) \
+        + str(sorted(options.items()))
+    if key in _seen:
+        return None
+    _seen.add(key)
+    label = f"{name}({', '.join(f'{k}={v}' for k, v in constexprs.items())})"
+    try:
+        kernel = triton.compile(ASTSource(fn=self, signature=signature, constexprs=constexprs), target=TARGET,
+                                options=options)
+        if not kernel.asm.get("cubin"):
+            raise RuntimeError("no cubin came out")
+        compiled.append(label)
+    except Exception as e:  # noqa: BLE001  (reported, the other kernels go on)
+        failed[label] = f"{type(e).__name__}: {str(e)[:2000]}\n{traceback.format_exc(limit=3)}"
+    return None
+
+
+def _launches() -> None:
+    """Each launcher of fastrag.kernels once per code path it can take (dtypes, sampling modes, optional outputs)."""
+    from fastrag.kernels import attn_stats, fused_decode, paged_attention, paged_prefill, token_signals
+
+    g = torch.Generator().manual_seed(0)
+    for dt in (torch.bfloat16, torch.float32):
+        # the model's attention: paged decode (own context), paged prefill
+        H, Hkv, D, bs, B = 32, 8, 128, 16, 3
+        kp = torch.randn(Hkv, 64 * bs, D, generator=g).to(dt)
+        vp = torch.randn_like(kp)
+        tab = torch.arange(B * 4).view(B, 4)
+        paged_attention.paged_decode_attention_lse(torch.randn(B, H, D, generator=g).to(dt), kp, vp,
+                                                   torch.empty(0, dtype=torch.long), tab, torch.tensor([5, 17, 40]),
+                                                   bs, D ** -0.5)
+        lay = paged_prefill.prefill_layout([5, 9, 2], [5, 20, 40], [(0, 16), (0, 16), (0, 0)],
+                                           torch.arange(16) + 60 * bs, tab, bs, block_m=64)
+        paged_prefill.paged_prefill_attention(torch.randn(16, H, D, generator=g).to(dt), kp, vp, lay, D ** -0.5)
+        # the fused small operations of decode and prefill
+        x = torch.randn(4, 256, generator=g).to(dt)
+        fused_decode.add_rms_norm(x, None, torch.ones(256, dtype=dt), 1e-5)
+        fused_decode.add_rms_norm(x, torch.randn_like(x), torch.ones(256, dtype=dt), 1e-5)
+        qkv = torch.randn(4, (H + 2 * Hkv) * D, generator=g).to(dt)
+        fused_decode.rope_write_kv(qkv, torch.randn(4, D).to(dt), torch.randn(4, D).to(dt), torch.arange(4), kp, vp,
+                                   H, Hkv)
+        fused_decode.silu_mul(torch.randn(4, 512, generator=g).to(dt))
+        e, stat = fused_decode.prefix_softmax(torch.randn(Hkv, 4 * (H // Hkv), 40, generator=g).to(dt), 0.1, dt)
+        num = torch.randn(Hkv, 4 * (H // Hkv), D, generator=g).to(dt)
+        o_own, lse_own = torch.randn(4, H, D).to(dt), torch.randn(4, H)
+        fused_decode.prefix_merge(num, stat, o_own, lse_own)
+        fused_decode.prefix_merge(num, stat, o_own, lse_own, torch.tensor([True, False, True, True]))
+        # the retrieval signals: decode step (greedy, sampled, nucleus, with and without chosen / nonstop)
+        Bs, V = 3, 1000
+        logits = torch.randn(Bs, V, generator=g).to(dt)
+
+        def outs(flag: bool):
+            return (torch.empty(Bs, dtype=torch.long), torch.empty(Bs), torch.empty(Bs), torch.empty(Bs),
+                    torch.empty(Bs, dtype=torch.bool) if flag else None)
+
+        keys = torch.arange(Bs, dtype=torch.long)
+        nonstop = torch.ones(V, dtype=torch.bool)
+        token_signals.token_signals(logits, 0.0, None, None, None, outs(False))
+        token_signals.token_signals(logits, 0.7, None, torch.zeros(Bs, dtype=torch.long), nonstop, outs(True),
+                                    greedy=True)
+        token_signals.token_signals(logits, 0.8, keys, None, None, outs(False))
+        token_signals.token_signals(logits, 0.8, keys, None, nonstop, outs(True), top_p=0.9)
+        # the attention statistics: causal passes (column max, rows) and the decode-step update
+        T = 40
+        q4, k4 = torch.randn(2, H, T, D, generator=g).to(dt), torch.randn(2, Hkv, T, D, generator=g).to(dt)
+        lens = torch.tensor([T, 17])
+        attn_stats.causal_attn_stats(q4, k4, lens, D ** -0.5, colmax_out=torch.empty(2, T))
+        attn_stats.causal_attn_stats(q4, k4, lens, D ** -0.5, rows=torch.tensor([[3, 16], [0, 39]]),
+                                     rows_out=torch.empty(2, 2, T))
+        span = torch.tensor([0, 2, 10])
+        attn_stats.attn_decode_update(torch.randn(B, H, D, generator=g).to(dt), kp, tab, torch.tensor([5, 17, 40]),
+                                      span, torch.randn(B, H), bs, D ** -0.5, torch.zeros(B, H, 64),
+                                      torch.empty(B, 4 * bs))
+        attn_stats.attn_decode_update(torch.randn(B, H, D, generator=g).to(dt), kp, tab, torch.tensor([5, 17, 40]),
+                                      span, torch.randn(B, H), bs, D ** -0.5, torch.zeros(B, H, 64), None)
+
+
+def main() -> int:
+    JITFunction.run = _compile_instead
+    try:
+        _launches()
+    except Exception:  # noqa: BLE001  (a launcher that refused its inputs: the harness's fault, reported)
+        failed["<launchers>"] = traceback.format_exc()
+    print(json.dumps({"compiled": compiled, "failed": failed}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
