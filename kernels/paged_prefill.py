@@ -37,11 +37,16 @@ def _paged_prefill_kernel(
     stride_qn, stride_qh, stride_on, stride_oh, stride_kh, stride_ks, stride_vh, stride_vs, stride_tb,
     scale, G, MAX_CTX, NB_POOL, NUM_SLOTS,
     D: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IEEE: tl.constexpr, UPCAST: tl.constexpr,
+    IEEE: tl.constexpr, UPCAST: tl.constexpr, WIDE: tl.constexpr,
 ):
     i_t = tl.program_id(0)
     i_h = tl.program_id(1).to(tl.int64)
     i_kh = i_h // G
+    # the kv head's rows as a scalar base (int64: a pool may pass 2**31 elements); the keys' offsets in it are
+    # int32 unless one head's slots pass 2**31 elements (WIDE): half the registers of int64 offsets, which on
+    # sm_90 kept 64 x 64 tiles at 8 warps from spilling (cuobjdump -res-usage of the compiled kernel)
+    k_head = k_ptr + i_kh * stride_kh
+    v_head = v_ptr + i_kh * stride_vh
     i_b = tl.load(tiles_ptr + i_t * 2).to(tl.int64)
     m0 = tl.load(tiles_ptr + i_t * 2 + 1)
     # the sequence's row: q_start, q_len, ctx_len, pre_off, pre_len (int32)
@@ -66,12 +71,14 @@ def _paged_prefill_kernel(
     for p0 in range(0, pre_len, BLOCK_N):
         o_n = p0 + tl.arange(0, BLOCK_N)
         m_n = o_n < pre_len
-        slot = tl.load(pre_slots_ptr + pre_off + o_n, mask=m_n, other=0).to(tl.int64)
+        slot = tl.load(pre_slots_ptr + pre_off + o_n, mask=m_n, other=0)
         m_n = m_n & (slot >= 0) & (slot < NUM_SLOTS)
-        b_k = tl.load(k_ptr + i_kh * stride_kh + slot[:, None] * stride_ks + o_d[None, :],
-                      mask=m_n[:, None] & m_d[None, :], other=0.0)
-        b_v = tl.load(v_ptr + i_kh * stride_vh + slot[:, None] * stride_vs + o_d[None, :],
-                      mask=m_n[:, None] & m_d[None, :], other=0.0)
+        if WIDE:
+            slot = slot.to(tl.int64)
+        else:
+            slot = slot.to(tl.int32)
+        b_k = tl.load(k_head + slot[:, None] * stride_ks + o_d[None, :], mask=m_n[:, None] & m_d[None, :], other=0.0)
+        b_v = tl.load(v_head + slot[:, None] * stride_vs + o_d[None, :], mask=m_n[:, None] & m_d[None, :], other=0.0)
         if UPCAST:
             b_k = b_k.to(tl.float32)
             b_v = b_v.to(tl.float32)
@@ -97,13 +104,14 @@ def _paged_prefill_kernel(
     for n0 in range(0, n_end, BLOCK_N):
         o_n = n0 + tl.arange(0, BLOCK_N)
         m_n = o_n < n_end
-        blk = tl.load(tab_ptr + i_b * stride_tb + o_n // BS, mask=m_n, other=0).to(tl.int64)
+        blk = tl.load(tab_ptr + i_b * stride_tb + o_n // BS, mask=m_n, other=0)
         m_n = m_n & (blk >= 0) & (blk < NB_POOL)
-        slot = blk * BS + (o_n % BS).to(tl.int64)
-        b_k = tl.load(k_ptr + i_kh * stride_kh + slot[:, None] * stride_ks + o_d[None, :],
-                      mask=m_n[:, None] & m_d[None, :], other=0.0)
-        b_v = tl.load(v_ptr + i_kh * stride_vh + slot[:, None] * stride_vs + o_d[None, :],
-                      mask=m_n[:, None] & m_d[None, :], other=0.0)
+        if WIDE:
+            slot = blk.to(tl.int64) * BS + (o_n % BS).to(tl.int64)
+        else:
+            slot = blk.to(tl.int32) * BS + o_n % BS
+        b_k = tl.load(k_head + slot[:, None] * stride_ks + o_d[None, :], mask=m_n[:, None] & m_d[None, :], other=0.0)
+        b_v = tl.load(v_head + slot[:, None] * stride_vs + o_d[None, :], mask=m_n[:, None] & m_d[None, :], other=0.0)
         if UPCAST:
             b_k = b_k.to(tl.float32)
             b_v = b_v.to(tl.float32)
@@ -190,13 +198,16 @@ def _to(a: np.ndarray, device) -> torch.Tensor:
 
 def paged_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, layout: PrefillLayout,
                             scale: float, out: torch.Tensor | None = None, block_n: int = 64,
-                            num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
+                            num_warps: int | None = None, num_stages: int | None = None,
+                            wide: bool | None = None) -> torch.Tensor:
     """softmax(q k^T * scale) v of every packed new token over its prefix and its causal own context (module doc).
 
     q [N, H, D] (any strides with a contiguous last dim, e.g. a transposed [H, N, D]); k_pool/v_pool
     [Hkv, num_slots, D], q's dtype; layout from `prefill_layout` (its sequences' q_lens summing to N). Returns
     [N, H, D] in q's dtype (into `out` when given). On a GPU, out-of-range lengths, slots and block ids in the layout
-    are clamped and masked in the kernel (checked on the host only in `prefill_layout`).
+    are clamped and masked in the kernel (checked on the host only in `prefill_layout`). block_n, num_warps,
+    num_stages: launch settings (None: 8 warps and 2 stages); wide: int64 key offsets within a kv head
+    (None: only where a pool's head passes 2**31 elements).
     """
     if q.dim() != 3 or k_pool.dim() != 3 or v_pool.shape != k_pool.shape:
         raise ValueError(f"q must be [N, H, D] and k_pool/v_pool equal [Hkv, num_slots, D], got q "
@@ -226,6 +237,12 @@ def paged_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
     if layout.ctx_blocks.device.type == "cpu" and layout.seqs.device.type == "cpu":
         _check_reads(layout, k_pool.shape[1])
     tab = layout.ctx_blocks if layout.ctx_blocks.stride(1) == 1 else layout.ctx_blocks.contiguous()
+    if wide is None:
+        wide = max(k_pool.shape[1] * k_pool.stride(1), v_pool.shape[1] * v_pool.stride(1)) >= 2**31
+    # (8 warps, 2 stages: spill-free on sm_90 for 64 x 64 bf16 tiles of head dim 128, tests/test_triton_sm90.py;
+    # Triton's defaults, 4 and 3, spill 256 bytes a thread; the interpreter ignores both)
+    num_warps = 8 if num_warps is None else num_warps
+    num_stages = 2 if num_stages is None else num_stages
     _paged_prefill_kernel[(n_tiles, H)](
         q, k_pool, v_pool, out, layout.tiles, layout.seqs, layout.pre_slots, tab,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_pool.stride(0), k_pool.stride(1),
@@ -235,8 +252,8 @@ def paged_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
         D=D, D_PAD=max(16, triton.next_power_of_2(D)), BS=layout.block_size, BLOCK_M=layout.block_m,
         BLOCK_N=block_n,
         # (the interpreter multiplies bf16 tiles in tl.dot as raw integers: there every tile is upcast first)
-        IEEE=q.dtype == torch.float32 or INTERPRETED, UPCAST=q.dtype != torch.float32 and INTERPRETED,
-        **{k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None},
+        IEEE=q.dtype == torch.float32 or INTERPRETED, UPCAST=q.dtype != torch.float32 and INTERPRETED, WIDE=bool(wide),
+        num_warps=num_warps, num_stages=num_stages,
     )
     return out
 

@@ -83,6 +83,19 @@ def test_matches_the_reference_on_random_layouts(dtype, B, H, Hkv, D, bs, max_ne
     torch.testing.assert_close(got.cpu().double(), want, **tol, msg=lambda m: f"{m} (seed={seed})")
 
 
+@pytest.mark.parametrize("launch", [dict(wide=True), dict(block_n=32, num_warps=4, num_stages=3)], ids=str)
+def test_launch_settings_change_nothing_but_speed(launch):
+    """The int64 key offsets of pools past 2**31 elements a head (forced here on a small pool) and other tile and
+    warp settings give the reference's result too."""
+    seed = random.randrange(2**31)
+    g = torch.Generator().manual_seed(seed)
+    q, kp, vp, q_lens, ctx_lens, pre, prefixes, pre_slots, table = _problem(g, 4, 4, 2, 32, 8, 40, torch.float32)
+    lay = prefill_layout(q_lens, ctx_lens, pre, pre_slots.to(DEV), table.to(DEV), 8, block_m=16)
+    got = paged_prefill_attention(q.to(DEV), kp.to(DEV), vp.to(DEV), lay, 0.2, **launch)
+    want = paged_prefill_ref(q, kp, vp, q_lens, ctx_lens, prefixes, table, 8, 0.2)
+    torch.testing.assert_close(got.cpu().double(), want, atol=2e-5, rtol=2e-5, msg=lambda m: f"{m} (seed={seed})")
+
+
 def test_a_transposed_query_and_the_default_tiles_give_the_same_result():
     """The model hands the kernel [H, N, D] queries transposed to [N, H, D] (a view); the launcher's default tile
     sizes change nothing but speed."""

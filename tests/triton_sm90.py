@@ -7,7 +7,8 @@ but compiled, ahead of time, through Triton's whole pipeline down to a cubin (`t
 `GPUTarget("cuda", 90, 32)`, ptxas from the Triton wheel), with the argument types and constants that launch had.
 The outputs stay unwritten: nothing reads them here.
 
-    python tests/triton_sm90.py            # prints one JSON object: {"compiled": [...], "failed": {...}}
+    python tests/triton_sm90.py            # prints one JSON object: {"compiled": [...], "failed": {...}, "usage"}
+    python tests/triton_sm90.py --markdown benchmarks/results/triton_sm90_resources.md   # also the usage table
 
 Run with TRITON_INTERPRET unset (tests/test_triton_sm90.py runs it in a subprocess), so that `triton.jit` gives
 compilable functions and the launchers pick their GPU settings.
@@ -37,6 +38,8 @@ _OPTIONS = ("num_warps", "num_stages", "num_ctas", "enable_fp_fusion", "maxnreg"
 
 compiled: list[str] = []
 failed: dict[str, str] = {}
+usage: dict[str, dict] = {}  # label -> {"registers": n, "stack": bytes} (cuobjdump -res-usage of the cubin)
+CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 _seen: set[str] = set()
 
 
@@ -67,16 +70,34 @@ def _compile_instead(self: JITFunction, *args, grid, warmup, **kwargs):
     if key in _seen:
         return None
     _seen.add(key)
-    label = f"{name}({', '.join(f'{k}={v}' for k, v in constexprs.items())})"
+    floats = [t[1:] for t in signature.values() if t in ("*bf16", "*fp16", "*fp32", "*fp64")]
+    label = f"{name}({', '.join(f'{k}={v}' for k, v in constexprs.items())})" + (f" [{floats[0]}]" if floats else "")
     try:
         kernel = triton.compile(ASTSource(fn=self, signature=signature, constexprs=constexprs), target=TARGET,
                                 options=options)
         if not kernel.asm.get("cubin"):
             raise RuntimeError("no cubin came out")
         compiled.append(label)
+        usage[label] = _resources(kernel.asm["cubin"])
     except Exception as e:  # noqa: BLE001  (reported, the other kernels go on)
         failed[label] = f"{type(e).__name__}: {str(e)[:2000]}\n{traceback.format_exc(limit=3)}"
     return None
+
+
+def _resources(cubin: bytes) -> dict:
+    """Registers and stack (spill) bytes a thread of the compiled kernel uses, or {} without cuobjdump."""
+    import re
+    import subprocess
+    import tempfile
+
+    if not os.path.exists(CUOBJDUMP):
+        return {}
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([CUOBJDUMP, "-res-usage", f.name], capture_output=True, text=True).stdout
+    m = re.search(r"REG:(\d+) STACK:(\d+)", text)
+    return {"registers": int(m.group(1)), "stack": int(m.group(2))} if m else {}
 
 
 def _launches() -> None:
@@ -139,13 +160,38 @@ def _launches() -> None:
                                       span, torch.randn(B, H), bs, D ** -0.5, torch.zeros(B, H, 64), None)
 
 
+def _markdown(path: str) -> None:
+    import datetime as dt
+    import shlex
+
+    from fastrag.provenance import versions
+
+    lines = ["# Triton kernels compiled for sm_90 without a GPU: registers and spills", "",
+             f"- date: {dt.date.today()}; {versions('torch', 'triton')}; target: cuda sm_90, 32-thread warps",
+             f"- command: `python tests/triton_sm90.py {shlex.join(sys.argv[1:])}`",
+             "- each launcher of fastrag.kernels called on small CPU tensors (32 query heads, 8 kv heads, head dim "
+             "128; bf16 and fp32 inputs, the first floating argument's type in brackets), its launch compiled to a cubin instead of run; registers and stack (bytes a thread "
+             "spilled to local memory) from `cuobjdump -res-usage`. A compile-time figure, not a timing: what a "
+             "spill costs shows only on a GPU.", "",
+             "| kernel (constants) | registers | stack bytes |", "|---|---|---|"]
+    for label in compiled:
+        r = usage.get(label, {})
+        lines.append(f"| `{label}` | {r.get('registers', '-')} | {r.get('stack', '-')} |")
+    if failed:
+        lines += ["", "## Failed", ""] + [f"- `{k}`: {v.splitlines()[0]}" for k, v in failed.items()]
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
 def main() -> int:
     JITFunction.run = _compile_instead
     try:
         _launches()
     except Exception:  # noqa: BLE001  (a launcher that refused its inputs: the harness's fault, reported)
         failed["<launchers>"] = traceback.format_exc()
-    print(json.dumps({"compiled": compiled, "failed": failed}))
+    if "--markdown" in sys.argv:
+        _markdown(sys.argv[sys.argv.index("--markdown") + 1])
+    print(json.dumps({"compiled": compiled, "failed": failed, "usage": usage}))
     return 0
 
 
