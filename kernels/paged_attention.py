@@ -23,6 +23,37 @@ from fastrag.kernels import INTERPRETED
 
 
 @triton.jit
+def online_softmax_tile(b_q, k_rows, v_rows, m_n, visible, m_d, scale, b_m, b_l, b_acc,
+                        IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    """One tile of keys in a flash-attention loop: load the keys and values at pointers k_rows / v_rows
+    [BLOCK_N, D_PAD] (rows where m_n holds, head-dim lanes where m_d holds), score the queries b_q [M, D_PAD]
+    against them where `visible` (broadcast to [M, BLOCK_N]) holds, and fold them into the running row max b_m,
+    sum b_l and accumulator b_acc (all float32). Returns the three. Tiles multiply in the pool's dtype with float32
+    accumulation (tensor cores), fp32 pools in IEEE fp32 (not tf32); UPCAST: every tile in float32 first (the
+    interpreter multiplies bf16 tiles as raw integers). A tile of masked keys only leaves the state as it was."""
+    b_k = tl.load(k_rows, mask=m_n[:, None] & m_d[None, :], other=0.0)
+    b_v = tl.load(v_rows, mask=m_n[:, None] & m_d[None, :], other=0.0)
+    if UPCAST:
+        b_k = b_k.to(tl.float32)
+        b_v = b_v.to(tl.float32)
+    if IEEE:
+        b_s = tl.dot(b_q, tl.trans(b_k), input_precision="ieee") * scale
+    else:
+        b_s = tl.dot(b_q, tl.trans(b_k)) * scale
+    b_s = tl.where(m_n[None, :] & visible, b_s, float("-inf"))
+    b_m_new = tl.maximum(b_m, tl.max(b_s, axis=1))
+    b_m_safe = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
+    b_alpha = tl.exp(b_m - b_m_safe)
+    b_p = tl.exp(b_s - b_m_safe[:, None])
+    b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
+    if IEEE:
+        b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p, b_v, input_precision="ieee")
+    else:
+        b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v)
+    return b_m_new, b_l, b_acc
+
+
+@triton.jit
 def _paged_decode_partial_kernel(
     q_ptr, k_ptr, v_ptr, tab_ptr, len_ptr, acc_ptr, ml_ptr,
     stride_qb, stride_qh, stride_kh, stride_ks, stride_vh, stride_vs, stride_tb,
@@ -56,30 +87,11 @@ def _paged_decode_partial_kernel(
         blk = tl.load(tab_ptr + i_b * stride_tb + o_n // BS, mask=m_n, other=0).to(tl.int64)
         m_n = m_n & (blk >= 0) & (blk < NB_POOL)
         slot = blk * BS + (o_n % BS).to(tl.int64)
-        # k, v: [BLOCK_N, D_PAD] rows of this kv head, in the pool's dtype (bf16/fp16 tensor-core dots with f32
-        # accumulation; fp32 pools multiply in IEEE fp32, not tf32)
-        b_k = tl.load(k_ptr + i_kh * stride_kh + slot[:, None] * stride_ks + o_d[None, :],
-                      mask=m_n[:, None] & m_d[None, :], other=0.0)
-        b_v = tl.load(v_ptr + i_kh * stride_vh + slot[:, None] * stride_vs + o_d[None, :],
-                      mask=m_n[:, None] & m_d[None, :], other=0.0)
-        if UPCAST:
-            b_k = b_k.to(tl.float32)
-            b_v = b_v.to(tl.float32)
-        if IEEE:
-            b_s = tl.dot(b_q, tl.trans(b_k), input_precision="ieee") * scale  # [G_PAD, BLOCK_N]
-        else:
-            b_s = tl.dot(b_q, tl.trans(b_k)) * scale
-        b_s = tl.where(m_n[None, :], b_s, float("-inf"))
-        b_m_new = tl.maximum(b_m, tl.max(b_s, axis=1))
-        b_m_safe = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)  # (a tile of masked block ids only)
-        b_alpha = tl.exp(b_m - b_m_safe)
-        b_p = tl.exp(b_s - b_m_safe[:, None])
-        b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
-        if IEEE:
-            b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p, b_v, input_precision="ieee")
-        else:
-            b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v)
-        b_m = b_m_new
+        # this kv head's rows of the tile (the G query heads share them)
+        b_m, b_l, b_acc = online_softmax_tile(
+            b_q, k_ptr + i_kh * stride_kh + slot[:, None] * stride_ks + o_d[None, :],
+            v_ptr + i_kh * stride_vh + slot[:, None] * stride_vs + o_d[None, :], m_n, True, m_d, scale, b_m, b_l,
+            b_acc, IEEE, UPCAST)
     # partial state of (sequence, head, split): acc [D], (m, l)
     base = (i_b * H + i_kh * G + o_g) * NSPLIT + i_s  # [G_PAD] row of (sequence, head, split)
     tl.store(acc_ptr + base[:, None] * D_PAD + o_d[None, :], b_acc, mask=m_g[:, None])
@@ -112,6 +124,19 @@ def _paged_decode_merge_kernel(
                                                float("-inf")))
 
 
+def check_query_and_pool(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, rows: str) -> None:
+    """ValueError naming the problem unless q is [rows, H, D] and k_pool/v_pool one [Hkv, num_slots, D] shape of
+    q's dtype and head dim, with H a multiple of Hkv (the paged attention kernels' shared contract)."""
+    if q.dim() != 3 or k_pool.dim() != 3 or v_pool.shape != k_pool.shape:
+        raise ValueError(f"q must be [{rows}, H, D] and k_pool/v_pool equal [Hkv, num_slots, D], got q "
+                         f"{tuple(q.shape)}, k_pool {tuple(k_pool.shape)}, v_pool {tuple(v_pool.shape)}")
+    H, D, Hkv = q.shape[1], q.shape[2], k_pool.shape[0]
+    if k_pool.shape[2] != D or H % Hkv:
+        raise ValueError(f"k_pool head dim {k_pool.shape[2]} must equal q's {D} and H={H} a multiple of Hkv={Hkv}")
+    if k_pool.dtype != q.dtype or v_pool.dtype != q.dtype:
+        raise ValueError(f"k_pool/v_pool dtype {k_pool.dtype}/{v_pool.dtype} must equal q's {q.dtype}")
+
+
 def paged_decode_attention_lse(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                                prefix_slots: torch.Tensor, ctx_blocks: torch.Tensor, ctx_lens: torch.Tensor,
                                block_size: int, scale: float, num_splits: int | None = None,
@@ -129,15 +154,9 @@ def paged_decode_attention_lse(q: torch.Tensor, k_pool: torch.Tensor, v_pool: to
     if prefix_slots.numel():
         raise ValueError("prefix_slots: the Triton paged decode attention covers the own context only; merge "
                          "shared prefixes by LSE (LlamaModel._decode_native)")
-    if q.dim() != 3 or k_pool.dim() != 3 or v_pool.shape != k_pool.shape:
-        raise ValueError(f"q must be [B, H, D] and k_pool/v_pool equal [Hkv, num_slots, D], got q "
-                         f"{tuple(q.shape)}, k_pool {tuple(k_pool.shape)}, v_pool {tuple(v_pool.shape)}")
+    check_query_and_pool(q, k_pool, v_pool, "B")
     B, H, D = q.shape
     Hkv = k_pool.shape[0]
-    if k_pool.shape[2] != D or H % Hkv:
-        raise ValueError(f"k_pool head dim {k_pool.shape[2]} must equal q's {D} and H={H} a multiple of Hkv={Hkv}")
-    if k_pool.dtype != q.dtype or v_pool.dtype != q.dtype:
-        raise ValueError(f"k_pool/v_pool dtype {k_pool.dtype}/{v_pool.dtype} must equal q's {q.dtype}")
     if k_pool.stride(2) != 1 or v_pool.stride(2) != 1:
         raise ValueError("k_pool/v_pool must be contiguous in the head dim")
     if block_n < 16 or block_n & (block_n - 1):

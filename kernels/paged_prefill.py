@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from fastrag.kernels import INTERPRETED
+from fastrag.kernels.paged_attention import check_query_and_pool, online_softmax_tile
 
 
 @triton.jit
@@ -77,26 +78,9 @@ def _paged_prefill_kernel(
             slot = slot.to(tl.int64)
         else:
             slot = slot.to(tl.int32)
-        b_k = tl.load(k_head + slot[:, None] * stride_ks + o_d[None, :], mask=m_n[:, None] & m_d[None, :], other=0.0)
-        b_v = tl.load(v_head + slot[:, None] * stride_vs + o_d[None, :], mask=m_n[:, None] & m_d[None, :], other=0.0)
-        if UPCAST:
-            b_k = b_k.to(tl.float32)
-            b_v = b_v.to(tl.float32)
-        if IEEE:
-            b_s = tl.dot(b_q, tl.trans(b_k), input_precision="ieee") * scale  # [BLOCK_M, BLOCK_N]
-        else:
-            b_s = tl.dot(b_q, tl.trans(b_k)) * scale
-        b_s = tl.where(m_n[None, :], b_s, float("-inf"))
-        b_m_new = tl.maximum(b_m, tl.max(b_s, axis=1))
-        b_m_safe = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
-        b_alpha = tl.exp(b_m - b_m_safe)
-        b_p = tl.exp(b_s - b_m_safe[:, None])
-        b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
-        if IEEE:
-            b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p, b_v, input_precision="ieee")
-        else:
-            b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v)
-        b_m = b_m_new
+        b_m, b_l, b_acc = online_softmax_tile(b_q, k_head + slot[:, None] * stride_ks + o_d[None, :],
+                                              v_head + slot[:, None] * stride_vs + o_d[None, :], m_n, True, m_d,
+                                              scale, b_m, b_l, b_acc, IEEE, UPCAST)
     # 2. the own context, causal: row i is own token first + m0 + i and sees own tokens 0 .. itself
     first = ctx_len - q_len
     own = first + m0 + o_m  # [BLOCK_M] each row's own position
@@ -110,26 +94,10 @@ def _paged_prefill_kernel(
             slot = blk.to(tl.int64) * BS + (o_n % BS).to(tl.int64)
         else:
             slot = blk.to(tl.int32) * BS + o_n % BS
-        b_k = tl.load(k_head + slot[:, None] * stride_ks + o_d[None, :], mask=m_n[:, None] & m_d[None, :], other=0.0)
-        b_v = tl.load(v_head + slot[:, None] * stride_vs + o_d[None, :], mask=m_n[:, None] & m_d[None, :], other=0.0)
-        if UPCAST:
-            b_k = b_k.to(tl.float32)
-            b_v = b_v.to(tl.float32)
-        if IEEE:
-            b_s = tl.dot(b_q, tl.trans(b_k), input_precision="ieee") * scale
-        else:
-            b_s = tl.dot(b_q, tl.trans(b_k)) * scale
-        b_s = tl.where(m_n[None, :] & (o_n[None, :] <= own[:, None]), b_s, float("-inf"))
-        b_m_new = tl.maximum(b_m, tl.max(b_s, axis=1))
-        b_m_safe = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
-        b_alpha = tl.exp(b_m - b_m_safe)
-        b_p = tl.exp(b_s - b_m_safe[:, None])
-        b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
-        if IEEE:
-            b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p, b_v, input_precision="ieee")
-        else:
-            b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v)
-        b_m = b_m_new
+        b_m, b_l, b_acc = online_softmax_tile(b_q, k_head + slot[:, None] * stride_ks + o_d[None, :],
+                                              v_head + slot[:, None] * stride_vs + o_d[None, :], m_n,
+                                              o_n[None, :] <= own[:, None], m_d, scale, b_m, b_l, b_acc, IEEE,
+                                              UPCAST)
     out = b_acc / tl.where(b_l > 0, b_l, 1.0)[:, None]
     tl.store(o_ptr + rows[:, None] * stride_on + i_h * stride_oh + o_d[None, :], out.to(o_ptr.dtype.element_ty),
              mask=m_m[:, None] & m_d[None, :])
@@ -209,15 +177,9 @@ def paged_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
     num_stages: launch settings (None: 8 warps and 2 stages); wide: int64 key offsets within a kv head
     (None: only where a pool's head passes 2**31 elements).
     """
-    if q.dim() != 3 or k_pool.dim() != 3 or v_pool.shape != k_pool.shape:
-        raise ValueError(f"q must be [N, H, D] and k_pool/v_pool equal [Hkv, num_slots, D], got q "
-                         f"{tuple(q.shape)}, k_pool {tuple(k_pool.shape)}, v_pool {tuple(v_pool.shape)}")
+    check_query_and_pool(q, k_pool, v_pool, "N")
     N, H, D = q.shape
     Hkv = k_pool.shape[0]
-    if k_pool.shape[2] != D or H % Hkv:
-        raise ValueError(f"k_pool head dim {k_pool.shape[2]} must equal q's {D} and H={H} a multiple of Hkv={Hkv}")
-    if k_pool.dtype != q.dtype or v_pool.dtype != q.dtype:
-        raise ValueError(f"k_pool/v_pool dtype {k_pool.dtype}/{v_pool.dtype} must equal q's {q.dtype}")
     if q.stride(2) != 1 or k_pool.stride(2) != 1 or v_pool.stride(2) != 1:
         raise ValueError("q, k_pool and v_pool must be contiguous in the head dim")
     if N != layout.n_rows:

@@ -8,25 +8,16 @@ with one, on the GPU (bf16/fp16 too).
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+# (TRITON_INTERPRET=1 without a GPU, set before Triton loads, and the same device, dtypes and skip rule)
+from test_paged_attention_triton import DEV, DTYPES, pytestmark  # noqa: F401
 
-triton = pytest.importorskip("triton")
-
-from fastrag.kernels import INTERPRETED  # noqa: E402
 from fastrag.kernels.paged_prefill import paged_prefill_attention, prefill_layout  # noqa: E402
 from fastrag.signals.reference import paged_prefill_ref  # noqa: E402
-
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
-pytestmark = pytest.mark.skipif(DEV == "cpu" and not INTERPRETED,
-                                reason="no GPU and fastrag.kernels was imported without TRITON_INTERPRET=1")
-DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
 def _problem(g: torch.Generator, B: int, H: int, Hkv: int, D: int, bs: int, max_new: int, dtype):

@@ -736,15 +736,21 @@ class LlamaModel(nn.Module):
         if self.paged_prefill is None or not (device.type == "cuda" or (device.type == "cpu"
                                                                          and self._paged_prefill_on_cpu)):
             return False
+        return self._self_checked(self.paged_prefill_checks, self._check_paged_prefill, device, dtype,
+                                  "the packed prefill's attention without the paged kernel")
+
+    @staticmethod
+    def _self_checked(checks: dict[str, str], check, device: torch.device, dtype: torch.dtype, fallback: str) -> bool:
+        """Whether a path passed its self-check `check(device, dtype)` ("on", else "off: why"), run once per device
+        and dtype and kept in `checks`; a failure warns once, naming the `fallback` taken instead."""
         key = f"{torch.device(device)} {str(dtype).removeprefix('torch.')}"
-        if key not in self.paged_prefill_checks:
-            self.paged_prefill_checks[key] = self._check_paged_prefill(torch.device(device), dtype)
-            if self.paged_prefill_checks[key] != "on":
+        if key not in checks:
+            checks[key] = check(torch.device(device), dtype)
+            if checks[key] != "on":
                 import warnings
 
-                warnings.warn(f"fastrag: the packed prefill's attention without the paged kernel on {key} "
-                              f"({self.paged_prefill_checks[key]})", RuntimeWarning, stacklevel=2)
-        return self.paged_prefill_checks[key] == "on"
+                warnings.warn(f"fastrag: {fallback} on {key} ({checks[key]})", RuntimeWarning, stacklevel=3)
+        return checks[key] == "on"
 
     def _check_paged_prefill(self, device: torch.device, dtype: torch.dtype) -> str:
         """The paged prefill kernel against the project's reference (`paged_prefill_ref`, float64) on a random
@@ -1083,15 +1089,8 @@ class LlamaModel(nn.Module):
         with a warning and the reason in `cascade_checks` when it fails)."""
         if not self.cascade_prefill:
             return False
-        key = f"{torch.device(device)} {str(dtype).removeprefix('torch.')}"
-        if key not in self.cascade_checks:
-            self.cascade_checks[key] = self._check_cascade(torch.device(device), dtype)
-            if self.cascade_checks[key] != "on":
-                import warnings
-
-                warnings.warn(f"fastrag: prefix attention without the cascade on {key} "
-                              f"({self.cascade_checks[key]})", RuntimeWarning, stacklevel=2)
-        return self.cascade_checks[key] == "on"
+        return self._self_checked(self.cascade_checks, self._check_cascade, device, dtype,
+                                  "prefix attention without the cascade")
 
     def _check_cascade(self, device: torch.device, dtype: torch.dtype) -> str:
         """The cascade against the one masked call on a small random problem of this model's heads: "on" when they
