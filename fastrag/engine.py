@@ -651,7 +651,7 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._carried)
+        return bool(self.waiting or self.running or any(id(s) in self.live for s in self._carried))
 
     # ------------------------------------------------------------------ stepping
     @torch.inference_mode()
