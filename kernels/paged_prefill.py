@@ -12,13 +12,13 @@ rotary + KV-write step of the same layer put them there):
 
 Program = (tile of BLOCK_M new tokens of one sequence, query head): the tile's queries against the prefix's keys,
 then against its own keys up to its last token, in tiles of BLOCK_N with an online softmax in float32. The tiles are
-listed on the host (`prefill_tiles`), so a call of very different lengths runs without padding, and nothing is
+listed on the host (`prefill_layout`), so a call of very different lengths runs without padding, and nothing is
 gathered or copied: the keys are read in place.
 
 Per layer this one launch replaces the packed prefill's attention buckets of torch calls (per bucket a gather of
 its blocks, the cascade's two fused calls, their merge and the scatter back; benchmarks/bench_host.py counts them).
-Off unless $FASTRAG_PAGED_PREFILL=1 (fastrag.model.llama). Checked against a dense masked computation and against
-the model's torch path in tests/test_paged_prefill.py.
+Off unless $FASTRAG_PAGED_PREFILL=1 (fastrag.model.llama). Checked against fastrag.signals.reference.paged_prefill_ref
+and against the model's torch path in tests/test_paged_prefill.py.
 """
 
 from __future__ import annotations
@@ -44,8 +44,9 @@ def _paged_prefill_kernel(
     i_h = tl.program_id(1).to(tl.int64)
     i_kh = i_h // G
     # the kv head's rows as a scalar base (int64: a pool may pass 2**31 elements); the keys' offsets in it are
-    # int32 unless one head's slots pass 2**31 elements (WIDE): half the registers of int64 offsets, which on
-    # sm_90 kept 64 x 64 tiles at 8 warps from spilling (cuobjdump -res-usage of the compiled kernel)
+    # int32 unless one head's slots pass 2**31 elements (WIDE). On sm_90 (cuobjdump -res-usage, 64 x 64 bf16 tiles)
+    # int32 offsets took 221 registers against 235 at 8 warps and 2 stages, and spilled nothing at 3 stages where
+    # int64 ones spilled 104 bytes a thread
     k_head = k_ptr + i_kh * stride_kh
     v_head = v_ptr + i_kh * stride_vh
     i_b = tl.load(tiles_ptr + i_t * 2).to(tl.int64)
