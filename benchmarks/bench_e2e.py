@@ -411,8 +411,8 @@ def main() -> None:
     here = device_name("cuda" if torch.cuda.is_available() else None)  # as the oracles' runs.jsonl name it
     from bench_args import env_prefix  # (the script's folder is on sys.path)
 
-    cmd = env_prefix() + "python " + shlex.join([str(Path(sys.argv[0]).relative_to(ROOT)) if Path(sys.argv[0]).is_absolute()
-                                  else sys.argv[0], *sys.argv[1:]])
+    script = str(Path(sys.argv[0]).relative_to(ROOT)) if Path(sys.argv[0]).is_absolute() else sys.argv[0]
+    cmd = env_prefix() + "python " + shlex.join([script, *sys.argv[1:]])
     tag = "cuda" if torch.cuda.is_available() else "cpu"
     res = Path(args.results)
     res.mkdir(parents=True, exist_ok=True)

@@ -320,12 +320,12 @@ def main() -> None:
         if not gpu and not INTERPRETED:
             ap.error("--paged on a CPU needs TRITON_INTERPRET=1 (the Triton interpreter)")
         paged_module, model._paged_prefill_on_cpu = llama._ModuleRef(paged_prefill), INTERPRETED
-    variants = [(None, True, True, paged_default is not None), *((s, True, True, paged_default is not None)
-                                                                 for s in args.sdpa or [])]
+    on = paged_default is not None  # (the default rows take the paged kernel when $FASTRAG_PAGED_PREFILL=1)
+    variants = [(None, True, True, on), *((s, True, True, on) for s in args.sdpa or [])]
     if args.unfused and model.uses_fused_prefill(dev):
-        variants.append((None, False, True, paged_default is not None))
+        variants.append((None, False, True, on))
     if args.concat and model.uses_cascade_prefill(dev, dtype):
-        variants.append((None, True, False, paged_default is not None))
+        variants.append((None, True, False, on))
     if args.paged and paged_default is None:
         variants.append((None, True, True, True))
     with torch.inference_mode():

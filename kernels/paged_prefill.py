@@ -110,12 +110,11 @@ class PrefillLayout:
     (q_start, q_len, ctx_len, pre_off, pre_len), plus `pre_slots` (the prefixes' slots, one tensor) and
     `ctx_blocks` [B, NB] (the block table)."""
 
-    __slots__ = ("tiles", "seqs", "pre_slots", "ctx_blocks", "block_size", "n_rows", "max_q_len", "block_m")
+    __slots__ = ("tiles", "seqs", "pre_slots", "ctx_blocks", "block_size", "n_rows", "block_m")
 
-    def __init__(self, tiles, seqs, pre_slots, ctx_blocks, block_size: int, n_rows: int, max_q_len: int,
-                 block_m: int):
+    def __init__(self, tiles, seqs, pre_slots, ctx_blocks, block_size: int, n_rows: int, block_m: int):
         self.tiles, self.seqs, self.pre_slots, self.ctx_blocks = tiles, seqs, pre_slots, ctx_blocks
-        self.block_size, self.n_rows, self.max_q_len, self.block_m = block_size, n_rows, max_q_len, block_m
+        self.block_size, self.n_rows, self.block_m = block_size, n_rows, block_m
 
 
 def default_block_m(device: torch.device) -> int:
@@ -156,7 +155,7 @@ def prefill_layout(q_lens: list[int], ctx_lens: list[int], pre: list[tuple[int, 
         start += n
     dev = ctx_blocks.device
     return PrefillLayout(_to(np.asarray(tiles, dtype=np.int32).reshape(-1, 2), dev), _to(seqs, dev),
-                         pre_slots, ctx_blocks, block_size, start, max(q_lens, default=0), block_m)
+                         pre_slots, ctx_blocks, block_size, start, block_m)
 
 
 def _to(a: np.ndarray, device) -> torch.Tensor:

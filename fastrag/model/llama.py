@@ -731,7 +731,7 @@ class LlamaModel(nn.Module):
     def uses_paged_prefill(self, device: torch.device, dtype: torch.dtype) -> bool:
         """Whether a prefill on this device attends through the paged prefill kernel ($FASTRAG_PAGED_PREFILL=1):
         for CUDA tensors (CPU tensors: under TRITON_INTERPRET=1) where its self-check passed, run once per device
-        and dtype against a dense torch computation (a warning and the reason in `paged_prefill_checks` when it
+        and dtype against fastrag.signals.reference.paged_prefill_ref (a warning and the reason in `paged_prefill_checks` when it
         fails: a Triton that cannot compile it there, or a wrong result)."""
         if self.paged_prefill is None or not (device.type == "cuda" or (device.type == "cpu"
                                                                          and self._paged_prefill_on_cpu)):
