@@ -182,8 +182,8 @@ def graphs_line(metrics: list[dict]) -> str:
 
 def prefill_line(metrics: list[dict]) -> str:
     """The header line on how the engine's prefills attended (the first metrics.json's figures): the paged prefill
-    kernel ($FASTRAG_PAGED_PREFILL=1) with its self-check, or the torch buckets with the cascade's; "" when the
-    run does not say."""
+    kernel ($FASTRAG_PAGED_PREFILL; the default on CUDA) with its self-check, or the torch buckets with the
+    cascade's, and then the paged kernel's failed self-check when it was tried; "" when the run does not say."""
     pa = metrics[0].get("prefill_attention") if metrics else None
     if not pa:
         return ""
@@ -193,8 +193,10 @@ def prefill_line(metrics: list[dict]) -> str:
 
     if pa.get("paged_kernel"):
         return f"- prefill attention: the paged prefill kernel (self-check {checks(pa.get('paged_checks', {}))})\n"
+    tried = f"; the paged prefill kernel not used (self-check {checks(pa['paged_checks'])})" \
+        if pa.get("paged_checks") else ""
     return (f"- prefill attention: torch buckets, prefix as a cascade {'on' if pa.get('cascade') else 'off'} "
-            f"(self-check {checks(pa.get('checks', {}))})\n")
+            f"(self-check {checks(pa.get('checks', {}))}){tried}\n")
 
 
 def run_engine(args, opts: dict) -> None:

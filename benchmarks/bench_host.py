@@ -11,9 +11,10 @@ Four measurements (the first with a second part), each with its baseline in the 
 3. Torch operations of one packed prefill forward (12 sequences of random lengths 16-600 after a 1,536-token prefix):
    per layer and fixed, counted with the GPU's bucket rule (similar lengths share an attention call) against one
    attention call per sequence (the CPU's rule), then as a GPU runs it: the small operations fused
-   (kernels/fused_decode.py), with the attention buckets and with the paged prefill kernel ($FASTRAG_PAGED_PREFILL=1,
+   (kernels/fused_decode.py), with the attention buckets and with the paged prefill kernel ($FASTRAG_PAGED_PREFILL,
    kernels/paged_prefill.py); there each Triton kernel counts as one operation (one launch). Views and other
-   operations that launch nothing are counted too: each costs the host its dispatch.
+   operations that launch nothing are counted too: each costs the host its dispatch. Likewise DRAGIN's attention
+   pass (`last_layer_qk`) with the masked call and with the paged kernel.
 4. Decode-step signals over [B, 49152] logits on the CPU: the torch backend against the C++ one (`cpp`).
 
     python benchmarks/bench_host.py              # writes benchmarks/results/host_<device>.md
@@ -237,7 +238,39 @@ def packed_ops(reps: int = 20) -> dict:
             m(ids, batch, kp, vp, logits_index=last)
         return Count.n
 
+    def count_pass(layers: int, paged: bool, reps: int = 0):
+        """Operations of one DRAGIN attention pass (`last_layer_qk`, 4 sequences of 20-120 tokens, the GPU's fused
+        small operations and its rule of keys repeated per query head), through the masked call or the paged
+        kernel; reps > 0: median seconds, as above."""
+        cfg = _tiny_config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                           num_attention_heads=4, num_key_value_heads=2)
+        m = LlamaModel.from_hf_config(cfg, seed=1)
+        m.fused_decode, m._fused_on_cpu, m.fused_prefill, m.expand_gqa = Fused(), True, True, True
+        if paged:
+            m.paged_prefill, m._paged_prefill_on_cpu, m.paged_prefill_checks = Paged(), True, {"cpu float32": "on"}
+        rng = random.Random(0)
+        lens = torch.tensor([rng.randint(20, 120) for _ in range(4)])
+        ids = torch.randint(0, 128, (4, int(lens.max())))
+        with torch.inference_mode():
+            if reps:
+                times = []
+                for _ in range(reps + 2):
+                    t0 = time.perf_counter()
+                    m.last_layer_qk(ids, lens)
+                    times.append(time.perf_counter() - t0)
+                return statistics.median(times[2:])
+            Count.n = 0
+            with Count():
+                m.last_layer_qk(ids, lens)
+        return Count.n
+
     out = {}
+    for name, paged in (("attention pass: masked call, fused small ops", False),
+                        ("attention pass: paged kernel, fused small ops", True)):
+        one, four = count_pass(1, paged), count_pass(4, paged)
+        per_layer = (four - one) / 3
+        out[name] = {"per_layer": per_layer, "fixed": one - per_layer, "at_32_layers": one - per_layer + 32 * per_layer,
+                     "ms_32_layers": 1e3 * count_pass(32, paged, reps=reps)}
     for name, fill, kw in (("gpu rule", 0.6, {}), ("cpu rule", 1.0, {}),
                            ("gpu rule, fused small ops", 0.6, dict(fused=True)),
                            ("paged kernel, fused small ops", 0.6, dict(fused=True, paged=True))):
@@ -307,7 +340,9 @@ def main() -> int:
         "## Torch operations of one packed prefill forward (12 sequences, lengths 16-600, 1,536-token prefix)", "",
         "The last column times a forward of 32 layers whose compute is negligible (12 sequences of 8-40 new tokens "
         "after a 128-token prefix, hidden size 64; the Triton kernels stubbed out as one empty tensor each): the "
-        "host's cost of those dispatches on this CPU, median.", "",
+        "host's cost of those dispatches on this CPU, median. The two attention-pass rows count DRAGIN's cache-free "
+        "pass (`last_layer_qk`: 4 sequences of 20-120 tokens padded to the longest, stopping at the last layer's q "
+        "and k) and time it at those lengths.", "",
         "| attention | per layer | fixed | at 32 layers | host ms at 32 layers |", "|---|---|---|---|---|",
         *(f"| {name} | {v['per_layer']:.0f} | {v['fixed']:.0f} | {v['at_32_layers']:.0f} | {v['ms_32_layers']:.1f} |"
           for name, v in ops.items()), "",

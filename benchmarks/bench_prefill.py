@@ -19,9 +19,10 @@ torch's separate small operations instead of the fused kernels (on a GPU the pre
 RMSNorms, rotary embedding with the KV write and SiLU product as kernels/fused_decode.py's launches, as the decode
 step does; $FASTRAG_FUSED_PREFILL=0 turns that off). `--concat` times every cell again with the prefix attended
 in the one masked call over [prefix | context] (its keys copied for every sequence) instead of the cascade
-($FASTRAG_CASCADE_PREFILL=0). `--paged` times every cell again with the packed prefill's attention as the one
-launch a layer of kernels/paged_prefill.py ($FASTRAG_PAGED_PREFILL=1: every new token over its prefix and its own
-paged keys, read in place) instead of the attention buckets of torch calls. `--profile` adds torch.profiler's tables
+($FASTRAG_CASCADE_PREFILL=0). `--paged` times every cell again through the other of the packed prefill's two
+attention paths: the one launch a layer of kernels/paged_prefill.py (every new token over its prefix and its own
+paged keys, read in place; the default for CUDA tensors, $FASTRAG_PAGED_PREFILL) and the attention buckets of torch
+calls. `--profile` adds torch.profiler's tables
 over --profile-calls calls of the last cell: the device kernels by total time, and the host operators by their own
 time.
 
@@ -221,8 +222,9 @@ def main() -> None:
                          "instead of the cascade ($FASTRAG_CASCADE_PREFILL=0); the cascade runs wherever its "
                          "self-check passes")
     ap.add_argument("--paged", action="store_true",
-                    help="also time every cell with the paged prefill kernel ($FASTRAG_PAGED_PREFILL=1; on a CPU "
-                         "only under TRITON_INTERPRET=1)")
+                    help="also time every cell through the other prefill attention path: the attention buckets where "
+                         "the paged prefill kernel is the default (CUDA), the kernel elsewhere (on a CPU only under "
+                         "TRITON_INTERPRET=1)")
     ap.add_argument("--profile", action="store_true", help="torch.profiler tables over --profile-calls calls")
     ap.add_argument("--profile-calls", type=positive_int, default=3)
     ap.add_argument("--name", default=None, help="result file stem (default prefill_gpu / prefill_cpu[_SHAPE])")
@@ -282,7 +284,7 @@ def main() -> None:
             "with each sequence's masked own context) or concat (one masked call over [prefix | context], the "
             "prefix keys copied per sequence; `--concat` adds those rows where the cascade runs by default) or paged "
             "kernel (kernels/paged_prefill.py: one launch a layer for every token's prefix and own keys, read in "
-            "place; `--paged` adds those rows, $FASTRAG_PAGED_PREFILL=1 makes them the default)",
+            "place; the default for CUDA tensors, $FASTRAG_PAGED_PREFILL; `--paged` adds the other path's rows)",
             f"- the paged kernel's self-check: "
             f"{', '.join(f'{k}: {v}' for k, v in model.paged_prefill_checks.items()) or 'not run'}", "",
             "| sequences x new tokens | $FASTRAG_SDPA | fused small ops | prefix attention | tokens a call | "
@@ -313,21 +315,23 @@ def main() -> None:
 
     fused_default, cascade_default = model.fused_prefill, model.cascade_prefill
     paged_default, paged_module = model.paged_prefill, model.paged_prefill
-    if args.paged and paged_module is None:
+    # the default rows take the paged kernel where the model does ($FASTRAG_PAGED_PREFILL, auto: CUDA tensors);
+    # --paged adds the other path's rows
+    on = model.uses_paged_prefill(dev, dtype)
+    if args.paged and not on and (paged_module is None or not gpu):
         from fastrag.kernels import INTERPRETED
         from fastrag.kernels import paged_prefill
 
         if not gpu and not INTERPRETED:
             ap.error("--paged on a CPU needs TRITON_INTERPRET=1 (the Triton interpreter)")
         paged_module, model._paged_prefill_on_cpu = llama._ModuleRef(paged_prefill), INTERPRETED
-    on = paged_default is not None  # (the default rows take the paged kernel when $FASTRAG_PAGED_PREFILL=1)
     variants = [(None, True, True, on), *((s, True, True, on) for s in args.sdpa or [])]
     if args.unfused and model.uses_fused_prefill(dev):
         variants.append((None, False, True, on))
     if args.concat and model.uses_cascade_prefill(dev, dtype):
         variants.append((None, True, False, on))
-    if args.paged and paged_default is None:
-        variants.append((None, True, True, True))
+    if args.paged:
+        variants.append((None, True, True, not on))
     with torch.inference_mode():
         for n, t in cells:
             for sdpa, fused, cascade, paged in variants:

@@ -730,7 +730,8 @@ def _run_many(runs: list[RunOptions], engine=None, retriever=None) -> list[dict]
                 # self-check ("on", or "off: why"); the paged prefill kernel's switch and self-checks likewise
                 metrics["prefill_attention"] = {"cascade": engine.model.cascade_prefill,
                                                 "checks": dict(engine.model.cascade_checks),
-                                                "paged_kernel": engine.model.paged_prefill is not None,
+                                                "paged_kernel": engine.model.uses_paged_prefill(engine.device,
+                                                                                                engine.dtype),
                                                 "paged_checks": dict(engine.model.paged_prefill_checks)}
             graphs = getattr(engine, "graphs", None)
             if graphs is not None:  # decode steps replayed vs launched eagerly, graphs captured

@@ -18,7 +18,7 @@ import triton.language as tl
 from fastrag.kernels import INTERPRETED
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["sbt_b", "S", "NB"])
 def _attn_decode_span_kernel(
     q_ptr, sq_b, sq_h, k_ptr, sk_h, sk_s, bt_ptr, sbt_b, ctx_ptr, start_ptr, lse_ptr, amax_ptr,
     H, G, S, D, NB, NB_POOL, BS, scale,
@@ -51,7 +51,7 @@ def _attn_decode_span_kernel(
         tl.store(p_amax + o_s, tl.where(valid, tl.maximum(b_old, b_p), b_old), mask=o_s < S)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["sbt_b", "NB"])
 def _attn_decode_row_kernel(
     q_ptr, sq_b, sq_h, k_ptr, sk_h, sk_s, bt_ptr, sbt_b, ctx_ptr, lse_ptr, row_ptr,
     H, G, D, NB, NB_POOL, BS, scale,
@@ -79,7 +79,7 @@ def _attn_decode_row_kernel(
     tl.store(row_ptr + i_b * L + pos, acc / H, mask=pos < L)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _causal_lse_kernel(
     q_ptr, sq_b, sq_h, sq_t, k_ptr, sk_b, sk_h, sk_t, len_ptr, lse_ptr,
     H, G, T, D, scale,
@@ -121,7 +121,7 @@ def _causal_lse_kernel(
     tl.store(lse_ptr + i_bh.to(tl.int64) * T + o_m, m_i + tl.log(l_i), mask=o_m < T)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _causal_colmax_kernel(
     q_ptr, sq_b, sq_h, sq_t, k_ptr, sk_b, sk_h, sk_t, len_ptr, lse_ptr, out_ptr,
     H, G, T, D, scale,
@@ -159,7 +159,7 @@ def _causal_colmax_kernel(
     tl.store(out_ptr + i_b * T + o_n, acc / H, mask=o_n < T)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "R"])
 def _causal_row_lse_kernel(
     q_ptr, sq_b, sq_h, sq_t, k_ptr, sk_b, sk_h, sk_t, len_ptr, rows_ptr, lse_ptr,
     H, G, T, D, R,
@@ -192,7 +192,7 @@ def _causal_row_lse_kernel(
     tl.store(lse_ptr + i_br * H + h, tl.where(j_last >= 0, m_i + tl.log(l_i), 0.0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "R"])
 def _causal_rows_kernel(
     q_ptr, sq_b, sq_h, sq_t, k_ptr, sk_b, sk_h, sk_t, len_ptr, lse_ptr, rows_ptr, out_ptr,
     H, G, T, D, R, scale,

@@ -190,7 +190,7 @@ def _prefix_softmax_kernel(s_ptr, e_ptr, stat_ptr, P, scale, BLOCK: tl.constexpr
     tl.store(stat_ptr + row * 2 + 1, tl.sum(acc, axis=0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def _prefix_merge_kernel(num_ptr, stat_ptr, o_ptr, lse_ptr, mem_ptr, out_ptr, tot_ptr,
                          n, H, G, stride_nh, stride_nr, stride_ob, stride_oh,
                          HAS_MEMBER: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr):

@@ -53,7 +53,7 @@ def online_softmax_tile(b_q, k_rows, v_rows, m_n, visible, m_d, scale, b_m, b_l,
     return b_m_new, b_l, b_acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_tb", "SPLIT_LEN", "NSPLIT", "MAX_CTX"])
 def _paged_decode_partial_kernel(
     q_ptr, k_ptr, v_ptr, tab_ptr, len_ptr, acc_ptr, ml_ptr,
     stride_qb, stride_qh, stride_kh, stride_ks, stride_vh, stride_vs, stride_tb,
@@ -99,7 +99,7 @@ def _paged_decode_partial_kernel(
     tl.store(ml_ptr + base * 2 + 1, b_l, mask=m_g)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NSPLIT"])
 def _paged_decode_merge_kernel(
     acc_ptr, ml_ptr, out_ptr, lse_ptr, stride_ob, stride_oh, H, NSPLIT,
     D: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr,

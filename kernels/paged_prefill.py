@@ -17,8 +17,9 @@ gathered or copied: the keys are read in place.
 
 Per layer this one launch replaces the packed prefill's attention buckets of torch calls (per bucket a gather of
 its blocks, the cascade's two fused calls, their merge and the scatter back; benchmarks/bench_host.py counts them).
-Off unless $FASTRAG_PAGED_PREFILL=1 (fastrag.model.llama). Checked against fastrag.signals.reference.paged_prefill_ref
-and against the model's torch path in tests/test_paged_prefill.py.
+The default for CUDA tensors ($FASTRAG_PAGED_PREFILL, fastrag.model.llama); DRAGIN's attention passes
+(`last_layer_qk`) attend through it too. Checked against fastrag.signals.reference.paged_prefill_ref and against the
+model's torch path in tests/test_paged_prefill.py.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from fastrag.kernels import INTERPRETED
 from fastrag.kernels.paged_attention import check_query_and_pool, online_softmax_tile
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_tb", "MAX_CTX"])
 def _paged_prefill_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, tiles_ptr, seq_ptr, pre_slots_ptr, tab_ptr,
     stride_qn, stride_qh, stride_on, stride_oh, stride_kh, stride_ks, stride_vh, stride_vs, stride_tb,

@@ -137,7 +137,15 @@ def test_settings_from_the_environment(model, monkeypatch):
     monkeypatch.setenv(engine_mod.ASYNC_PREFILL_ENV, "0")
     assert _engine(model, None).async_prefill is False
     monkeypatch.delenv(engine_mod.ASYNC_PREFILL_ENV)
-    assert _engine(model, None).async_prefill is False  # (off by default)
+    # the default: on for CUDA devices (less device idle on the H200), off on a CPU
+    eng = _engine(model, None)
+    assert eng.async_prefill is (eng.device.type == "cuda")
+    assert engine_mod.default_async_prefill(torch.device("cuda")) is True
+    assert engine_mod.default_async_prefill(torch.device("cpu")) is False
+    monkeypatch.setenv(engine_mod.ASYNC_PREFILL_ENV, "0")
+    assert engine_mod.default_async_prefill(torch.device("cuda")) is False
+    monkeypatch.setenv(engine_mod.ASYNC_PREFILL_ENV, "1")
+    assert engine_mod.default_async_prefill(torch.device("cpu")) is True
     for bad in ("2", "yes"):
         monkeypatch.setenv(engine_mod.ASYNC_PREFILL_ENV, bad)
         with pytest.raises(ValueError, match=engine_mod.ASYNC_PREFILL_ENV):

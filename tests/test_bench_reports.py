@@ -203,14 +203,18 @@ def test_bench_e2e_says_where_its_cuda_graphs_were_captured():
 
 def test_the_e2e_header_says_how_prefills_attended():
     """The paged prefill kernel with its self-check when the run used it, else the torch buckets with the
-    cascade's; nothing for a run whose metrics do not say."""
+    cascade's (and the paged kernel's failed self-check when it was tried); nothing for a run whose metrics do not
+    say."""
     be = load("bench_e2e")
     paged = {"cascade": True, "checks": {"cuda:0 bfloat16": "on"}, "paged_kernel": True,
              "paged_checks": {"cuda:0 bfloat16": "off: CompilationError: x"}}
     assert "paged prefill kernel (self-check cuda:0 bfloat16: off: CompilationError: x)" in \
         be.prefill_line([{"prefill_attention": paged}])
     line = be.prefill_line([{"prefill_attention": paged | {"paged_kernel": False}}])
-    assert "torch buckets, prefix as a cascade on (self-check cuda:0 bfloat16: on)" in line
+    assert "torch buckets, prefix as a cascade on (self-check cuda:0 bfloat16: on); the paged prefill kernel not " \
+           "used (self-check cuda:0 bfloat16: off: CompilationError: x)" in line
+    line = be.prefill_line([{"prefill_attention": paged | {"paged_kernel": False, "paged_checks": {}}}])
+    assert line.endswith("(self-check cuda:0 bfloat16: on)\n")  # (a CPU run: the kernel was not tried)
     assert be.prefill_line([{}]) == "" and be.prefill_line([]) == ""
 
 

@@ -1,4 +1,4 @@
-"""The Triton paged prefill attention (kernels/paged_prefill.py, $FASTRAG_PAGED_PREFILL=1) against the project's
+"""The Triton paged prefill attention (kernels/paged_prefill.py, $FASTRAG_PAGED_PREFILL) against the project's
 reference (fastrag.signals.reference.paged_prefill_ref) on fresh random layouts, and the model's prefill through it
 against the attention buckets of torch calls.
 
@@ -273,16 +273,75 @@ def test_a_failed_self_check_falls_back_with_a_warning(monkeypatch, broken, reas
     assert len(out[0][0][0]) == 3
 
 
-def test_off_by_default_and_an_unknown_setting_is_named(monkeypatch):
+def test_on_for_cuda_tensors_by_default_and_an_unknown_setting_is_named(monkeypatch):
     from transformers import LlamaConfig
 
     from fastrag.model.llama import LlamaModel
 
     cfg = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
                       num_attention_heads=4, num_key_value_heads=2)
-    monkeypatch.delenv("FASTRAG_PAGED_PREFILL", raising=False)
+    for setting in (None, "auto", " Auto "):  # the default: the kernel for CUDA tensors, never for CPU ones
+        if setting is None:
+            monkeypatch.delenv("FASTRAG_PAGED_PREFILL", raising=False)
+        else:
+            monkeypatch.setenv("FASTRAG_PAGED_PREFILL", setting)
+        m = LlamaModel.from_hf_config(cfg, seed=0)
+        assert m.paged_prefill is not None and m._paged_prefill_on_cpu is False
+        assert not m.uses_paged_prefill(torch.device("cpu"), torch.float32)
+        assert m.paged_prefill_checks == {}  # (no self-check ran for a device it does not serve)
+    monkeypatch.setenv("FASTRAG_PAGED_PREFILL", "0")
     m = LlamaModel.from_hf_config(cfg, seed=0)
     assert m.paged_prefill is None and not m.uses_paged_prefill(torch.device(DEV), torch.float32)
-    monkeypatch.setenv("FASTRAG_PAGED_PREFILL", "auto")
-    with pytest.raises(ValueError, match="FASTRAG_PAGED_PREFILL='auto'"):
+    monkeypatch.setenv("FASTRAG_PAGED_PREFILL", "sometimes")
+    with pytest.raises(ValueError, match="FASTRAG_PAGED_PREFILL='sometimes': expected auto, 1 or 0"):
         LlamaModel.from_hf_config(cfg, seed=0)
+
+
+@pytest.mark.parametrize("T", [7, 16, 37])
+def test_attention_passes_through_the_kernel_equal_the_masked_call(monkeypatch, T):
+    """DRAGIN's cache-free attention passes (`last_layer_qk`, the fused small operations: the GPU's path) with the
+    paged prefill kernel as each layer's attention, against the masked call: the last layer's q and k of every real
+    row agree, for sequences padded to T tokens (T a block multiple or not); the kernel runs once per layer before
+    the last."""
+    g = torch.Generator().manual_seed(random.randrange(2**31))
+    lens = torch.tensor([T, max(1, T - 5), 1])
+    ids = torch.randint(1, 90, (3, T), generator=g)
+    m_off = _model(monkeypatch, False, seed=7, fused=True)
+    q_off, k_off = m_off.last_layer_qk(ids, lens)
+    m_on = _model(monkeypatch, True, seed=7, fused=True)
+    assert m_on.uses_paged_prefill(torch.device(DEV), torch.float32)
+    calls = []
+    module = m_on.paged_prefill._module
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(module, name)
+
+        def paged_prefill_attention(self, *a, **k):
+            calls.append(a[0].shape[0])
+            return module.paged_prefill_attention(*a, **k)
+
+    m_on.paged_prefill = Spy()
+    q_on, k_on = m_on.last_layer_qk(ids, lens)
+    assert calls == [3 * T] * (len(m_on.layers) - 1)
+    assert q_on.shape == q_off.shape and k_on.shape == k_off.shape
+    for b, n in enumerate(lens.tolist()):
+        torch.testing.assert_close(q_on[b, :, :n], q_off[b, :, :n], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(k_on[b, :, :n], k_off[b, :, :n], rtol=1e-4, atol=1e-5)
+
+
+def test_the_engines_attention_passes_are_the_same_through_the_kernel(monkeypatch):
+    """Engine.attention_passes (colmax and rows) with and without the kernel: the same signals."""
+    from fastrag.engine import Engine
+
+    rng = random.Random(random.randrange(2**31))
+    seqs = [[rng.randrange(1, 90) for _ in range(rng.randint(1, 40))] for _ in range(5)]
+    out = {}
+    for paged in (False, True):
+        m = _model(monkeypatch, paged, seed=11, fused=True)
+        eng = Engine(m, _Tok(), kv_cache_gb=0.01, max_batch=8, prefill_hold=0)
+        out[paged] = (eng.attention_passes(seqs, "colmax"), eng.attention_passes(seqs, "rows"))
+    for a, b in zip(out[False][0], out[True][0]):
+        torch.testing.assert_close(torch.tensor(b), torch.tensor(a), rtol=1e-4, atol=1e-6)
+    for a, b in zip(out[False][1], out[True][1]):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)

@@ -52,3 +52,21 @@ def test_every_kernel_compiles_for_sm90():
     for k in ("paged_prefill._paged_prefill_kernel", "paged_attention._paged_decode_partial_kernel"):
         assert {c for c in report["compiled"] if c.startswith(k + "(") and "IEEE=True" in c} \
             and {c for c in report["compiled"] if c.startswith(k + "(") and "IEEE=False" in c}, k
+
+
+def test_varying_sizes_compile_each_kernel_once():
+    """A size that changes from call to call (a block table's width, rows sharing a prefix, an attention pass's
+    tokens) gives the kernels no new Triton specialisation, so an engine run compiles nothing after its warm-up
+    (tests/triton_sm90.py --keys: Triton's own specialisation of every launch at sizes 1, 16k and neither)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, str(ROOT / "tests" / "triton_sm90.py"), "--keys"], capture_output=True,
+                         text=True, env=env, cwd=ROOT, timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    keys = json.loads(run.stdout.strip().splitlines()[-1])
+    seen = {k.split("(")[0] for k in keys}
+    for k in ("paged_prefill._paged_prefill_kernel", "paged_attention._paged_decode_partial_kernel",
+              "attn_stats._attn_decode_span_kernel", "attn_stats._causal_colmax_kernel",
+              "attn_stats._causal_rows_kernel", "fused_decode._prefix_merge_kernel"):
+        assert k in seen, f"{k} was not launched by tests/triton_sm90.py --keys"
+    several = {k: v for k, v in keys.items() if len(v) > 1}
+    assert not several, "\n".join(f"{k}: {len(v)} specialisations\n  " + "\n  ".join(v) for k, v in several.items())

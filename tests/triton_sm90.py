@@ -9,6 +9,7 @@ The outputs stay unwritten: nothing reads them here.
 
     python tests/triton_sm90.py            # prints one JSON object: {"compiled": [...], "failed": {...}, "usage"}
     python tests/triton_sm90.py --markdown benchmarks/results/triton_sm90_resources.md   # also the usage table
+    python tests/triton_sm90.py --keys     # the launches' specialisations at varying sizes, nothing compiled
 
 Run with TRITON_INTERPRET unset (tests/test_triton_sm90.py runs it in a subprocess), so that `triton.jit` gives
 compilable functions and the launchers pick their GPU settings.
@@ -160,6 +161,81 @@ def _launches() -> None:
                                       span, torch.randn(B, H), bs, D ** -0.5, torch.zeros(B, H, 64), None)
 
 
+keys: dict[str, set[str]] = {}  # --keys: kernel and its compile constants -> the specialisations its launches got
+
+
+def _record_key(self: JITFunction, *args, grid, warmup, **kwargs):
+    """JITFunction.run replaced (--keys): the specialisation a GPU launch would get, recorded, nothing launched.
+
+    Triton compiles a kernel once per specialisation: an integer argument is specialised on being 1 and on being
+    divisible by 16, a pointer on 16-byte alignment, unless the kernel lists it in `do_not_specialize`. A size that
+    varies from call to call (a block table's width, a count of rows) therefore compiles new variants inside a timed
+    run (on the H200, 2026-11-26d: a 3,719-token prefill step took 838 ms against about 100 ms for its neighbours).
+    The key here is Triton's own per-argument specialisation (native_specialize_impl, as its launcher computes it),
+    grouped by the launch's constants and argument types, which may legitimately differ between launches."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    options = {k: kwargs.pop(k) for k in list(kwargs) if k in _OPTIONS}
+    bound = dict(zip(self.arg_names, args)) | kwargs
+    fixed, spec = [], []
+    for p in self.params:
+        v = bound[p.name] if p.name in bound else p.default
+        if p.is_constexpr or v is None:
+            fixed.append(f"{p.name}={v}")
+            continue
+        ty, attr = native_specialize_impl(BaseBackend, v, False, not p.do_not_specialize,
+                                          not p.do_not_specialize_on_alignment)
+        if isinstance(v, int) and not isinstance(v, bool):  # (equal to 1: a compile constant, ty "constexpr")
+            spec.append(f"{p.name}:{ty}:{attr}")
+        else:
+            fixed.append(f"{p.name}:{ty}")
+            spec.append(f"{p.name}:{attr}")
+    name = f"{self.fn.__module__.rsplit('.', 1)[-1]}.{self.fn.__name__}"
+    keys.setdefault(f"{name}({', '.join(fixed)}; {sorted(options.items())})", set()).add(", ".join(spec))
+    return None
+
+
+def _launches_varying() -> None:
+    """The launchers whose sizes change from call to call in an engine run outside CUDA graphs (prefill, eager
+    decode, DRAGIN's attention passes), each at sizes that take every integer specialisation: 1, a multiple of 16,
+    neither."""
+    from fastrag.kernels import attn_stats, fused_decode, paged_attention, paged_prefill
+
+    g = torch.Generator().manual_seed(0)
+    dt = torch.bfloat16
+    H, Hkv, D, bs = 32, 8, 128, 16
+    kp = torch.randn(Hkv, 512 * bs, D, generator=g).to(dt)
+    vp = torch.randn_like(kp)
+    for width in (1, 16, 17, 33):  # blocks in the call's table
+        for B in (1, 3, 16):
+            tab = torch.arange(B * width).view(B, width) % 512
+            lens = torch.randint(1, width * bs + 1, (B,), generator=g)
+            lens[0] = width * bs
+            paged_attention.paged_decode_attention_lse(torch.randn(B, H, D, generator=g).to(dt), kp, vp,
+                                                       torch.empty(0, dtype=torch.long), tab, lens, bs, D ** -0.5)
+            q_lens = [min(int(n), 1 + i) for i, n in enumerate(lens.tolist())]
+            lay = paged_prefill.prefill_layout(q_lens, lens.tolist(), [(0, 16)] * B, torch.arange(16) + 500 * bs,
+                                               tab, bs, block_m=64)
+            paged_prefill.paged_prefill_attention(torch.randn(sum(q_lens), H, D, generator=g).to(dt), kp, vp, lay,
+                                                  D ** -0.5)
+            span = torch.zeros(B, dtype=torch.long)
+            S = int(lens.max())
+            attn_stats.attn_decode_update(torch.randn(B, H, D, generator=g).to(dt), kp, tab, lens, span,
+                                          torch.randn(B, H), bs, D ** -0.5, torch.zeros(B, H, S),
+                                          torch.empty(B, width * bs))
+    for n in (1, 3, 16, 17):  # sequences sharing one prefix
+        e, stat = fused_decode.prefix_softmax(torch.randn(Hkv, n * (H // Hkv), 40, generator=g).to(dt), 0.1, dt)
+        num = torch.randn(Hkv, n * (H // Hkv), D, generator=g).to(dt)
+        fused_decode.prefix_merge(num, stat, torch.randn(n, H, D).to(dt), torch.randn(n, H))
+    for T in (1, 16, 17, 40):  # tokens of an attention pass
+        for R in (1, 2, 16):
+            q4, k4 = torch.randn(2, H, T, D, generator=g).to(dt), torch.randn(2, Hkv, T, D, generator=g).to(dt)
+            lens = torch.tensor([T, max(1, T // 2)])
+            attn_stats.causal_attn_stats(q4, k4, lens, D ** -0.5, colmax_out=torch.empty(2, T),
+                                         rows=torch.randint(0, T, (2, R), generator=g), rows_out=torch.empty(2, R, T))
+
+
 def _markdown(path: str) -> None:
     import datetime as dt
     import shlex
@@ -184,6 +260,11 @@ def _markdown(path: str) -> None:
 
 
 def main() -> int:
+    if "--keys" in sys.argv:  # one JSON object: {kernel and constants: [its specialisations]}
+        JITFunction.run = _record_key
+        _launches_varying()
+        print(json.dumps({k: sorted(v) for k, v in keys.items()}))
+        return 0
     JITFunction.run = _compile_instead
     try:
         _launches()

@@ -26,7 +26,8 @@
 #   e2e       bench_e2e.py: engine DRAGIN vs the published per-question recipe and the tuned one, on that model
 #             (E2E_LIMIT, E2E_BATCH, E2E_ORACLE_LIMIT, E2E_TUNED_LIMIT override the sizes)
 #   variants  the e2e stage again for each of E2E_VARIANTS (engine settings side by side; see the stage below)
-# T_<stage>=SECONDS bounds a stage (e.g. T_tests=240), so that one hung stage leaves the call time for the rest.
+# T_<stage>=SECONDS bounds a stage (e.g. T_tests=240), so that one hung stage leaves the call time for the rest (it is
+# interrupted with SIGINT, so that pytest still reports what failed).
 # Planned in three calls of <= 10 minutes: "tests kernels", "decode", "model e2e".
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -77,7 +78,10 @@ stage() {
     local t0=$SECONDS
     local lim_var="T_$name"
     if [ -n "${!lim_var:-}" ]; then
-        timeout "${!lim_var}" "$@" > "$OUT/logs/$name.log" 2>&1
+        # SIGINT first: pytest then prints its failures and writes its JUnit file, a benchmark its traceback (on
+        # 2026-11-26d the tests stage reached 100% at its limit and SIGTERM lost the names of 3 failures); SIGKILL
+        # 30 s later
+        timeout -s INT -k 30 "${!lim_var}" "$@" > "$OUT/logs/$name.log" 2>&1
     else
         "$@" > "$OUT/logs/$name.log" 2>&1
     fi

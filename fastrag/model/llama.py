@@ -65,20 +65,37 @@ def _triton_decode_attention():
     return paged_decode_attention_lse, mode == "triton" and INTERPRETED
 
 
-PAGED_PREFILL_ENV = "FASTRAG_PAGED_PREFILL"  # 0 (default) | 1
+PAGED_PREFILL_ENV = "FASTRAG_PAGED_PREFILL"  # auto (default: CUDA tensors) | 1 (CPU too, interpreted) | 0
 
 
 def _paged_prefill_attention():
     """(op, runs on CPU tensors) of the Triton paged prefill attention (kernels/paged_prefill.py), or (None, False).
 
-    $FASTRAG_PAGED_PREFILL=1: a packed prefill's attention is that kernel, one launch per layer over all the call's
-    new tokens, their prefixes and their own paged context read in place, for CUDA tensors wherever its self-check
-    passes (`LlamaModel.uses_paged_prefill`), and for CPU tensors when the kernels were imported under
-    TRITON_INTERPRET=1 (how CI runs it without a GPU). 0 (the default until a GPU run has compared the two): the
-    attention buckets of torch calls (`LlamaModel._attention_buckets`)."""
+    A packed prefill's attention through that kernel is one launch per layer over all the call's new tokens, their
+    prefixes and their own paged context read in place, instead of the attention buckets of torch calls
+    (`LlamaModel._attention_buckets`), wherever its self-check passes (`LlamaModel.uses_paged_prefill`).
+    $FASTRAG_PAGED_PREFILL: auto (the default) for CUDA tensors wherever Triton imports; 1 for CUDA tensors, and for
+    CPU tensors when the kernels were imported under TRITON_INTERPRET=1 (how CI runs it without a GPU), an error
+    where Triton does not import; 0 never. On the H200 (2026-11-26d, 128 DRAGIN questions, Llama-2-7B shape) a
+    prefill call took 17.5 ms of device time against 28.9 ms (median of the calls under 500 new tokens, most of a
+    DRAGIN run's calls) and 100.0 against 114.0 ms (3,000 tokens and more) through the buckets
+    (benchmarks/results/gpu_h200_2026-11-26d.md)."""
+    import os
+
     from fastrag.switches import env_switch
 
-    if not env_switch(PAGED_PREFILL_ENV):
+    raw = os.environ.get(PAGED_PREFILL_ENV, "").strip().lower()
+    if raw in ("", "auto"):
+        try:
+            from fastrag.kernels import paged_prefill
+        except ImportError:  # (no Triton: the buckets)
+            return None, False
+        return _ModuleRef(paged_prefill), False
+    try:
+        on = env_switch(PAGED_PREFILL_ENV)
+    except ValueError:
+        raise ValueError(f"${PAGED_PREFILL_ENV}={os.environ[PAGED_PREFILL_ENV]!r}: expected auto, 1 or 0") from None
+    if not on:
         return None, False
     try:
         from fastrag.kernels import INTERPRETED
@@ -729,8 +746,8 @@ class LlamaModel(nn.Module):
         return device.type == "cuda" if self.expand_gqa is None else self.expand_gqa
 
     def uses_paged_prefill(self, device: torch.device, dtype: torch.dtype) -> bool:
-        """Whether a prefill on this device attends through the paged prefill kernel ($FASTRAG_PAGED_PREFILL=1):
-        for CUDA tensors (CPU tensors: under TRITON_INTERPRET=1) where its self-check passed, run once per device
+        """Whether a prefill on this device attends through the paged prefill kernel ($FASTRAG_PAGED_PREFILL, auto:
+        for CUDA tensors; 1: CPU tensors too, under TRITON_INTERPRET=1) where its self-check passed, run once per device
         and dtype against fastrag.signals.reference.paged_prefill_ref (a warning and the reason in `paged_prefill_checks` when it
         fails: a Triton that cannot compile it there, or a wrong result)."""
         if self.paged_prefill is None or not (device.type == "cuda" or (device.type == "cpu"
@@ -1024,11 +1041,14 @@ class LlamaModel(nn.Module):
         B, T = ids.shape
         pos = torch.arange(T, device=ids.device).expand(B, T)
         cos, sin = self.rope(pos)
+        fused = self.uses_fused_prefill(ids.device)
+        if fused and self.uses_paged_prefill(ids.device, self.embed.weight.dtype):  # (no mask: the kernel is causal)
+            return self._last_layer_qk_fused(self.embed(ids), cos, sin, None)
         valid = pos < lengths.to(ids.device).unsqueeze(1)
         causal = torch.ones(T, T, dtype=torch.bool, device=ids.device).tril()
         mask = (causal.unsqueeze(0) & valid.unsqueeze(1)).unsqueeze(1)  # [B, 1, T, T]
         x = self.embed(ids)
-        if self.uses_fused_prefill(ids.device):
+        if fused:
             return self._last_layer_qk_fused(x, cos, sin, mask)
         for layer in self.layers[:-1]:
             q, k, v = layer.project_qk(x, cos, sin)
@@ -1039,25 +1059,48 @@ class LlamaModel(nn.Module):
 
     def _last_layer_qk_fused(self, x, cos, sin, mask):
         """last_layer_qk with the fused small operations over its B x T rows. The rotary + KV-write kernel writes
-        each row's keys and values to a scratch [Hkv, B*T, D] pair (row r to slot r), which the layer's attention
-        then reads as [B, Hkv, T, D]; the padding rows go through too (their outputs are never read)."""
+        each row's keys and values to a scratch [Hkv, slots, D] pair, which the layer's attention then reads; the
+        padding rows go through too (their outputs are never read).
+
+        mask [B, 1, T, T]: the attention is one masked call over [B, Hkv, T, D] views (row r in slot r). mask None:
+        it is the paged prefill kernel, one launch a layer without a mask, the scratch seen as a paged pool of
+        16-slot blocks, sequence b's T rows from slot b * Tp (T rounded up to a block). Every row, padding included,
+        attends causally to its own sequence's rows up to itself, so a real row sees exactly the keys the mask
+        leaves it."""
         fd, c = self.fused_decode, self.c
         B, T, _ = x.shape
         M, H, Hkv, D = B * T, c.num_heads, c.num_kv_heads, c.head_dim
         x, cos, sin = x.reshape(M, -1), cos.reshape(M, D), sin.reshape(M, D)
-        slots = torch.arange(M, device=x.device)
-        ks = torch.empty(Hkv, M, D, dtype=x.dtype, device=x.device)
+        paged = None
+        if mask is None:
+            from fastrag.transfer import to_device
+
+            bs = 16
+            nb = -(-T // bs)
+            tp = nb * bs
+            slots = to_device((torch.arange(B)[:, None] * tp + torch.arange(T)).reshape(-1), x.device)
+            table = to_device(torch.arange(B * nb).view(B, nb), x.device)
+            paged = self.paged_prefill.prefill_layout([T] * B, [T] * B, [(0, 0)] * B, slots[:1], table, bs)
+            ks = torch.empty(Hkv, B * tp, D, dtype=x.dtype, device=x.device)
+        else:
+            tp = T
+            slots = torch.arange(M, device=x.device)
+            ks = torch.empty(Hkv, M, D, dtype=x.dtype, device=x.device)
         vs = torch.empty_like(ks)
         delta = None
         for li, layer in enumerate(self.layers):
             x, h = fd.add_rms_norm(x, delta, layer.input_layernorm.weight, layer.input_layernorm.eps)
-            q = fd.rope_write_kv(layer.qkv(h), cos, sin, slots, ks, vs, H, Hkv).view(B, T, H, D).transpose(1, 2)
-            k = ks.view(Hkv, B, T, D).transpose(0, 1)
+            q = fd.rope_write_kv(layer.qkv(h), cos, sin, slots, ks, vs, H, Hkv)  # [M, H, D]
             if li == len(self.layers) - 1:
-                return q, k
-            o = masked_attention(q, k, vs.view(Hkv, B, T, D).transpose(0, 1), mask, expand=self.gqa_expand(q.device))
-            x, h = fd.add_rms_norm(x, layer.o(o.transpose(1, 2).reshape(M, -1)),
-                                   layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
+                return q.view(B, T, H, D).transpose(1, 2), ks.view(Hkv, B, tp, D)[:, :, :T].transpose(0, 1)
+            if paged is not None:
+                o = self.paged_prefill.paged_prefill_attention(q, ks, vs, paged, self.scale).view(M, -1)
+            else:
+                q = q.view(B, T, H, D).transpose(1, 2)
+                o = masked_attention(q, ks.view(Hkv, B, T, D).transpose(0, 1), vs.view(Hkv, B, T, D).transpose(0, 1),
+                                     mask, expand=self.gqa_expand(q.device)).transpose(1, 2).reshape(M, -1)
+            x, h = fd.add_rms_norm(x, layer.o(o), layer.post_attention_layernorm.weight,
+                                   layer.post_attention_layernorm.eps)
             delta = layer.down(fd.silu_mul(layer.gate_up(h)))
 
     def _ctx_mask(self, b: AttnBatch):
