@@ -97,6 +97,8 @@ def _model(heads: int, kv_heads: int, cascade: bool):
                       num_attention_heads=heads, num_key_value_heads=kv_heads, eos_token_id=None)
     m = LlamaModel.from_hf_config(cfg, seed=4, device=DEV)
     m.cascade_prefill = cascade
+    m.paged_prefill = None  # (the attention buckets, where the cascade lives: on CUDA the paged kernel is the default)
+    assert not m.uses_paged_prefill(torch.device(DEV), torch.float32)
     return m
 
 

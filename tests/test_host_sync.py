@@ -223,8 +223,9 @@ def test_prefill_launch_reads_only_its_first_tokens(prefixes):
 def test_async_prefill_launch_reads_nothing_from_the_device(graphs):
     """With async_prefill, a step that prefills new prompts beside a running decode batch waits for nothing at all:
     the first tokens' copy goes to the host with the decode step's, read in step_finish."""
+    # (prefill_hold=0: on CUDA the default hold would keep the new prompts waiting past the watched launch)
     eng = Engine(_model(), Tok(), kv_cache_gb=0.02, max_batch=16, mix_prefill=True, cuda_graphs=graphs,
-                 async_prefill=True)
+                 async_prefill=True, prefill_hold=0)
     g = torch.Generator().manual_seed(13)
     head = list(range(20, 52))
     eng.set_prefix(" ".join(map(str, head)))

@@ -304,8 +304,8 @@ def test_attention_passes_through_the_kernel_equal_the_masked_call(monkeypatch, 
     row agree, for sequences padded to T tokens (T a block multiple or not); the kernel runs once per layer before
     the last."""
     g = torch.Generator().manual_seed(random.randrange(2**31))
-    lens = torch.tensor([T, max(1, T - 5), 1])
-    ids = torch.randint(1, 90, (3, T), generator=g)
+    lens = torch.tensor([T, max(1, T - 5), 1]).to(DEV)
+    ids = torch.randint(1, 90, (3, T), generator=g).to(DEV)
     m_off = _model(monkeypatch, False, seed=7, fused=True)
     q_off, k_off = m_off.last_layer_qk(ids, lens)
     m_on = _model(monkeypatch, True, seed=7, fused=True)
