@@ -222,12 +222,10 @@ def test_the_models_prefill_through_the_kernel_equals_the_torch_buckets(monkeypa
                                    torch.tensor([x for r in lp_off for x in r]), rtol=1e-4, atol=1e-5)
 
 
-def test_the_kernel_is_what_the_prefill_calls(monkeypatch):
-    """With the switch on, a packed prefill's attention is one kernel call per layer, whatever the prefixes."""
-    m = _model(monkeypatch, True, seed=5)
+def _spy_on_the_kernel(m) -> list[int]:
+    """The model's paged kernel wrapped so that each call records its query rows (the list returned)."""
     calls = []
     module = m.paged_prefill._module
-    real = module.paged_prefill_attention
 
     class Spy:
         def __getattr__(self, name):
@@ -235,9 +233,16 @@ def test_the_kernel_is_what_the_prefill_calls(monkeypatch):
 
         def paged_prefill_attention(self, *a, **k):
             calls.append(a[0].shape[0])
-            return real(*a, **k)
+            return module.paged_prefill_attention(*a, **k)
 
     m.paged_prefill = Spy()
+    return calls
+
+
+def test_the_kernel_is_what_the_prefill_calls(monkeypatch):
+    """With the switch on, a packed prefill's attention is one kernel call per layer, whatever the prefixes."""
+    m = _model(monkeypatch, True, seed=5)
+    calls = _spy_on_the_kernel(m)
     # (its self-check passed already: on a GPU both "cuda" and the tensors' "cuda:0")
     m.paged_prefill_checks = {f"{d} float32": "on" for d in (torch.device(DEV), m.embed.weight.device)}
     _generate(m, [list(range(20, 52)) + [1, 2, 3], [9, 8, 7, 6]], [list(range(20, 52))], [2, 2])
@@ -310,18 +315,7 @@ def test_attention_passes_through_the_kernel_equal_the_masked_call(monkeypatch, 
     q_off, k_off = m_off.last_layer_qk(ids, lens)
     m_on = _model(monkeypatch, True, seed=7, fused=True)
     assert m_on.uses_paged_prefill(torch.device(DEV), torch.float32)
-    calls = []
-    module = m_on.paged_prefill._module
-
-    class Spy:
-        def __getattr__(self, name):
-            return getattr(module, name)
-
-        def paged_prefill_attention(self, *a, **k):
-            calls.append(a[0].shape[0])
-            return module.paged_prefill_attention(*a, **k)
-
-    m_on.paged_prefill = Spy()
+    calls = _spy_on_the_kernel(m_on)
     q_on, k_on = m_on.last_layer_qk(ids, lens)
     assert calls == [3 * T] * (len(m_on.layers) - 1)
     assert q_on.shape == q_off.shape and k_on.shape == k_off.shape

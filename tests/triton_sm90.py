@@ -44,10 +44,16 @@ CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia",
 _seen: set[str] = set()
 
 
+def _bind(self: JITFunction, args, kwargs) -> tuple[dict, dict, str]:
+    """A launch's (launch options, every argument by name, "module.kernel")."""
+    options = {k: kwargs.pop(k) for k in list(kwargs) if k in _OPTIONS}
+    name = f"{self.fn.__module__.rsplit('.', 1)[-1]}.{self.fn.__name__}"
+    return options, dict(zip(self.arg_names, args)) | kwargs, name
+
+
 def _compile_instead(self: JITFunction, *args, grid, warmup, **kwargs):
     """JITFunction.run replaced: the launch's signature compiled for sm_90, nothing launched."""
-    options = {k: kwargs.pop(k) for k in list(kwargs) if k in _OPTIONS}
-    bound = dict(zip(self.arg_names, args)) | kwargs
+    options, bound, name = _bind(self, args, kwargs)
     signature, constexprs = {}, {}
     for p in self.params:
         v = bound[p.name] if p.name in bound else p.default
@@ -65,7 +71,6 @@ def _compile_instead(self: JITFunction, *args, grid, warmup, **kwargs):
             signature[p.name], constexprs[p.name] = "constexpr", None
         else:
             raise TypeError(f"{self.fn.__name__}: argument {p.name} of type {type(v).__name__}")
-    name = f"{self.fn.__module__.rsplit('.', 1)[-1]}.{self.fn.__name__}"
     key = name + json.dumps({k: str(v) for k, v in sorted(signature.items())}) + str(sorted(constexprs.items())) \
         + str(sorted(options.items()))
     if key in _seen:
@@ -176,8 +181,7 @@ def _record_key(self: JITFunction, *args, grid, warmup, **kwargs):
     from triton._C.libtriton import native_specialize_impl
     from triton.backends.compiler import BaseBackend
 
-    options = {k: kwargs.pop(k) for k in list(kwargs) if k in _OPTIONS}
-    bound = dict(zip(self.arg_names, args)) | kwargs
+    options, bound, name = _bind(self, args, kwargs)
     fixed, spec = [], []
     for p in self.params:
         v = bound[p.name] if p.name in bound else p.default
@@ -191,7 +195,6 @@ def _record_key(self: JITFunction, *args, grid, warmup, **kwargs):
         else:
             fixed.append(f"{p.name}:{ty}")
             spec.append(f"{p.name}:{attr}")
-    name = f"{self.fn.__module__.rsplit('.', 1)[-1]}.{self.fn.__name__}"
     keys.setdefault(f"{name}({', '.join(fixed)}; {sorted(options.items())})", set()).add(", ".join(spec))
     return None
 

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastrag.model.linear import Linear
-from fastrag.transfer import tensor_on
+from fastrag.transfer import tensor_on, to_device
 
 
 DECODE_ATTENTION_ENV = "FASTRAG_DECODE_ATTENTION"  # native (default) | triton | torch
@@ -747,9 +747,9 @@ class LlamaModel(nn.Module):
 
     def uses_paged_prefill(self, device: torch.device, dtype: torch.dtype) -> bool:
         """Whether a prefill on this device attends through the paged prefill kernel ($FASTRAG_PAGED_PREFILL, auto:
-        for CUDA tensors; 1: CPU tensors too, under TRITON_INTERPRET=1) where its self-check passed, run once per device
-        and dtype against fastrag.signals.reference.paged_prefill_ref (a warning and the reason in `paged_prefill_checks` when it
-        fails: a Triton that cannot compile it there, or a wrong result)."""
+        for CUDA tensors; 1: CPU tensors too, under TRITON_INTERPRET=1) where its self-check passed, run once per
+        device and dtype against fastrag.signals.reference.paged_prefill_ref (a warning and the reason in
+        `paged_prefill_checks` when it fails: a Triton that cannot compile it there, or a wrong result)."""
         if self.paged_prefill is None or not (device.type == "cuda" or (device.type == "cpu"
                                                                          and self._paged_prefill_on_cpu)):
             return False
@@ -1073,8 +1073,6 @@ class LlamaModel(nn.Module):
         x, cos, sin = x.reshape(M, -1), cos.reshape(M, D), sin.reshape(M, D)
         paged = None
         if mask is None:
-            from fastrag.transfer import to_device
-
             bs = 16
             nb = -(-T // bs)
             tp = nb * bs
