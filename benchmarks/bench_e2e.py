@@ -199,6 +199,21 @@ def prefill_line(metrics: list[dict]) -> str:
             f"(self-check {checks(pa.get('checks', {}))}){tried}\n")
 
 
+def text_line(metrics: list[dict]) -> str:
+    """The header line on where the methods' spaCy texts ran (the first metrics.json's figures): the scheduler's
+    thread, or N worker processes free-running, in lockstep ($FASTRAG_TEXT_LOCKSTEP) or in groups
+    ($FASTRAG_TEXT_GROUPS); "" when the run does not say."""
+    tw = metrics[0].get("text_workers") if metrics else None
+    if not tw:
+        return ""
+    if not tw.get("workers"):
+        return "- spaCy texts: on the scheduler's thread (no text workers)\n"
+    g = tw.get("groups")
+    mode = "in lockstep" if tw.get("lockstep") else (
+        f"in groups ({g['sent']} groups, up to {g['largest']} texts)" if g else "free-running")
+    return f"- spaCy texts: {tw['workers']} worker processes, {mode}, {tw.get('texts', 0)} texts sent\n"
+
+
 def run_engine(args, opts: dict) -> None:
     """The engine's part of the benchmark: the untimed warm-up, then the timed run (cProfile'd with --profile)."""
     if args.warmup:  # (the timed engine frees what this one left before sizing its pool: auto_kv_cache_gb)
@@ -439,7 +454,7 @@ def main() -> None:
             f"{args.overlap if args.overlap != 'auto' else ('on' if torch.cuda.is_available() else 'off')}\n"
             + (f"- warm-up: before the timed run, an untimed engine run over the first {args.warmup} questions "
                f"of each dataset (Triton kernels compiled)\n" if args.warmup else "")
-            + graphs_line(metrics) + prefill_line(metrics)
+            + graphs_line(metrics) + prefill_line(metrics) + text_line(metrics)
             + f"- command: `{cmd}`\n\n")
     cols = list(rows[0])
     table = "| " + " | ".join(cols) + " |\n|" + "---|" * len(cols) + "\n"

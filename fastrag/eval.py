@@ -763,6 +763,10 @@ def _run_many(runs: list[RunOptions], engine=None, retriever=None) -> list[dict]
             # spaCy texts sent to worker processes (0 workers: all run on the scheduler's thread)
             metrics["text_workers"] = {"workers": sched.text_workers, "texts": sched.text_requests,
                                        "lockstep": sched.text_lockstep}
+            if sched.text_groups:  # ($FASTRAG_TEXT_GROUPS) a step's texts sent together, not waited for
+                sizes = sched.text_group_sizes
+                metrics["text_workers"]["groups"] = {"sent": len(sizes), "texts": sum(sizes),
+                                                     "largest": max(sizes, default=0)}
         if new:  # where and with what the figures were measured (fastrag.provenance)
             metrics["environment"] = environment(getattr(engine, "device", None))
         else:  # nothing computed now: the throughput and engine figures (and their environment) stay those of the

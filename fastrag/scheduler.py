@@ -12,8 +12,9 @@ part is served as if another question had asked for it (a Generate on its own KV
 batch in the same retriever call) and the generator resumes once, with the list of all results in order.
 
 spaCy work (`Sentences`, `RealWords`) is a request too: answered on the spot when the scheduler has no text workers,
-else sent to worker processes (fastrag.text.pool) whose results come back like searches. On a GPU that takes the
-methods' heaviest host logic off the thread that launches the decode steps.
+else sent to worker processes (fastrag.text.pool) whose results come back like searches: one by one, or a step's
+texts together (`text_lockstep`: the step waits for them; `text_groups`: it does not, and they come back at once).
+On a GPU that takes the methods' heaviest host logic off the thread that launches the decode steps.
 """
 
 from __future__ import annotations
@@ -24,14 +25,14 @@ import time
 import traceback
 import warnings
 from collections import deque
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, CancelledError, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 from typing import Callable, ClassVar, Generator, Iterable
 
 from fastrag.engine import Engine, Generation, SeqState, sampling_key
 from fastrag.sync_watch import SyncWatch, sync_watch_requested
 from fastrag.text.pool import (BrokenProcessPool, TextPool, compute_text, compute_texts, failure_message, is_failure,
-                               text_lockstep_requested)
+                               text_groups_requested, text_lockstep_requested)
 from fastrag.trace import QuestionResult
 
 
@@ -169,7 +170,8 @@ class Scheduler:
     def __init__(self, engine: Engine, retriever, policy: Policy | None = None, max_inflight: int = 64,
                  overlap: bool | None = None, text_workers: int | TextPool | None = None,
                  wait_for_search: bool = True, search_concurrency: int | None = None,
-                 sync_watch: bool | None = None, text_lockstep: bool | None = None):
+                 sync_watch: bool | None = None, text_lockstep: bool | None = None,
+                 text_groups: bool | None = None):
         self.engine, self.retriever, self.policy = engine, retriever, policy
         # retrieval batches in flight at once, each on its own thread; None: what the retriever says it serves
         # (Retriever.concurrent_searches: 1, one batch at a time, unless the retriever is safe to call from several
@@ -224,7 +226,19 @@ class Scheduler:
         if text_lockstep is None:
             text_lockstep = text_lockstep_requested()
         self.text_lockstep = bool(text_lockstep)
+        # with workers, groups: a step's texts are gathered as in lockstep and sent to the workers together, but the
+        # step does not wait for them; the group comes back whole (its questions' next requests start in the same
+        # step, as in lockstep) at the first step after the last of its texts is done, and meanwhile the device
+        # decodes the other questions (None: $FASTRAG_TEXT_GROUPS, default off)
+        if text_groups is None:
+            text_groups = text_groups_requested()
+        self.text_groups = bool(text_groups)
+        if self.text_groups and self.text_lockstep:
+            raise ValueError("text_lockstep and text_groups are two ways to send a step's texts to the workers; "
+                             "choose one ($FASTRAG_TEXT_LOCKSTEP, $FASTRAG_TEXT_GROUPS)")
         self._texts: list[tuple[Future, _Live, int | None, Request]] = []  # text requests at the workers
+        self._text_groups: list[tuple[Future, list[tuple[_Live, int | None, Request]]]] = []  # (text_groups)
+        self.text_group_sizes: list[int] = []  # texts in each group sent (text_groups)
         # without workers, the text requests of a step wait inside it for one nlp.pipe pass a kind (batch_texts;
         # None outside a step: answered at once)
         self._step_texts: list[tuple[_Live, int | None, Request]] | None = None
@@ -316,11 +330,13 @@ class Scheduler:
             self._pool.shutdown(wait=True)
             self._pool = None
         self._searches = []
-        for fut, lv, i, r in self._texts:  # texts still out: asked again by the next step, if there is one
+        out = [(fut, lv, i, r) for fut, lv, i, r in self._texts] \
+            + [(fut, lv, i, r) for fut, items in self._text_groups for lv, i, r in items]
+        for fut, lv, i, r in out:  # texts still out: asked again by the next step, if there is one
             fut.cancel()
             if id(lv) in self._live:
                 lv.queued.append((i, r))
-        self._texts = []
+        self._texts, self._text_groups = [], []
         if self.text_pool is not None and self._own_pool:
             self.text_pool.shutdown()
             self.text_pool = None  # (a later text request starts workers again)
@@ -364,19 +380,50 @@ class Scheduler:
 
     @property
     def _texts_in_step(self) -> bool:
-        """Whether text requests are answered within the step that asks for them (no workers, or lockstep)."""
-        return not self.text_workers or self.text_lockstep
+        """Whether text requests are gathered by the step that asks for them (no workers, lockstep, groups)."""
+        return not self.text_workers or self.text_lockstep or self.text_groups
+
+    @property
+    def _texts_out(self) -> bool:
+        """Whether texts are at the workers (one by one, or in groups)."""
+        return bool(self._texts or self._text_groups)
+
+    def _text_futures(self) -> list[Future]:
+        return [f for f, _, _, _ in self._texts] + [f for f, _ in self._text_groups]
 
     def _answer_step_texts(self) -> bool:
-        """Answer the text requests of this step so far in one pass a kind (and those their answers lead to)."""
+        """Answer the text requests of this step so far in one pass a kind (and those their answers lead to); with
+        text_groups, send them to the workers as one group instead (answered when the whole group is back)."""
         any_ = False
         while self._step_texts:
             items, self._step_texts = self._step_texts, []
+            if self._send_group(items):
+                return True
             for (lv, i, r), value in zip(items, self._compute_texts([(r.kind, r.text) for _, _, r in items])):
                 if id(lv) in self._live:
                     self._hand_text(lv, i, value, now=True)
             any_ = True
         return any_
+
+    def _send_group(self, items: list[tuple[_Live, int | None, Request]]) -> bool:
+        """text_groups: items to the workers as one group, unless no worker has loaded its pipeline yet (then the
+        caller computes them here: a step never waits for workers to start). Returns whether they went."""
+        if not (self.text_groups and self.text_workers):
+            return False
+        self._start_pool()
+        if self.text_pool is not None and self.text_pool.broken is not None:  # every worker died meanwhile
+            self._lose_pool(BrokenProcessPool(self.text_pool.broken))
+        if self.text_pool is None or not self.text_pool.ready:
+            return False
+        try:
+            fut = self.text_pool.submit_texts([(r.kind, r.text) for _, _, r in items])
+        except (BrokenProcessPool, RuntimeError) as e:  # the pool died: this step's texts run here
+            self._lose_pool(e)
+            return False
+        self._text_groups.append((fut, items))
+        self.text_requests += len(items)
+        self.text_group_sizes.append(len(items))
+        return True
 
     def _compute_texts(self, items: list[tuple[str, str]]) -> list:
         """compute_texts(items): in lockstep on the workers (all of them sent, then all waited for), else here. The
@@ -443,14 +490,15 @@ class Scheduler:
             return (launched is not None and not self.engine.step_done(launched)) \
                 or any(not p.done() for _, p in passes)
 
-        if self._texts and (launched is not None or passes):
-            while self._texts and device_busy():
+        if self._texts_out and (launched is not None or passes):
+            while self._texts_out and device_busy():
                 if self._collect_texts(now=True):
                     progressed = True
                     self._submit_texts()
+                    self._answer_step_texts()  # (text_groups: the texts those answers ask for, as a new group)
                 else:
                     tw = time.perf_counter()
-                    wait([f for f, _, _, _ in self._texts], timeout=0.0005, return_when=FIRST_COMPLETED)
+                    wait(self._text_futures(), timeout=0.0005, return_when=FIRST_COMPLETED)
                     t_wait += time.perf_counter() - tw
         for items, pending in passes:
             ta = time.perf_counter()
@@ -463,7 +511,7 @@ class Scheduler:
         # for the first to finish)
         self._submit_search()
         if self._searches and self.wait_for_search and not any(f.done() for f, _ in self._searches) \
-                and not (self.engine.has_work or launched or self._ready or self._texts):
+                and not (self.engine.has_work or launched or self._ready or self._texts_out):
             wait([f for f, _ in self._searches], return_when=FIRST_COMPLETED)
         ended = [x[0].done() for x in self._searches]  # (read once: a batch may finish meanwhile)
         done = [x for x, e in zip(self._searches, ended) if e]
@@ -518,12 +566,12 @@ class Scheduler:
             self._result(lv, i, out)
             for j in waiting:
                 self._result(lv, j, _reused(out))
-        if self._texts:
+        if self._texts_out:
             # texts back since: to their questions (with overlap at the next step). When nothing else can move,
             # wait for the first text or the search in flight
             if not (progressed or finished or self.engine.has_work or self._ready):
                 tw = time.perf_counter()
-                wait([f for f, _, _, _ in self._texts] + [f for f, _ in self._searches],
+                wait(self._text_futures() + [f for f, _ in self._searches],
                      timeout=None if self.wait_for_search else 0.05, return_when=FIRST_COMPLETED)
                 t_wait += time.perf_counter() - tw
                 progressed = True
@@ -541,7 +589,7 @@ class Scheduler:
         sec["methods_and_other"] += t_end - t0 - t_eng - t_attn - t_wait
         if row is not None:
             row["step_s"] = t_end - t0
-        if not progressed and self._live and not self._searches and not self._texts:
+        if not progressed and self._live and not self._searches and not self._texts_out:
             stuck = [type(lv.request).__name__ for lv in self._live.values()]
             raise RuntimeError(f"scheduler made no progress; pending requests: {stuck}")
         return progressed
@@ -589,10 +637,23 @@ class Scheduler:
 
     def _collect_texts(self, now: bool) -> bool:
         """Hand the finished text requests to their questions: `now` at once (a question may then ask for more),
-        else through _result. Returns whether any had finished."""
+        else through _result; a group only once all its texts are back, in the order the groups went. Returns
+        whether any had finished."""
+        groups = [x for x in self._text_groups if x[0].done()]
+        if groups:
+            ids = {id(x) for x in groups}
+            self._text_groups = [x for x in self._text_groups if id(x) not in ids]
+            for fut, items in groups:
+                try:
+                    values = fut.result()
+                except (BrokenProcessPool, CancelledError) as e:  # a worker died: the group runs here
+                    self._lose_pool(e if isinstance(e, BrokenProcessPool) else BrokenProcessPool(str(e)))
+                    values = compute_texts([(r.kind, r.text) for _, _, r in items])
+                for (lv, i, _), value in zip(items, values):
+                    self._hand_text(lv, i, value, now)
         done = [x for x in self._texts if x[0].done()]
         if not done:
-            return False
+            return bool(groups)
         ids = {id(x) for x in done}
         self._texts = [x for x in self._texts if id(x) not in ids]
         for fut, lv, i, r in done:

@@ -218,6 +218,17 @@ def test_the_e2e_header_says_how_prefills_attended():
     assert be.prefill_line([{}]) == "" and be.prefill_line([]) == ""
 
 
+def test_the_e2e_header_says_where_the_texts_ran():
+    be = load("bench_e2e")
+    assert "on the scheduler's thread" in be.text_line([{"text_workers": {"workers": 0, "texts": 0}}])
+    free = {"workers": 8, "texts": 912, "lockstep": False}
+    assert be.text_line([{"text_workers": free}]) == "- spaCy texts: 8 worker processes, free-running, 912 texts sent\n"
+    assert "8 worker processes, in lockstep, 912 texts" in be.text_line([{"text_workers": free | {"lockstep": True}}])
+    line = be.text_line([{"text_workers": free | {"groups": {"sent": 57, "texts": 912, "largest": 64}}}])
+    assert "in groups (57 groups, up to 64 texts), 912 texts sent" in line
+    assert be.text_line([{}]) == "" and be.text_line([]) == ""
+
+
 def _only_fastrag_env(monkeypatch, **settings):
     for k in [k for k in os.environ if k.startswith("FASTRAG_")]:
         monkeypatch.delenv(k)

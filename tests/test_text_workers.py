@@ -178,10 +178,10 @@ def test_a_run_with_text_workers_decides_as_one_without(model, pool, overlap):
     assert len({x.query for r in here.values() for x in r.rounds}) > 3  # the texts chosen really vary
 
 
-@pytest.mark.parametrize("lockstep", [False, True])
-def test_a_worker_that_dies_costs_no_work(model, lockstep):
+@pytest.mark.parametrize("mode", ["free", "lockstep", "groups"])
+def test_a_worker_that_dies_costs_no_work(model, mode):
     """Kill the workers mid-run: the texts they held and all later ones run on the scheduler's thread, with a
-    warning, and every question decides as before (free-running workers, and in lockstep)."""
+    warning, and every question decides as before (free-running workers, in lockstep, and in groups)."""
     here, _ = _schedule(model, 0)
     killed = []
 
@@ -201,8 +201,9 @@ def test_a_worker_that_dies_costs_no_work(model, lockstep):
 
     sched_ref = []
     eng = Engine(model, Tok(), kv_cache_gb=0.02, max_batch=4)
-    sched = Scheduler(eng, Retriever(), killer, max_inflight=6, text_workers=2, text_lockstep=lockstep)
-    if lockstep:  # (workers still loading get no texts in lockstep: these are ready before the run)
+    sched = Scheduler(eng, Retriever(), killer, max_inflight=6, text_workers=2, text_lockstep=mode == "lockstep",
+                      text_groups=mode == "groups")
+    if mode != "free":  # (workers still loading get no texts in lockstep or groups: these are ready before the run)
         sched.text_pool = TextPool(2)
         _wait_ready(sched.text_pool)
     sched_ref.append(sched)
@@ -448,4 +449,155 @@ def test_the_lockstep_switch(model, monkeypatch):
     assert not Scheduler(eng, Retriever(), policy, text_workers=2, text_lockstep=False).text_lockstep
     monkeypatch.setenv(TEXT_LOCKSTEP_ENV, "sometimes")
     with pytest.raises(ValueError, match=TEXT_LOCKSTEP_ENV):
+        Scheduler(eng, Retriever(), policy, text_workers=2)
+
+
+# ---------------------------------------------------------------------------------------------- groups
+
+
+def test_the_pool_sends_a_group_without_waiting_and_settles_it_whole(pool):
+    """TextPool.submit_texts returns at once; its Future holds every item's value, in order and equal to
+    compute_texts here, only once every share is back (a text spaCy rejects fails alone)."""
+    from concurrent.futures import Future
+
+    from fastrag.text.nlp import get_nlp
+    from fastrag.text.pool import _Worker, compute_texts
+
+    _wait_ready(pool)
+    texts = _real_texts(11, seed=int.from_bytes(os.urandom(2), "little"))
+    huge = "word " * (get_nlp().max_length // 5 + 10)
+    items = [(k, t) for t in texts for k in ("sentences", "real_words")] + [("sentences", huge)]
+    random.Random(9).shuffle(items)
+    got = pool.submit_texts(items).result(timeout=120)
+    want = compute_texts(items)
+    assert len(got) == len(items)
+    for (k, t), g, w in zip(items, got, want):
+        assert (is_failure(g) and is_failure(w)) if t is huge else g == w, (k, t)
+    assert pool.submit_texts([]).result(timeout=1) == []
+
+    # the group stays unsettled while any share is out: hold the second worker's share back
+    held, real_submit = [], _Worker.submit
+
+    def submit(self, rid, kind, text):
+        fut = real_submit(self, rid, kind, text)
+        if self is pool._workers[1]:
+            gate = Future()
+            fut.add_done_callback(lambda f: held.append((gate, f)))
+            return gate
+        return fut
+
+    _Worker.submit = submit
+    try:
+        fut = pool.submit_texts(items)
+    finally:
+        _Worker.submit = real_submit
+    import time
+
+    t0 = time.monotonic()
+    while not held:  # (the second share is back from its worker, not yet passed on)
+        assert time.monotonic() - t0 < 120
+        time.sleep(0.01)
+    time.sleep(0.05)
+    assert not fut.done()
+    gate, inner = held[0]
+    gate.set_result(inner.result())
+    got = fut.result(timeout=60)
+    for (k, t), g, w in zip(items, got, want):
+        assert (is_failure(g) and is_failure(w)) if t is huge else g == w, (k, t)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_groups_decide_as_a_run_without_workers(model, pool, overlap):
+    """text_groups: a step's texts go to the workers as one group and the step goes on; every question decides as
+    without workers, every text went through a group, and nothing is left out after the run."""
+    _wait_ready(pool)
+    here, s0 = _schedule(model, 0, overlap=overlap)
+    there, s1 = _schedule(model, pool, overlap=overlap, text_groups=True)
+    assert all(r.error is None for r in here.values())
+    assert _decisions(here) == _decisions(there)
+    sizes = s1.text_group_sizes
+    assert sizes and max(sizes) > 1 and sum(sizes) == s1.text_requests > 3 * 8
+    assert not s1._texts and not s1._text_groups and not s1._texts_out
+
+
+def test_a_step_does_not_wait_for_its_group_and_the_group_comes_back_whole(model):
+    """A group still out does not hold the engine: steps run until the pool settles it, and then all its texts
+    reach their questions in one step (their next generations start together). The decisions stay those of a
+    run without workers."""
+    import threading
+    from concurrent.futures import Future
+
+    from fastrag.text.pool import compute_texts
+
+    class Slow:
+        """A ready pool that settles each group 50 ms after it was sent, on a timer thread (as a pool's reader
+        thread would)."""
+
+        workers, texts, broken, ready = 2, 0, None, 2
+
+        def __init__(self):
+            self.sent: list[list[tuple[str, str]]] = []
+            self.timers: list[threading.Timer] = []
+
+        def submit_texts(self, items):
+            f = Future()
+            values = compute_texts(items)
+            self.sent.append(items)
+            t = threading.Timer(0.05, f.set_result, (values,))
+            t.start()
+            self.timers.append(t)
+            return f
+
+        def shutdown(self):
+            for t in self.timers:
+                t.join()
+
+    here, _ = _schedule(model, 0)
+    eng = Engine(model, Tok(), kv_cache_gb=0.02, max_batch=4)
+    sched = Scheduler(eng, Retriever(), policy, max_inflight=6, text_workers=2, text_groups=True)
+    fake = sched.text_pool = Slow()
+    out, stepped_while_out, handed = [], 0, []
+    step = [0]
+    real_hand = sched._hand_text
+
+    def hand(lv, i, value, now):
+        handed.append((step[0], id(lv), i))
+        real_hand(lv, i, value, now)
+
+    sched._hand_text = hand
+    for i in range(8):
+        sched.submit(Ex(str(i), f"{1 + i} {2 + 3 * i} {5 + i % 7}"), out.append)
+    while sched.busy:
+        work = eng.stats["prefill_calls"] + eng.stats["decode_steps"]
+        was_out = any(not f.done() for f, _ in sched._text_groups)  # (a group still at the pool)
+        sched.step()
+        stepped_while_out += was_out and eng.stats["prefill_calls"] + eng.stats["decode_steps"] > work
+        step[0] += 1
+        assert step[0] < 10_000
+    fake.shutdown()
+    assert _decisions({r.qid: r for r in out}) == _decisions(here)
+    assert stepped_while_out > 0  # the engine ran steps while a group was out
+    sizes = sched.text_group_sizes
+    assert sizes == [len(g) for g in fake.sent] and max(sizes) > 1 and len(handed) == sum(sizes)
+    # the groups came back in the order they went, each in one step: cut the handed texts at the groups' sizes
+    k = 0
+    for n in sizes:
+        assert len({st for st, _, _ in handed[k:k + n]}) == 1, handed[k:k + n]
+        k += n
+
+
+def test_the_groups_switch(model, monkeypatch):
+    from fastrag.text.pool import TEXT_GROUPS_ENV, TEXT_LOCKSTEP_ENV
+
+    eng = Engine(model, Tok(), kv_cache_gb=0.02, max_batch=4)
+    monkeypatch.delenv(TEXT_GROUPS_ENV, raising=False)
+    monkeypatch.delenv(TEXT_LOCKSTEP_ENV, raising=False)
+    assert not Scheduler(eng, Retriever(), policy, text_workers=2).text_groups
+    monkeypatch.setenv(TEXT_GROUPS_ENV, "1")
+    assert Scheduler(eng, Retriever(), policy, text_workers=2).text_groups
+    assert not Scheduler(eng, Retriever(), policy, text_workers=2, text_groups=False).text_groups
+    with pytest.raises(ValueError, match="choose one"):
+        Scheduler(eng, Retriever(), policy, text_workers=2, text_lockstep=True)
+    monkeypatch.setenv(TEXT_GROUPS_ENV, "often")
+    with pytest.raises(ValueError, match=TEXT_GROUPS_ENV):
         Scheduler(eng, Retriever(), policy, text_workers=2)

@@ -40,14 +40,21 @@ BATCH_KINDS = {"sentences": ("fastrag.text.sentences", "split_sentences_batch"),
 _BATCH = "__batch__"  # a frame holding several (kind, text) items: answered with compute_texts, in order
 _READY = -1  # the id of a worker's first frame: its pipeline is loaded (request ids count from 0)
 TEXT_LOCKSTEP_ENV = "FASTRAG_TEXT_LOCKSTEP"
+TEXT_GROUPS_ENV = "FASTRAG_TEXT_GROUPS"
 
-__all__ = ["KINDS", "TEXT_LOCKSTEP_ENV", "BrokenProcessPool", "TextPool", "compute_text", "compute_texts",
-           "failure_message", "is_failure", "run_text", "text_lockstep_requested"]
+__all__ = ["KINDS", "TEXT_GROUPS_ENV", "TEXT_LOCKSTEP_ENV", "BrokenProcessPool", "TextPool", "compute_text",
+           "compute_texts", "failure_message", "is_failure", "run_text", "text_groups_requested",
+           "text_lockstep_requested"]
 
 
 def text_lockstep_requested() -> bool:
     """$FASTRAG_TEXT_LOCKSTEP (Scheduler(text_lockstep=None); fastrag.switches.env_switch)."""
     return env_switch(TEXT_LOCKSTEP_ENV)
+
+
+def text_groups_requested() -> bool:
+    """$FASTRAG_TEXT_GROUPS (Scheduler(text_groups=None); fastrag.switches.env_switch)."""
+    return env_switch(TEXT_GROUPS_ENV)
 
 
 _HEADER = struct.Struct("<Q")
@@ -259,19 +266,46 @@ class TextPool:
         worker (those with their pipeline loaded, when any is), each share one frame through one nlp.pipe pass a
         kind, then all waited for. Raises BrokenProcessPool when a worker dies meanwhile (the caller computes the
         items itself)."""
-        live = self._live([k for k, _ in items], "compute_texts")
+        return self.submit_texts(items).result()
+
+    def submit_texts(self, items: list[tuple[str, str]]) -> Future:
+        """`compute_texts(items)` without waiting: the shares go out as `compute_texts` sends them, and the Future
+        returned holds the whole list once every share is back (BrokenProcessPool when a worker died meanwhile).
+        One result for the group: whoever waits on it gets all the items' values at once."""
+        live = self._live([k for k, _ in items], "submit_texts")
         live = [w for w in live if w.ready] or live
+        out: Future = Future()
         n = len(items)
         if n == 0:
-            return []
+            out.set_result([])
+            return out
         k = min(len(live), n)
         bounds = [n * j // k for j in range(k + 1)]
         futs = [w.submit(next(self._ids), _BATCH, items[a:b])
                 for w, a, b in zip(sorted(live, key=_Worker.load), bounds, bounds[1:])]
         self.texts += n
-        out: list = []
+        left = [len(futs)]
+        lock = threading.Lock()
+
+        def share_done(_f) -> None:  # (on a reader thread: the last share back settles the group)
+            with lock:
+                left[0] -= 1
+                if left[0]:
+                    return
+            if not out.set_running_or_notify_cancel():
+                return
+            values: list = []
+            for f in futs:
+                try:
+                    values += f.result()
+                except BaseException as e:  # noqa: BLE001  (a dead worker, a cancelled share)
+                    out.set_exception(e if isinstance(e, BrokenProcessPool) else BrokenProcessPool(
+                        f"a share of the texts was lost ({type(e).__name__}: {e})"))
+                    return
+            out.set_result(values)
+
         for f in futs:
-            out += f.result()  # (BrokenProcessPool when its worker died)
+            f.add_done_callback(share_done)
         return out
 
     def pids(self) -> list[int]:
