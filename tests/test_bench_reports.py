@@ -218,6 +218,54 @@ def test_the_e2e_header_says_how_prefills_attended():
     assert be.prefill_line([{}]) == "" and be.prefill_line([]) == ""
 
 
+def test_the_text_modes_device_model_keeps_one_timeline():
+    """bench_text_modes.DeviceModel: a step is done only once the emulated device has run it (its decode and
+    prefill tokens, after whatever was launched before), step_finish waits for it, a prefill call or an attention
+    pass blocks the caller for its launch time, and the busy seconds add up."""
+    import time
+    from types import SimpleNamespace
+
+    mod = load("bench_text_modes")
+
+    class Eng:
+        def __init__(self):
+            self.stats = {"prefill_calls": 0, "prefill_tokens": 0, "decode_tokens": 0}
+            self.plan = []
+
+        def step_launch(self):
+            calls, tokens, dec = self.plan.pop(0)
+            self.stats["prefill_calls"] += calls
+            self.stats["prefill_tokens"] += tokens
+            self.stats["decode_tokens"] += dec
+            return object()
+
+        def step_finish(self, st):
+            return ["finished"]
+
+        def attention_passes_launch(self, seqs, kind):
+            return SimpleNamespace(event=None)
+
+    args = SimpleNamespace(decode_ms=40.0, decode_ms_per_seq=1.0, prefill_launch_ms=30.0, prefill_ms_per_token=0.1,
+                           pass_launch_ms=20.0, pass_ms=50.0)
+    e = Eng()
+    dev = mod.DeviceModel(e, args)
+    e.plan = [(0, 0, 10), (1, 200, 10)]
+    t0 = time.perf_counter()
+    a = e.step_launch()  # 40 + 10 = 50 ms of device
+    assert time.perf_counter() - t0 < 0.03 and not e.step_done(a)
+    b = e.step_launch()  # 30 ms of host launch, then 20 + 50 ms of device after a's 50
+    t1 = time.perf_counter()
+    assert t1 - t0 >= 0.03 and not e.step_done(b)
+    assert e.step_finish(a) == ["finished"] and time.perf_counter() - t0 >= 0.05
+    assert e.step_finish(b) == ["finished"] and time.perf_counter() - t0 >= 0.12
+    assert e.step_done(b) and abs(dev.busy - 0.12) < 1e-9
+    t2 = time.perf_counter()
+    p = e.attention_passes_launch([[1, 2]], "colmax")
+    assert time.perf_counter() - t2 >= 0.02 and not p.event.query()
+    p.event.synchronize()
+    assert p.event.query() and time.perf_counter() - t2 >= 0.07 and abs(dev.busy - 0.17) < 1e-9
+
+
 def test_the_e2e_header_says_where_the_texts_ran():
     be = load("bench_e2e")
     assert "on the scheduler's thread" in be.text_line([{"text_workers": {"workers": 0, "texts": 0}}])
@@ -419,7 +467,7 @@ def test_bench_e2e_data_file_replaces_a_datasets_file(tmp_path):
 
 
 @pytest.mark.parametrize("script", ["bench_kernels", "bench_host", "bench_paged_attention", "bench_cpu_decode_step",
-                                    "bench_prefill_attention", "bench_prefill", "bench_decode"])
+                                    "bench_prefill_attention", "bench_prefill", "bench_decode", "bench_text_modes"])
 def test_every_table_writing_benchmark_takes_a_results_folder(script):
     """Each script that writes tables has --results (they wrote into benchmarks/results/ whatever the caller
     wanted, so a trial run overwrote the committed tables)."""
