@@ -125,8 +125,7 @@ def run_mode(name: str, args) -> dict:
             os.environ.pop(k, None)
             if v is not None:
                 os.environ[k] = v
-    recs = read_results(out / "results.jsonl")
-    recs = [r.__dict__ if hasattr(r, "__dict__") else {f: getattr(r, f) for f in ("qid", "prediction")} for r in recs]
+    decisions = {r.qid: r.prediction for r in read_results(out / "results.jsonl")}
     sec = m.get("step_seconds", {})
     eng = m.get("engine", {})
     return {"mode": name, "text_workers": workers, "env": " ".join(f"{k}={v}" for k, v in env.items()) or "-",
@@ -134,7 +133,7 @@ def run_mode(name: str, args) -> dict:
             "decode_steps": eng.get("decode_steps"), "methods_s": sec.get("methods_and_other"),
             "waiting_texts_s": sec.get("waiting_text_workers"), "passes_s": sec.get("attention_passes"),
             "device_busy_s": dev.busy, "device_busy_fraction": dev.busy / wall, "errors": m.get("errors"),
-            "_decisions": {r["qid"]: r.get("prediction") for r in recs}}
+            "_decisions": decisions}
 
 
 def main(argv=None) -> None:

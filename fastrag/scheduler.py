@@ -25,7 +25,7 @@ import time
 import traceback
 import warnings
 from collections import deque
-from concurrent.futures import FIRST_COMPLETED, CancelledError, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 from typing import Callable, ClassVar, Generator, Iterable
 
@@ -330,8 +330,7 @@ class Scheduler:
             self._pool.shutdown(wait=True)
             self._pool = None
         self._searches = []
-        out = [(fut, lv, i, r) for fut, lv, i, r in self._texts] \
-            + [(fut, lv, i, r) for fut, items in self._text_groups for lv, i, r in items]
+        out = self._texts + [(fut, lv, i, r) for fut, items in self._text_groups for lv, i, r in items]
         for fut, lv, i, r in out:  # texts still out: asked again by the next step, if there is one
             fut.cancel()
             if id(lv) in self._live:
@@ -408,12 +407,7 @@ class Scheduler:
     def _send_group(self, items: list[tuple[_Live, int | None, Request]]) -> bool:
         """text_groups: items to the workers as one group, unless no worker has loaded its pipeline yet (then the
         caller computes them here: a step never waits for workers to start). Returns whether they went."""
-        if not (self.text_groups and self.text_workers):
-            return False
-        self._start_pool()
-        if self.text_pool is not None and self.text_pool.broken is not None:  # every worker died meanwhile
-            self._lose_pool(BrokenProcessPool(self.text_pool.broken))
-        if self.text_pool is None or not self.text_pool.ready:
+        if not (self.text_groups and self.text_workers) or self._ready_pool() is None:
             return False
         try:
             fut = self.text_pool.submit_texts([(r.kind, r.text) for _, _, r in items])
@@ -429,21 +423,26 @@ class Scheduler:
         """compute_texts(items): in lockstep on the workers (all of them sent, then all waited for), else here. The
         workers start at the first text and load their pipelines meanwhile; until one has, and for a lone text
         (nothing to spread), the texts are computed here: a step never waits for a worker to start."""
-        if self.text_lockstep and self.text_workers:
-            self._start_pool()
-            if self.text_pool is not None and self.text_pool.broken is not None:  # every worker died meanwhile
-                self._lose_pool(BrokenProcessPool(self.text_pool.broken))
-            if self.text_pool is not None and len(items) > 1 and self.text_pool.ready:
-                tw = time.perf_counter()
-                try:
-                    values = self.text_pool.compute_texts(items)
-                except (BrokenProcessPool, RuntimeError) as e:  # the pool died: this step's texts run here
-                    self._lose_pool(e)
-                else:
-                    self.text_requests += len(items)
-                    self._lockstep_wait += time.perf_counter() - tw
-                    return values
+        # (the pool starts at the first text, a lone one too)
+        if self.text_lockstep and self.text_workers and self._ready_pool() is not None and len(items) > 1:
+            tw = time.perf_counter()
+            try:
+                values = self.text_pool.compute_texts(items)
+            except (BrokenProcessPool, RuntimeError) as e:  # the pool died: this step's texts run here
+                self._lose_pool(e)
+            else:
+                self.text_requests += len(items)
+                self._lockstep_wait += time.perf_counter() - tw
+                return values
         return compute_texts(items)
+
+    def _ready_pool(self) -> TextPool | None:
+        """The worker pool (started now if it was not), when a worker of it has loaded its pipeline; else None. A
+        pool whose workers all died is given up here (the texts run on this thread from then on)."""
+        self._start_pool()
+        if self.text_pool is not None and self.text_pool.broken is not None:  # every worker died meanwhile
+            self._lose_pool(BrokenProcessPool(self.text_pool.broken))
+        return self.text_pool if self.text_pool is not None and self.text_pool.ready else None
 
     def _step(self) -> bool:
         t0 = time.perf_counter()
@@ -646,8 +645,8 @@ class Scheduler:
             for fut, items in groups:
                 try:
                     values = fut.result()
-                except (BrokenProcessPool, CancelledError) as e:  # a worker died: the group runs here
-                    self._lose_pool(e if isinstance(e, BrokenProcessPool) else BrokenProcessPool(str(e)))
+                except BrokenProcessPool as e:  # a worker died (submit_texts says so for any lost share): here
+                    self._lose_pool(e)
                     values = compute_texts([(r.kind, r.text) for _, _, r in items])
                 for (lv, i, _), value in zip(items, values):
                     self._hand_text(lv, i, value, now)
