@@ -199,6 +199,22 @@ def prefill_line(metrics: list[dict]) -> str:
             f"(self-check {checks(pa.get('checks', {}))}){tried}\n")
 
 
+
+def compiles_line(metrics: list[dict]) -> str:
+    """The header line on the Triton compiles inside the engine's clock (the first metrics.json's figures:
+    fastrag.kernels.compiles), by kernel with the steps they stopped; "" when the run does not say."""
+    tc = metrics[0].get("triton_compiles") if metrics else None
+    if not tc:
+        return ""
+    if not tc.get("hooked"):
+        return f"- Triton compiles in the timed run: not recorded ({tc.get('why_not') or 'no hook'})\n"
+    kernels = ", ".join(f"{k} x{n}" for k, n in sorted(tc.get("kernels", {}).items(), key=lambda kv: -kv[1]))
+    steps = (metrics[0].get("step_trace") or {}).get("steps_with_compiles") or []
+    where = "; steps " + ", ".join(f"{x['step']} ({x['step_ms']:.0f} ms)" if x.get("step_ms") is not None
+                                   else str(x["step"]) for x in steps[:8]) if steps else ""
+    return f"- Triton compiles in the timed run: {tc.get('count', 0)}" + (f" ({kernels}{where})" if kernels else "") \
+        + "\n"
+
 def text_line(metrics: list[dict]) -> str:
     """The header line on where the methods' spaCy texts ran (the first metrics.json's figures): the scheduler's
     thread, or N worker processes free-running, in lockstep ($FASTRAG_TEXT_LOCKSTEP) or in groups
@@ -454,7 +470,7 @@ def main() -> None:
             f"{args.overlap if args.overlap != 'auto' else ('on' if torch.cuda.is_available() else 'off')}\n"
             + (f"- warm-up: before the timed run, an untimed engine run over the first {args.warmup} questions "
                f"of each dataset (Triton kernels compiled)\n" if args.warmup else "")
-            + graphs_line(metrics) + prefill_line(metrics) + text_line(metrics)
+            + graphs_line(metrics) + prefill_line(metrics) + text_line(metrics) + compiles_line(metrics)
             + f"- command: `{cmd}`\n\n")
     cols = list(rows[0])
     table = "| " + " | ".join(cols) + " |\n|" + "---|" * len(cols) + "\n"

@@ -238,10 +238,11 @@ def packed_ops(reps: int = 20) -> dict:
             m(ids, batch, kp, vp, logits_index=last)
         return Count.n
 
-    def count_pass(layers: int, paged: bool, reps: int = 0):
+    def count_pass(layers: int, paged: bool, reps: int = 0, packed: bool = False):
         """Operations of one DRAGIN attention pass (`last_layer_qk`, 4 sequences of 20-120 tokens, the GPU's fused
         small operations and its rule of keys repeated per query head), through the masked call or the paged
-        kernel; reps > 0: median seconds, as above."""
+        kernel (packed: over the real rows only, given the host lengths, as the engine calls it); reps > 0: median
+        seconds, as above."""
         cfg = _tiny_config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                            num_attention_heads=4, num_key_value_heads=2)
         m = LlamaModel.from_hf_config(cfg, seed=1)
@@ -251,26 +252,28 @@ def packed_ops(reps: int = 20) -> dict:
         rng = random.Random(0)
         lens = torch.tensor([rng.randint(20, 120) for _ in range(4)])
         ids = torch.randint(0, 128, (4, int(lens.max())))
+        host = lens.tolist() if packed else None
         with torch.inference_mode():
             if reps:
                 times = []
                 for _ in range(reps + 2):
                     t0 = time.perf_counter()
-                    m.last_layer_qk(ids, lens)
+                    m.last_layer_qk(ids, lens, host)
                     times.append(time.perf_counter() - t0)
                 return statistics.median(times[2:])
             Count.n = 0
             with Count():
-                m.last_layer_qk(ids, lens)
+                m.last_layer_qk(ids, lens, host)
         return Count.n
 
     out = {}
-    for name, paged in (("attention pass: masked call, fused small ops", False),
-                        ("attention pass: paged kernel, fused small ops", True)):
-        one, four = count_pass(1, paged), count_pass(4, paged)
+    for name, paged, packed in (("attention pass: masked call, fused small ops", False, False),
+                                ("attention pass: paged kernel, fused small ops", True, False),
+                                ("attention pass: paged kernel, packed rows, fused small ops", True, True)):
+        one, four = count_pass(1, paged, packed=packed), count_pass(4, paged, packed=packed)
         per_layer = (four - one) / 3
         out[name] = {"per_layer": per_layer, "fixed": one - per_layer, "at_32_layers": one - per_layer + 32 * per_layer,
-                     "ms_32_layers": 1e3 * count_pass(32, paged, reps=reps)}
+                     "ms_32_layers": 1e3 * count_pass(32, paged, reps=reps, packed=packed)}
     for name, fill, kw in (("gpu rule", 0.6, {}), ("cpu rule", 1.0, {}),
                            ("gpu rule, fused small ops", 0.6, dict(fused=True)),
                            ("paged kernel, fused small ops", 0.6, dict(fused=True, paged=True))):
@@ -340,9 +343,10 @@ def main() -> int:
         "## Torch operations of one packed prefill forward (12 sequences, lengths 16-600, 1,536-token prefix)", "",
         "The last column times a forward of 32 layers whose compute is negligible (12 sequences of 8-40 new tokens "
         "after a 128-token prefix, hidden size 64; the Triton kernels stubbed out as one empty tensor each): the "
-        "host's cost of those dispatches on this CPU, median. The two attention-pass rows count DRAGIN's cache-free "
-        "pass (`last_layer_qk`: 4 sequences of 20-120 tokens padded to the longest, stopping at the last layer's q "
-        "and k) and time it at those lengths.", "",
+        "host's cost of those dispatches on this CPU, median. The attention-pass rows count DRAGIN's cache-free pass "
+        "(`last_layer_qk`: 4 sequences of 20-120 tokens padded to the longest, stopping at the last layer's q and k) "
+        "and time it at those lengths; packed rows: only each sequence's real rows go through the layers (the "
+        "engine's call, with the host lengths), one more fixed operation and the same per layer.", "",
         "| attention | per layer | fixed | at 32 layers | host ms at 32 layers |", "|---|---|---|---|---|",
         *(f"| {name} | {v['per_layer']:.0f} | {v['fixed']:.0f} | {v['at_32_layers']:.0f} | {v['ms_32_layers']:.1f} |"
           for name, v in ops.items()), "",

@@ -34,7 +34,7 @@ MODES = {  # name -> (text workers, environment)
     "main": (0, {}),
     "lockstep": (None, {"FASTRAG_TEXT_LOCKSTEP": "1"}),
     "groups": (None, {"FASTRAG_TEXT_GROUPS": "1"}),
-    "free": (None, {}),
+    "free": (None, {"FASTRAG_TEXT_GROUPS": "0"}),
 }
 
 

@@ -35,10 +35,11 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overlap", choices=("auto", "on", "off"), default="auto",
                    help="run the methods' own logic while the device decodes the next step (auto: on a GPU)")
     p.add_argument("--text-workers", type=int, default=None,
-                   help="processes for the methods' spaCy work (default 0: in the main process; on an H200 8 "
-                        "free-running workers made DRAGIN slower, 41.6 s against 35.3 s, "
-                        "benchmarks/results/gpu_h200_2026-11-25.md); $FASTRAG_TEXT_LOCKSTEP=1 or "
-                        "$FASTRAG_TEXT_GROUPS=1 sends each step's texts to them together (docs/performance.md)")
+                   help="processes for the methods' spaCy work (default 0: in the main process). Each step's "
+                        "texts go to them as one group the step does not wait for (on an H200, 8 workers: 17.05 s "
+                        "against 18.51 s without, 128 DRAGIN questions, benchmarks/results/gpu_h200_2026-11-27.md); "
+                        "$FASTRAG_TEXT_LOCKSTEP=1: the step waits for its texts; $FASTRAG_TEXT_GROUPS=0: each text "
+                        "back to its question as it comes (slower on an H200, docs/performance.md)")
     p.add_argument("--search-concurrency", type=int, default=None,
                    help="retrieval batches in flight at once (default: what the retriever serves: 1 for bm25, "
                         "dense and elasticsearch)")

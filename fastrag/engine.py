@@ -93,6 +93,16 @@ def check_seed(seed, name: str = "seed") -> int:
     return value
 
 
+def _compile_log():
+    """fastrag.kernels.compiles.COMPILES where its hook is on (it names a step's Triton compiles in the step trace),
+    else None."""
+    try:
+        from fastrag.kernels.compiles import COMPILES
+    except ImportError:  # (no Triton here)
+        return None
+    return COMPILES if COMPILES.installed else None
+
+
 @dataclass(slots=True)
 class SamplingParams:
     temperature: float = 0.0  # 0: greedy
@@ -692,6 +702,9 @@ class Engine:
         if self.trace is not None:
             row = {"step": len(self.trace), "prefill_seqs": 0, "prefill_tokens": 0, "decode_batch": 0}
             self.trace.append(row)
+            compile_log = _compile_log()
+            if compile_log is not None:  # Triton compiles from here to the next launch are this step's ("compiles")
+                compile_log.row = row
         self._trace_row = row
         cap0 = self.graphs.stats["captures"] if row is not None and self.graphs is not None else None
         if self.waiting:
@@ -1181,7 +1194,8 @@ class Engine:
                 ids[b, : len(seqs[k])] = torch.tensor(seqs[k])
             lens_h = torch.tensor([len(seqs[k]) for k in idx])
             lens = self._h2d(lens_h)  # (a plain .to(device) from pageable memory would wait for the device)
-            q, k_ = self.model.last_layer_qk(self._h2d(ids), lens)
+            # (the host lengths let the paged kernel's path compute only the real rows)
+            q, k_ = self.model.last_layer_qk(self._h2d(ids), lens, lens_h.tolist())
             q, k_ = q.float(), k_.float()
             if kind == "colmax":
                 r = self.signals.causal_attn_colmax(q, k_, lens, self.model.scale)

@@ -638,6 +638,7 @@ def _run_many(runs: list[RunOptions], engine=None, retriever=None) -> list[dict]
     step_trace = None
     tok0 = 0
     captured_ahead, capture_ahead_s = 0, 0.0
+    compile_log, compile_mark = None, 0
     if any(p[4] for p in plans):
         engine = engine or build_engine(first.model, first.batch_size, first.signals, first.kv_cache_gb,
                                         sampling=sampling_of(first), prefix_caching=first.prefix_caching)
@@ -660,6 +661,8 @@ def _run_many(runs: list[RunOptions], engine=None, retriever=None) -> list[dict]
         capture_ahead_s = time.perf_counter() - t_cap
         t0 += capture_ahead_s
         tok0 = engine.stats["prefill_tokens"] + engine.stats["decode_tokens"]
+        compile_log = triton_compile_log()  # Triton compiles inside the clock (metrics.json `triton_compiles`)
+        compile_mark = compile_log.mark() if compile_log is not None else 0
         writers = [ResultWriter(out / "results.jsonl") for out in outs]
         which: dict[int, int] = {}  # id(example) -> run index
         todo = []
@@ -693,6 +696,8 @@ def _run_many(runs: list[RunOptions], engine=None, retriever=None) -> list[dict]
             bar.close()
             for w in writers:
                 w.close()
+            if compile_log is not None:
+                compile_log.row = None
             if trace:
                 rows, engine.trace = engine.trace or [], None
                 for out in outs:  # (one engine ran every run's questions: each run's folder gets the steps)
@@ -733,6 +738,10 @@ def _run_many(runs: list[RunOptions], engine=None, retriever=None) -> list[dict]
                                                 "paged_kernel": engine.model.uses_paged_prefill(engine.device,
                                                                                                 engine.dtype),
                                                 "paged_checks": dict(engine.model.paged_prefill_checks)}
+            # Triton compiles (JIT cache misses) between the clock's start and the end of the run, by kernel: each
+            # stops the host for about a second (fastrag.kernels.compiles)
+            metrics["triton_compiles"] = compile_log.report(compile_mark) if compile_log is not None else \
+                {"hooked": False, "why_not": "no Triton here", "count": 0, "kernels": {}}
             graphs = getattr(engine, "graphs", None)
             if graphs is not None:  # decode steps replayed vs launched eagerly, graphs captured
                 # captured_ahead / capture_ahead_s: graphs captured before the run's clock (Engine.capture_graphs);
@@ -782,7 +791,17 @@ def _run_many(runs: list[RunOptions], engine=None, retriever=None) -> list[dict]
 MEASURED_FIELDS = ("questions_per_s", "tokens_per_s", "wall_s", "questions_measured", "engine", "kv_cache_gb",
                    "kv_cache_blocks",
                    "model_costs", "prefill_attention", "cuda_graphs", "retrieval", "step_seconds", "overlap",
-                   "text_workers", "joint", "environment", "overlap_syncs", "step_trace")
+                   "text_workers", "joint", "environment", "overlap_syncs", "step_trace", "triton_compiles")
+
+
+def triton_compile_log():
+    """fastrag.kernels.compiles.COMPILES with its hook on; None without Triton."""
+    try:
+        from fastrag.kernels.compiles import COMPILES
+    except ImportError:
+        return None
+    COMPILES.install()
+    return COMPILES
 
 
 def _warn_control_tokens(plans, tok) -> None:

@@ -192,6 +192,11 @@ def trace_summary(rows: list[dict]) -> dict:
         d["median_step_ms"] = 1e3 * w[len(w) // 2]
     out["by_kind"] = kinds
     out["graph_captures"] = sum(r.get("graph_captures", 0) for r in rows)
+    # the steps in which Triton compiled a kernel (fastrag.kernels.compiles), the first 20 with their wall
+    comp = [r for r in rows if r.get("compiles")]
+    out["triton_compiles"] = sum(len(r["compiles"]) for r in comp)
+    out["steps_with_compiles"] = [{"step": r.get("step"), "kernels": list(r["compiles"]),
+                                   "step_ms": 1e3 * r["step_s"] if "step_s" in r else None} for r in comp[:20]]
     # the run's tail: steps that decoded fewer than 16 sequences (the weights read for a handful of tokens)
     small = [r for r in timed if 0 < r.get("decode_batch", 0) < 16]
     out["steps_under_16_sequences"] = len(small)

@@ -229,9 +229,14 @@ class Scheduler:
         # with workers, groups: a step's texts are gathered as in lockstep and sent to the workers together, but the
         # step does not wait for them; the group comes back whole (its questions' next requests start in the same
         # step, as in lockstep) at the first step after the last of its texts is done, and meanwhile the device
-        # decodes the other questions (None: $FASTRAG_TEXT_GROUPS, default off)
+        # decodes the other questions. None: $FASTRAG_TEXT_GROUPS, and where that is unset groups unless lockstep
+        # is on. The default since the H200 of 2026-11-27: 8 workers in groups took 17.05 s against 18.51 s without
+        # workers (128 DRAGIN questions), where free-running workers were slower than none on 2026-11-25; False
+        # (or $FASTRAG_TEXT_GROUPS=0): free-running, each text back to its question whenever it is done
         if text_groups is None:
             text_groups = text_groups_requested()
+            if text_groups is None:
+                text_groups = self.text_workers > 0 and not self.text_lockstep
         self.text_groups = bool(text_groups)
         if self.text_groups and self.text_lockstep:
             raise ValueError("text_lockstep and text_groups are two ways to send a step's texts to the workers; "

@@ -17,3 +17,11 @@ def env_switch(name: str) -> bool:
     if raw in _ON:
         return True
     raise ValueError(f"${name}={os.environ[name]!r}: expected 1 or 0")
+
+
+def env_setting(name: str) -> bool | None:
+    """$name as a switch that may be left unset: None when unset or blank (the caller's default), else as
+    env_switch reads it."""
+    if not os.environ.get(name, "").strip():
+        return None
+    return env_switch(name)

@@ -277,6 +277,20 @@ def test_the_e2e_header_says_where_the_texts_ran():
     assert be.text_line([{}]) == "" and be.text_line([]) == ""
 
 
+def test_the_compiles_line_names_the_kernels_and_the_steps_they_stopped():
+    be = load("bench_e2e")
+    assert be.compiles_line([{"triton_compiles": {"hooked": True, "count": 0, "kernels": {}}}]) == \
+        "- Triton compiles in the timed run: 0\n"
+    m = {"triton_compiles": {"hooked": True, "count": 3, "kernels": {"norm": 1, "paged_prefill": 2}},
+         "step_trace": {"steps_with_compiles": [{"step": 10, "kernels": ["paged_prefill"], "step_ms": 1545.5},
+                                                {"step": 75, "kernels": ["paged_prefill", "norm"], "step_ms": None}]}}
+    assert be.compiles_line([m]) == ("- Triton compiles in the timed run: 3 (paged_prefill x2, norm x1; "
+                                     "steps 10 (1546 ms), 75)\n")
+    off = be.compiles_line([{"triton_compiles": {"hooked": False, "why_not": "no Triton here", "count": 0}}])
+    assert off == "- Triton compiles in the timed run: not recorded (no Triton here)\n"
+    assert be.compiles_line([{}]) == "" and be.compiles_line([]) == ""
+
+
 def _only_fastrag_env(monkeypatch, **settings):
     for k in [k for k in os.environ if k.startswith("FASTRAG_")]:
         monkeypatch.delenv(k)
@@ -467,7 +481,8 @@ def test_bench_e2e_data_file_replaces_a_datasets_file(tmp_path):
 
 
 @pytest.mark.parametrize("script", ["bench_kernels", "bench_host", "bench_paged_attention", "bench_cpu_decode_step",
-                                    "bench_prefill_attention", "bench_prefill", "bench_decode", "bench_text_modes"])
+                                    "bench_prefill_attention", "bench_prefill", "bench_decode", "bench_text_modes",
+                                    "bench_pass_padding"])
 def test_every_table_writing_benchmark_takes_a_results_folder(script):
     """Each script that writes tables has --results (they wrote into benchmarks/results/ whatever the caller
     wanted, so a trial run overwrote the committed tables)."""
@@ -494,3 +509,41 @@ def test_results_folder_is_where_the_tables_go(tmp_path):
         assert p.returncode == 0, p.stderr[-2000:]
         assert (out / name).is_file(), list(out.iterdir())
     assert {p: p.stat().st_mtime_ns for p in (BENCH / "results").glob("*attention*")} == before
+
+
+def test_the_pass_padding_count_groups_the_passes_as_the_engine_does():
+    """bench_pass_padding.grouped_rows against Engine.attention_passes_launch's own forward calls (their B x T and
+    real rows) on random lengths and a small token budget."""
+    import random
+
+    from transformers import LlamaConfig
+
+    from engine_fakes import IntTok
+    from fastrag.engine import Engine
+    from fastrag.model.llama import LlamaModel
+
+    bp = load("bench_pass_padding")
+    assert bp.grouped_rows([[3, 5, 10]], 10) == (18, 20, 2)  # [3, 5] padded to 5, then [10]
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2)
+    eng = Engine(LlamaModel.from_hf_config(cfg, seed=0), IntTok(), kv_cache_gb=0.01, max_batch=8,
+                 max_prefill_tokens=64)
+    seen, depth = [], []
+    qk = eng.model.last_layer_qk
+
+    def spy(ids, lengths, *a):
+        if not depth:  # (last_layer_qk calls itself once inside its SDPA scope)
+            seen.append((ids.shape[0] * ids.shape[1], int(lengths.sum())))
+        depth.append(1)
+        try:
+            return qk(ids, lengths, *a)
+        finally:
+            depth.pop()
+
+    eng.model.last_layer_qk = spy
+    rng = random.Random()
+    calls = [[rng.randint(1, 40) for _ in range(rng.randint(1, 9))] for _ in range(4)]
+    for lens in calls:
+        eng.attention_passes([[rng.randrange(1, 60) for _ in range(n)] for n in lens], "colmax")
+    real, padded, forwards = bp.grouped_rows(calls, 64)
+    assert (real, padded, forwards) == (sum(r for _, r in seen), sum(p for p, _ in seen), len(seen))

@@ -160,7 +160,7 @@ def test_a_failing_self_check_falls_back_with_a_warning(monkeypatch):
     monkeypatch.setattr(llama, "lse_attention", broken)
     with pytest.warns(RuntimeWarning, match="without the cascade.*no such kernel here"):
         assert m.uses_cascade_prefill(torch.device(DEV), torch.float32) is False
-    key = f"{torch.device(DEV)} float32"
+    key = llama.self_check_key(DEV, torch.float32)
     assert m.cascade_checks[key].startswith("off: RuntimeError: no such kernel here")
     m2 = _model(6, 2, True)
 

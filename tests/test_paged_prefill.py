@@ -17,6 +17,7 @@ import torch
 from test_paged_attention_triton import DEV, DTYPES, pytestmark  # noqa: F401
 
 from fastrag.kernels.paged_prefill import paged_prefill_attention, prefill_layout  # noqa: E402
+from fastrag.model.llama import LlamaModel, self_check_key  # noqa: E402
 from fastrag.signals.reference import paged_prefill_ref  # noqa: E402
 
 
@@ -243,8 +244,7 @@ def test_the_kernel_is_what_the_prefill_calls(monkeypatch):
     """With the switch on, a packed prefill's attention is one kernel call per layer, whatever the prefixes."""
     m = _model(monkeypatch, True, seed=5)
     calls = _spy_on_the_kernel(m)
-    # (its self-check passed already: on a GPU both "cuda" and the tensors' "cuda:0")
-    m.paged_prefill_checks = {f"{d} float32": "on" for d in (torch.device(DEV), m.embed.weight.device)}
+    m.paged_prefill_checks = {self_check_key(DEV, torch.float32): "on"}  # (its self-check passed already)
     _generate(m, [list(range(20, 52)) + [1, 2, 3], [9, 8, 7, 6]], [list(range(20, 52))], [2, 2])
     # per layer (2): the prefix's own 32 tokens, then both prompts' new tokens in one call, then the second round's
     assert calls[:4] == [32, 32, 3 + 4, 3 + 4] and len(calls) == 6 and calls[4] == calls[5]
@@ -273,9 +273,29 @@ def test_a_failed_self_check_falls_back_with_a_warning(monkeypatch, broken, reas
     m.paged_prefill = Broken()
     with pytest.warns(RuntimeWarning, match="without the paged kernel"):
         assert m.uses_paged_prefill(torch.device(DEV), torch.float32) is False
-    assert m.paged_prefill_checks[f"{torch.device(DEV)} float32"].startswith(reason)
+    assert m.paged_prefill_checks[self_check_key(DEV, torch.float32)].startswith(reason)
     out, _ = _generate(m, [list(range(20, 40)) + [1, 2]], [list(range(20, 40))], [3])
     assert len(out[0][0][0]) == 3
+
+
+def test_a_self_check_runs_once_per_physical_device_and_dtype(monkeypatch):
+    """"cuda" and the tensors' "cuda:0" are one device: its self-check runs once (a second run inside the first
+    prefill was counted as one of its kernel calls on an H200, 2026-11-27); another index or dtype is checked anew.
+    torch.device("cuda") needs no GPU, and the current device is set here."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    ran, checks = [], {}
+
+    def check(device, dtype):
+        ran.append((str(device), dtype))
+        return "on"
+
+    for dev in ("cuda", "cuda:1", torch.device("cuda"), "cuda", "cuda:0", "cpu", "cpu"):
+        for dtype in (torch.float32, torch.bfloat16):
+            assert LlamaModel._self_checked(checks, check, torch.device(dev), dtype, "fallback") is True
+    assert sorted(checks) == ["cpu bfloat16", "cpu float32", "cuda:0 bfloat16", "cuda:0 float32",
+                              "cuda:1 bfloat16", "cuda:1 float32"]
+    assert len(ran) == 6  # once per key: "cuda" was "cuda:1" here
+    assert self_check_key("cuda", torch.float16) == "cuda:1 float16"
 
 
 def test_on_for_cuda_tensors_by_default_and_an_unknown_setting_is_named(monkeypatch):
@@ -303,25 +323,39 @@ def test_on_for_cuda_tensors_by_default_and_an_unknown_setting_is_named(monkeypa
 
 
 @pytest.mark.parametrize("T", [7, 16, 37])
-def test_attention_passes_through_the_kernel_equal_the_masked_call(monkeypatch, T):
+@pytest.mark.parametrize("packed", [False, True])
+def test_attention_passes_through_the_kernel_equal_the_masked_call(monkeypatch, T, packed):
     """DRAGIN's cache-free attention passes (`last_layer_qk`, the fused small operations: the GPU's path) with the
     paged prefill kernel as each layer's attention, against the masked call: the last layer's q and k of every real
     row agree, for sequences padded to T tokens (T a block multiple or not); the kernel runs once per layer before
-    the last."""
+    the last, over all B x T rows, or with the host lengths (packed) over the real rows only, q and k zero past
+    them."""
     g = torch.Generator().manual_seed(random.randrange(2**31))
-    lens = torch.tensor([T, max(1, T - 5), 1]).to(DEV)
+    n_mid = random.randint(1, T)
+    lens = torch.tensor([T, n_mid, 1]).to(DEV)
     ids = torch.randint(1, 90, (3, T), generator=g).to(DEV)
     m_off = _model(monkeypatch, False, seed=7, fused=True)
     q_off, k_off = m_off.last_layer_qk(ids, lens)
     m_on = _model(monkeypatch, True, seed=7, fused=True)
-    assert m_on.uses_paged_prefill(torch.device(DEV), torch.float32)
+    assert m_on.uses_paged_prefill(ids.device, torch.float32)
     calls = _spy_on_the_kernel(m_on)
-    q_on, k_on = m_on.last_layer_qk(ids, lens)
-    assert calls == [3 * T] * (len(m_on.layers) - 1)
+    q_on, k_on = m_on.last_layer_qk(ids, lens, lens.tolist() if packed else None)
+    assert calls == [T + n_mid + 1 if packed else 3 * T] * (len(m_on.layers) - 1)
     assert q_on.shape == q_off.shape and k_on.shape == k_off.shape
     for b, n in enumerate(lens.tolist()):
         torch.testing.assert_close(q_on[b, :, :n], q_off[b, :, :n], rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(k_on[b, :, :n], k_off[b, :, :n], rtol=1e-4, atol=1e-5)
+        if packed:
+            assert not q_on[b, :, n:].any() and not k_on[b, :, n:].any()
+
+
+def test_packed_attention_passes_refuse_lengths_that_do_not_fit(monkeypatch):
+    m = _model(monkeypatch, True, seed=7, fused=True)
+    ids = torch.randint(1, 90, (2, 5)).to(DEV)
+    lens = torch.tensor([5, 3]).to(DEV)
+    for bad in ([5], [5, 0], [6, 3]):
+        with pytest.raises(ValueError, match="host_lengths must give each of the 2 sequences a length in 1..5"):
+            m.last_layer_qk(ids, lens, bad)
 
 
 def test_the_engines_attention_passes_are_the_same_through_the_kernel(monkeypatch):

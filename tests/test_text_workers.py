@@ -11,6 +11,7 @@ import json
 import os
 import random
 import signal
+import time
 import warnings
 
 import pytest
@@ -169,9 +170,12 @@ def _decisions(res):
 
 
 @pytest.mark.parametrize("overlap", [False, True])
-def test_a_run_with_text_workers_decides_as_one_without(model, pool, overlap):
+@pytest.mark.parametrize("groups", [None, False])
+def test_a_run_with_text_workers_decides_as_one_without(model, pool, overlap, groups):
+    """Workers in their default mode (groups) and free-running: the same decisions as without workers."""
     here, s0 = _schedule(model, 0)
-    there, s1 = _schedule(model, pool, overlap=overlap)
+    there, s1 = _schedule(model, pool, overlap=overlap, text_groups=groups)
+    assert s1.text_groups == (groups is None)
     assert len(here) == 8 and all(r.error is None for r in here.values())
     assert _decisions(here) == _decisions(there)
     assert s0.text_requests == 0 and s1.text_requests > 3 * 8  # every text went to the workers
@@ -243,9 +247,10 @@ def test_text_workers_argument_is_checked(model):
     assert Scheduler(eng, Retriever(), policy, overlap=True, text_workers=2).text_workers == 2
 
 
-def test_closing_with_texts_at_the_workers(model):
-    """close() while texts are out: the workers stop, nothing raises, and a later run starts them again and
-    finishes the question that was waiting."""
+@pytest.mark.parametrize("groups", [False, True])
+def test_closing_with_texts_at_the_workers(model, groups):
+    """close() while texts are out (free-running, or a group: the default): the workers stop, nothing raises, and
+    a later run starts them again and finishes the question that was waiting."""
 
     def pol(ex):
         sents = yield Sentences(" ".join(TEXTS[:6]))
@@ -254,14 +259,19 @@ def test_closing_with_texts_at_the_workers(model):
         return res
 
     eng = Engine(model, Tok(), kv_cache_gb=0.02, max_batch=4)
-    sched = Scheduler(eng, Retriever(), pol, text_workers=1)
+    sched = Scheduler(eng, Retriever(), pol, text_workers=1, text_groups=None if groups else False)
+    assert sched.text_groups == groups
+    deadline = time.monotonic() + 120
+    while groups and sched._ready_pool() is None:  # (a group goes out once a worker has loaded its pipeline)
+        assert time.monotonic() < deadline, "the text worker did not load its pipeline in 120 s"
+        time.sleep(0.05)
     out = []
     sched.submit(Ex("0", "1 2"), out.append)
     sched.step()
-    assert sched._texts and sched.text_pool is not None
+    assert (sched._text_groups if groups else sched._texts) and sched.text_pool is not None
     pids = sched.text_pool.pids()
     sched.close()
-    assert sched.text_pool is None and not sched._texts
+    assert sched.text_pool is None and not sched._texts and not sched._text_groups
     for pid in pids:  # the worker processes are gone (reaped)
         with pytest.raises(ChildProcessError):
             os.waitpid(pid, os.WNOHANG)
@@ -592,7 +602,19 @@ def test_the_groups_switch(model, monkeypatch):
     eng = Engine(model, Tok(), kv_cache_gb=0.02, max_batch=4)
     monkeypatch.delenv(TEXT_GROUPS_ENV, raising=False)
     monkeypatch.delenv(TEXT_LOCKSTEP_ENV, raising=False)
+    # unset: groups wherever there are workers and lockstep is not asked for
+    assert Scheduler(eng, Retriever(), policy, text_workers=2).text_groups
+    assert not Scheduler(eng, Retriever(), policy, text_workers=0).text_groups
+    assert not Scheduler(eng, Retriever(), policy).text_groups
+    lock = Scheduler(eng, Retriever(), policy, text_workers=2, text_lockstep=True)
+    assert lock.text_lockstep and not lock.text_groups
+    monkeypatch.setenv(TEXT_LOCKSTEP_ENV, "1")
     assert not Scheduler(eng, Retriever(), policy, text_workers=2).text_groups
+    monkeypatch.delenv(TEXT_LOCKSTEP_ENV)
+    for off in ("0", " off "):  # free-running
+        monkeypatch.setenv(TEXT_GROUPS_ENV, off)
+        free = Scheduler(eng, Retriever(), policy, text_workers=2)
+        assert not free.text_groups and not free.text_lockstep
     monkeypatch.setenv(TEXT_GROUPS_ENV, "1")
     assert Scheduler(eng, Retriever(), policy, text_workers=2).text_groups
     assert not Scheduler(eng, Retriever(), policy, text_workers=2, text_groups=False).text_groups

@@ -531,6 +531,17 @@ def apply_rope(x, cos, sin):
     return x * cos.unsqueeze(1) + rot * sin.unsqueeze(1)
 
 
+def self_check_key(device, dtype: torch.dtype) -> str:
+    """The key of a self-check's verdict: one per physical device and dtype. A CUDA device named without its index
+    ("cuda") is the current one ("cuda:0"), so a check asked for with torch.device("cuda") and the tensors' own
+    "cuda:0" runs once, not twice (the second run came inside the first prefill: a GPU run of 2026-11-27 counted it
+    as a kernel call of the prefill)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return f"{device} {str(dtype).removeprefix('torch.')}"
+
+
 class LlamaModel(nn.Module):
     def __init__(self, c: ModelConfig, inv_freq: torch.Tensor, attention_scaling: float = 1.0):
         super().__init__()
@@ -760,7 +771,7 @@ class LlamaModel(nn.Module):
     def _self_checked(checks: dict[str, str], check, device: torch.device, dtype: torch.dtype, fallback: str) -> bool:
         """Whether a path passed its self-check `check(device, dtype)` ("on", else "off: why"), run once per device
         and dtype and kept in `checks`; a failure warns once, naming the `fallback` taken instead."""
-        key = f"{torch.device(device)} {str(dtype).removeprefix('torch.')}"
+        key = self_check_key(device, dtype)
         if key not in checks:
             checks[key] = check(torch.device(device), dtype)
             if checks[key] != "on":
@@ -1029,21 +1040,27 @@ class LlamaModel(nn.Module):
         out.sort(key=lambda x: x[0][0])
         return out
 
-    def last_layer_qk(self, ids, lengths):
+    def last_layer_qk(self, ids, lengths, host_lengths: list[int] | None = None):
         """A cache-free causal pass over ids: [B, T] (padded, positions from 0) that stops at the last layer.
 
         Returns q: [B, H, T, D] and k: [B, Hkv, T, D] of the last layer (what the RIND and QFS signals need);
-        no logits are computed.
+        no logits are computed. Only each sequence's first lengths[b] rows are meaningful. host_lengths (the same
+        lengths as a host list, optional): through the paged prefill kernel only those rows are computed (packed),
+        and q and k are zero past them.
         """
         if not getattr(_SCOPE, "on", False):  # its masked SDPA calls in one backend scope
             with sdpa_scope():
-                return self.last_layer_qk(ids, lengths)
+                return self.last_layer_qk(ids, lengths, host_lengths)
         B, T = ids.shape
-        pos = torch.arange(T, device=ids.device).expand(B, T)
-        cos, sin = self.rope(pos)
         fused = self.uses_fused_prefill(ids.device)
         if fused and self.uses_paged_prefill(ids.device, self.embed.weight.dtype):  # (no mask: the kernel is causal)
+            if host_lengths is not None:
+                return self._last_layer_qk_packed(ids, host_lengths)
+            pos = torch.arange(T, device=ids.device).expand(B, T)
+            cos, sin = self.rope(pos)
             return self._last_layer_qk_fused(self.embed(ids), cos, sin, None)
+        pos = torch.arange(T, device=ids.device).expand(B, T)
+        cos, sin = self.rope(pos)
         valid = pos < lengths.to(ids.device).unsqueeze(1)
         causal = torch.ones(T, T, dtype=torch.bool, device=ids.device).tril()
         mask = (causal.unsqueeze(0) & valid.unsqueeze(1)).unsqueeze(1)  # [B, 1, T, T]
@@ -1056,6 +1073,43 @@ class LlamaModel(nn.Module):
             x = layer.mlp(x + layer.o(o.transpose(1, 2).reshape(B, T, -1)))
         q, k, _ = self.layers[-1].project_qk(x, cos, sin)
         return q, k
+
+    def _last_layer_qk_packed(self, ids, lens: list[int]):
+        """last_layer_qk through the paged prefill kernel over the real rows only: sequence b's first lens[b] rows,
+        packed (sum(lens) rows through every layer, where the padded call computes B x T). The scratch pool keeps
+        the padded call's layout (sequence b from slot b * Tp, T rounded up to a 16-slot block), and the last
+        layer's q is put back in [B, H, T, D] with zeros past each length, as k is."""
+        B, T = ids.shape
+        if len(lens) != B or any(not 0 < n <= T for n in lens):
+            raise ValueError(f"host_lengths must give each of the {B} sequences a length in 1..{T}, got {lens}")
+        fd, c = self.fused_decode, self.c
+        H, Hkv, D, bs = c.num_heads, c.num_kv_heads, c.head_dim, 16
+        nb = -(-T // bs)
+        tp = nb * bs
+        t = np.concatenate([np.arange(n) for n in lens])
+        b = np.repeat(np.arange(B), lens)
+        dev = ids.device
+        rows = to_device(torch.from_numpy(b * T + t), dev)  # each real row in the [B * T] padded order
+        slots = to_device(torch.from_numpy(b * tp + t), dev)
+        pos = to_device(torch.from_numpy(t), dev)
+        table = to_device(torch.arange(B * nb).view(B, nb), dev)
+        paged = self.paged_prefill.prefill_layout(list(lens), list(lens), [(0, 0)] * B, slots[:1], table, bs)
+        x = self.embed(ids.reshape(-1).index_select(0, rows))  # [M, hidden]
+        cos, sin = self.rope(pos.unsqueeze(0))
+        cos, sin = cos[0], sin[0]  # [M, D]
+        ks = torch.zeros(Hkv, B * tp, D, dtype=x.dtype, device=dev)  # (zero past each length, read by no query)
+        vs = torch.empty_like(ks)
+        delta = None
+        for li, layer in enumerate(self.layers):
+            x, h = fd.add_rms_norm(x, delta, layer.input_layernorm.weight, layer.input_layernorm.eps)
+            q = fd.rope_write_kv(layer.qkv(h), cos, sin, slots, ks, vs, H, Hkv)  # [M, H, D]
+            if li == len(self.layers) - 1:
+                qo = q.new_zeros(B * T, H, D).index_copy_(0, rows, q)
+                return qo.view(B, T, H, D).transpose(1, 2), ks.view(Hkv, B, tp, D)[:, :, :T].transpose(0, 1)
+            o = self.paged_prefill.paged_prefill_attention(q, ks, vs, paged, self.scale).view(q.shape[0], -1)
+            x, h = fd.add_rms_norm(x, layer.o(o), layer.post_attention_layernorm.weight,
+                                   layer.post_attention_layernorm.eps)
+            delta = layer.down(fd.silu_mul(layer.gate_up(h)))
 
     def _last_layer_qk_fused(self, x, cos, sin, mask):
         """last_layer_qk with the fused small operations over its B x T rows. The rotary + KV-write kernel writes

@@ -28,7 +28,7 @@ import threading
 from concurrent.futures import Future
 from concurrent.futures.process import BrokenProcessPool
 
-from fastrag.switches import env_switch
+from fastrag.switches import env_setting, env_switch
 
 # what a worker can compute: kind -> (module, function) of one text
 KINDS = {"sentences": ("fastrag.text.sentences", "split_sentences"),
@@ -52,9 +52,10 @@ def text_lockstep_requested() -> bool:
     return env_switch(TEXT_LOCKSTEP_ENV)
 
 
-def text_groups_requested() -> bool:
-    """$FASTRAG_TEXT_GROUPS (Scheduler(text_groups=None); fastrag.switches.env_switch)."""
-    return env_switch(TEXT_GROUPS_ENV)
+def text_groups_requested() -> bool | None:
+    """$FASTRAG_TEXT_GROUPS (Scheduler(text_groups=None)): 1 groups, 0 free-running workers, unset None (the
+    scheduler's default: groups unless lockstep is asked for); fastrag.switches.env_setting."""
+    return env_setting(TEXT_GROUPS_ENV)
 
 
 _HEADER = struct.Struct("<Q")
@@ -334,6 +335,10 @@ class TextPool:
 
     def __del__(self):  # a pool nobody shut down must not leave processes behind
         try:
+            if sys.is_finalizing():  # (its reader threads may hold the pipes' locks: stop the processes only)
+                for w in self._workers:
+                    w.proc.kill()
+                return
             self.shutdown()
         except Exception:  # noqa: BLE001  (interpreter teardown)
             pass
