@@ -1082,7 +1082,7 @@ class LlamaModel(nn.Module):
         B, T = ids.shape
         if len(lens) != B or any(not 0 < n <= T for n in lens):
             raise ValueError(f"host_lengths must give each of the {B} sequences a length in 1..{T}, got {lens}")
-        fd, c = self.fused_decode, self.c
+        c = self.c
         H, Hkv, D, bs = c.num_heads, c.num_kv_heads, c.head_dim, 16
         nb = -(-T // bs)
         tp = nb * bs
@@ -1099,15 +1099,23 @@ class LlamaModel(nn.Module):
         cos, sin = cos[0], sin[0]  # [M, D]
         ks = torch.zeros(Hkv, B * tp, D, dtype=x.dtype, device=dev)  # (zero past each length, read by no query)
         vs = torch.empty_like(ks)
+        q = self._qk_layers(x, cos, sin, slots, ks, vs, lambda q: self.paged_prefill.paged_prefill_attention(
+            q, ks, vs, paged, self.scale).view(q.shape[0], -1))
+        qo = q.new_zeros(B * T, H, D).index_copy_(0, rows, q)
+        return qo.view(B, T, H, D).transpose(1, 2), ks.view(Hkv, B, tp, D)[:, :, :T].transpose(0, 1)
+
+    def _qk_layers(self, x, cos, sin, slots, ks, vs, attend):
+        """The fused small operations' layers over x [M, hidden] up to the last layer's q [M, H, D] (returned):
+        each layer writes its keys and values to `slots` of the scratch pair ks, vs [Hkv, slots, D] and attends
+        with `attend(q)` -> [M, H * D]."""
+        fd, c = self.fused_decode, self.c
         delta = None
         for li, layer in enumerate(self.layers):
             x, h = fd.add_rms_norm(x, delta, layer.input_layernorm.weight, layer.input_layernorm.eps)
-            q = fd.rope_write_kv(layer.qkv(h), cos, sin, slots, ks, vs, H, Hkv)  # [M, H, D]
+            q = fd.rope_write_kv(layer.qkv(h), cos, sin, slots, ks, vs, c.num_heads, c.num_kv_heads)  # [M, H, D]
             if li == len(self.layers) - 1:
-                qo = q.new_zeros(B * T, H, D).index_copy_(0, rows, q)
-                return qo.view(B, T, H, D).transpose(1, 2), ks.view(Hkv, B, tp, D)[:, :, :T].transpose(0, 1)
-            o = self.paged_prefill.paged_prefill_attention(q, ks, vs, paged, self.scale).view(q.shape[0], -1)
-            x, h = fd.add_rms_norm(x, layer.o(o), layer.post_attention_layernorm.weight,
+                return q
+            x, h = fd.add_rms_norm(x, layer.o(attend(q)), layer.post_attention_layernorm.weight,
                                    layer.post_attention_layernorm.eps)
             delta = layer.down(fd.silu_mul(layer.gate_up(h)))
 
@@ -1121,7 +1129,7 @@ class LlamaModel(nn.Module):
         16-slot blocks, sequence b's T rows from slot b * Tp (T rounded up to a block). Every row, padding included,
         attends causally to its own sequence's rows up to itself, so a real row sees exactly the keys the mask
         leaves it."""
-        fd, c = self.fused_decode, self.c
+        c = self.c
         B, T, _ = x.shape
         M, H, Hkv, D = B * T, c.num_heads, c.num_kv_heads, c.head_dim
         x, cos, sin = x.reshape(M, -1), cos.reshape(M, D), sin.reshape(M, D)
@@ -1139,21 +1147,16 @@ class LlamaModel(nn.Module):
             slots = torch.arange(M, device=x.device)
             ks = torch.empty(Hkv, M, D, dtype=x.dtype, device=x.device)
         vs = torch.empty_like(ks)
-        delta = None
-        for li, layer in enumerate(self.layers):
-            x, h = fd.add_rms_norm(x, delta, layer.input_layernorm.weight, layer.input_layernorm.eps)
-            q = fd.rope_write_kv(layer.qkv(h), cos, sin, slots, ks, vs, H, Hkv)  # [M, H, D]
-            if li == len(self.layers) - 1:
-                return q.view(B, T, H, D).transpose(1, 2), ks.view(Hkv, B, tp, D)[:, :, :T].transpose(0, 1)
+
+        def attend(q):
             if paged is not None:
-                o = self.paged_prefill.paged_prefill_attention(q, ks, vs, paged, self.scale).view(M, -1)
-            else:
-                q = q.view(B, T, H, D).transpose(1, 2)
-                o = masked_attention(q, ks.view(Hkv, B, T, D).transpose(0, 1), vs.view(Hkv, B, T, D).transpose(0, 1),
-                                     mask, expand=self.gqa_expand(q.device)).transpose(1, 2).reshape(M, -1)
-            x, h = fd.add_rms_norm(x, layer.o(o), layer.post_attention_layernorm.weight,
-                                   layer.post_attention_layernorm.eps)
-            delta = layer.down(fd.silu_mul(layer.gate_up(h)))
+                return self.paged_prefill.paged_prefill_attention(q, ks, vs, paged, self.scale).view(M, -1)
+            q = q.view(B, T, H, D).transpose(1, 2)
+            return masked_attention(q, ks.view(Hkv, B, T, D).transpose(0, 1), vs.view(Hkv, B, T, D).transpose(0, 1),
+                                    mask, expand=self.gqa_expand(q.device)).transpose(1, 2).reshape(M, -1)
+
+        q = self._qk_layers(x, cos, sin, slots, ks, vs, attend)
+        return q.view(B, T, H, D).transpose(1, 2), ks.view(Hkv, B, tp, D)[:, :, :T].transpose(0, 1)
 
     def _ctx_mask(self, b: AttnBatch):
         """[B, 1, T, S] causal + padding mask of new tokens over the per-sequence context part."""
