@@ -199,7 +199,6 @@ def prefill_line(metrics: list[dict]) -> str:
             f"(self-check {checks(pa.get('checks', {}))}){tried}\n")
 
 
-
 def compiles_line(metrics: list[dict]) -> str:
     """The header line on the Triton compiles inside the engine's clock (the first metrics.json's figures:
     fastrag.kernels.compiles), by kernel with the steps they stopped; "" when the run does not say."""
@@ -215,10 +214,11 @@ def compiles_line(metrics: list[dict]) -> str:
     return f"- Triton compiles in the timed run: {tc.get('count', 0)}" + (f" ({kernels}{where})" if kernels else "") \
         + "\n"
 
+
 def text_line(metrics: list[dict]) -> str:
     """The header line on where the methods' spaCy texts ran (the first metrics.json's figures): the scheduler's
-    thread, or N worker processes free-running, in lockstep ($FASTRAG_TEXT_LOCKSTEP) or in groups
-    ($FASTRAG_TEXT_GROUPS); "" when the run does not say."""
+    thread, or N worker processes in groups (their default), free-running ($FASTRAG_TEXT_GROUPS=0) or in lockstep
+    ($FASTRAG_TEXT_LOCKSTEP=1); "" when the run does not say."""
     tw = metrics[0].get("text_workers") if metrics else None
     if not tw:
         return ""

@@ -740,6 +740,9 @@ def _run_many(runs: list[RunOptions], engine=None, retriever=None) -> list[dict]
                                                 "paged_checks": dict(engine.model.paged_prefill_checks)}
             # Triton compiles (JIT cache misses) between the clock's start and the end of the run, by kernel: each
             # stops the host for about a second (fastrag.kernels.compiles)
+            if compile_log is None:  # (no question computed: nothing ran inside the clock)
+                compile_log = triton_compile_log()
+                compile_mark = compile_log.mark() if compile_log is not None else 0
             metrics["triton_compiles"] = compile_log.report(compile_mark) if compile_log is not None else \
                 {"hooked": False, "why_not": "no Triton here", "count": 0, "kernels": {}}
             graphs = getattr(engine, "graphs", None)
