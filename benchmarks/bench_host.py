@@ -346,7 +346,7 @@ def main() -> int:
         "host's cost of those dispatches on this CPU, median. The attention-pass rows count DRAGIN's cache-free pass "
         "(`last_layer_qk`: 4 sequences of 20-120 tokens padded to the longest, stopping at the last layer's q and k) "
         "and time it at those lengths; packed rows: only each sequence's real rows go through the layers (the "
-        "engine's call, with the host lengths), one more fixed operation and the same per layer.", "",
+        "engine's call, with the host lengths), which put the last layer's q back in place.", "",
         "| attention | per layer | fixed | at 32 layers | host ms at 32 layers |", "|---|---|---|---|---|",
         *(f"| {name} | {v['per_layer']:.0f} | {v['fixed']:.0f} | {v['at_32_layers']:.0f} | {v['ms_32_layers']:.1f} |"
           for name, v in ops.items()), "",

@@ -1054,11 +1054,8 @@ class LlamaModel(nn.Module):
         B, T = ids.shape
         fused = self.uses_fused_prefill(ids.device)
         if fused and self.uses_paged_prefill(ids.device, self.embed.weight.dtype):  # (no mask: the kernel is causal)
-            if host_lengths is not None:
-                return self._last_layer_qk_packed(ids, host_lengths)
-            pos = torch.arange(T, device=ids.device).expand(B, T)
-            cos, sin = self.rope(pos)
-            return self._last_layer_qk_fused(self.embed(ids), cos, sin, None)
+            # (without the host lengths every row goes through, padding included: nothing waits for the device)
+            return self._last_layer_qk_paged(ids, [T] * B if host_lengths is None else host_lengths)
         pos = torch.arange(T, device=ids.device).expand(B, T)
         cos, sin = self.rope(pos)
         valid = pos < lengths.to(ids.device).unsqueeze(1)
@@ -1074,11 +1071,13 @@ class LlamaModel(nn.Module):
         q, k, _ = self.layers[-1].project_qk(x, cos, sin)
         return q, k
 
-    def _last_layer_qk_packed(self, ids, lens: list[int]):
-        """last_layer_qk through the paged prefill kernel over the real rows only: sequence b's first lens[b] rows,
-        packed (sum(lens) rows through every layer, where the padded call computes B x T). The scratch pool keeps
-        the padded call's layout (sequence b from slot b * Tp, T rounded up to a 16-slot block), and the last
-        layer's q is put back in [B, H, T, D] with zeros past each length, as k is."""
+    def _last_layer_qk_paged(self, ids, lens: list[int]):
+        """last_layer_qk with the fused small operations and the paged prefill kernel as each layer's attention, one
+        launch a layer without a mask, over sequence b's first lens[b] rows only, packed (sum(lens) rows through
+        every layer; lens [T] * B: all B x T). The keys sit in a scratch pool of 16-slot blocks, sequence b from
+        slot b * Tp (T rounded up to a block), and every row attends causally within its own sequence, so a real
+        row sees exactly the keys a masked call leaves it. The last layer's q is put back in [B, H, T, D] with
+        zeros past each length, as k is."""
         B, T = ids.shape
         if len(lens) != B or any(not 0 < n <= T for n in lens):
             raise ValueError(f"host_lengths must give each of the {B} sequences a length in 1..{T}, got {lens}")
@@ -1101,8 +1100,9 @@ class LlamaModel(nn.Module):
         vs = torch.empty_like(ks)
         q = self._qk_layers(x, cos, sin, slots, ks, vs, lambda q: self.paged_prefill.paged_prefill_attention(
             q, ks, vs, paged, self.scale).view(q.shape[0], -1))
-        qo = q.new_zeros(B * T, H, D).index_copy_(0, rows, q)
-        return qo.view(B, T, H, D).transpose(1, 2), ks.view(Hkv, B, tp, D)[:, :, :T].transpose(0, 1)
+        if q.shape[0] < B * T:  # (all rows: already in place)
+            q = q.new_zeros(B * T, H, D).index_copy_(0, rows, q)
+        return q.view(B, T, H, D).transpose(1, 2), ks.view(Hkv, B, tp, D)[:, :, :T].transpose(0, 1)
 
     def _qk_layers(self, x, cos, sin, slots, ks, vs, attend):
         """The fused small operations' layers over x [M, hidden] up to the last layer's q [M, H, D] (returned):
@@ -1120,43 +1120,24 @@ class LlamaModel(nn.Module):
             delta = layer.down(fd.silu_mul(layer.gate_up(h)))
 
     def _last_layer_qk_fused(self, x, cos, sin, mask):
-        """last_layer_qk with the fused small operations over its B x T rows. The rotary + KV-write kernel writes
-        each row's keys and values to a scratch [Hkv, slots, D] pair, which the layer's attention then reads; the
-        padding rows go through too (their outputs are never read).
-
-        mask [B, 1, T, T]: the attention is one masked call over [B, Hkv, T, D] views (row r in slot r). mask None:
-        it is the paged prefill kernel, one launch a layer without a mask, the scratch seen as a paged pool of
-        16-slot blocks, sequence b's T rows from slot b * Tp (T rounded up to a block). Every row, padding included,
-        attends causally to its own sequence's rows up to itself, so a real row sees exactly the keys the mask
-        leaves it."""
+        """last_layer_qk with the fused small operations over its B x T rows and one masked attention call a layer
+        (mask [B, 1, T, T]). The rotary + KV-write kernel writes each row's keys and values to a scratch
+        [Hkv, B * T, D] pair (row r in slot r), which the layer's attention reads as [B, Hkv, T, D] views; the
+        padding rows go through too (their outputs are never read)."""
         c = self.c
         B, T, _ = x.shape
         M, H, Hkv, D = B * T, c.num_heads, c.num_kv_heads, c.head_dim
         x, cos, sin = x.reshape(M, -1), cos.reshape(M, D), sin.reshape(M, D)
-        paged = None
-        if mask is None:
-            bs = 16
-            nb = -(-T // bs)
-            tp = nb * bs
-            slots = to_device((torch.arange(B)[:, None] * tp + torch.arange(T)).reshape(-1), x.device)
-            table = to_device(torch.arange(B * nb).view(B, nb), x.device)
-            paged = self.paged_prefill.prefill_layout([T] * B, [T] * B, [(0, 0)] * B, slots[:1], table, bs)
-            ks = torch.empty(Hkv, B * tp, D, dtype=x.dtype, device=x.device)
-        else:
-            tp = T
-            slots = torch.arange(M, device=x.device)
-            ks = torch.empty(Hkv, M, D, dtype=x.dtype, device=x.device)
+        ks = torch.empty(Hkv, M, D, dtype=x.dtype, device=x.device)
         vs = torch.empty_like(ks)
 
         def attend(q):
-            if paged is not None:
-                return self.paged_prefill.paged_prefill_attention(q, ks, vs, paged, self.scale).view(M, -1)
             q = q.view(B, T, H, D).transpose(1, 2)
             return masked_attention(q, ks.view(Hkv, B, T, D).transpose(0, 1), vs.view(Hkv, B, T, D).transpose(0, 1),
                                     mask, expand=self.gqa_expand(q.device)).transpose(1, 2).reshape(M, -1)
 
-        q = self._qk_layers(x, cos, sin, slots, ks, vs, attend)
-        return q.view(B, T, H, D).transpose(1, 2), ks.view(Hkv, B, tp, D)[:, :, :T].transpose(0, 1)
+        q = self._qk_layers(x, cos, sin, torch.arange(M, device=x.device), ks, vs, attend)
+        return q.view(B, T, H, D).transpose(1, 2), ks.view(Hkv, B, T, D).transpose(0, 1)
 
     def _ctx_mask(self, b: AttnBatch):
         """[B, 1, T, S] causal + padding mask of new tokens over the per-sequence context part."""
