@@ -180,6 +180,28 @@ def graphs_line(metrics: list[dict]) -> str:
                else "as wide as the step's longest context, rounded up to a power of two\n"))
 
 
+def prefill_graphs_line(metrics: list[dict]) -> str:
+    """The header lines on the prefills and the attention passes replayed from CUDA graphs
+    ($FASTRAG_PREFILL_GRAPHS, $FASTRAG_PASS_GRAPHS), or "" without them."""
+    out = ""
+    for key, title, calls in (("prefill_graphs", "Prefill graphs", "prefills"),
+                              ("pass_graphs", "Attention-pass graphs", "pass calls")):
+        p = metrics[0].get(key) if metrics else None
+        if not p:
+            continue
+        off = f"; turned off: {p['disabled']}" if p.get("disabled") else ""
+        if not p.get("applies"):
+            out += (f"- {title}: none replayed (the model does not attend through the paged kernel with the fused "
+                    f"small operations here{off})\n")
+            continue
+        ahead = p.get("captured_ahead", 0)
+        out += (f"- {title} (calls of up to {p['max_seqs']} sequences and {p['token_buckets'][-1]} tokens): {ahead} "
+                f"captured before the clock started ({p.get('capture_ahead_s', 0.0):.2f} s), "
+                f"{p['captures'] - ahead} by the timed run, {p['replays']} {calls} replayed, {p['eager_calls']} "
+                f"eager{off}\n")
+    return out
+
+
 def prefill_line(metrics: list[dict]) -> str:
     """The header line on how the engine's prefills attended (the first metrics.json's figures): the paged prefill
     kernel ($FASTRAG_PAGED_PREFILL; the default on CUDA) with its self-check, or the torch buckets with the
@@ -470,7 +492,7 @@ def main() -> None:
             f"{args.overlap if args.overlap != 'auto' else ('on' if torch.cuda.is_available() else 'off')}\n"
             + (f"- warm-up: before the timed run, an untimed engine run over the first {args.warmup} questions "
                f"of each dataset (Triton kernels compiled)\n" if args.warmup else "")
-            + graphs_line(metrics) + prefill_line(metrics) + text_line(metrics) + compiles_line(metrics)
+            + graphs_line(metrics) + prefill_graphs_line(metrics) + prefill_line(metrics) + text_line(metrics) + compiles_line(metrics)
             + f"- command: `{cmd}`\n\n")
     cols = list(rows[0])
     table = "| " + " | ".join(cols) + " |\n|" + "---|" * len(cols) + "\n"

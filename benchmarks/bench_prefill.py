@@ -122,6 +122,7 @@ def build(shape: dict, dtype, dev, prefix: int, cells: list[tuple[int, int]], ji
     prefix_ids = torch.randint(5, shape["vocab_size"], (prefix,), generator=g).tolist()
     if prefix:
         eng.set_prefix(" ".join(map(str, prefix_ids)))
+    eng.capture_graphs()  # (the prefill graphs of every token bucket: no timed call captures one)
     return model, eng, prefix_ids
 
 
@@ -134,6 +135,8 @@ def prefill_call(eng: Engine, prefix_ids: list[int], lens: list[int], g: torch.G
         eng.start(s, prefix_ids + torch.randint(5, vocab, (n,), generator=g).tolist(), 1)
         seqs.append(s)
     before = {k: eng.stats.get(k, 0) for k in COUNTED}
+    pg = eng.prefill_graphs
+    replays = pg.stats["replays"] if pg is not None else 0
     if eng.device.type == "cuda":
         torch.cuda.synchronize(eng.device)
     t = time.perf_counter()
@@ -146,7 +149,8 @@ def prefill_call(eng: Engine, prefix_ids: list[int], lens: list[int], g: torch.G
     if eng.waiting or eng.running:
         raise RuntimeError(f"one step left {len(eng.waiting)} waiting and {len(eng.running)} running sequences: "
                            "the cell does not fit one prefill call")
-    return {"wall_s": wall, **{k: eng.stats.get(k, 0) - before[k] for k in COUNTED}}
+    return {"wall_s": wall, **{k: eng.stats.get(k, 0) - before[k] for k in COUNTED},
+            "graph_replays": (pg.stats["replays"] if pg is not None else 0) - replays}
 
 
 def _lens(n: int, t: int, jitter: int, g: torch.Generator) -> list[int]:
@@ -175,7 +179,8 @@ def time_cell(eng, prefix_ids, n, t, jitter, reps, warmup, g, vocab, costs, figu
             "tokens_per_call": statistics.median(c["prefill_tokens"] for c in calls),
             "tok_per_s": statistics.median(c["prefill_tokens"] / c["wall_s"] for c in calls),
             "attn_entries_per_call": statistics.median(c["prefill_ctx_tokens"] for c in calls),
-            "first_ms": walls[0] * 1e3, "max_ms": max(walls) * 1e3}
+            "first_ms": walls[0] * 1e3, "max_ms": max(walls) * 1e3,
+            "graphed": f"{sum(c['graph_replays'] > 0 for c in calls)}/{len(calls)}"}
 
 
 def profile_tables(eng, prefix_ids, n, t, jitter, calls, g, vocab, rows: int = 15) -> dict:
@@ -225,6 +230,10 @@ def main() -> None:
                     help="also time every cell through the other prefill attention path: the attention buckets where "
                          "the paged prefill kernel is the default (CUDA), the kernel elsewhere (on a CPU only under "
                          "TRITON_INTERPRET=1)")
+    ap.add_argument("--graphs", action="store_true",
+                    help="also time every cell the other way round as to CUDA graphs: eagerly where the engine replays "
+                         "prefill graphs (the default on CUDA, $FASTRAG_PREFILL_GRAPHS), else from graphs (on a CPU: "
+                         "emulated, with the paged kernel under TRITON_INTERPRET=1 and FASTRAG_FUSED_DECODE=1)")
     ap.add_argument("--profile", action="store_true", help="torch.profiler tables over --profile-calls calls")
     ap.add_argument("--profile-calls", type=positive_int, default=3)
     ap.add_argument("--name", default=None, help="result file stem (default prefill_gpu / prefill_cpu[_SHAPE])")
@@ -286,16 +295,21 @@ def main() -> None:
             "kernel (kernels/paged_prefill.py: one launch a layer for every token's prefix and own keys, read in "
             "place; the default for CUDA tensors, $FASTRAG_PAGED_PREFILL; `--paged` adds the other path's rows)",
             f"- the paged kernel's self-check: "
-            f"{', '.join(f'{k}: {v}' for k, v in model.paged_prefill_checks.items()) or 'not run'}", "",
+            f"{', '.join(f'{k}: {v}' for k, v in model.paged_prefill_checks.items()) or 'not run'}",
+            "- prefill graph: how many timed calls replayed a CUDA graph of their token bucket (fastrag/cuda_graphs.py "
+            "`PrefillGraphs`, captured before the timing; on a CPU emulated); `--graphs` adds the other state's rows",
+            "",
             "| sequences x new tokens | $FASTRAG_SDPA | fused small ops | prefix attention | tokens a call | "
-            "attention entries a call | wall ms | floor ms | wall / floor | tokens/s | first ms | max ms |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "attention entries a call | prefill graph (timed calls replayed) | wall ms | floor ms | wall / floor | "
+            "tokens/s | first ms | max ms |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in rows:
             lines.append(
                 f"| {r['seqs']} x {r['new']} | {r['sdpa']} | {r['fused']} | {r.get('prefix_attn', '-')} | "
                 f"{r['tokens_per_call']:.0f} | "
-                f"{r['attn_entries_per_call']:.0f} | {r['wall_ms']:.2f} | {r['floor_ms']:.2f} | "
+                f"{r['attn_entries_per_call']:.0f} | {r.get('graphed', '-')} | {r['wall_ms']:.2f} | "
+                f"{r['floor_ms']:.2f} | "
                 f"{r['wall_over_floor']:.2f} | {r['tok_per_s']:.0f} | {r['first_ms']:.2f} | {r['max_ms']:.2f} |")
         if prof:
             n, t = cells[-1]
@@ -325,19 +339,36 @@ def main() -> None:
         if not gpu and not INTERPRETED:
             ap.error("--paged on a CPU needs TRITON_INTERPRET=1 (the Triton interpreter)")
         paged_module, model._paged_prefill_on_cpu = llama._ModuleRef(paged_prefill), INTERPRETED
-    variants = [(None, True, True, on), *((s, True, True, on) for s in args.sdpa or [])]
+    graphs_default = eng.prefill_graphs
+    if args.graphs and graphs_default is None:  # (the engine has none: a CPU; they need the paged fused prefill)
+        from fastrag.cuda_graphs import PrefillGraphs
+
+        if not (model.uses_fused_prefill(dev) and on):
+            ap.error("--graphs on a CPU needs the paged prefill kernel and the fused small operations "
+                     "(TRITON_INTERPRET=1 FASTRAG_PAGED_PREFILL=1 FASTRAG_FUSED_DECODE=1)")
+        graphs_other = PrefillGraphs(model, eng.pool, ctx_blocks=-(-eng.max_context // eng.pool.block_size),
+                                     max_tokens=min(1024, eng.max_prefill_tokens), max_seqs=min(16, eng.max_batch),
+                                     emulate=not gpu)
+        graphs_other.capture_ahead()
+    else:
+        graphs_other = None
+    g_on = graphs_default is not None
+    variants = [(None, True, True, on, g_on), *((s, True, True, on, g_on) for s in args.sdpa or [])]
     if args.unfused and model.uses_fused_prefill(dev):
-        variants.append((None, False, True, on))
+        variants.append((None, False, True, on, g_on))
     if args.concat and model.uses_cascade_prefill(dev, dtype):
-        variants.append((None, True, False, on))
+        variants.append((None, True, False, on, g_on))
     if args.paged:
-        variants.append((None, True, True, not on))
+        variants.append((None, True, True, not on, g_on))
+    if args.graphs:
+        variants.append((None, True, True, on, not g_on))
     with torch.inference_mode():
         for n, t in cells:
-            for sdpa, fused, cascade, paged in variants:
+            for sdpa, fused, cascade, paged, graphed in variants:
                 model.fused_prefill = fused_default and fused
                 model.cascade_prefill = cascade_default and cascade
                 model.paged_prefill = paged_module if paged else None
+                eng.prefill_graphs = (graphs_default or graphs_other) if graphed else None
                 try:
                     r = time_cell(eng, prefix_ids, n, t, jitter, reps, args.warmup, g, shape["vocab_size"], costs,
                                   figures, sdpa)
@@ -348,9 +379,10 @@ def main() -> None:
                 finally:
                     model.fused_prefill, model.cascade_prefill = fused_default, cascade_default
                     model.paged_prefill = paged_default
+                    eng.prefill_graphs = graphs_default
                 rows.append({"seqs": n, "new": t, "sdpa": sdpa or default_sdpa, **r})
                 print(f"{n} x {t} ({rows[-1]['sdpa']}, fused small ops: {r['fused']}, prefix attention: "
-                      f"{r['prefix_attn']}): {r['wall_ms']:.2f} ms, floor {r['floor_ms']:.2f} ms "
+                      f"{r['prefix_attn']}, graph: {r['graphed']}): {r['wall_ms']:.2f} ms, floor {r['floor_ms']:.2f} ms "
                       f"({r['wall_over_floor']:.2f}x)", flush=True)
                 write()
         if args.profile:

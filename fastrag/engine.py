@@ -19,14 +19,21 @@ import torch
 
 from fastrag.cache.kv import (BlockTable, KVPool, OutOfBlocks, SharedPrefix, block_table_tensor, blocks_needed,
                               chain_keys)
-from fastrag.cuda_graphs import DecodeGraphs
+from fastrag.cuda_graphs import DecodeGraphs, PassGraphs, PrefillGraphs
 from fastrag.model.llama import AttnBatch, LlamaModel, PrefixGroup
 from fastrag.signals import get_backend
+from fastrag.switches import env_setting
 from fastrag.transfer import tensor_on, to_device
 
 
 _M64 = (1 << 64) - 1
 CUDA_GRAPHS_ENV = "FASTRAG_CUDA_GRAPHS"
+PREFILL_GRAPHS_ENV = "FASTRAG_PREFILL_GRAPHS"
+PASS_GRAPHS_ENV = "FASTRAG_PASS_GRAPHS"
+# the largest prefill (new tokens) and the most sequences a prefill graph takes (fastrag/cuda_graphs.py)
+PREFILL_GRAPH_TOKENS, PREFILL_GRAPH_SEQS = 1024, 16
+# and for the attention passes' graphs (token lists of DRAGIN's RIND and QFS passes)
+PASS_GRAPH_TOKENS, PASS_GRAPH_SEQS = 1024, 32
 PREFILL_HOLD_ENV = "FASTRAG_PREFILL_HOLD"  # steps a small prefill may wait for more (default: 2 on CUDA, else 0)
 DEFAULT_PREFILL_HOLD = 2  # on CUDA devices (Engine's prefill_hold)
 MIX_PREFILL_ENV = "FASTRAG_MIX_PREFILL"  # 1: prefill batches mix shared prefixes (default 0)
@@ -304,7 +311,8 @@ class Engine:
     def __init__(self, model: LlamaModel, tokenizer, *, block_size: int = 16, kv_cache_gb: float | None = None,
                  max_batch: int = 64, max_prefill_tokens: int = 4096, sampling: SamplingParams | None = None,
                  signals: str | None = None, mix_prefill: bool | None = None, cuda_graphs: bool | None = None,
-                 prefix_caching: bool = True, prefill_hold: int | None = None, async_prefill: bool | None = None):
+                 prefix_caching: bool = True, prefill_hold: int | None = None, async_prefill: bool | None = None,
+                 prefill_graphs: bool | None = None, pass_graphs: bool | None = None):
         for name, value in (("block_size", block_size), ("max_batch", max_batch),
                             ("max_prefill_tokens", max_prefill_tokens)):
             if as_int(value) is None or value < 1:  # (max_batch 0 left every sequence waiting forever)
@@ -415,6 +423,28 @@ class Engine:
             else None
         self.graphs = DecodeGraphs(model, self.pool, max_batch, emulate=self.device.type != "cuda",
                                    ctx_blocks=width) if cuda_graphs else None
+        # small prefills replayed from CUDA graphs (fastrag/cuda_graphs.py `PrefillGraphs`): calls of up to
+        # PREFILL_GRAPH_SEQS sequences and PREFILL_GRAPH_TOKENS new tokens, where the model prefills through the
+        # paged prefill kernel with the fused small operations. None: on where the decode graphs are, unless
+        # $FASTRAG_PREFILL_GRAPHS=0; True on a CPU runs the same static-buffer protocol emulated (the tests)
+        setting = env_setting(PREFILL_GRAPHS_ENV)  # (read, and a bad value named, on any device)
+        if prefill_graphs is None:
+            prefill_graphs = bool(cuda_graphs) and self.device.type == "cuda" and setting is not False
+        elif not isinstance(prefill_graphs, bool):
+            raise ValueError(f"prefill_graphs must be a bool or None, got {prefill_graphs!r}")
+        self.prefill_graphs = PrefillGraphs(
+            model, self.pool, ctx_blocks=-(-self.max_context // block_size),
+            max_tokens=min(PREFILL_GRAPH_TOKENS, max_prefill_tokens), max_seqs=min(PREFILL_GRAPH_SEQS, max_batch),
+            emulate=self.device.type != "cuda") if prefill_graphs else None
+        # DRAGIN's attention passes likewise (`PassGraphs`; FASTRAG_PASS_GRAPHS=0 turns them off)
+        setting = env_setting(PASS_GRAPHS_ENV)  # (read, and a bad value named, on any device)
+        if pass_graphs is None:
+            pass_graphs = bool(cuda_graphs) and self.device.type == "cuda" and setting is not False
+        elif not isinstance(pass_graphs, bool):
+            raise ValueError(f"pass_graphs must be a bool or None, got {pass_graphs!r}")
+        self.pass_graphs = PassGraphs(model, max_tokens=min(PASS_GRAPH_TOKENS, max_prefill_tokens),
+                                      max_seqs=PASS_GRAPH_SEQS, emulate=self.device.type != "cuda") \
+            if pass_graphs else None
 
     def capture_graphs(self) -> int:
         """Capture, for every batch bucket, the decode graphs of the shared prefixes held now: each prefix alone,
@@ -423,10 +453,14 @@ class Engine:
         more (up to MAX_PREFIXES); sequences without a prefix when none is held. A step that needs another graph
         (a set of more prefixes, sequences with and without one, a prefix set later) still captures it then.
         Without graphs, or where graphs depend on the context's length (see fastrag/cuda_graphs.py), nothing is
-        captured. Returns the number of graphs captured now.
+        captured. Returns the number of decode graphs captured now. The prefill and attention-pass graphs of every
+        token bucket are captured here too (their counts and seconds in `prefill_graphs.stats`, `pass_graphs.stats`).
 
         A capture costs tens of milliseconds of host and device time; done inside a run it is paid by the step that
         first needs each graph (fastrag.eval calls this once the prefixes are set, before its clock starts)."""
+        for g in (self.prefill_graphs, self.pass_graphs):
+            if g is not None:
+                g.capture_ahead()
         if self.graphs is None:
             return 0
         held = [(p, self._starts.get(id(p), -1)) for p in self.prefixes]
@@ -640,8 +674,9 @@ class Engine:
             raise ValueError(f"{what} holds token id {bad!r}, outside the model's vocabulary [0, {V})")
 
     def _pinned_blocks(self) -> int:
-        """Blocks no sequence can ever get: the shared prefixes' and the CUDA graphs' scratch block."""
-        return sum(len(p.blocks) for p in self.prefixes) + (self.graphs is not None)
+        """Blocks no sequence can ever get: the shared prefixes' and the decode and prefill graphs' scratch blocks."""
+        return sum(len(p.blocks) for p in self.prefixes) + (self.graphs is not None) \
+            + (self.prefill_graphs is not None)
 
     def _adopt_cached(self, s: SeqState) -> bool:
         """Replace the sequence's own cache by the cached blocks of its prompt when they hold more of it; the
@@ -706,7 +741,7 @@ class Engine:
             if compile_log is not None:  # Triton compiles from here to the next launch are this step's ("compiles")
                 compile_log.row = row
         self._trace_row = row
-        cap0 = self.graphs.stats["captures"] if row is not None and self.graphs is not None else None
+        cap0 = self._captures() if row is not None else None
         if self.waiting:
             self._admit_fed()
         if self.waiting and not self._hold_prefill():
@@ -805,9 +840,12 @@ class Engine:
             st.decode_s = time.perf_counter() - t1
         if row is not None:
             row["launch_s"] = time.perf_counter() - t0
-            if cap0 is not None and self.graphs.stats["captures"] > cap0:  # (graphs captured in this step)
-                row["graph_captures"] = self.graphs.stats["captures"] - cap0
+            if cap0 is not None and self._captures() > cap0:  # (graphs captured in this step: decode, prefill, pass)
+                row["graph_captures"] = self._captures() - cap0
         return st
+
+    def _captures(self) -> int:
+        return sum(g.stats["captures"] for g in (self.graphs, self.prefill_graphs, self.pass_graphs) if g is not None)
 
     def _carry_prefill(self, st: "PendingStep") -> None:
         """A step whose decode part raised after its prefill ran: the prefill's outcome is kept, not lost with the
@@ -993,6 +1031,10 @@ class Engine:
         T = max(len(ids) for _, ids in items)
         for s, ids in items:
             s.table.reserve(len(ids))
+        logits = self._prefill_graphed(items) if self.prefill_graphs is not None and not decode else None
+        if logits is not None:
+            self._prefilled(items, decode)
+            return logits if want_logits else logits[:0]
         ids_t = torch.zeros(B, T, dtype=torch.long)
         valid = torch.zeros(B, T, dtype=torch.bool)
         pos = torch.zeros(B, T, dtype=torch.long)
@@ -1021,6 +1063,11 @@ class Engine:
                             logits_index=self._h2d(last if want_logits else last[:0]))
         if decode and tracked:
             self._track(items, tracked, batch)
+        self._prefilled(items, decode)
+        return logits
+
+    def _prefilled(self, items: list[tuple[SeqState, list[int]]], decode: bool) -> None:
+        """The bookkeeping after a prefill forward of items: tokens held, counters, content keys registered."""
         for s, ids in items:
             n0, n = s.table.num_tokens, len(ids)
             s.table.num_tokens += n
@@ -1030,7 +1077,17 @@ class Engine:
                     self._register(s, n0)
         self.stats["prefill_tokens"] += sum(len(ids) for _, ids in items)
         self.stats["prefill_calls"] += 1
-        return logits
+
+    def _prefill_graphed(self, items: list[tuple[SeqState, list[int]]]) -> torch.Tensor | None:
+        """A prefill of items through a replayed graph (their blocks reserved): last-token logits [B, V], or None
+        where it does not fit one (the caller prefills eagerly)."""
+        starts, write, ctx = [], [], []
+        for s, ids in items:
+            n0, n = s.table.num_tokens, len(ids)
+            starts.append(s.base + n0)
+            write += s.table.slots(n0, n0 + n)
+            ctx.append((s.table.blocks, n0 + n))
+        return self.prefill_graphs.run([ids for _, ids in items], starts, write, ctx, [s.prefix for s, _ in items])
 
     def _decode(self, seqs: list[SeqState]) -> torch.Tensor:
         """One token per sequence: the last sampled token goes in, next-token logits [B, V] come out."""
@@ -1180,22 +1237,35 @@ class Engine:
         pending = PendingPasses(kind, [len(x) for x in seqs])
         dev0 = self.clock.mark()
         order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+        pg = self.pass_graphs if self.pass_graphs is not None and self.pass_graphs.applies() else None
         i = 0
-        while i < len(order):  # group similar lengths so padding stays small
-            j, T = i, 0
-            while j < len(order) and (j - i + 1) * max(T, len(seqs[order[j]])) <= self.max_prefill_tokens:
-                T = max(T, len(seqs[order[j]]))
-                j += 1
+        while i < len(order):
+            if pg is not None and len(seqs[order[i]]) <= pg.buckets[-1]:
+                # a graph's call: up to its lists and tokens, and (lengths ascending) within the padded budget of
+                # the signal kernels after it
+                j, n = i, 0
+                while j < len(order) and j - i < pg.max_seqs and n + len(seqs[order[j]]) <= pg.buckets[-1] \
+                        and (j - i + 1) * len(seqs[order[j]]) <= self.max_prefill_tokens:
+                    n += len(seqs[order[j]])
+                    j += 1
+            else:  # group similar lengths so padding stays small
+                j, T = i, 0
+                while j < len(order) and (j - i + 1) * max(T, len(seqs[order[j]])) <= self.max_prefill_tokens:
+                    T = max(T, len(seqs[order[j]]))
+                    j += 1
             j = max(j, i + 1)
             idx = order[i:j]
             T = max(len(seqs[k]) for k in idx)
-            ids = torch.zeros(len(idx), T, dtype=torch.long)
-            for b, k in enumerate(idx):
-                ids[b, : len(seqs[k])] = torch.tensor(seqs[k])
             lens_h = torch.tensor([len(seqs[k]) for k in idx])
             lens = self._h2d(lens_h)  # (a plain .to(device) from pageable memory would wait for the device)
-            # (the host lengths let the paged kernel's path compute only the real rows)
-            q, k_ = self.model.last_layer_qk(self._h2d(ids), lens, lens_h.tolist())
+            qk = self.pass_graphs.run([seqs[k] for k in idx]) if self.pass_graphs is not None else None
+            if qk is None:
+                ids = torch.zeros(len(idx), T, dtype=torch.long)
+                for b, k in enumerate(idx):
+                    ids[b, : len(seqs[k])] = torch.tensor(seqs[k])
+                # (the host lengths let the paged kernel's path compute only the real rows)
+                qk = self.model.last_layer_qk(self._h2d(ids), lens, lens_h.tolist())
+            q, k_ = qk
             q, k_ = q.float(), k_.float()
             if kind == "colmax":
                 r = self.signals.causal_attn_colmax(q, k_, lens, self.model.scale)

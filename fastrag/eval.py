@@ -755,6 +755,12 @@ def _run_many(runs: list[RunOptions], engine=None, retriever=None) -> list[dict]
                                                                "table_width_blocks": graphs.width,
                                                                "captured_ahead": captured_ahead,
                                                                "capture_ahead_s": capture_ahead_s}
+            for name in ("prefill_graphs", "pass_graphs"):  # calls replayed from graphs vs run eagerly
+                pg = getattr(engine, name, None)  # (their captures ahead in the stats)
+                if pg is not None:
+                    metrics[name] = dict(pg.stats) | {"graphs": len(pg.graphs), "disabled": pg.disabled,
+                                                      "applies": pg.applies(), "token_buckets": pg.buckets,
+                                                      "max_seqs": pg.max_seqs}
         metrics["all_runs"] = _close_progress(out)
         if sched is not None:  # retrieval batches of this run: how many queries went to the retriever together
             b = sched.search_batches

@@ -201,6 +201,23 @@ def test_bench_e2e_says_where_its_cuda_graphs_were_captured():
     assert be.graphs_line([{}]) == "" and be.graphs_line([]) == ""
 
 
+def test_bench_e2e_says_how_many_prefills_replayed_graphs():
+    be = load("bench_e2e")
+    p = {"replays": 1200, "captures": 12, "eager_calls": 130, "captured_ahead": 10, "capture_ahead_s": 1.25,
+         "graphs": 12, "disabled": None, "applies": True, "token_buckets": [16, 32, 1024], "max_seqs": 16}
+    line = be.prefill_graphs_line([{"prefill_graphs": p}])
+    assert line.startswith("- Prefill graphs (calls of up to 16 sequences and 1024 tokens)") and line.count("\n") == 1
+    assert "10 captured before the clock started (1.25 s)" in line
+    assert "2 by the timed run, 1200 prefills replayed, 130 eager" in line and "turned off" not in line
+    both = be.prefill_graphs_line([{"prefill_graphs": p, "pass_graphs": p | {"replays": 7, "max_seqs": 32}}])
+    assert both.startswith(line) and "- Attention-pass graphs (calls of up to 32 sequences" in both
+    assert "7 pass calls replayed" in both
+    off = p | {"disabled": "RuntimeError: capture failed"}
+    assert "turned off: RuntimeError: capture failed" in be.prefill_graphs_line([{"prefill_graphs": off}])
+    assert "none replayed" in be.prefill_graphs_line([{"prefill_graphs": p | {"applies": False}}])
+    assert be.prefill_graphs_line([{}]) == "" and be.prefill_graphs_line([]) == ""
+
+
 def test_the_e2e_header_says_how_prefills_attended():
     """The paged prefill kernel with its self-check when the run used it, else the torch buckets with the
     cascade's (and the paged kernel's failed self-check when it was tried); nothing for a run whose metrics do not
@@ -509,6 +526,24 @@ def test_results_folder_is_where_the_tables_go(tmp_path):
         assert p.returncode == 0, p.stderr[-2000:]
         assert (out / name).is_file(), list(out.iterdir())
     assert {p: p.stat().st_mtime_ns for p in (BENCH / "results").glob("*attention*")} == before
+
+
+def test_bench_prefill_times_each_cell_eagerly_and_from_the_prefill_graphs(tmp_path):
+    """bench_prefill --graphs on a CPU (emulated graphs, the paged kernel interpreted): each cell eagerly and then
+    replayed from its graph, the same counted work, and the table says which rows replayed."""
+    import os
+    import subprocess
+
+    env = dict(os.environ, TRITON_INTERPRET="1", FASTRAG_PAGED_PREFILL="1", FASTRAG_FUSED_DECODE="1")
+    p = subprocess.run([sys.executable, str(BENCH / "bench_prefill.py"), "--cpu-small", "--shape", "tiny", "--cells",
+                        "2x12", "--prefix", "16", "--jitter", "0", "--reps", "1", "--warmup", "0", "--graphs",
+                        "--results", str(tmp_path)], capture_output=True, text=True, env=env, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    rows = json.loads((tmp_path / "prefill_cpu_tiny.json").read_text())["rows"]
+    assert [(r["seqs"], r["new"], r["graphed"]) for r in rows] == [(2, 12, "0/1"), (2, 12, "1/1")], rows
+    assert rows[0]["attn_entries_per_call"] == rows[1]["attn_entries_per_call"] == 2 * (16 * 12 + 12 * 13 // 2)
+    md = (tmp_path / "prefill_cpu_tiny.md").read_text()
+    assert "| 2 x 12 | default (flash,efficient,math) | yes | paged kernel | 24 | 540 | 1/1 |" in md, md
 
 
 def test_the_pass_padding_count_groups_the_passes_as_the_engine_does():

@@ -111,7 +111,7 @@ def _unwatched(targets, pause, resume):
 def _no_host_reads(eng: Engine, first_tokens: bool = False):
     """Fail if what runs inside reads a device value on the host. first_tokens: a prefill's host copy of its
     first tokens (`Engine._append_batch`, the synchronisation it ends in by design) runs outside the watch."""
-    targets = ([(eng.graphs, "_capture")] if eng.graphs is not None else []) \
+    targets = [(g, "_capture") for g in (eng.graphs, eng.prefill_graphs, eng.pass_graphs) if g is not None] \
         + ([(eng, "_append_batch")] if first_tokens else [])
     if DEV == "cuda":
         torch.cuda.synchronize()

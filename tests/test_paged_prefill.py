@@ -183,7 +183,8 @@ def _generate(m, prompts, prefixes, max_new):
     sequences continues their own context (a prefill that starts after cached own tokens)."""
     from fastrag.engine import Engine
 
-    eng = Engine(m, _Tok(), kv_cache_gb=0.01, max_batch=8, mix_prefill=True, prefill_hold=0)
+    # (eager prefills: on a GPU a replayed prefill graph would hide the kernel's calls; tests/test_prefill_graphs.py)
+    eng = Engine(m, _Tok(), kv_cache_gb=0.01, max_batch=8, mix_prefill=True, prefill_hold=0, prefill_graphs=False)
     for p in prefixes:
         eng.set_prefix(" ".join(map(str, p)))
     seqs = [eng.new_sequence() for _ in prompts]

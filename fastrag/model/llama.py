@@ -907,6 +907,10 @@ class LlamaModel(nn.Module):
             buckets = self._attention_buckets(batch, lens)
             singles = all(idx[1] == 1 for idx, _, _ in buckets)
         fd = self.fused_decode if self.uses_fused_prefill(ids.device) else None
+        if fd is not None and paged is not None:  # per layer one attention launch over the tokens' keys in place
+            x = self._paged_fused_layers(x[0], cos[0], sin[0], batch.write_slots, k_pool, v_pool, paged)
+            rows = torch.arange(N, device=x.device) if logits_index is None else torch.searchsorted(flat, logits_index)
+            return self.lm_head(self.norm(x[rows])).float()
         if fd is not None:  # rows: the N tokens; the residual stream and each sublayer's output kept apart
             x, cos, sin, delta = x[0], cos[0], sin[0], None
         for li, layer in enumerate(self.layers):
@@ -915,12 +919,6 @@ class LlamaModel(nn.Module):
                 x, h = fd.add_rms_norm(x, delta, layer.input_layernorm.weight, layer.input_layernorm.eps)
                 q = fd.rope_write_kv(layer.qkv(h), cos, sin, batch.write_slots, kp, vp, self.c.num_heads,
                                      self.c.num_kv_heads)  # [N, H, D]
-                if paged is not None:  # one launch: every token over its prefix and its own keys, read in place
-                    o = self.paged_prefill.paged_prefill_attention(q, kp, vp, paged, self.scale)  # [N, H, D]
-                    x, h = fd.add_rms_norm(x, layer.o(o.view(N, -1)), layer.post_attention_layernorm.weight,
-                                           layer.post_attention_layernorm.eps)
-                    delta = layer.down(fd.silu_mul(layer.gate_up(h)))
-                    continue
                 q = q.transpose(0, 1).unsqueeze(0)  # [1, H, N, D]
             else:
                 q, k, v = layer.project_qk(x, cos, sin)  # [1, H, N, D], [1, Hkv, N, D]
@@ -958,6 +956,44 @@ class LlamaModel(nn.Module):
         else:  # flat [B*T] indices -> packed rows
             rows = torch.searchsorted(flat, logits_index)
         return self.lm_head(self.norm(x[rows])).float()
+
+    def _paged_fused_layers(self, x, cos, sin, write_slots, k_pool, v_pool, paged, out=None):
+        """Every layer of a packed prefill with the fused small operations and the paged prefill kernel: x [N, hidden]
+        (the embedded tokens), cos, sin [N, D], each token's keys and values written to write_slots [N], `paged`
+        its layout (`_paged_layout`); out: an [N, H, D] buffer the attention writes into (None: a new one a layer).
+        Returns the last layer's output [N, hidden] (before the final norm)."""
+        fd, c = self.fused_decode, self.c
+        N, delta = x.shape[0], None
+        for li, layer in enumerate(self.layers):
+            kp, vp = k_pool[li], v_pool[li]
+            x, h = fd.add_rms_norm(x, delta, layer.input_layernorm.weight, layer.input_layernorm.eps)
+            q = fd.rope_write_kv(layer.qkv(h), cos, sin, write_slots, kp, vp, c.num_heads, c.num_kv_heads)
+            o = self.paged_prefill.paged_prefill_attention(q, kp, vp, paged, self.scale, out=out)  # [N, H, D]
+            x, h = fd.add_rms_norm(x, layer.o(o.view(N, -1)), layer.post_attention_layernorm.weight,
+                                   layer.post_attention_layernorm.eps)
+            delta = layer.down(fd.silu_mul(layer.gate_up(h)))
+        return x + delta
+
+    def prefill_static(self, ids, positions, write_slots, paged, rows, k_pool, v_pool, out):
+        """A packed prefill whose every input is a tensor of fixed shape (a CUDA graph's, fastrag/cuda_graphs.py
+        `PrefillGraphs`): ids, positions, write_slots [M] (rows past the real tokens are padding: any token, a
+        scratch slot, covered by no tile of `paged`), `paged` a PrefillLayout over fixed buffers, out [M, H, D] the
+        attention's buffer, rows [R] the rows whose logits are wanted. Returns logits [R, V] float32. Needs the paged
+        prefill kernel and the fused small operations (`uses_paged_prefill`, `uses_fused_prefill`)."""
+        x = self.embed(ids)
+        cos, sin = self.rope(positions.unsqueeze(0))
+        x = self._paged_fused_layers(x, cos[0], sin[0], write_slots, k_pool, v_pool, paged, out=out)
+        return self.lm_head(self.norm(x.index_select(0, rows))).float()
+
+    def last_layer_qk_static(self, ids, positions, slots, paged, ks, vs, out):
+        """`last_layer_qk` over fixed-shape tensors (a CUDA graph's, fastrag/cuda_graphs.py `PassGraphs`): ids,
+        positions, slots [M] (padding rows: any token, a scratch slot, in no tile of `paged`), each row's keys and
+        values written to `slots` of the scratch pair ks, vs [Hkv, slots, D], attending through the paged prefill
+        kernel with layout `paged` into out [M, H, D]. Returns the last layer's q [M, H, D]; its keys are in ks."""
+        x = self.embed(ids)
+        cos, sin = self.rope(positions.unsqueeze(0))
+        return self._qk_layers(x, cos[0], sin[0], slots, ks, vs, lambda q: self.paged_prefill.paged_prefill_attention(
+            q, ks, vs, paged, self.scale, out=out).view(q.shape[0], -1))
 
     # a bucket of the packed prefill's attention: sequences of one prefix whose padded grid (count x longest) is at
     # least this full and holds at most this many query tokens (the longest sequence alone may hold more). On a GPU
