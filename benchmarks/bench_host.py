@@ -16,6 +16,9 @@ Four measurements (the first with a second part), each with its baseline in the 
    operations that launch nothing are counted too: each costs the host its dispatch. Likewise DRAGIN's attention
    pass (`last_layer_qk`) with the masked call and with the paged kernel.
 4. Decode-step signals over [B, 49152] logits on the CPU: the torch backend against the C++ one (`cpp`).
+5. Host preparation of a prefill and of an attention pass replayed from CUDA graphs (`PrefillGraphs.run`,
+   `PassGraphs.run`, fastrag/cuda_graphs.py) with the graph's forward stubbed out: the buffers' host images, their
+   two copies, and for a pass the q and k put back in [B, T] order; against 3.'s eager forwards.
 
     python benchmarks/bench_host.py              # writes benchmarks/results/host_<device>.md
 
@@ -197,7 +200,8 @@ def packed_ops(reps: int = 20) -> dict:
             from fastrag.kernels import paged_prefill
 
             self.prefill_layout = paged_prefill.prefill_layout
-            self.paged_prefill_attention = launch(lambda q, kp, vp, lay, scale: torch.empty(q.shape, dtype=q.dtype))
+            self.paged_prefill_attention = launch(lambda q, kp, vp, lay, scale, out=None: torch.empty(
+                q.shape, dtype=q.dtype))
 
     def count(layers: int, fill: float, fused: bool = False, paged: bool = False, reps: int = 0,
               lo: int = 16, hi: int = 600, P: int = 1536):
@@ -286,6 +290,54 @@ def packed_ops(reps: int = 20) -> dict:
     return out
 
 
+def graph_prep(reps: int) -> list[dict]:
+    """5. in the module doc: median host ms of PrefillGraphs.run / PassGraphs.run per call, forwards stubbed (the
+    replay of a GPU is one launch), for a few call shapes of a DRAGIN run after a 1,536-token prefix, in a model of
+    4,096 tokens of context (its block tables' width)."""
+    from fastrag.cuda_graphs import PassGraphs, PrefillGraphs
+    from fastrag.engine import Engine
+    from fastrag.model.llama import LlamaModel
+
+    m = LlamaModel.from_hf_config(_tiny_config(max_position_embeddings=4096), seed=5)
+    eng = Engine(m, _Tok(), kv_cache_gb=0.3, max_batch=128, cuda_graphs=False)
+    pg = PrefillGraphs(m, eng.pool, ctx_blocks=4096 // 16, max_tokens=1024, max_seqs=16, emulate=True)
+    sg = PassGraphs(m, max_tokens=1024, max_seqs=32, emulate=True)
+    c = m.c
+    for g in (pg, sg):
+        g.applies = lambda: True  # (a CPU model: neither the paged kernel nor the fused operations by default)
+    pg._forward = lambda M: torch.zeros(16, c.vocab_size)
+    sg._forward = lambda M: torch.zeros(M, c.num_heads, c.head_dim)
+    prefix = types.SimpleNamespace(length=1536, slots=torch.arange(1536))
+    rng = random.Random(0)
+    rows = []
+    for B, n in ((1, 37), (2, 150), (1, 396), (16, 60)):
+        toks = [[rng.randrange(96) for _ in range(n)] for _ in range(B)]
+        own = [rng.randint(0, 200) for _ in range(B)]  # own tokens before this call
+        ctx = [(list(range(100 * b, 100 * b + (o + n) // 16 + 1)), o + n) for b, o in enumerate(own)]
+        write = [blk[(o + i) // 16] * 16 + (o + i) % 16 for (blk, _), o in zip(ctx, own) for i in range(n)]
+        args = (toks, [1536 + o for o in own], write, ctx, [prefix] * B)
+        ts = []
+        with torch.inference_mode():
+            for _ in range(reps + 2):
+                t0 = time.perf_counter()
+                pg.run(*args)
+                ts.append(time.perf_counter() - t0)
+        rows.append({"call": f"prefill, {B} x {n} new tokens", "median_ms": statistics.median(ts[2:]) * 1e3})
+    for B, lo, hi in ((4, 20, 120), (12, 5, 60)):
+        lists = [[rng.randrange(96) for _ in range(rng.randint(lo, hi))] for _ in range(B)]
+        ts = []
+        with torch.inference_mode():
+            for _ in range(reps + 2):
+                t0 = time.perf_counter()
+                sg.run(lists)
+                ts.append(time.perf_counter() - t0)
+        rows.append({"call": f"attention pass, {B} lists of {lo}-{hi} tokens",
+                     "median_ms": statistics.median(ts[2:]) * 1e3})
+    if pg.stats["replays"] == 0 or sg.stats["replays"] == 0:
+        raise RuntimeError("a graphed call did not replay: the measurement would time the eager fallback's check")
+    return rows
+
+
 def signals(reps: int) -> list[dict]:
     from fastrag.signals import get_backend
 
@@ -320,6 +372,7 @@ def main() -> int:
     pool = text_pool(args.texts, args.workers)
     ops = packed_ops(max(5, args.reps // 3))
     sig = signals(max(10, args.reps // 2))
+    gp = graph_prep(args.reps)
     cmd = "python benchmarks/bench_host.py " + shlex.join(sys.argv[1:])
     lines = [
         f"# Host-side work around the engine's steps ({device})", "",
@@ -354,6 +407,12 @@ def main() -> int:
         "| B | torch | C++ (`cpp`) | torch / C++ |", "|---|---|---|---|",
         *(f"| {r['B']} | {r['torch_ms']:.2f} | {r['cpp_ms']:.2f} | {r['torch_ms'] / r['cpp_ms']:.2f} |" for r in sig),
         "",
+        "## Host preparation of a prefill and an attention pass replayed from CUDA graphs (forward stubbed out)", "",
+        "`PrefillGraphs.run` and `PassGraphs.run` (fastrag/cuda_graphs.py) after a 1,536-token prefix, block tables "
+        "4,096 tokens wide: the buffers' host images and their two copies, and for a pass the q and k put back in "
+        "[B, T] order. On a GPU the replay adds one launch. Against the eager forwards' host ms at 32 layers above.",
+        "", "| call | median host ms |", "|---|---|",
+        *(f"| {r['call']} | {r['median_ms']:.3f} |" for r in gp), "",
     ]
     results = Path(args.results)
     results.mkdir(parents=True, exist_ok=True)

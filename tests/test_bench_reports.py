@@ -528,6 +528,15 @@ def test_results_folder_is_where_the_tables_go(tmp_path):
     assert {p: p.stat().st_mtime_ns for p in (BENCH / "results").glob("*attention*")} == before
 
 
+def test_bench_host_times_the_graphed_calls_host_work_as_replays(monkeypatch):
+    """bench_host's graphed prefill and pass preparation: one row per call shape, each a replay (the function raises
+    if a call fell back to eager), with a positive median."""
+    monkeypatch.syspath_prepend(str(BENCH))  # (its bench_args import, as when run as a script)
+    rows = load("bench_host").graph_prep(2)
+    assert [r["call"].split(",")[0] for r in rows] == ["prefill"] * 4 + ["attention pass"] * 2
+    assert all(r["median_ms"] > 0 for r in rows)
+
+
 def test_bench_prefill_times_each_cell_eagerly_and_from_the_prefill_graphs(tmp_path):
     """bench_prefill --graphs on a CPU (emulated graphs, the paged kernel interpreted): each cell eagerly and then
     replayed from its graph, the same counted work, and the table says which rows replayed."""
