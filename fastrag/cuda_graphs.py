@@ -1,4 +1,6 @@
-"""Decode steps replayed from CUDA graphs, one per (batch bucket, context-block bucket, shared prefix).
+"""Decode steps replayed from CUDA graphs, one per (batch bucket, context-block bucket, shared prefix); small
+prefills and DRAGIN's attention passes replayed from graphs of their token bucket (`PrefillGraphs`, `PassGraphs`,
+the second half of this module).
 
 A decode step of a small model, or of a large one at a small batch, is dominated by kernel launches: ~15 per layer,
 a few microseconds each, against a step of a few milliseconds. A CUDA graph records the whole forward once and
@@ -590,7 +592,8 @@ class PassGraphs(_TokenGraphs):
         # each list from a block boundary: at most Mx + S * (bs - 1) slots, then the padding's scratch block
         self.scratch_block = W + S
         c = model.c
-        self.ks = torch.zeros(c.num_kv_heads, (self.scratch_block + 1) * bs, c.head_dim, dtype=w.dtype, device=w.device)
+        self.ks = torch.zeros(c.num_kv_heads, (self.scratch_block + 1) * bs, c.head_dim, dtype=w.dtype,
+                              device=w.device)
         self.vs = torch.zeros_like(self.ks)
         self.out = torch.zeros(Mx, c.num_heads, c.head_dim, dtype=w.dtype, device=w.device)
         # int64: ids, positions, key slots [Mx] | each real token's row in the caller's [B * T] order [Mx] | block
