@@ -64,6 +64,38 @@ def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+def _capture_cuda_graph(device: torch.device, mempool, forward):
+    """(graph, its output): forward() run twice on a side stream (the warm-up that compiles the Triton kernels and
+    settles the allocator), then captured into `mempool`. thread_local: CUDA calls of other threads (a dense
+    retriever's encoder) do not invalidate the capture."""
+    side = torch.cuda.Stream(device=device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            forward()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=mempool, capture_error_mode="thread_local"):
+        out = forward()
+    return graph, out
+
+
+def _try_capture(owner, capture, what: str, eager: str, eager_for_good: str):
+    """capture()'s graph, or None when it raised: the failure counted on owner (a DecodeGraphs or token graphs; at
+    max_failures `disabled` turns its graphs off for good) and warned, naming what was captured (`what`) and what
+    runs eagerly instead."""
+    try:
+        return capture()
+    except Exception as e:  # noqa: BLE001  (any capture failure: that call runs eagerly)
+        owner.failures += 1
+        why = f"{type(e).__name__}: {e}"
+        if owner.failures >= owner.max_failures:
+            owner.disabled = why
+        warnings.warn(f"CUDA graph capture {what}failed ({why}); " + (eager_for_good if owner.disabled else eager),
+                      RuntimeWarning, stacklevel=4)
+        return None
+
+
 @dataclass
 class _Graph:
     ids: torch.Tensor  # [Bb, 1]
@@ -189,18 +221,10 @@ class DecodeGraphs:
             return g
         if self.disabled is not None or len(self.graphs) >= self.max_graphs:
             return None
-        try:
-            g = self._capture(Bb, NBb, prefix, prefix_start, mixed)
-        except Exception as e:  # noqa: BLE001  (any capture failure: this step decodes eagerly)
-            self.failures += 1
-            why = f"{type(e).__name__}: {e}"
-            if self.failures >= self.max_failures:
-                self.disabled = why
-            warnings.warn(f"CUDA graph capture failed ({why}); "
-                          + ("decoding eagerly from now on" if self.disabled else "this step decodes eagerly"),
-                          RuntimeWarning, stacklevel=3)
-            return None
-        self.graphs[key] = g
+        g = _try_capture(self, lambda: self._capture(Bb, NBb, prefix, prefix_start, mixed), "",
+                         "this step decodes eagerly", "decoding eagerly from now on")
+        if g is not None:
+            self.graphs[key] = g
         return g
 
     def capture_ahead(self, prefix_sets: list[list[tuple[object, int]]]) -> int:
@@ -251,17 +275,7 @@ class DecodeGraphs:
             return g
         # the buffers hold padding only (every row writes to the scratch block), so the warm-up runs that compile
         # the Triton kernels and the capture itself touch no sequence's cache
-        side = torch.cuda.Stream(device=d)
-        side.wait_stream(torch.cuda.current_stream(d))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self._forward(g)
-        torch.cuda.current_stream(d).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: CUDA calls of other threads (a dense retriever's encoder) do not invalidate the capture
-        with torch.cuda.graph(graph, pool=self.mempool, capture_error_mode="thread_local"):
-            g.logits = self._forward(g)
-        g.graph = graph
+        g.graph, g.logits = _capture_cuda_graph(d, self.mempool, lambda: self._forward(g))
         return g
 
 
@@ -355,6 +369,18 @@ class _TokenGraphs:
     def bucket(self, n_tokens: int) -> int | None:
         return next((m for m in self.buckets if m >= n_tokens), None)
 
+    def _graph_for(self, lists: list[list[int]], fits: bool = True) -> _TokenGraph | None:
+        """The graph a call of these token lists replays (its token bucket's), or None, counted as an eager call: more
+        lists or tokens than the graphs take, an empty list, `fits` False (the caller's own limits), or graphs that do
+        not apply here or failed to capture."""
+        M = self.bucket(sum(len(x) for x in lists))
+        g = None
+        if fits and len(lists) <= self.max_seqs and M is not None and all(lists) and self.applies():
+            g = self._graph(M)
+        if g is None:
+            self.stats["eager_calls"] += 1
+        return g
+
     def _fill_layout(self, seqs: np.ndarray, tiles: np.ndarray, rows: list[tuple[int, int, int, int, int]]) -> None:
         """The kernel's per-sequence rows (q_start, q_len, ctx_len, pre_off, pre_len) into seqs [S + 1, 5] (row S
         stays zero: the padding tiles' empty sequence) and their tiles into tiles (the rest pointing at row S)."""
@@ -381,18 +407,10 @@ class _TokenGraphs:
         g = self.graphs.get(M)
         if g is not None or self.disabled is not None:
             return g
-        try:
-            g = self._capture(M)
-        except Exception as e:  # noqa: BLE001  (any capture failure: this call runs eagerly)
-            self.failures += 1
-            why = f"{type(e).__name__}: {e}"
-            if self.failures >= self.max_failures:
-                self.disabled = why
-            warnings.warn(f"CUDA graph capture of {self.what} of {M} tokens failed ({why}); "
-                          + ("eager from now on" if self.disabled else "this call runs eagerly"),
-                          RuntimeWarning, stacklevel=3)
-            return None
-        self.graphs[M] = g
+        g = _try_capture(self, lambda: self._capture(M), f"of {self.what} of {M} tokens ", "this call runs eagerly",
+                         "eager from now on")
+        if g is not None:
+            self.graphs[M] = g
         return g
 
     def applies(self) -> bool:
@@ -422,17 +440,7 @@ class _TokenGraphs:
         self.stats["captures"] += 1
         if self.emulate:
             return g
-        d = self.device
-        side = torch.cuda.Stream(device=d)
-        side.wait_stream(torch.cuda.current_stream(d))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self._forward(M)
-        torch.cuda.current_stream(d).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.mempool, capture_error_mode="thread_local"):
-            g.out = self._forward(M)
-        g.graph = graph
+        g.graph, g.out = _capture_cuda_graph(self.device, self.mempool, lambda: self._forward(M))
         return g
 
     def _forward(self, M: int):
@@ -506,7 +514,6 @@ class PrefillGraphs(_TokenGraphs):
         tokens' slots in packed order. Returns logits [B, V] float32 of each sequence's last new token (a tensor of
         its own), or None when this call does not fit a graph (the caller prefills eagerly)."""
         B, N = len(tokens), sum(len(t) for t in tokens)
-        M = self.bucket(N)
         bs, W = self.pool.block_size, self.width
         # the prefixes, concatenated in order of first use (a sequence without one: length 0)
         order, where, off = [], {}, 0
@@ -515,15 +522,11 @@ class PrefillGraphs(_TokenGraphs):
                 where[id(p.slots)] = off
                 order.append(p.slots[: p.length])
                 off += p.length
-        if B > self.max_seqs or M is None or not all(tokens) or len(order) > MAX_PREFIXES \
-                or off > self.max_prefix_slots or any(n > W * bs for _, n in ctx) or not self.applies():
-            self.stats["eager_calls"] += 1
-            return None
-        g = self._graph(M)
+        g = self._graph_for(tokens, len(order) <= MAX_PREFIXES and off <= self.max_prefix_slots
+                            and all(n <= W * bs for _, n in ctx))
         if g is None:
-            self.stats["eager_calls"] += 1
             return None
-        S, Ma = self.max_seqs, self._ma
+        M, S, Ma = g.M, self.max_seqs, self._ma
         i64 = np.zeros(self._i64_len, dtype=np.int64)
         lens = np.fromiter((len(t) for t in tokens), dtype=np.int64, count=B)
         first = np.cumsum(lens) - lens
@@ -624,15 +627,10 @@ class PassGraphs(_TokenGraphs):
         """`last_layer_qk` of the padded [B, T] batch of these token lists (T the longest) through a replayed graph:
         q [B, H, T, D] and k [B, Hkv, T, D] of the last layer, zero past each list's length (tensors of their own);
         None when the call does not fit a graph (the caller runs the pass eagerly)."""
-        B, N = len(seqs), sum(len(x) for x in seqs)
-        M = self.bucket(N)
-        if B > self.max_seqs or M is None or not all(seqs) or not self.applies():
-            self.stats["eager_calls"] += 1
-            return None
-        g = self._graph(M)
+        g = self._graph_for(seqs)
         if g is None:
-            self.stats["eager_calls"] += 1
             return None
+        B, N, M = len(seqs), sum(len(x) for x in seqs), g.M
         S, W, Ma, bs = self.max_seqs, self.width, self._ma, self.block_size
         T = max(len(x) for x in seqs)
         lens = np.fromiter((len(x) for x in seqs), dtype=np.int64, count=B)
