@@ -338,7 +338,7 @@ class _TokenGraphs:
     graph reading their first M rows; captured as calls need them or all ahead; a capture that fails on the GPU
     leaves that call eager with a warning, and three failures turn them off. emulate=True (CPU, tests): the same
     buffers, and every replay re-runs the forward on them. Subclasses fill `_forward(M)` (the captured work, returning
-    its output) and `_pad_only(M)` (the buffers as padding, for the warm-up and the capture)."""
+    its output) and `_views(M)` (their buffers' views), and set `scratch_block` and `block_size`."""
 
     what = "a packed call"
 
@@ -381,12 +381,14 @@ class _TokenGraphs:
             self.stats["eager_calls"] += 1
         return g
 
-    def _fill_layout(self, seqs: np.ndarray, tiles: np.ndarray, rows: list[tuple[int, int, int, int, int]]) -> None:
-        """The kernel's per-sequence rows (q_start, q_len, ctx_len, pre_off, pre_len) into seqs [S + 1, 5] (row S
-        stays zero: the padding tiles' empty sequence) and their tiles into tiles (the rest pointing at row S)."""
+    def _write_layout(self, M: int, rows: list[tuple[int, int, int, int, int]]) -> None:
+        """The kernel's per-sequence rows (q_start, q_len, ctx_len, pre_off, pre_len) and their tiles, as a graph of
+        M tokens reads them, into the int32 buffer in one host copy: `seqs` [S + 1, 5] (row S stays zero: the
+        padding tiles' empty sequence) and `tiles` (the rest pointing at row S)."""
         S = self.max_seqs
-        seqs[:] = 0
-        tiles[:, 0], tiles[:, 1] = S, 0
+        i32 = np.zeros(self._ta + 2 * self.n_tiles(M), dtype=np.int32)
+        seqs, tiles = i32[: 5 * (S + 1)].reshape(S + 1, 5), i32[self._ta:].reshape(-1, 2)
+        tiles[:, 0] = S
         t = 0
         for b, r in enumerate(rows):
             seqs[b] = r
@@ -394,6 +396,17 @@ class _TokenGraphs:
             tiles[t: t + k, 0] = b
             tiles[t: t + k, 1] = np.arange(k) * self.block_m
             t += k
+        copy_into(self.i32[: i32.size], torch.from_numpy(i32))
+
+    def _pad_only(self, M: int) -> None:
+        """The buffers a graph of M tokens reads, as padding only (the warm-up and the capture): token 0 at position
+        0 written to the scratch block, every table entry the scratch block, every tile the empty row."""
+        ids, pos, slots, rows, tab, seqs, tiles = self._views(M)
+        ids.zero_(), pos.zero_(), rows.zero_(), seqs.zero_()
+        slots.fill_(self.scratch_block * self.block_size)
+        tab.fill_(self.scratch_block)
+        tiles[:, 0].fill_(self.max_seqs)
+        tiles[:, 1].zero_()
 
     def _replay(self, g: _TokenGraph):
         if self.emulate:
@@ -446,7 +459,8 @@ class _TokenGraphs:
     def _forward(self, M: int):
         raise NotImplementedError
 
-    def _pad_only(self, M: int) -> None:
+    def _views(self, M: int):
+        """(ids, positions, key slots, rows, block table, seqs, tiles): the buffers' views a graph of M tokens reads."""
         raise NotImplementedError
 
 
@@ -466,7 +480,7 @@ class PrefillGraphs(_TokenGraphs):
             raise ValueError(f"ctx_blocks must be a positive int, got {ctx_blocks!r}")
         super().__init__(pool.k[0].device, max_tokens, max_seqs, emulate, block_m)
         self.model, self.pool = model, pool
-        bs = pool.block_size
+        bs = self.block_size = pool.block_size
         self.width = ctx_blocks
         self.max_prefix_slots = MAX_PREFIXES * ctx_blocks * bs if max_prefix_slots is None else max_prefix_slots
         self.scratch_block = pool.allocate(1)[0]  # padding tokens write here; never freed
@@ -540,9 +554,7 @@ class PrefillGraphs(_TokenGraphs):
         for b, (blocks, n_ctx) in enumerate(ctx):
             nb = -(-n_ctx // bs)
             tab[b, :nb] = blocks[:nb]
-        seqs = np.zeros((S + 1, 5), dtype=np.int32)
-        tiles = np.empty((self.n_tiles(M), 2), dtype=np.int32)
-        self._fill_layout(seqs, tiles, [
+        self._write_layout(M, [
             (first[b], lens[b], n_ctx, where[id(p.slots)] if p is not None and p.length else 0,
              p.length if p is not None else 0) for b, ((_, n_ctx), p) in enumerate(zip(ctx, prefixes))])
         key = lambda ts: [(s.data_ptr(), s.numel()) for s in ts]  # noqa: E731
@@ -553,9 +565,6 @@ class PrefillGraphs(_TokenGraphs):
                 at += s.numel()
             self._pre_held = order
         copy_into(self.i64, torch.from_numpy(i64))
-        i32 = np.zeros(self._ta + tiles.size, dtype=np.int32)
-        i32[: seqs.size], i32[self._ta:] = seqs.reshape(-1), tiles.reshape(-1)
-        copy_into(self.i32[: i32.size], torch.from_numpy(i32))
         return self._replay(g)[:B].clone()  # (the next replay of this graph overwrites its output)
 
     def _forward(self, M: int) -> torch.Tensor:
@@ -563,13 +572,6 @@ class PrefillGraphs(_TokenGraphs):
         layout = self._layout_cls(tiles, seqs, self.pre_slots, tab, self.pool.block_size, M, self.block_m)
         return self.model.prefill_static(ids, pos, write, layout, rows, self.pool.k, self.pool.v, self.out[:M])
 
-    def _pad_only(self, M: int) -> None:
-        ids, pos, write, rows, tab, seqs, tiles = self._views(M)
-        ids.zero_(), pos.zero_(), rows.zero_(), seqs.zero_()
-        write.fill_(self.scratch_block * self.pool.block_size)
-        tab.fill_(self.scratch_block)
-        tiles[:, 0].fill_(self.max_seqs)
-        tiles[:, 1].zero_()
 
 
 class PassGraphs(_TokenGraphs):
@@ -648,13 +650,8 @@ class PassGraphs(_TokenGraphs):
         tab = i64[4 * Ma:].reshape(S + 1, W)
         for b in range(B):
             tab[b, : nb[b]] = np.arange(start_block[b], start_block[b] + nb[b])
-        seqs_np = np.zeros((S + 1, 5), dtype=np.int32)
-        tiles = np.empty((self.n_tiles(M), 2), dtype=np.int32)
-        self._fill_layout(seqs_np, tiles, [(first[b], lens[b], lens[b], 0, 0) for b in range(B)])
+        self._write_layout(M, [(first[b], lens[b], lens[b], 0, 0) for b in range(B)])
         copy_into(self.i64, torch.from_numpy(i64))
-        i32 = np.zeros(self._ta + tiles.size, dtype=np.int32)
-        i32[: seqs_np.size], i32[self._ta:] = seqs_np.reshape(-1), tiles.reshape(-1)
-        copy_into(self.i32[: i32.size], torch.from_numpy(i32))
         q_all = self._replay(g)  # [M, H, D] of the last layer; its keys in self.ks
         _, _, slots, rows, *_ = self._views(M)
         c = self.model.c
@@ -667,11 +664,3 @@ class PassGraphs(_TokenGraphs):
         ids, pos, slots, rows, tab, seqs, tiles = self._views(M)
         layout = self._layout_cls(tiles, seqs, self._no_prefix, tab, self.block_size, M, self.block_m)
         return self.model.last_layer_qk_static(ids, pos, slots, layout, self.ks, self.vs, self.out[:M])
-
-    def _pad_only(self, M: int) -> None:
-        ids, pos, slots, rows, tab, seqs, tiles = self._views(M)
-        ids.zero_(), pos.zero_(), rows.zero_(), seqs.zero_()
-        slots.fill_(self.scratch_block * self.block_size)
-        tab.fill_(self.scratch_block)
-        tiles[:, 0].fill_(self.max_seqs)
-        tiles[:, 1].zero_()

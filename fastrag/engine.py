@@ -427,21 +427,21 @@ class Engine:
         # PREFILL_GRAPH_SEQS sequences and PREFILL_GRAPH_TOKENS new tokens, where the model prefills through the
         # paged prefill kernel with the fused small operations. None: on where the decode graphs are, unless
         # $FASTRAG_PREFILL_GRAPHS=0; True on a CPU runs the same static-buffer protocol emulated (the tests)
-        setting = env_setting(PREFILL_GRAPHS_ENV)  # (read, and a bad value named, on any device)
-        if prefill_graphs is None:
-            prefill_graphs = bool(cuda_graphs) and self.device.type == "cuda" and setting is not False
-        elif not isinstance(prefill_graphs, bool):
-            raise ValueError(f"prefill_graphs must be a bool or None, got {prefill_graphs!r}")
+        def graphs_on(value, env: str, name: str) -> bool:  # (the env setting read, a bad one named, on any device)
+            setting = env_setting(env)
+            if value is None:
+                return bool(cuda_graphs) and self.device.type == "cuda" and setting is not False
+            if not isinstance(value, bool):
+                raise ValueError(f"{name} must be a bool or None, got {value!r}")
+            return value
+
+        prefill_graphs = graphs_on(prefill_graphs, PREFILL_GRAPHS_ENV, "prefill_graphs")
         self.prefill_graphs = PrefillGraphs(
             model, self.pool, ctx_blocks=-(-self.max_context // block_size),
             max_tokens=min(PREFILL_GRAPH_TOKENS, max_prefill_tokens), max_seqs=min(PREFILL_GRAPH_SEQS, max_batch),
             emulate=self.device.type != "cuda") if prefill_graphs else None
         # DRAGIN's attention passes likewise (`PassGraphs`; FASTRAG_PASS_GRAPHS=0 turns them off)
-        setting = env_setting(PASS_GRAPHS_ENV)  # (read, and a bad value named, on any device)
-        if pass_graphs is None:
-            pass_graphs = bool(cuda_graphs) and self.device.type == "cuda" and setting is not False
-        elif not isinstance(pass_graphs, bool):
-            raise ValueError(f"pass_graphs must be a bool or None, got {pass_graphs!r}")
+        pass_graphs = graphs_on(pass_graphs, PASS_GRAPHS_ENV, "pass_graphs")
         self.pass_graphs = PassGraphs(model, max_tokens=min(PASS_GRAPH_TOKENS, max_prefill_tokens),
                                       max_seqs=PASS_GRAPH_SEQS, emulate=self.device.type != "cuda") \
             if pass_graphs else None
@@ -1258,7 +1258,7 @@ class Engine:
             T = max(len(seqs[k]) for k in idx)
             lens_h = torch.tensor([len(seqs[k]) for k in idx])
             lens = self._h2d(lens_h)  # (a plain .to(device) from pageable memory would wait for the device)
-            qk = self.pass_graphs.run([seqs[k] for k in idx]) if self.pass_graphs is not None else None
+            qk = pg.run([seqs[k] for k in idx]) if pg is not None else None
             if qk is None:
                 ids = torch.zeros(len(idx), T, dtype=torch.long)
                 for b, k in enumerate(idx):

@@ -962,17 +962,8 @@ class LlamaModel(nn.Module):
         (the embedded tokens), cos, sin [N, D], each token's keys and values written to write_slots [N], `paged`
         its layout (`_paged_layout`); out: an [N, H, D] buffer the attention writes into (None: a new one a layer).
         Returns the last layer's output [N, hidden] (before the final norm)."""
-        fd, c = self.fused_decode, self.c
-        N, delta = x.shape[0], None
-        for li, layer in enumerate(self.layers):
-            kp, vp = k_pool[li], v_pool[li]
-            x, h = fd.add_rms_norm(x, delta, layer.input_layernorm.weight, layer.input_layernorm.eps)
-            q = fd.rope_write_kv(layer.qkv(h), cos, sin, write_slots, kp, vp, c.num_heads, c.num_kv_heads)
-            o = self.paged_prefill.paged_prefill_attention(q, kp, vp, paged, self.scale, out=out)  # [N, H, D]
-            x, h = fd.add_rms_norm(x, layer.o(o.view(N, -1)), layer.post_attention_layernorm.weight,
-                                   layer.post_attention_layernorm.eps)
-            delta = layer.down(fd.silu_mul(layer.gate_up(h)))
-        return x + delta
+        return self._fused_layers(x, cos, sin, write_slots, k_pool, v_pool, lambda q, kp, vp: (
+            self.paged_prefill.paged_prefill_attention(q, kp, vp, paged, self.scale, out=out).view(q.shape[0], -1)))
 
     def prefill_static(self, ids, positions, write_slots, paged, rows, k_pool, v_pool, out):
         """A packed prefill whose every input is a tensor of fixed shape (a CUDA graph's, fastrag/cuda_graphs.py
@@ -1144,16 +1135,25 @@ class LlamaModel(nn.Module):
         """The fused small operations' layers over x [M, hidden] up to the last layer's q [M, H, D] (returned):
         each layer writes its keys and values to `slots` of the scratch pair ks, vs [Hkv, slots, D] and attends
         with `attend(q)` -> [M, H * D]."""
+        n = len(self.layers)
+        return self._fused_layers(x, cos, sin, slots, [ks] * n, [vs] * n, lambda q, kp, vp: attend(q), last_q=True)
+
+    def _fused_layers(self, x, cos, sin, slots, k_pools, v_pools, attend, last_q: bool = False):
+        """The fused small operations' layers over x [M, hidden]: layer li writes its keys and values to `slots` of
+        k_pools[li], v_pools[li] ([Hkv, slots, D]) and attends with `attend(q, kp, vp)` -> [M, H * D]. Returns the
+        last layer's output [M, hidden], or with last_q its q [M, H, D] (before its attention)."""
         fd, c = self.fused_decode, self.c
         delta = None
         for li, layer in enumerate(self.layers):
+            kp, vp = k_pools[li], v_pools[li]
             x, h = fd.add_rms_norm(x, delta, layer.input_layernorm.weight, layer.input_layernorm.eps)
-            q = fd.rope_write_kv(layer.qkv(h), cos, sin, slots, ks, vs, c.num_heads, c.num_kv_heads)  # [M, H, D]
-            if li == len(self.layers) - 1:
+            q = fd.rope_write_kv(layer.qkv(h), cos, sin, slots, kp, vp, c.num_heads, c.num_kv_heads)  # [M, H, D]
+            if last_q and li == len(self.layers) - 1:
                 return q
-            x, h = fd.add_rms_norm(x, layer.o(attend(q)), layer.post_attention_layernorm.weight,
+            x, h = fd.add_rms_norm(x, layer.o(attend(q, kp, vp)), layer.post_attention_layernorm.weight,
                                    layer.post_attention_layernorm.eps)
             delta = layer.down(fd.silu_mul(layer.gate_up(h)))
+        return x + delta
 
     def _last_layer_qk_fused(self, x, cos, sin, mask):
         """last_layer_qk with the fused small operations over its B x T rows and one masked attention call a layer
