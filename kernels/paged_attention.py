@@ -171,17 +171,7 @@ def paged_decode_attention_lse(q: torch.Tensor, k_pool: torch.Tensor, v_pool: to
                          f"{block_size!r}")
     max_ctx, pool_blocks = ctx_blocks.shape[1] * block_size, k_pool.shape[1] // block_size
     if ctx_lens.device.type == "cpu" and ctx_blocks.device.type == "cpu" and B:
-        bad = ((ctx_lens < 0) | (ctx_lens > max_ctx)).nonzero()
-        if bad.numel():
-            b = int(bad[0, 0])
-            raise ValueError(f"ctx_lens[{b}] = {int(ctx_lens[b])} is outside [0, {max_ctx}] ({ctx_blocks.shape[1]} "
-                             f"blocks x {block_size})")
-        used = torch.arange(ctx_blocks.shape[1])[None, :] * block_size < ctx_lens[:, None]  # blocks the keys read
-        bad = (used & ((ctx_blocks < 0) | (ctx_blocks >= pool_blocks))).nonzero()
-        if bad.numel():
-            b, j = int(bad[0, 0]), int(bad[0, 1])
-            raise ValueError(f"ctx_blocks[{b}, {j}] = {int(ctx_blocks[b, j])} is outside the pool's {pool_blocks} "
-                             "blocks")
+        _check_reads(ctx_blocks, ctx_lens, block_size, max_ctx, pool_blocks)
     G = H // Hkv
     out = torch.empty(B, H, D, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, H, dtype=torch.float32, device=q.device)
@@ -217,3 +207,21 @@ def paged_decode_attention_lse(q: torch.Tensor, k_pool: torch.Tensor, v_pool: to
         D=D, D_PAD=d_pad, S_PAD=max(2, triton.next_power_of_2(nsplit)),
     )
     return out, lse
+
+
+def _check_reads(ctx_blocks: torch.Tensor, ctx_lens: torch.Tensor, block_size: int, max_ctx: int,
+                 pool_blocks: int) -> None:
+    """CPU tensors: every context length fits the table and every block the keys read lies inside the pool
+    (ValueError naming the first that does not). A GPU launch skips this (no copy back): there the kernel masks such
+    reads."""
+    bad = ((ctx_lens < 0) | (ctx_lens > max_ctx)).nonzero()
+    if bad.numel():
+        b = int(bad[0, 0])
+        raise ValueError(f"ctx_lens[{b}] = {int(ctx_lens[b])} is outside [0, {max_ctx}] ({ctx_blocks.shape[1]} "
+                         f"blocks x {block_size})")
+    used = torch.arange(ctx_blocks.shape[1])[None, :] * block_size < ctx_lens[:, None]  # blocks the keys read
+    bad = (used & ((ctx_blocks < 0) | (ctx_blocks >= pool_blocks))).nonzero()
+    if bad.numel():
+        b, j = int(bad[0, 0]), int(bad[0, 1])
+        raise ValueError(f"ctx_blocks[{b}, {j}] = {int(ctx_blocks[b, j])} is outside the pool's {pool_blocks} "
+                         "blocks")
