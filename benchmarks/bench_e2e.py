@@ -166,6 +166,28 @@ def floor_rows(names: list[str], metrics: list[dict], joint: bool, figures) -> l
     return rows
 
 
+def decode_floor_rows(folders: list[Path], metrics: list[dict], joint: bool, figures) -> list[dict]:
+    """The engine's decode steps against their floor by batch size (fastrag.perf.decode_steps_vs_floor), from the
+    step traces the run wrote ($FASTRAG_STEP_TRACE=1: step_trace.jsonl in each engine folder; a joint run wrote
+    the same steps to each, so the first is read). [] without a trace, or one from before the steps' KV counts."""
+    import gzip
+
+    from fastrag.perf import decode_steps_vs_floor
+
+    rows = []
+    for folder, m in list(zip(folders, metrics))[: 1 if joint else None]:
+        path = next((p for p in (folder / "step_trace.jsonl", folder / "step_trace.jsonl.gz") if p.exists()), None)
+        if path is None or m.get("model_costs") is None:
+            continue
+        with (gzip.open(path, "rt") if path.suffix == ".gz" else open(path)) as f:
+            for i, line in enumerate(f, 1):
+                try:
+                    rows.append(json.loads(line))
+                except ValueError as e:
+                    raise ValueError(f"{path}:{i}: not a JSON step row ({e})") from None
+    return decode_steps_vs_floor(rows, metrics[0]["model_costs"], figures) if rows else []
+
+
 def graphs_line(metrics: list[dict]) -> str:
     """The header line on the engine's CUDA graphs (one engine ran every dataset: the first metrics.json's
     figures), or "" when it decoded without them."""
@@ -199,6 +221,12 @@ def prefill_graphs_line(metrics: list[dict]) -> str:
                 f"captured before the clock started ({p.get('capture_ahead_s', 0.0):.2f} s), "
                 f"{p['captures'] - ahead} by the timed run, {p['replays']} {calls} replayed, {p['eager_calls']} "
                 f"eager{off}\n")
+        tr = metrics[0].get("step_trace") or {}
+        if key == "prefill_graphs" and tr.get("prefill_graphed"):  # (the step trace's prefill steps, both ways)
+            out += "  - prefill steps in the step trace: " + "; ".join(
+                f"{name} {d['steps']} (median {d['median_tokens']:.0f} tokens, {d['median_device_ms']:.1f} ms of "
+                f"device time; {d['device_s']:.2f} s in all)" if d["steps"] else f"{name} 0"
+                for name, d in (("graphed", tr["prefill_graphed"]), ("eager", tr["prefill_eager"]))) + "\n"
     return out
 
 
@@ -419,6 +447,7 @@ def main() -> None:
     else:
         e_wall = sum(m["wall_s"] for m in metrics)
     f_rows = floor_rows(list(args.datasets), metrics, is_joint, figures)
+    d_rows = decode_floor_rows([outs[ds] / "engine" for ds in args.datasets], metrics, is_joint, figures)
     n_e = sum(m["computed_this_run"] for m in metrics)
     rep_all = compare(eng_all, orc_all, method_decisions("dragin"))
     rep_all.update({"engine_questions_per_s": n_e / e_wall if e_wall > 0 else None,
@@ -518,10 +547,21 @@ def main() -> None:
                   + " | ".join(cols) + " |\n|" + "---|" * len(cols) + "\n")
         for r in f_rows:
             table += "| " + " | ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in r.values()) + " |\n"
+    if d_rows:
+        cols = list(d_rows[0])
+        table += ("\n## Decode steps against their floor, by batch size (step trace)\n\n"
+                  "Per decode step of the engine's step trace: its device milliseconds (CUDA events from its first "
+                  "kernel to its sampled tokens: the forward, the signals and the sampling) against its own floor "
+                  "(every weight read once plus the KV entries its attention read: each sequence's own context, "
+                  "each shared prefix once; fastrag.perf.decode_step_floor). ctx_per_seq: own-context entries per "
+                  "sequence; prefix_entries: the shared prefixes' entries the step read.\n\n| "
+                  + " | ".join(cols) + " |\n|" + "---|" * len(cols) + "\n")
+        for r in d_rows:
+            table += "| " + " | ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in r.values()) + " |\n"
     (res / f"e2e_{tag}.md").write_text(head + table)
     (res / f"e2e_{tag}.json").write_text(json.dumps({"rows": rows, "parity": reports, "device": device,
-                                                     "floor": f_rows, "device_figures": figures.as_dict()},
-                                                    indent=2))
+                                                     "floor": f_rows, "decode_floor": d_rows,
+                                                     "device_figures": figures.as_dict()}, indent=2))
     print(head + table)
 
 

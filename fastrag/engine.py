@@ -785,12 +785,15 @@ class Engine:
             if group:
                 if row is not None:
                     row["prefill_seqs"], row["prefill_tokens"] = len(group), sum(len(s.pending_prompt) for s in group)
+                    replays0 = self.prefill_graphs.stats["replays"] if self.prefill_graphs is not None else 0
                 dev0 = self.clock.mark()
                 try:
                     logits = self._prefill([(s, s.pending_prompt) for s in group], want_logits=True)
                 except BaseException:  # (the forward failed: out of memory, a kernel error, Ctrl-C) the group
                     self.waiting[:0] = group  # waits again as it was, its blocks reserved, nothing computed
                     raise
+                if row is not None and self.prefill_graphs is not None:  # (graphed prefills apart from eager ones)
+                    row["prefill_graphed"] = self.prefill_graphs.stats["replays"] > replays0
                 for s in group:
                     s.pending_prompt = []
                 # the first token of every prefilled generation in one signals call and one host copy (a sequence
@@ -825,9 +828,13 @@ class Engine:
             st.batch = batch = decodable[: self.max_batch]
             if row is not None:
                 row["decode_batch"] = len(batch)
+                kv0 = (self.stats["decode_ctx_tokens"], self.stats["decode_prefix_tokens"])
             dev0 = self.clock.mark()
             try:
                 logits = self._decode(batch)
+                if row is not None:  # the KV entries this step's attention read (each shared prefix once)
+                    row["decode_ctx_tokens"] = self.stats["decode_ctx_tokens"] - kv0[0]
+                    row["decode_prefix_tokens"] = self.stats["decode_prefix_tokens"] - kv0[1]
                 # a sequence still feeding the tracked tokens of its prompt samples nothing this step
                 st.ready = [i for i, s in enumerate(batch) if s.computed == len(s.tokens)]
                 if st.ready:

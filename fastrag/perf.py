@@ -111,6 +111,54 @@ def floor(stats: dict, costs: dict, dev: DeviceFigures | dict) -> dict:
             "prefill_flops": pre_flops}
 
 
+# the batch sizes the decode steps of a step trace are grouped by (`decode_steps_vs_floor`); None: no upper end
+DECODE_BATCH_RANGES = ((1, 15), (16, 63), (64, 127), (128, 191), (192, None))
+
+
+def decode_step_floor(row: dict, costs: dict, dev: DeviceFigures | dict) -> float:
+    """The least device time (seconds) of one decode step of a step trace (its row: `decode_batch`, and the KV
+    entries its attention read, `decode_ctx_tokens` and `decode_prefix_tokens`), as `floor` counts a decode step:
+    every weight read once plus those entries, or 2 FLOPs per weight per token plus the attention's, whichever is
+    longer."""
+    d = dev.as_dict() if isinstance(dev, DeviceFigures) else dev
+    kv = row["decode_ctx_tokens"] + row["decode_prefix_tokens"]
+    nbytes = costs["weight_bytes_per_step"] + kv * costs["kv_bytes_per_token"]
+    flops = 2 * costs["matmul_params"] * row["decode_batch"] + costs["attn_flops_per_entry"] * kv
+    return max(nbytes / d["copy_bytes_per_s"], flops / d["matmul_flops_per_s"])
+
+
+def decode_steps_vs_floor(rows: list[dict], costs: dict, dev: DeviceFigures | dict) -> list[dict]:
+    """The decode steps of a step trace (Engine.trace rows with their device seconds and KV counts) against their
+    floor, grouped by batch size (DECODE_BATCH_RANGES), then all of them: per group the steps, the median batch, own
+    context per sequence and shared-prefix entries, the median step's device and floor milliseconds and the median
+    of their ratios, and the group's seconds. The device seconds run from the step's first kernel to its sampled
+    tokens: the forward, the signals and the sampling; the floor is the forward's alone. [] when the rows lack the
+    counts (a trace from before them) or hold no timed decode step."""
+    steps = [r for r in rows if r.get("decode_batch") and r.get("device_decode_s") is not None
+             and "decode_ctx_tokens" in r]
+
+    def med(xs):
+        return statistics.median(xs) if xs else None
+
+    out = []
+    for lo, hi in (*DECODE_BATCH_RANGES, (None, None)):
+        sel = steps if lo is None else [r for r in steps if r["decode_batch"] >= lo
+                                        and (hi is None or r["decode_batch"] <= hi)]
+        if not sel or (lo is None and len(out) == 1):  # (one group: "all" would repeat it)
+            continue
+        dev_s = [r["device_decode_s"] for r in sel]
+        floor_s = [decode_step_floor(r, costs, dev) for r in sel]
+        out.append({"batch": "all" if lo is None else (f"{lo}-{hi}" if hi is not None else f"{lo}+"),
+                    "steps": len(sel), "median_batch": med([r["decode_batch"] for r in sel]),
+                    "median_ctx_per_seq": med([r["decode_ctx_tokens"] / r["decode_batch"] for r in sel]),
+                    "median_prefix_entries": med([r["decode_prefix_tokens"] for r in sel]),
+                    "median_device_ms": 1e3 * med(dev_s), "median_floor_ms": 1e3 * med(floor_s),
+                    "median_device_over_floor": med([a / b for a, b in zip(dev_s, floor_s)]),
+                    "device_s": sum(dev_s), "floor_s": sum(floor_s),
+                    "device_over_floor": sum(dev_s) / sum(floor_s)})
+    return out
+
+
 COUNTERS = ("decode_ctx_tokens", "decode_prefix_tokens", "prefill_ctx_tokens")
 
 
@@ -197,6 +245,15 @@ def trace_summary(rows: list[dict]) -> dict:
     out["triton_compiles"] = sum(len(r["compiles"]) for r in comp)
     out["steps_with_compiles"] = [{"step": r.get("step"), "kernels": list(r["compiles"]),
                                    "step_ms": 1e3 * r["step_s"] if "step_s" in r else None} for r in comp[:20]]
+    # the prefill steps replayed from a prefill graph and the eager ones (rows that say: graphs on), apart
+    pre = [r for r in timed if r.get("prefill_seqs") and "prefill_graphed" in r and "device_prefill_s" in r]
+    for name, on in (("prefill_graphed", True), ("prefill_eager", False)):
+        sel = [r for r in pre if r["prefill_graphed"] == on]
+        if pre:
+            out[name] = {"steps": len(sel), "device_s": sum(r["device_prefill_s"] for r in sel),
+                         "median_tokens": statistics.median(r["prefill_tokens"] for r in sel) if sel else None,
+                         "median_device_ms": 1e3 * statistics.median(r["device_prefill_s"] for r in sel)
+                         if sel else None}
     # the run's tail: steps that decoded fewer than 16 sequences (the weights read for a handful of tokens)
     small = [r for r in timed if 0 < r.get("decode_batch", 0) < 16]
     out["steps_under_16_sequences"] = len(small)

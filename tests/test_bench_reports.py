@@ -154,6 +154,31 @@ def test_bench_e2e_floor_rows_one_per_engine():
     assert [(x["run"], x["engine_wall_s"]) for x in rows] == [("hotpotqa", 9.0)]
 
 
+def test_bench_e2e_decode_steps_against_their_floor_from_the_step_traces(tmp_path):
+    """The decode-step table reads the engine folders' step traces: a joint run's first folder only (every folder
+    holds the same steps), separate runs' every folder; no trace, no table; a line that is not JSON is named by file
+    and line."""
+    from fastrag.perf import DeviceFigures
+
+    be = load("bench_e2e")
+    costs = {"weight_bytes_per_step": 1000, "matmul_params": 100, "lm_head_params": 30, "kv_bytes_per_token": 10,
+             "attn_flops_per_entry": 4, "dtype_bytes": 4}
+    dev = DeviceFigures("test", "float32", copy_bytes_per_s=1e4, matmul_flops_per_s=2e4)
+    step = {"decode_batch": 4, "decode_ctx_tokens": 80, "decode_prefix_tokens": 20, "device_decode_s": 0.5}
+    folders = [tmp_path / "a", tmp_path / "b"]
+    for f, n in zip(folders, (3, 2)):
+        f.mkdir()
+        (f / "step_trace.jsonl").write_text("".join(json.dumps(step) + "\n" for _ in range(n)))
+    m = {"model_costs": costs}
+    (joint,) = be.decode_floor_rows(folders, [m, m], True, dev)
+    (separate,) = be.decode_floor_rows(folders, [m, m], False, dev)
+    assert (joint["steps"], separate["steps"]) == (3, 5) and joint["median_floor_ms"] == pytest.approx(200.0)
+    assert be.decode_floor_rows([tmp_path / "none"], [m], True, dev) == []
+    (folders[0] / "step_trace.jsonl").write_text(json.dumps(step) + "\n{not json\n")
+    with pytest.raises(ValueError, match=r"a/step_trace.jsonl:2: not a JSON step row"):
+        be.decode_floor_rows(folders, [m, m], True, dev)
+
+
 def test_bench_e2e_oracle_questions_spread_over_the_run_and_their_devices_are_named(tmp_path):
     """The oracles time questions spread over the engine's (not the data file's head), the tuned ones among the
     published recipe's; the devices their timings came from are read from each oracle folder's runs.jsonl."""
@@ -216,6 +241,12 @@ def test_bench_e2e_says_how_many_prefills_replayed_graphs():
     assert "turned off: RuntimeError: capture failed" in be.prefill_graphs_line([{"prefill_graphs": off}])
     assert "none replayed" in be.prefill_graphs_line([{"prefill_graphs": p | {"applies": False}}])
     assert be.prefill_graphs_line([{}]) == "" and be.prefill_graphs_line([]) == ""
+    tr = {"prefill_graphed": {"steps": 900, "device_s": 4.5, "median_tokens": 61.0, "median_device_ms": 4.8},
+          "prefill_eager": {"steps": 0, "device_s": 0.0, "median_tokens": None, "median_device_ms": None}}
+    traced = be.prefill_graphs_line([{"prefill_graphs": p, "step_trace": tr}])
+    assert traced.startswith(line) and traced.count("\n") == 2
+    assert "prefill steps in the step trace: graphed 900 (median 61 tokens, 4.8 ms of device time; 4.50 s in all);" \
+        " eager 0\n" in traced
 
 
 def test_the_e2e_header_says_how_prefills_attended():

@@ -179,6 +179,31 @@ def test_the_engine_s_trace_rows_add_up_to_its_counters(model):
         assert sum(r.get(k, 0.0) for r in rows) == pytest.approx(st[k], rel=1e-9, abs=1e-12)
     assert all(r["launch_s"] > 0 and "finish_s" in r for r in rows)
     assert all(("device_decode_s" in r) == (r["decode_batch"] > 0) for r in rows)
+    # each decode step's KV entries read (its floor's, fastrag.perf.decode_step_floor) add up to the engine's
+    for k in ("decode_ctx_tokens", "decode_prefix_tokens"):
+        assert sum(r.get(k, 0) for r in rows) == st[k]
+        assert all((k in r) == (r["decode_batch"] > 0) for r in rows)
+    assert all(r["decode_ctx_tokens"] >= 6 * r["decode_batch"] for r in rows if r["decode_batch"])
+
+
+def test_trace_rows_count_a_shared_prefix_once_per_decode_step(model):
+    """Sequences of one shared prefix: each decode step's row counts the prefix's entries once (read once for the
+    batch) and each sequence's own context: its prompt after the prefix and the tokens generated before the step."""
+    eng = Engine(model, _Tok(), kv_cache_gb=0.01, max_batch=8)
+    eng.set_prefix(" ".join(str(t) for t in range(20, 52)))  # 32 tokens
+    eng.trace = []
+    prompts = [list(range(20, 52)) + [5] * n for n in (3, 9, 14)]
+    seqs = [eng.new_sequence() for _ in prompts]
+    for s, p in zip(seqs, prompts):
+        eng.start(s, p, 5)
+    while eng.has_work:
+        eng.step()
+    dec = [r for r in eng.trace if r["decode_batch"]]
+    assert dec and all(r["decode_prefix_tokens"] == 32 for r in dec)
+    # decode step j (0-based) of a batch that started together: sequence i has n_i + j entries of its own cached
+    # (its prompt after the prefix, the tokens fed by the steps before) and attends to the one it feeds now too
+    for j, r in enumerate(dec):
+        assert r["decode_batch"] == 3 and r["decode_ctx_tokens"] == sum(n + j + 1 for n in (3, 9, 14))
 
 
 def test_trace_summary_on_steps_of_known_times():
@@ -210,6 +235,42 @@ def test_trace_summary_on_steps_of_known_times():
     assert cap["graph_captures"] == 2 and cap["by_kind"]["graph_capture"]["steps"] == 1
     assert "decode" not in cap["by_kind"] and cap["steps_under_16_sequences"] == 2
     assert trace_summary([{"step": 0}]) == {"steps": 1, "steps_timed": 0}
+    assert "prefill_graphed" not in s  # (rows that do not say: no prefill graphs)
+    graphed = [dict(rows[0], prefill_graphed=True, prefill_tokens=40),
+               dict(rows[0], prefill_graphed=True, prefill_tokens=60, device_prefill_s=0.01),
+               dict(rows[0], prefill_graphed=False, prefill_tokens=900, device_prefill_s=0.05)]
+    g = trace_summary(graphed + rows[1:])
+    assert g["prefill_graphed"]["steps"] == 2 and g["prefill_graphed"]["median_tokens"] == 50
+    assert g["prefill_graphed"]["device_s"] == pytest.approx(0.04)
+    assert g["prefill_graphed"]["median_device_ms"] == pytest.approx(20.0)
+    assert g["prefill_eager"] == {"steps": 1, "device_s": pytest.approx(0.05), "median_tokens": 900,
+                                  "median_device_ms": pytest.approx(50.0)}
+
+
+def test_decode_steps_against_their_floor_by_batch_size():
+    """Each decode step's floor is its weights plus the KV entries it read at the copy bandwidth, or its FLOPs at the
+    matmul rate, whichever is longer; steps group by batch size, with an "all" row when there are several groups;
+    steps without the counts (older traces) or without device seconds are left out."""
+    from fastrag.perf import DeviceFigures, decode_step_floor, decode_steps_vs_floor
+
+    costs = {"weight_bytes_per_step": 1000, "matmul_params": 100, "lm_head_params": 30, "kv_bytes_per_token": 10,
+             "attn_flops_per_entry": 4, "dtype_bytes": 4}
+    dev = DeviceFigures("test", "float32", copy_bytes_per_s=1e4, matmul_flops_per_s=2e4)
+    r = {"decode_batch": 4, "decode_ctx_tokens": 80, "decode_prefix_tokens": 20, "device_decode_s": 0.5}
+    assert decode_step_floor(r, costs, dev) == pytest.approx(0.2)  # bytes (1000 + 100 x 10) / 1e4 over 1200 / 2e4
+    big = {"decode_batch": 200, "decode_ctx_tokens": 100, "decode_prefix_tokens": 0, "device_decode_s": 4.0}
+    assert decode_step_floor(big, costs, dev) == pytest.approx(2.02)  # FLOPs (40000 + 400) / 2e4 over 2000 / 1e4
+    rows = [r, dict(r, device_decode_s=0.3), big, {"decode_batch": 4, "device_decode_s": 0.1},
+            {"decode_batch": 0}, dict(r, device_decode_s=None)]
+    small, large, everything = decode_steps_vs_floor(rows, costs, dev)
+    assert (small["batch"], small["steps"], large["batch"], large["steps"]) == ("1-15", 2, "192+", 1)
+    assert small["median_device_ms"] == pytest.approx(400.0) and small["median_floor_ms"] == pytest.approx(200.0)
+    assert small["median_ctx_per_seq"] == 20 and small["median_prefix_entries"] == 20
+    assert small["device_over_floor"] == pytest.approx(0.8 / 0.4)
+    assert everything["batch"] == "all" and everything["steps"] == 3
+    assert everything["device_s"] == pytest.approx(4.8) and everything["floor_s"] == pytest.approx(2.42)
+    assert [x["batch"] for x in decode_steps_vs_floor([r], costs, dev)] == ["1-15"]  # (one group: no "all")
+    assert decode_steps_vs_floor([{"decode_batch": 4, "device_decode_s": 0.1}], costs, dev) == []
 
 
 def test_a_run_writes_its_step_trace_when_asked(tmp_path, monkeypatch):

@@ -102,10 +102,16 @@ def test_graphed_prefills_equal_eager(monkeypatch):
     eager = _engine(monkeypatch, False)
     want = _generate(eager, prompts, prefixes, max_new, rounds=3)
     eng = _engine(monkeypatch, True)
+    eng.trace = []
     got = _generate(eng, prompts, prefixes, max_new, rounds=3)
     _same(got, want)
     st = eng.prefill_graphs.stats
     assert st["replays"] >= 3 and st["replays"] + st["eager_calls"] == eng.stats["prefill_calls"]
+    # (the step trace marks each prefill step graphed or not: one replay a step; the two prefixes' own prefills,
+    # outside any step, replayed too)
+    pre = [r for r in eng.trace if r["prefill_seqs"]]
+    assert all("prefill_graphed" in r for r in pre)
+    assert sum(r["prefill_graphed"] for r in pre) == st["replays"] - len(prefixes)
     assert eng.stats["prefill_calls"] == eager.stats["prefill_calls"]
     assert eng.stats["prefill_tokens"] == eager.stats["prefill_tokens"]
 
