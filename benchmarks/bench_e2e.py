@@ -166,10 +166,12 @@ def floor_rows(names: list[str], metrics: list[dict], joint: bool, figures) -> l
     return rows
 
 
-def decode_floor_rows(folders: list[Path], metrics: list[dict], joint: bool, figures) -> list[dict]:
-    """The engine's decode steps against their floor by batch size (fastrag.perf.decode_steps_vs_floor), from the
-    step traces the run wrote ($FASTRAG_STEP_TRACE=1: step_trace.jsonl in each engine folder; a joint run wrote
-    the same steps to each, so the first is read). [] without a trace, or one from before the steps' KV counts."""
+def decode_floor_rows(folders: list[Path], metrics: list[dict], joint: bool, figures,
+                      by: str = "batch") -> list[dict]:
+    """The engine's decode steps against their floor by batch size or by shared prefixes in the step (`by`,
+    fastrag.perf.decode_steps_vs_floor), from the step traces the run wrote ($FASTRAG_STEP_TRACE=1:
+    step_trace.jsonl in each engine folder; a joint run wrote the same steps to each, so the first is read). []
+    without a trace, or one from before the steps' KV counts."""
     import gzip
 
     from fastrag.perf import decode_steps_vs_floor
@@ -185,7 +187,7 @@ def decode_floor_rows(folders: list[Path], metrics: list[dict], joint: bool, fig
                     rows.append(json.loads(line))
                 except ValueError as e:
                     raise ValueError(f"{path}:{i}: not a JSON step row ({e})") from None
-    return decode_steps_vs_floor(rows, metrics[0]["model_costs"], figures) if rows else []
+    return decode_steps_vs_floor(rows, metrics[0]["model_costs"], figures, by=by) if rows else []
 
 
 def graphs_line(metrics: list[dict]) -> str:
@@ -447,7 +449,8 @@ def main() -> None:
     else:
         e_wall = sum(m["wall_s"] for m in metrics)
     f_rows = floor_rows(list(args.datasets), metrics, is_joint, figures)
-    d_rows = decode_floor_rows([outs[ds] / "engine" for ds in args.datasets], metrics, is_joint, figures)
+    d_rows, p_rows = (decode_floor_rows([outs[ds] / "engine" for ds in args.datasets], metrics, is_joint, figures,
+                                        by=by) for by in ("batch", "prefixes"))
     n_e = sum(m["computed_this_run"] for m in metrics)
     rep_all = compare(eng_all, orc_all, method_decisions("dragin"))
     rep_all.update({"engine_questions_per_s": n_e / e_wall if e_wall > 0 else None,
@@ -558,9 +561,17 @@ def main() -> None:
                   + " | ".join(cols) + " |\n|" + "---|" * len(cols) + "\n")
         for r in d_rows:
             table += "| " + " | ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in r.values()) + " |\n"
+    if p_rows:
+        cols = list(p_rows[0])
+        table += ("\n## Decode steps against their floor, by shared prefixes in the step (step trace)\n\n"
+                  "The same steps grouped by how many shared prefixes (the datasets' demos) their sequences start "
+                  "with: a step of several prefixes reads each once and merges its part into the rows of its "
+                  "sequences.\n\n| " + " | ".join(cols) + " |\n|" + "---|" * len(cols) + "\n")
+        for r in p_rows:
+            table += "| " + " | ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in r.values()) + " |\n"
     (res / f"e2e_{tag}.md").write_text(head + table)
     (res / f"e2e_{tag}.json").write_text(json.dumps({"rows": rows, "parity": reports, "device": device,
-                                                     "floor": f_rows, "decode_floor": d_rows,
+                                                     "floor": f_rows, "decode_floor": d_rows, "decode_floor_by_prefixes": p_rows,
                                                      "device_figures": figures.as_dict()}, indent=2))
     print(head + table)
 

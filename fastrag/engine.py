@@ -835,6 +835,7 @@ class Engine:
                 if row is not None:  # the KV entries this step's attention read (each shared prefix once)
                     row["decode_ctx_tokens"] = self.stats["decode_ctx_tokens"] - kv0[0]
                     row["decode_prefix_tokens"] = self.stats["decode_prefix_tokens"] - kv0[1]
+                    row["decode_prefixes"] = len({id(s.prefix) for s in batch if s.prefix is not None})
                 # a sequence still feeding the tracked tokens of its prompt samples nothing this step
                 st.ready = [i for i, s in enumerate(batch) if s.computed == len(s.tokens)]
                 if st.ready:

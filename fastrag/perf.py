@@ -111,8 +111,10 @@ def floor(stats: dict, costs: dict, dev: DeviceFigures | dict) -> dict:
             "prefill_flops": pre_flops}
 
 
-# the batch sizes the decode steps of a step trace are grouped by (`decode_steps_vs_floor`); None: no upper end
+# the groups of a step trace's decode steps (`decode_steps_vs_floor`): by batch size, (low, high) with None for no
+# upper end; by the number of shared prefixes in the step (`decode_prefixes`), the last one open-ended
 DECODE_BATCH_RANGES = ((1, 15), (16, 63), (64, 127), (128, 191), (192, None))
+DECODE_PREFIX_COUNTS = ((0, 0), (1, 1), (2, 2), (3, None))
 
 
 def decode_step_floor(row: dict, costs: dict, dev: DeviceFigures | dict) -> float:
@@ -127,29 +129,32 @@ def decode_step_floor(row: dict, costs: dict, dev: DeviceFigures | dict) -> floa
     return max(nbytes / d["copy_bytes_per_s"], flops / d["matmul_flops_per_s"])
 
 
-def decode_steps_vs_floor(rows: list[dict], costs: dict, dev: DeviceFigures | dict) -> list[dict]:
+def decode_steps_vs_floor(rows: list[dict], costs: dict, dev: DeviceFigures | dict, by: str = "batch") -> list[dict]:
     """The decode steps of a step trace (Engine.trace rows with their device seconds and KV counts) against their
-    floor, grouped by batch size (DECODE_BATCH_RANGES), then all of them: per group the steps, the median batch, own
-    context per sequence and shared-prefix entries, the median step's device and floor milliseconds and the median
-    of their ratios, and the group's seconds. The device seconds run from the step's first kernel to its sampled
-    tokens: the forward, the signals and the sampling; the floor is the forward's alone. [] when the rows lack the
-    counts (a trace from before them) or hold no timed decode step."""
+    floor, grouped by batch size (by="batch": DECODE_BATCH_RANGES) or by the number of shared prefixes the step's
+    sequences start with (by="prefixes": DECODE_PREFIX_COUNTS), then all of them: per group the steps, the median
+    batch, prefixes, own context per sequence and shared-prefix entries, the median step's device and floor
+    milliseconds and the median of their ratios, and the group's seconds. The device seconds run from the step's
+    first kernel to its sampled tokens: the forward, the signals and the sampling; the floor is the forward's alone.
+    [] when the rows lack the counts (a trace from before them) or hold no timed decode step."""
+    key, ranges = {"batch": ("decode_batch", DECODE_BATCH_RANGES),
+                   "prefixes": ("decode_prefixes", DECODE_PREFIX_COUNTS)}[by]
     steps = [r for r in rows if r.get("decode_batch") and r.get("device_decode_s") is not None
-             and "decode_ctx_tokens" in r]
+             and "decode_ctx_tokens" in r and key in r]
 
     def med(xs):
         return statistics.median(xs) if xs else None
 
     out = []
-    for lo, hi in (*DECODE_BATCH_RANGES, (None, None)):
-        sel = steps if lo is None else [r for r in steps if r["decode_batch"] >= lo
-                                        and (hi is None or r["decode_batch"] <= hi)]
+    for lo, hi in (*ranges, (None, None)):
+        sel = steps if lo is None else [r for r in steps if r[key] >= lo and (hi is None or r[key] <= hi)]
         if not sel or (lo is None and len(out) == 1):  # (one group: "all" would repeat it)
             continue
         dev_s = [r["device_decode_s"] for r in sel]
         floor_s = [decode_step_floor(r, costs, dev) for r in sel]
-        out.append({"batch": "all" if lo is None else (f"{lo}-{hi}" if hi is not None else f"{lo}+"),
-                    "steps": len(sel), "median_batch": med([r["decode_batch"] for r in sel]),
+        name = "all" if lo is None else (str(lo) if lo == hi else f"{lo}-{hi}" if hi is not None else f"{lo}+")
+        out.append({by: name, "steps": len(sel), "median_batch": med([r["decode_batch"] for r in sel]),
+                    "median_prefixes": med([r.get("decode_prefixes", 0) for r in sel]),
                     "median_ctx_per_seq": med([r["decode_ctx_tokens"] / r["decode_batch"] for r in sel]),
                     "median_prefix_entries": med([r["decode_prefix_tokens"] for r in sel]),
                     "median_device_ms": 1e3 * med(dev_s), "median_floor_ms": 1e3 * med(floor_s),

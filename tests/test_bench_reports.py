@@ -173,6 +173,7 @@ def test_bench_e2e_decode_steps_against_their_floor_from_the_step_traces(tmp_pat
     (joint,) = be.decode_floor_rows(folders, [m, m], True, dev)
     (separate,) = be.decode_floor_rows(folders, [m, m], False, dev)
     assert (joint["steps"], separate["steps"]) == (3, 5) and joint["median_floor_ms"] == pytest.approx(200.0)
+    assert be.decode_floor_rows(folders, [m, m], True, dev, by="prefixes") == []  # (steps without the count)
     assert be.decode_floor_rows([tmp_path / "none"], [m], True, dev) == []
     (folders[0] / "step_trace.jsonl").write_text(json.dumps(step) + "\n{not json\n")
     with pytest.raises(ValueError, match=r"a/step_trace.jsonl:2: not a JSON step row"):

@@ -184,6 +184,7 @@ def test_the_engine_s_trace_rows_add_up_to_its_counters(model):
         assert sum(r.get(k, 0) for r in rows) == st[k]
         assert all((k in r) == (r["decode_batch"] > 0) for r in rows)
     assert all(r["decode_ctx_tokens"] >= 6 * r["decode_batch"] for r in rows if r["decode_batch"])
+    assert all(r["decode_prefixes"] == 0 for r in rows if r["decode_batch"])  # (no shared prefix here)
 
 
 def test_trace_rows_count_a_shared_prefix_once_per_decode_step(model):
@@ -199,7 +200,7 @@ def test_trace_rows_count_a_shared_prefix_once_per_decode_step(model):
     while eng.has_work:
         eng.step()
     dec = [r for r in eng.trace if r["decode_batch"]]
-    assert dec and all(r["decode_prefix_tokens"] == 32 for r in dec)
+    assert dec and all(r["decode_prefix_tokens"] == 32 and r["decode_prefixes"] == 1 for r in dec)
     # decode step j (0-based) of a batch that started together: sequence i has n_i + j entries of its own cached
     # (its prompt after the prefix, the tokens fed by the steps before) and attends to the one it feeds now too
     for j, r in enumerate(dec):
@@ -271,6 +272,13 @@ def test_decode_steps_against_their_floor_by_batch_size():
     assert everything["device_s"] == pytest.approx(4.8) and everything["floor_s"] == pytest.approx(2.42)
     assert [x["batch"] for x in decode_steps_vs_floor([r], costs, dev)] == ["1-15"]  # (one group: no "all")
     assert decode_steps_vs_floor([{"decode_batch": 4, "device_decode_s": 0.1}], costs, dev) == []
+    # by the number of shared prefixes in the step (rows without the count left out)
+    mixed = [dict(r, decode_prefixes=1), dict(r, decode_prefixes=3, device_decode_s=0.9),
+             dict(big, decode_prefixes=5), r]
+    one, three, both = decode_steps_vs_floor(mixed, costs, dev, by="prefixes")
+    assert (one["prefixes"], one["steps"], three["prefixes"], three["steps"]) == ("1", 1, "3+", 2)
+    assert three["median_prefixes"] == 4 and three["median_batch"] == 102
+    assert three["device_s"] == pytest.approx(4.9) and both["prefixes"] == "all" and both["steps"] == 3
 
 
 def test_a_run_writes_its_step_trace_when_asked(tmp_path, monkeypatch):
