@@ -166,6 +166,22 @@ def floor_rows(names: list[str], metrics: list[dict], joint: bool, figures) -> l
     return rows
 
 
+def oracle_host_line(recipes: list[tuple[str, list]]) -> str:
+    """The header line on what the oracles' timings ran beside (fastrag.parity: each record's `host_cpu_s`, its
+    process's CPU seconds, and `load_average_1m` when it started): per recipe, CPU seconds over wall seconds and the
+    median load average, over the records that carry them; "" when none does (records from before them)."""
+    parts = []
+    for name, recs in recipes:
+        timed = [r for r in recs if r.error is None and "host_cpu_s" in r.counters and r.wall_s > 0]
+        if not timed:
+            continue
+        loads = sorted(r.counters["load_average_1m"] for r in timed if "load_average_1m" in r.counters)
+        cpu = sum(r.counters["host_cpu_s"] for r in timed) / sum(r.wall_s for r in timed)
+        parts.append(f"{name} {len(timed)} questions, {cpu:.2f} CPU s per wall s"
+                     + (f", load average {loads[len(loads) // 2]:.1f} at their start (median)" if loads else ""))
+    return f"- oracle timings beside their host: {'; '.join(parts)}\n" if parts else ""
+
+
 def decode_floor_rows(folders: list[Path], metrics: list[dict], joint: bool, figures,
                       by: str = "batch") -> list[dict]:
     """The engine's decode steps against their floor by batch size or by shared prefixes in the step (`by`,
@@ -458,7 +474,7 @@ def main() -> None:
                     "engine_em": None, "oracle_em": None})
     if len(args.datasets) > 1:
         rows.append(row("all", eng_all, orc_all, rep_all))
-    tuned_rows = []
+    tuned_rows, tuned_all = [], []
     if args.tuned_oracle_limit or any((outs[ds] / "oracle-tuned" / "results.jsonl").exists() for ds in args.datasets):
         tuned_all = []
         for ds in args.datasets:
@@ -524,6 +540,7 @@ def main() -> None:
             f"{args.overlap if args.overlap != 'auto' else ('on' if torch.cuda.is_available() else 'off')}\n"
             + (f"- warm-up: before the timed run, an untimed engine run over the first {args.warmup} questions "
                f"of each dataset (Triton kernels compiled)\n" if args.warmup else "")
+            + oracle_host_line([("published", orc_all), ("tuned", tuned_all)])
             + graphs_line(metrics) + prefill_graphs_line(metrics) + prefill_line(metrics) + text_line(metrics) + compiles_line(metrics)
             + f"- command: `{cmd}`\n\n")
     cols = list(rows[0])

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -117,13 +118,19 @@ def _run_oracle(opts: RunOptions, out: Path, recipe: str) -> tuple[list[Question
         t0 = time.perf_counter()  # after loading and warming, like the engine's clock
         try:
             for ex in tqdm(todo, desc=f"oracle/{opts.dataset}", unit="q", disable=not opts.progress):
-                t = time.perf_counter()
+                load, cpu, t = _load_average(), time.process_time(), time.perf_counter()
                 try:
                     r = oracle.run(ex.qid, ex.question, list(ex.answers))
                 except ValueError as e:
                     r = QuestionResult(qid=ex.qid, question=ex.question, gold=list(ex.answers),
                                        error=f"ValueError: {e}")
                 r.wall_s = time.perf_counter() - t
+                # what the timing ran beside: this process's CPU seconds (all its threads) against the wall, and
+                # the machine's 1-minute load average when it started (a per-question recipe that launches kernel
+                # by kernel is bound by its host: a busier or slower host shows up in these, not in the GPU's work)
+                r.counters["host_cpu_s"] = time.process_time() - cpu
+                if load is not None:
+                    r.counters["load_average_1m"] = load
                 score_result(ex, r)
                 w.write(r)
                 done.append(r)
@@ -136,6 +143,14 @@ def _run_oracle(opts: RunOptions, out: Path, recipe: str) -> tuple[list[Question
                     f.write(json.dumps({"recipe": recipe, "computed": computed, "wall_s": wall,
                                         "environment": environment(model.device)}) + "\n")
     return latest_records(path, examples), wall, len(todo)
+
+
+def _load_average() -> float | None:
+    """The machine's 1-minute load average (None where the OS does not say)."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
 
 
 def method_decisions(method: str):

@@ -180,6 +180,24 @@ def test_bench_e2e_decode_steps_against_their_floor_from_the_step_traces(tmp_pat
         be.decode_floor_rows(folders, [m, m], True, dev)
 
 
+def test_bench_e2e_says_what_the_oracle_timings_ran_beside():
+    """Per recipe: the records' CPU seconds over their wall seconds and the median load average at their start;
+    failed records and records from before the counters are left out; nothing to say, no line."""
+    from fastrag.trace import QuestionResult
+
+    be = load("bench_e2e")
+
+    def rec(wall, cpu=None, load=None, error=None):
+        c = {} if cpu is None else {"host_cpu_s": cpu} | ({} if load is None else {"load_average_1m": load})
+        return QuestionResult(qid="q", question="", gold=[], wall_s=wall, counters=c, error=error)
+
+    pub = [rec(10.0, 9.0, 1.0), rec(30.0, 21.0, 3.0), rec(5.0, 5.0, 2.0), rec(4.0), rec(8.0, 1.0, 9.0, error="x")]
+    line = be.oracle_host_line([("published", pub), ("tuned", [rec(2.0, 1.0)]), ("none", [rec(3.0)])])
+    assert line == ("- oracle timings beside their host: published 3 questions, 0.78 CPU s per wall s, load average "
+                    "2.0 at their start (median); tuned 1 questions, 0.50 CPU s per wall s\n")
+    assert be.oracle_host_line([("published", [rec(3.0)])]) == ""
+
+
 def test_bench_e2e_oracle_questions_spread_over_the_run_and_their_devices_are_named(tmp_path):
     """The oracles time questions spread over the engine's (not the data file's head), the tuned ones among the
     published recipe's; the devices their timings came from are read from each oracle folder's runs.jsonl."""

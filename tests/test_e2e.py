@@ -209,6 +209,10 @@ def test_oracle_times_the_questions_asked_and_records_where(tmp_path, small_conf
     res, wall, n = run_oracle(opts, tmp_path / "o")
     assert [r.qid for r in res] == [ids[0], ids[3]] and n == 2 and wall > 0
     assert all(r.error is None and r.wall_s > 0 for r in res)
+    # (each timing with the process's CPU seconds beside it, all its threads: on a CPU above zero, and the machine's
+    # load average where the OS gives one)
+    assert all(r.counters["host_cpu_s"] > 0 for r in res)
+    assert all(r.counters["load_average_1m"] >= 0 for r in res) or not hasattr(os, "getloadavg")
     lines = [json.loads(x) for x in (tmp_path / "o" / "runs.jsonl").read_text().splitlines()]
     assert len(lines) == 1 and lines[0]["computed"] == 2 and lines[0]["environment"]["device"] == device_name()
     _, _, n = run_oracle(opts, tmp_path / "o")  # nothing to compute: no new line
