@@ -11,6 +11,8 @@ KV bytes read) / measured copy bandwidth.
     python benchmarks/bench_decode.py --shape llama2-13b    # GPU: the same cells, Llama-2-13B shape
     python benchmarks/bench_decode.py --shape smollm2-135m  # GPU: the embedded model's shape (GQA, 9 / 3 heads)
     python benchmarks/bench_decode.py --cpu-small      # CPU: SmolLM2-135M shape, fp32, context 256
+    python benchmarks/bench_decode.py --batches 128 --ctx 512 --prefixes 0 1 3 --name decode_gpu_prefixes
+                                                       # GPU: the step with 0, 1 and 3 shared prefixes of 640 tokens
 
 A cell whose weights + KV cache do not fit the device's free memory is listed as not run (Llama-2-7B has no GQA:
 0.5 MiB of KV per token, so B=256 at 1k or B=64 at 4k needs more than an 80 GB GPU).
@@ -48,8 +50,16 @@ from bench_args import env_prefix, positive_int  # noqa: E402  (the script's fol
 class _Tok:
     eos_token_id = None
 
+    def encode(self, s):  # (the shared prefixes are set as text of token ids)
+        return [int(x) for x in s.split()]
 
-def build(shape: dict, dtype, dev, batch: int, ctx: int, signals: str | None, max_prefill_tokens: int | None = None):
+
+def build(shape: dict, dtype, dev, batch: int, ctx: int, signals: str | None, max_prefill_tokens: int | None = None,
+          n_prefixes: int = 0, prefix_len: int = 0):
+    """An engine whose `batch` sequences hold `ctx` tokens of their own each; with n_prefixes, after one of that
+    many shared prefixes of prefix_len tokens (whole KV blocks), dealt round robin: a decode step of several
+    prefixes reads each once and merges its part into its sequences' rows (the mixed batches of a joint run over
+    several datasets' demos)."""
     from transformers import LlamaConfig
 
     # a context of ctx tokens plus the step's new one: the 4k cells run past Llama-2's 4096 positions (the rotary
@@ -58,15 +68,25 @@ def build(shape: dict, dtype, dev, batch: int, ctx: int, signals: str | None, ma
     cfg = LlamaConfig(**shape, eos_token_id=None, tie_word_embeddings=False)
     model = LlamaModel.from_hf_config(cfg, dtype=dtype, device=str(dev), seed=0)
     kv_bytes = 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * (
-        shape["hidden_size"] // shape["num_attention_heads"]) * dtype.itemsize * (ctx + 64) * batch
+        shape["hidden_size"] // shape["num_attention_heads"]) * dtype.itemsize * ((ctx + 64) * batch
+                                                                                 + n_prefixes * (prefix_len + 16))
     eng = Engine(model, _Tok(), max_batch=batch, kv_cache_gb=kv_bytes / 2**30 * 1.2 + 0.05,
                  max_prefill_tokens=max_prefill_tokens or max(4096, ctx), signals=signals)
     g = torch.Generator().manual_seed(0)
+    heads = []
+    for _ in range(n_prefixes):
+        ids = torch.randint(5, shape["vocab_size"], (prefix_len,), generator=g).tolist()
+        p = eng.set_prefix(" ".join(map(str, ids)))
+        if p is None or p.length != prefix_len:
+            raise ValueError(f"bench_decode: a shared prefix of {prefix_len} tokens is not a whole number of "
+                             f"{eng.pool.block_size}-token KV blocks")
+        heads.append(ids)
     seqs = []
-    for _ in range(batch):
+    for i in range(batch):
         s = eng.new_sequence()
         # the timed steps roll their token back, so a few new tokens of room are enough
-        eng.start(s, torch.randint(5, shape["vocab_size"], (ctx,), generator=g).tolist(), 32)
+        head = heads[i % n_prefixes] if n_prefixes else []
+        eng.start(s, head + torch.randint(5, shape["vocab_size"], (ctx,), generator=g).tolist(), 32)
         seqs.append(s)
     # prefill everything, then time decode steps only. A step also decodes the running sequences, so those
     # prefilled first would generate (and, past 32 prefill steps, finish and leave the batch) while later ones
@@ -96,7 +116,14 @@ def main() -> None:
     ap.add_argument("--results", default=str(ROOT / "benchmarks" / "results"), help="folder of the result table")
     ap.add_argument("--reps", type=positive_int, default=None)
     ap.add_argument("--span", type=int, default=64, help="tracked tokens per sequence in the signals+attn variant")
+    ap.add_argument("--prefixes", type=int, nargs="+", default=[0],
+                    help="numbers of shared prefixes the sequences start with, a cell each (dealt round robin; 0: "
+                         "none); the context is each sequence's own tokens after its prefix")
+    ap.add_argument("--prefix-len", type=positive_int, default=640,
+                    help="tokens of each shared prefix (a multiple of the KV block size, 16)")
     args = ap.parse_args()
+    if any(k < 0 for k in args.prefixes):
+        ap.error(f"--prefixes must be >= 0, got {args.prefixes}")
     dev = torch.device("cuda" if torch.cuda.is_available() and not args.cpu_small else "cpu")
     default_shape = "llama2-7b" if dev.type == "cuda" else "smollm2-135m"
     label = args.shape or default_shape
@@ -138,41 +165,46 @@ def main() -> None:
                  "- graphs: whether the timed steps replayed CUDA graphs (fastrag/cuda_graphs.py; on by default on a GPU); "
                  "eager = the plain step with graphs off, launched kernel by kernel",
                  "- unfused layers = the plain step with each layer's residual adds, RMSNorms, rotary embedding, KV "
-                 "write and SiLU product (and a shared prefix's softmax and merge; these sequences have none) as "
+                 "write and SiLU product (and each shared prefix's softmax and merge) as "
                  "torch's separate kernels instead of the fused launches of kernels/fused_decode.py "
                  "(FASTRAG_FUSED_DECODE; on by default for CUDA tensors); '-': fused kernels not in use on this device",
+                 "- shared prefixes: how many the batch's sequences start with (dealt round robin) x their tokens, "
+                 "each read once a step and counted once in the roofline; ctx is each sequence's own context",
                  "", "| ctx | B | plain ms | plain again ms | unfused layers ms | eager ms | signals ms | overhead | "
                  "signals+attn ms | overhead | roofline ms | plain / roofline | graphs | signals backend | "
-                 "decode attention |",
-                 "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                 "decode attention | shared prefixes |",
+                 "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             if "skipped" in r:
-                lines.append(f"| {r['ctx']} | {r['B']} | not run: {r['skipped']} |" + " |" * 12)
+                lines.append(f"| {r['ctx']} | {r['B']} | not run: {r['skipped']} |" + " |" * 12 + f" {r['pre']} |")
                 continue
             unfused = "-" if r["unfused_ms"] is None else f"{r['unfused_ms']:.2f}"
             lines.append(f"| {r['ctx']} | {r['B']} | {r['plain_ms']:.2f} | {r['plain_again_ms']:.2f} | {unfused} | "
                          f"{r['eager_ms']:.2f} | {r['signals_ms']:.2f} | {r['overhead']:+.1%} | {r['attn_ms']:.2f} | "
                          f"{r['overhead_attn']:+.1%} | {r['roofline_ms']:.2f} | {r['x_roofline']:.2f} | {r['graphs']} | "
-                         f"{r['backend']} | {r['attn']} |")
+                         f"{r['backend']} | {r['attn']} | {r['pre']} |")
         out.write_text("\n".join(lines) + "\n")
         return out
 
-    for ctx, B in [(c, b) for c in ctxs for b in batches]:
-        need = (n_weights + 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * hd * (ctx + 64) * B
-                ) * dtype.itemsize
+    for ctx, B, K in [(c, b, k) for c in ctxs for b in batches for k in args.prefixes]:
+        P = args.prefix_len if K else 0
+        pre = f"{K} x {P}" if K else "0"
+        need = (n_weights + 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * hd * (
+            (ctx + 64) * B + K * P)) * dtype.itemsize
         free = torch.cuda.mem_get_info(dev)[0] if dev.type == "cuda" else None
         if free is not None and need > 0.9 * free:
-            rows.append(dict(B=B, ctx=ctx, skipped=f"needs {need / 2**30:.0f} GiB, {free / 2**30:.0f} GiB free"))
+            rows.append(dict(B=B, ctx=ctx, pre=pre,
+                             skipped=f"needs {need / 2**30:.0f} GiB, {free / 2**30:.0f} GiB free"))
             print(rows[-1], flush=True)
             write()
             continue
-        model, eng, seqs = build(shape, dtype, dev, B, ctx, None)
+        model, eng, seqs = build(shape, dtype, dev, B, ctx, None, n_prefixes=K, prefix_len=P)
         # weights a step streams: all but the embedding table, of which it reads B rows (fastrag.perf.model_costs)
         weight_bytes = model_costs(model)["weight_bytes_per_step"]
-        # the KV entries the step reads: every sequence's context as prefilled (ctx, plus the token or two its
-        # prefill step sampled and decoded)
-        kv_read = 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * hd * dtype.itemsize * sum(
-            s.table.num_tokens for s in seqs)
+        # the KV entries the step reads: every sequence's own context as prefilled (ctx, plus the token or two its
+        # prefill step sampled and decoded), and each shared prefix once
+        kv_read = 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * hd * dtype.itemsize * (
+            sum(s.table.num_tokens for s in seqs) + min(K, B) * P)
 
         def plain():
             logits = eng._decode(seqs)
@@ -226,7 +258,7 @@ def main() -> None:
         roof = (weight_bytes + kv_read) / bw
         op = model.paged_decode_op(dev, dtype)
         attn_impl = "torch" if op is None else ("triton" if op is model.triton_decode else "C++")
-        rows.append(dict(B=B, ctx=ctx, plain_ms=t_plain * 1e3, plain_again_ms=t_plain2 * 1e3, signals_ms=t_fused * 1e3,
+        rows.append(dict(B=B, ctx=ctx, pre=pre, plain_ms=t_plain * 1e3, plain_again_ms=t_plain2 * 1e3, signals_ms=t_fused * 1e3,
                          overhead=(t_fused - t_plain) / t_plain, attn_ms=t_attn * 1e3,
                          overhead_attn=(t_attn - t_plain) / t_plain, roofline_ms=roof * 1e3, x_roofline=t_plain / roof,
                          backend=eng.signals.name, attn=attn_impl, eager_ms=t_eager * 1e3,

@@ -414,6 +414,37 @@ def test_bench_decode_times_every_sequence_of_the_batch_at_its_context():
     assert logits.shape[0] == batch
 
 
+def test_bench_decode_deals_shared_prefixes_round_robin_and_counts_each_once(tmp_path, monkeypatch):
+    """`--prefixes K`: the batch's sequences start with one of K shared prefixes of --prefix-len tokens, dealt round
+    robin, each with ctx tokens of its own; the step decodes them together, and the table's roofline counts each
+    prefix once a step (more than without prefixes, less than once per sequence). A prefix length that is not whole
+    KV blocks is refused by name."""
+    bd = load("bench_decode")
+    shape = bd.hf_shape("tiny")
+    _model, eng, seqs = bd.build(shape, bd.torch.float32, bd.torch.device("cpu"), 5, 8, None, n_prefixes=2,
+                                 prefix_len=32)
+    assert [eng.prefixes.index(s.prefix) for s in seqs] == [0, 1, 0, 1, 0]
+    assert all(s.prefix.length == 32 and 8 <= s.table.num_tokens <= 10 for s in seqs)
+    before = eng.stats["decode_prefix_tokens"]
+    assert eng._decode(seqs).shape[0] == 5 and eng.stats["decode_prefix_tokens"] - before == 64  # (each once)
+    with pytest.raises(ValueError, match="a shared prefix of 40 tokens is not a whole number of 16-token KV blocks"):
+        bd.build(shape, bd.torch.float32, bd.torch.device("cpu"), 2, 8, None, n_prefixes=1, prefix_len=40)
+    _only_fastrag_env(monkeypatch)
+    monkeypatch.setattr(sys, "argv", ["bench_decode.py", "--cpu-small", "--shape", "tiny", "--batches", "4", "--ctx",
+                                      "24", "--reps", "1", "--span", "4", "--prefixes", "0", "2", "--prefix-len",
+                                      "64", "--results", str(tmp_path)])
+    bd.main()
+    rows = [line.strip("| ").split(" | ") for line in (tmp_path / "decode_cpu_tiny.md").read_text().splitlines()
+            if line.startswith("| 24 |")]
+    assert [r[-1] for r in rows] == ["0", "2 x 64"]
+    # (roofline ms: tiny's KV is 2 layers x 2 kv heads x 16 x 4 bytes x 2 = 512 bytes a token; at the table's two
+    # decimals the difference is measured against the bandwidth in the header)
+    bw = float(next(x for x in (tmp_path / "decode_cpu_tiny.md").read_text().splitlines()
+                    if "measured copy bandwidth" in x).split("bandwidth ")[1].split(" GB/s")[0]) * 1e9
+    extra_ms = 1e3 * 2 * 64 * 512 / bw
+    assert float(rows[1][10]) - float(rows[0][10]) == pytest.approx(extra_ms, abs=0.006)
+
+
 def test_bench_prefill_times_single_prefill_calls_against_their_floor(tmp_path, monkeypatch):
     """bench_prefill: every timed step is one prefill call of the cell's sequences after the shared prefix, and the
     engine's counters it reads match the cell (--jitter 0: n x t new tokens, n x (prefix x t + t (t + 1) / 2)
