@@ -12,6 +12,10 @@ strides, scalars, and each tensor as one of the graphs' own buffers or the model
 address) or as a tensor the forward itself made (by allocation order). The replays must repeat their capture's
 record exactly, read nothing back to the host, and use no tensor from elsewhere. Deliberately broken forwards
 show the record catches each kind of mistake.
+
+On a GPU the real graphs of tests/test_prefill_graphs.py and tests/test_cuda_graphs.py check the same thing
+directly (a replay that is not its capture's work gives other tokens there), so benchmarks/gpu/device.sh's tests
+stage, short of device time, leaves this module out; it runs on a GPU all the same, with the graphs emulated.
 """
 
 from __future__ import annotations

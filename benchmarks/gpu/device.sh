@@ -140,8 +140,7 @@ except RuntimeError as e:
                 tests/test_overlap.py tests/test_text_workers.py tests/test_host_sync.py \
                 tests/test_prefill_gqa.py tests/test_cascade_prefill.py tests/test_prefill_hold.py \
                 tests/test_device_clock.py tests/test_sync_watch.py tests/test_async_prefill.py \
-                tests/test_paged_prefill.py tests/test_compiles.py tests/test_prefill_graphs.py \
-                tests/test_graph_replay_trace.py
+                tests/test_paged_prefill.py tests/test_compiles.py tests/test_prefill_graphs.py
             ;;
         kernels) stage kernels $PY benchmarks/bench_kernels.py ;;
         # DECODE_ARGS: e.g. "--ctx 4096 --name decode_gpu_4k" (other cells into their own table)
