@@ -166,6 +166,15 @@ def floor_rows(names: list[str], metrics: list[dict], joint: bool, figures) -> l
     return rows
 
 
+def md_table(rows: list[dict]) -> str:
+    """A markdown table of rows (dicts of the same keys, in order): floats to 4 significant digits."""
+    cols = list(rows[0])
+    out = "| " + " | ".join(cols) + " |\n|" + "---|" * len(cols) + "\n"
+    for r in rows:
+        out += "| " + " | ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in r.values()) + " |\n"
+    return out
+
+
 def oracle_host_line(recipes: list[tuple[str, list]]) -> str:
     """The header line on what the oracles' timings ran beside (fastrag.parity: each record's `host_cpu_s`, its
     process's CPU seconds, and `load_average_1m` when it started): per recipe, CPU seconds over wall seconds and the
@@ -347,6 +356,9 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=50)
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--model", default="smollm2", help="engine and oracle model: smollm2 or an HF directory")
+    ap.add_argument("--config", default=None,
+                    help="a DRAGIN config file (the published repository's keys) over the paper's settings, for "
+                         "engine and oracles alike (e.g. a shorter generate_max_length)")
     ap.add_argument("--data-dir", default=str(SHARED),
                     help="folder holding hotpotqa/, 2wikimultihopqa/, strategyqa/ and corpus/ (default ../shared/data)")
     ap.add_argument("--data-file", action="append", default=[], metavar="DATASET=FILE",
@@ -392,7 +404,7 @@ def main() -> None:
     data_dir = Path(args.data_dir)
     files = data_files(args.data_file, args.datasets, ap)
     try:  # (the options are checked here: a missing data file or corpus, a --limit below 1)
-        opts = {ds: RunOptions(method="dragin", dataset=ds, data=str(data_dir / files[ds]),
+        opts = {ds: RunOptions(method="dragin", dataset=ds, data=str(data_dir / files[ds]), config=args.config,
                                corpus=str(data_dir / "corpus" / "wiki_passages.jsonl"),
                                output=str(outs[ds] / "engine"), limit=args.limit, batch_size=args.batch_size,
                                model=args.model, kv_cache_gb=args.kv_cache_gb,
@@ -524,7 +536,9 @@ def main() -> None:
             f"- {versions('torch', 'transformers', 'triton')}\n"
             f"- model: {'SmolLM2-135M-Instruct (embedded GGUF)' if args.model == 'smollm2' else args.model} "
             f"({'bf16' if torch.cuda.is_available() else 'fp32'} engine), BM25 (bm25s) over the 13.5k-passage corpus\n"
-            f"- settings: DRAGIN paper Table 9 per dataset, greedy; engine batch {args.batch_size}\n"
+            + (f"- settings: DRAGIN paper Table 9 per dataset with {args.config} over it" if args.config
+               else "- settings: DRAGIN paper Table 9 per dataset")
+            + f", greedy; engine batch {args.batch_size}\n"
             f"- questions: the first {args.limit} of each file: "
             + ", ".join(f"{ds} {files[ds].as_posix()}" for ds in args.datasets) + "\n"
             f"- engine: {'one run per dataset' if reports['all']['engine_mode'] == 'separate' else 'one joint run over all datasets (per-dataset speed not separable: see the all row)'}; "
@@ -543,18 +557,11 @@ def main() -> None:
             + oracle_host_line([("published", orc_all), ("tuned", tuned_all)])
             + graphs_line(metrics) + prefill_graphs_line(metrics) + prefill_line(metrics) + text_line(metrics) + compiles_line(metrics)
             + f"- command: `{cmd}`\n\n")
-    cols = list(rows[0])
-    table = "| " + " | ".join(cols) + " |\n|" + "---|" * len(cols) + "\n"
-    for r in rows:
-        table += "| " + " | ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in r.values()) + " |\n"
+    table = md_table(rows)
     if tuned_rows:
-        cols = list(tuned_rows[0])
         table += ("\n## Engine vs the tuned per-question oracle (bf16 on a GPU, fp32 on a CPU; SDPA; batch size 1), "
-                  "all datasets\n\n| " + " | ".join(cols) + " |\n|" + "---|" * len(cols) + "\n")
-        for r in tuned_rows:
-            table += "| " + " | ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in r.values()) + " |\n"
+                  "all datasets\n\n" + md_table(tuned_rows))
     if f_rows:
-        cols = list(f_rows[0])
         table += ("\n## Engine time against its device floor\n\n"
                   f"Floor: the least time the engine's counted model work (decode steps, KV entries read, tokens "
                   f"prefilled) takes at this device's measured copy bandwidth "
@@ -563,29 +570,20 @@ def main() -> None:
                   "engine's host seconds in each phase (device time included: each ends in a host copy; DRAGIN's "
                   "attention passes count as prefill work). device_busy_s: the device's own seconds in those phases "
                   "(CUDA events around each, fastrag.engine.DeviceClock; on a CPU the launches' host seconds), and "
-                  "device_busy_fraction its share of the wall time: the rest the device waited for the host.\n\n| "
-                  + " | ".join(cols) + " |\n|" + "---|" * len(cols) + "\n")
-        for r in f_rows:
-            table += "| " + " | ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in r.values()) + " |\n"
+                  "device_busy_fraction its share of the wall time: the rest the device waited for the host.\n\n"
+                  + md_table(f_rows))
     if d_rows:
-        cols = list(d_rows[0])
         table += ("\n## Decode steps against their floor, by batch size (step trace)\n\n"
                   "Per decode step of the engine's step trace: its device milliseconds (CUDA events from its first "
                   "kernel to its sampled tokens: the forward, the signals and the sampling) against its own floor "
                   "(every weight read once plus the KV entries its attention read: each sequence's own context, "
                   "each shared prefix once; fastrag.perf.decode_step_floor). ctx_per_seq: own-context entries per "
-                  "sequence; prefix_entries: the shared prefixes' entries the step read.\n\n| "
-                  + " | ".join(cols) + " |\n|" + "---|" * len(cols) + "\n")
-        for r in d_rows:
-            table += "| " + " | ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in r.values()) + " |\n"
+                  "sequence; prefix_entries: the shared prefixes' entries the step read.\n\n" + md_table(d_rows))
     if p_rows:
-        cols = list(p_rows[0])
         table += ("\n## Decode steps against their floor, by shared prefixes in the step (step trace)\n\n"
                   "The same steps grouped by how many shared prefixes (the datasets' demos) their sequences start "
                   "with: a step of several prefixes reads each once and merges its part into the rows of its "
-                  "sequences.\n\n| " + " | ".join(cols) + " |\n|" + "---|" * len(cols) + "\n")
-        for r in p_rows:
-            table += "| " + " | ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in r.values()) + " |\n"
+                  "sequences.\n\n" + md_table(p_rows))
     (res / f"e2e_{tag}.md").write_text(head + table)
     (res / f"e2e_{tag}.json").write_text(json.dumps({"rows": rows, "parity": reports, "device": device,
                                                      "floor": f_rows, "decode_floor": d_rows, "decode_floor_by_prefixes": p_rows,

@@ -154,7 +154,7 @@ def decode_steps_vs_floor(rows: list[dict], costs: dict, dev: DeviceFigures | di
         floor_s = [decode_step_floor(r, costs, dev) for r in sel]
         name = "all" if lo is None else (str(lo) if lo == hi else f"{lo}-{hi}" if hi is not None else f"{lo}+")
         out.append({by: name, "steps": len(sel), "median_batch": med([r["decode_batch"] for r in sel]),
-                    "median_prefixes": med([r.get("decode_prefixes", 0) for r in sel]),
+                    "median_prefixes": med([r["decode_prefixes"] for r in sel if "decode_prefixes" in r]),
                     "median_ctx_per_seq": med([r["decode_ctx_tokens"] / r["decode_batch"] for r in sel]),
                     "median_prefix_entries": med([r["decode_prefix_tokens"] for r in sel]),
                     "median_device_ms": 1e3 * med(dev_s), "median_floor_ms": 1e3 * med(floor_s),

@@ -198,6 +198,46 @@ def test_bench_e2e_says_what_the_oracle_timings_ran_beside():
     assert be.oracle_host_line([("published", [rec(3.0)])]) == ""
 
 
+def test_bench_e2e_end_to_end_on_a_tiny_random_model(tmp_path, monkeypatch):
+    """The whole script once, as a GPU session runs it but on the CPU with make_random_model's tiny shape and one
+    bundled HotpotQA question (its own data folder): the engine with a step trace, both oracles, and a results file
+    with every section its header and tables promise (the report's code runs nowhere else before a GPU call)."""
+    import torch
+
+    from fastrag.eval import BUNDLED
+
+    sys.path.insert(0, str(BENCH))
+    from make_random_model import make
+
+    model = make("tiny", tmp_path / "tiny", dtype=torch.float32, device="cpu")
+    data = tmp_path / "data"
+    (data / "hotpotqa").mkdir(parents=True)
+    (data / "corpus").mkdir()
+    (data / "hotpotqa" / "dev_distractor_200.jsonl").write_text(
+        (BUNDLED / "hotpotqa_dev20.jsonl").read_text().splitlines()[0] + "\n")
+    (data / "corpus" / "wiki_passages.jsonl").symlink_to(BUNDLED / "wiki_passages.jsonl")
+    cfg = tmp_path / "short.json"  # (a short generation: the tiny model's random text never stops on its own)
+    cfg.write_text(json.dumps({"generate_max_length": 12}))
+    monkeypatch.setenv("FASTRAG_STEP_TRACE", "1")
+    monkeypatch.setattr(sys, "argv", ["bench_e2e.py", "--datasets", "hotpotqa", "--limit", "1", "--oracle-limit",
+                                      "1", "--tuned-oracle-limit", "1", "--model", str(model), "--batch-size", "2",
+                                      "--config", str(cfg), "--data-dir", str(data), "--output",
+                                      str(tmp_path / "o"), "--results", str(tmp_path / "r")])
+    load("bench_e2e").main()
+    md = (tmp_path / "r" / "e2e_cpu.md").read_text()
+    for part in (f"- settings: DRAGIN paper Table 9 per dataset with {cfg} over it, greedy; engine batch 2",
+                 "- oracle timings beside their host: published 1 questions", "; tuned 1 questions",
+                 "## Engine vs the tuned per-question oracle", "## Engine time against its device floor",
+                 "## Decode steps against their floor, by batch size (step trace)",
+                 "## Decode steps against their floor, by shared prefixes in the step (step trace)",
+                 "FASTRAG_STEP_TRACE=1 "):
+        assert part in md, (part, md[:3000])
+    rep = json.loads((tmp_path / "r" / "e2e_cpu.json").read_text())
+    (batch,) = rep["decode_floor"]  # (one question: every step decodes one sequence)
+    assert batch["batch"] == "1-15" and batch["steps"] > 0 and batch["median_device_ms"] > 0
+    assert rep["decode_floor_by_prefixes"][0]["prefixes"] == "1"  # (DRAGIN's demos: one shared prefix)
+
+
 def test_bench_e2e_oracle_questions_spread_over_the_run_and_their_devices_are_named(tmp_path):
     """The oracles time questions spread over the engine's (not the data file's head), the tuned ones among the
     published recipe's; the devices their timings came from are read from each oracle folder's runs.jsonl."""
