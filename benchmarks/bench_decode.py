@@ -258,7 +258,8 @@ def main() -> None:
         roof = (weight_bytes + kv_read) / bw
         op = model.paged_decode_op(dev, dtype)
         attn_impl = "torch" if op is None else ("triton" if op is model.triton_decode else "C++")
-        rows.append(dict(B=B, ctx=ctx, pre=pre, plain_ms=t_plain * 1e3, plain_again_ms=t_plain2 * 1e3, signals_ms=t_fused * 1e3,
+        rows.append(dict(B=B, ctx=ctx, pre=pre, plain_ms=t_plain * 1e3, plain_again_ms=t_plain2 * 1e3,
+                         signals_ms=t_fused * 1e3,
                          overhead=(t_fused - t_plain) / t_plain, attn_ms=t_attn * 1e3,
                          overhead_attn=(t_attn - t_plain) / t_plain, roofline_ms=roof * 1e3, x_roofline=t_plain / roof,
                          backend=eng.signals.name, attn=attn_impl, eager_ms=t_eager * 1e3,
