@@ -287,30 +287,33 @@ def _token_engine(monkeypatch):
 
     _checks_unrecorded(monkeypatch)
     eng = _engine(monkeypatch, True)
-    for g in (eng.prefill_graphs, eng.pass_graphs):
-        if not g.emulate:  # (on a GPU: the same graphs, emulated, so that each replay runs the forward again)
-            g.emulate, g.mempool = True, None
+    # graphs of fewer sequences and tokens than the engine's (fewer padding tiles for the interpreter), emulated on a
+    # GPU too, so that each replay runs the forward again
+    eng.prefill_graphs = cg.PrefillGraphs(eng.model, eng.pool, ctx_blocks=eng.prefill_graphs.width, max_tokens=128,
+                                          max_seqs=6, emulate=True)
+    eng.pass_graphs = cg.PassGraphs(eng.model, max_tokens=64, max_seqs=4, emulate=True)
     return eng
 
 
 @pytest.mark.filterwarnings("error:CUDA graph capture")  # (a failed capture fails the test)
 def test_prefill_and_pass_replays_repeat_their_captures(monkeypatch):
-    """Prefills over two prefixes and none, mixed in one call, then calls continuing each sequence's own context
-    with fewer sequences (a smaller call replaying a bucket a bigger one wrote), and attention passes of several
-    sizes: every replay is its capture's work."""
-    from test_prefill_graphs import _case, _generate, _lists
+    """Prefills over two prefixes and none, mixed in one call, then a call continuing each of fewer sequences' own
+    context, and attention passes of which the second reuses the bucket the first wrote (27 and 20 tokens, both in
+    the 32-token bucket): every replay is its capture's work."""
+    from test_prefill_graphs import _generate
 
     with _triton_launches_recorded():
         eng = _token_engine(monkeypatch)
         pre, pas = _Watch(monkeypatch, eng.prefill_graphs), _Watch(monkeypatch, eng.pass_graphs)
-        seed = random.randrange(2**31)
-        prompts, prefixes, max_new = _case(seed, most_new=3)
-        _generate(eng, prompts, prefixes, max_new, rounds=3)
-        rng = random.Random(seed)
-        for n, longest in ((4, 20), (2, 9), (1, 30)):
-            eng.attention_passes(_lists(rng, n, longest), "colmax")
-    pre.check(min_replays=3)
-    pas.check(min_replays=3)
+        rng = random.Random(random.randrange(2**31))
+        pa, pb = list(range(20, 36)), list(range(40, 72))  # (one block and two)
+        prompts = [head + [rng.randrange(1, 80) for _ in range(rng.randint(1, 6))] for head in (pa, pb, pa, [])]
+        _generate(eng, prompts, [pa, pb], [2, 2, 2, 2], rounds=2)
+        for n, length in ((3, 9), (2, 10)):
+            eng.attention_passes([[rng.randrange(1, 90) for _ in range(length)] for _ in range(n)], "colmax")
+    pre.check(min_replays=2)
+    pas.check(min_replays=2)
+    assert [k for k, _ in pas.replays] == [32, 32]
     # (the record saw the kernels: the paged prefill attention and the fused small operations, every layer)
     names = {e[0] for e in pre.captures[next(iter(pre.captures))].events}
     assert any("paged_prefill" in n for n in names) and sum(n.startswith("triton:") for n in names) >= 3, names
