@@ -191,12 +191,11 @@ def oracle_host_line(recipes: list[tuple[str, list]]) -> str:
     return f"- oracle timings beside their host: {'; '.join(parts)}\n" if parts else ""
 
 
-def decode_floor_rows(folders: list[Path], metrics: list[dict], joint: bool, figures,
-                      by: str = "batch") -> list[dict]:
-    """The engine's decode steps against their floor by batch size or by shared prefixes in the step (`by`,
-    fastrag.perf.decode_steps_vs_floor), from the step traces the run wrote ($FASTRAG_STEP_TRACE=1:
-    step_trace.jsonl in each engine folder; a joint run wrote the same steps to each, so the first is read). []
-    without a trace, or one from before the steps' KV counts."""
+def decode_floor_rows(folders: list[Path], metrics: list[dict], joint: bool, figures) -> dict[str, list[dict]]:
+    """The engine's decode steps against their floor, {"batch": by batch size, "prefixes": by shared prefixes in the
+    step} (fastrag.perf.decode_steps_vs_floor), from the step traces the run wrote ($FASTRAG_STEP_TRACE=1:
+    step_trace.jsonl in each engine folder, read once; a joint run wrote the same steps to each, so the first is
+    read). Empty lists without a trace, or with one from before the steps' KV counts."""
     import gzip
 
     from fastrag.perf import decode_steps_vs_floor
@@ -212,7 +211,8 @@ def decode_floor_rows(folders: list[Path], metrics: list[dict], joint: bool, fig
                     rows.append(json.loads(line))
                 except ValueError as e:
                     raise ValueError(f"{path}:{i}: not a JSON step row ({e})") from None
-    return decode_steps_vs_floor(rows, metrics[0]["model_costs"], figures, by=by) if rows else []
+    return {by: decode_steps_vs_floor(rows, metrics[0]["model_costs"], figures, by=by) if rows else []
+            for by in ("batch", "prefixes")}
 
 
 def graphs_line(metrics: list[dict]) -> str:
@@ -477,8 +477,8 @@ def main() -> None:
     else:
         e_wall = sum(m["wall_s"] for m in metrics)
     f_rows = floor_rows(list(args.datasets), metrics, is_joint, figures)
-    d_rows, p_rows = (decode_floor_rows([outs[ds] / "engine" for ds in args.datasets], metrics, is_joint, figures,
-                                        by=by) for by in ("batch", "prefixes"))
+    d_rows, p_rows = decode_floor_rows([outs[ds] / "engine" for ds in args.datasets], metrics, is_joint,
+                                       figures).values()
     n_e = sum(m["computed_this_run"] for m in metrics)
     rep_all = compare(eng_all, orc_all, method_decisions("dragin"))
     rep_all.update({"engine_questions_per_s": n_e / e_wall if e_wall > 0 else None,
@@ -488,7 +488,6 @@ def main() -> None:
         rows.append(row("all", eng_all, orc_all, rep_all))
     tuned_rows, tuned_all = [], []
     if args.tuned_oracle_limit or any((outs[ds] / "oracle-tuned" / "results.jsonl").exists() for ds in args.datasets):
-        tuned_all = []
         for ds in args.datasets:
             tuned_all += read_results(outs[ds] / "oracle-tuned" / "results.jsonl")
         t_rep = compare(eng_all, tuned_all, method_decisions("dragin"))

@@ -573,7 +573,6 @@ class PrefillGraphs(_TokenGraphs):
         return self.model.prefill_static(ids, pos, write, layout, rows, self.pool.k, self.pool.v, self.out[:M])
 
 
-
 class PassGraphs(_TokenGraphs):
     """DRAGIN's cache-free attention passes (`LlamaModel.last_layer_qk`: token lists from position 0 through every
     layer to the last one's queries and keys) replayed from graphs, one per token bucket, as PrefillGraphs does for

@@ -170,11 +170,11 @@ def test_bench_e2e_decode_steps_against_their_floor_from_the_step_traces(tmp_pat
         f.mkdir()
         (f / "step_trace.jsonl").write_text("".join(json.dumps(step) + "\n" for _ in range(n)))
     m = {"model_costs": costs}
-    (joint,) = be.decode_floor_rows(folders, [m, m], True, dev)
-    (separate,) = be.decode_floor_rows(folders, [m, m], False, dev)
+    (joint,) = be.decode_floor_rows(folders, [m, m], True, dev)["batch"]
+    (separate,) = be.decode_floor_rows(folders, [m, m], False, dev)["batch"]
     assert (joint["steps"], separate["steps"]) == (3, 5) and joint["median_floor_ms"] == pytest.approx(200.0)
-    assert be.decode_floor_rows(folders, [m, m], True, dev, by="prefixes") == []  # (steps without the count)
-    assert be.decode_floor_rows([tmp_path / "none"], [m], True, dev) == []
+    assert be.decode_floor_rows(folders, [m, m], True, dev)["prefixes"] == []  # (steps without the count)
+    assert be.decode_floor_rows([tmp_path / "none"], [m], True, dev) == {"batch": [], "prefixes": []}
     (folders[0] / "step_trace.jsonl").write_text(json.dumps(step) + "\n{not json\n")
     with pytest.raises(ValueError, match=r"a/step_trace.jsonl:2: not a JSON step row"):
         be.decode_floor_rows(folders, [m, m], True, dev)

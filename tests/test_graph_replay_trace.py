@@ -182,16 +182,25 @@ def _triton_launches_recorded():
         setattr(owner, name, orig)
 
 
-def _launch(run, fn, grid, args, kwargs):
+@contextlib.contextmanager
+def _unrecorded():
+    """The active _Record (or None) with its operation record paused inside (a Triton launch's interpreter, a
+    CPU-only check)."""
     rec = _ACTIVE[-1] if _ACTIVE else None
-    if rec is None or rec.paused:
-        return run()
-    rec.launch(fn, grid, args, kwargs)
-    rec.paused += 1
+    if rec is not None:
+        rec.paused += 1
     try:
-        return run()
+        yield rec
     finally:
-        rec.paused -= 1
+        if rec is not None:
+            rec.paused -= 1
+
+
+def _launch(run, fn, grid, args, kwargs):
+    with _unrecorded() as rec:
+        if rec is not None and rec.paused == 1:  # (a launch inside a paused part is not this forward's own)
+            rec.launch(fn, grid, args, kwargs)
+        return run()
 
 
 def _recorded(forward, static: tuple[dict, list]) -> _Record:
@@ -270,14 +279,8 @@ def _checks_unrecorded(monkeypatch):
 
     for mod in (pa, pp):
         def unrecorded(*a, _check=mod._check_reads, **kw):
-            rec = _ACTIVE[-1] if _ACTIVE else None
-            if rec is not None:
-                rec.paused += 1
-            try:
+            with _unrecorded():
                 return _check(*a, **kw)
-            finally:
-                if rec is not None:
-                    rec.paused -= 1
 
         monkeypatch.setattr(mod, "_check_reads", unrecorded)
 
