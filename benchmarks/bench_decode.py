@@ -13,9 +13,16 @@ KV bytes read) / measured copy bandwidth.
     python benchmarks/bench_decode.py --cpu-small      # CPU: SmolLM2-135M shape, fp32, context 256
     python benchmarks/bench_decode.py --batches 128 --ctx 512 --prefixes 0 1 3 --name decode_gpu_prefixes
                                                        # GPU: the step with 0, 1 and 3 shared prefixes of 640 tokens
+    python benchmarks/bench_decode.py --batches 64 256 --ctx 64 512 --prefixes 1 --profile --name decode_gpu_parts
+                                                       # GPU: + where each step's device time goes (step_profile.py)
 
 A cell whose weights + KV cache do not fit the device's free memory is listed as not run (Llama-2-7B has no GQA:
 0.5 MiB of KV per token, so B=256 at 1k or B=64 at 4k needs more than an 80 GB GPU).
+
+`--profile` adds, per cell, torch.profiler's record of a few steps split into the step's parts (GEMMs, own-context
+attention, shared-prefix softmax and merge, fused layer ops, signals and sampling, copies, other torch kernels),
+replayed from graphs and eager, and the eager step's matrix multiplies by weight against their floor
+(benchmarks/step_profile.py).
 
 Writes benchmarks/results/decode_<device>.md (decode_<device>_<shape>.md for a shape other than the device's default:
 Llama-2-7B on a GPU, SmolLM2-135M on the CPU). Weights are random (speed does not depend on their values) and
@@ -42,9 +49,10 @@ from make_random_model import SHAPES, hf_shape  # noqa: E402
 
 from fastrag.engine import Engine  # noqa: E402
 from fastrag.model.llama import LlamaModel  # noqa: E402
-from fastrag.perf import model_costs  # noqa: E402
+from fastrag.perf import measure_device, model_costs  # noqa: E402
 from fastrag.provenance import versions  # noqa: E402
 from bench_args import env_prefix, positive_int  # noqa: E402  (the script's folder is on sys.path)
+import step_profile  # noqa: E402
 
 
 class _Tok:
@@ -121,6 +129,10 @@ def main() -> None:
                          "none); the context is each sequence's own tokens after its prefix")
     ap.add_argument("--prefix-len", type=positive_int, default=640,
                     help="tokens of each shared prefix (a multiple of the KV block size, 16)")
+    ap.add_argument("--profile", action="store_true",
+                    help="also profile every cell's plain step (torch.profiler): its device time by part, replayed "
+                         "from graphs and eager, and the eager step's matrix multiplies against their floor")
+    ap.add_argument("--profile-steps", type=positive_int, default=5, help="steps each profile records")
     args = ap.parse_args()
     if any(k < 0 for k in args.prefixes):
         ap.error(f"--prefixes must be >= 0, got {args.prefixes}")
@@ -138,6 +150,8 @@ def main() -> None:
                          + ("" if label == default_shape else f"_{label}"))
     bw = measure_bandwidth(dev)
     rows = []
+    profiles: list[list[str]] = []  # one markdown section per profiled cell
+    figures = None  # (--profile) copy bandwidth and matmul rate of the device, for the GEMMs' floors
     hd = shape["hidden_size"] // shape["num_attention_heads"]
     n_weights = (2 * shape["vocab_size"] * shape["hidden_size"] + shape["num_hidden_layers"] * (
         2 * shape["hidden_size"] ** 2 + 2 * shape["hidden_size"] * shape["num_key_value_heads"] * hd
@@ -183,6 +197,18 @@ def main() -> None:
                          f"{r['eager_ms']:.2f} | {r['signals_ms']:.2f} | {r['overhead']:+.1%} | {r['attn_ms']:.2f} | "
                          f"{r['overhead_attn']:+.1%} | {r['roofline_ms']:.2f} | {r['x_roofline']:.2f} | {r['graphs']} | "
                          f"{r['backend']} | {r['attn']} | {r['pre']} |")
+        if profiles:
+            lines += ["", f"## Where a step's time goes (torch.profiler, {args.profile_steps} steps a way)", "",
+                      "Each device kernel is put in one part by its name (benchmarks/step_profile.py `PARTS`); on "
+                      "a CPU the operators' own times stand in for kernels. 'graphs' = the plain step replayed "
+                      "from its CUDA graphs, 'eager' = launched kernel by kernel; the last line compares the sum "
+                      "with the step's timed median above (the rest: time between kernels). GEMM floor = "
+                      "max(bytes of both inputs and the output / copy bandwidth, FLOPs / matmul rate)"
+                      + ("" if figures is None else
+                         f", here {figures.copy_bytes_per_s / 1e9:.1f} GB/s and "
+                         f"{figures.matmul_flops_per_s / 1e12:.2f} TFLOP/s ({figures.dtype})") + ".", ""]
+            for sec in profiles:
+                lines += sec
         out.write_text("\n".join(lines) + "\n")
         return out
 
@@ -254,6 +280,23 @@ def main() -> None:
             graphs, eng.graphs = eng.graphs, None  # the same step launched kernel by kernel
             t_eager = timeit(plain, dev, reps, warmup=1)
             eng.graphs = graphs
+            if args.profile:
+                if figures is None:
+                    figures = measure_device(dev, dtype)
+                gpu = dev.type == "cuda"
+                ways, step_ms = {}, {}
+                if graphs is not None:
+                    ways["graphs"], step_ms["graphs"] = step_profile.profile_steps(plain, args.profile_steps, gpu), \
+                        t_plain * 1e3
+                eng.graphs = None
+                ways["eager"], step_ms["eager"] = step_profile.profile_steps(plain, args.profile_steps, gpu), \
+                    t_eager * 1e3
+                eng.graphs = graphs
+                parts = {w: step_profile.parts_table(k, args.profile_steps) for w, (k, _) in ways.items()}
+                gemms = step_profile.gemm_table(ways["eager"][1], args.profile_steps, step_profile.weight_names(model),
+                                                dtype.itemsize, figures.copy_bytes_per_s, figures.matmul_flops_per_s)
+                profiles.append(step_profile.markdown(f"ctx {ctx}, B {B}, shared prefixes {pre}", step_ms, parts,
+                                                      gemms, gpu))
         replays = graphs.stats["replays"] if graphs is not None else 0
         roof = (weight_bytes + kv_read) / bw
         op = model.paged_decode_op(dev, dtype)

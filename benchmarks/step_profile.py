@@ -1,0 +1,229 @@
+"""Where a decode step's device time goes: torch.profiler's record of a few steps, split into the step's parts
+and, for the matrix multiplies, into the weights they read, each against its own floor.
+
+A GPU profile lists the device kernels themselves (graph replays included: CUPTI records the kernels a graph
+launches); each kernel is put in one part by its name (`part_of`). A CPU profile has no device kernels, so the
+operators' own CPU times stand in for them, put in parts by operator name the same way. The matrix multiplies
+are also listed by the operator that launched them (aten::mm, aten::addmm, aten::bmm, oneDNN's linear on the
+CPU), with its input shapes: those tell which weight each read, how many bytes and FLOPs that is, and so its floor,
+max(bytes / copy bandwidth, FLOPs / matmul rate). A graph replay launches no operator, so that table needs an eager
+profile.
+
+Used by bench_decode.py --profile; `profile_steps` runs any step function under the profiler.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+
+# (part, pattern over a device kernel's or a CPU operator's name); the first that matches names the part
+PARTS: list[tuple[str, str]] = [
+    ("own-context attention", r"_paged_decode_(partial|merge)_kernel|fastrag::paged_decode"),
+    ("shared-prefix softmax and merge", r"_prefix_(softmax|merge)_kernel"),
+    ("fused layer ops", r"_add_rms_norm_kernel|_rope_write_kv_kernel|_silu_mul_kernel"),
+    ("signals and sampling", r"_token_signals_|decode_(partial|combine|row|span|top_p)_kernel|_attn_decode_(row|span)"
+                             r"_kernel|ArgMax|aten::argmax|fastrag::(decode|token|signals)"),
+    ("SDPA attention", r"flash|fmha|efficient_attention|scaled_dot_product"),
+    ("GEMM", r"nvjet|gemm|gemv|splitKreduce|xmma|cutlass|cublas|wgmma|^aten::(mm|addmm|bmm|baddbmm)$"
+             r"|linear_pointwise"),
+    ("copies and fills", r"^Memcpy|^Memset|aten::(copy_|fill_|zero_)$|CatArrayBatchedCopy|(?i:fillfunctor)"),
+    ("other torch kernels", r""),
+]
+_PART_RES = [(name, re.compile(pat)) for name, pat in PARTS]
+
+# the operators whose launches are matrix multiplies, with the shapes the profiler records for them
+GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "mkldnn::_linear_pointwise")
+
+
+def part_of(name: str) -> str:
+    """The part of a decode step a device kernel (or, on a CPU, an operator) of this name belongs to."""
+    for part, rx in _PART_RES:
+        if rx.search(name):
+            return part
+    raise AssertionError("the last part matches every name")
+
+
+@dataclass
+class Launch:
+    """One device kernel (GPU) or one operator's own time (CPU) of a profile, or one matrix multiply operator
+    with its input shapes and the device time of its kernels."""
+    name: str
+    us: float
+    shapes: list = field(default_factory=list)
+
+
+def gemm_dims(name: str, shapes: list) -> tuple[int, int, int, int] | None:
+    """(batch, M, K, N) of a matrix multiply operator's input shapes, or None where they are not recorded:
+    mm [M, K] x [K, N]; addmm (bias, [M, K], [K, N]); bmm [b, M, K] x [b, K, N]; baddbmm (c, [b, M, K], [b, K, N]);
+    oneDNN's linear (input [.., K], weight [N, K])."""
+    s = [list(x) for x in shapes if isinstance(x, (list, tuple))]
+    try:
+        if name == "aten::mm" and len(s[0]) == 2 and len(s[1]) == 2:
+            return 1, s[0][0], s[0][1], s[1][1]
+        if name == "aten::addmm" and len(s[1]) == 2 and len(s[2]) == 2:
+            return 1, s[1][0], s[1][1], s[2][1]
+        if name == "aten::bmm" and len(s[0]) == 3 and len(s[1]) == 3:
+            return s[0][0], s[0][1], s[0][2], s[1][2]
+        if name == "aten::baddbmm" and len(s[1]) == 3 and len(s[2]) == 3:
+            return s[1][0], s[1][1], s[1][2], s[2][2]
+        if name == "mkldnn::_linear_pointwise" and s[0] and len(s[1]) == 2:
+            m = 1
+            for d in s[0][:-1]:
+                m *= d
+            return 1, m, s[0][-1], s[1][0]
+    except IndexError:
+        return None
+    return None
+
+
+def launches(prof, gpu: bool) -> tuple[list[Launch], list[Launch]]:
+    """(the profile's device kernels, or on a CPU its operators' own times; its matrix multiply operators with
+    their shapes and device (GPU) or own (CPU) microseconds)."""
+    from torch.autograd import DeviceType
+
+    events = list(prof.events())
+    if gpu:
+        kernels = [Launch(e.name, e.time_range.elapsed_us()) for e in events if e.device_type == DeviceType.CUDA]
+    else:
+        kernels = [Launch(e.name, e.self_cpu_time_total) for e in events
+                   if e.device_type == DeviceType.CPU and not getattr(e, "is_user_annotation", False)
+                   and not getattr(e, "is_python_function", False) and e.name.split("::")[0] in ("aten", "mkldnn",
+                                                                                                 "fastrag", "triton")]
+    gemms = []
+    for e in events:
+        if e.device_type != DeviceType.CPU or e.name not in GEMM_OPS:
+            continue
+        us = sum(k.duration for k in e.kernels) if gpu else e.self_cpu_time_total
+        gemms.append(Launch(e.name, us, list(e.input_shapes or [])))
+    return kernels, gemms
+
+
+def parts_table(kernels: list[Launch], steps: int) -> list[dict]:
+    """Per part (in PARTS order, parts with no launch left out): distinct kernel names, launches and milliseconds
+    a step, share of the step's kernel time, and the part's three longest kernels by time."""
+    by: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for k in kernels:
+        by[part_of(k.name)][k.name].append(k.us)
+    total = sum(k.us for k in kernels)
+    out = []
+    for part, _ in PARTS:
+        if part not in by:
+            continue
+        names = by[part]
+        us = sum(sum(v) for v in names.values())
+        top = sorted(names.items(), key=lambda kv: -sum(kv[1]))[:3]
+        n_launches = sum(len(v) for v in names.values())
+        out.append({"part": part, "kernels": len(names), "launches_per_step": n_launches / steps,
+                    "ms_per_step": us / steps / 1e3, "share": us / total if total else 0.0,
+                    "top": [(n, sum(v) / steps / 1e3) for n, v in top]})
+    return out
+
+
+def weight_names(model) -> dict[tuple[int, int], str]:
+    """(K, N) of each linear layer's multiply (input features, output features) -> the layer's name, without
+    the layer index (the same weight in every layer is one row of the GEMM table)."""
+    out: dict[tuple[int, int], str] = {}
+    for name, mod in model.named_modules():
+        w = getattr(mod, "weight", None)
+        if isinstance(mod, torch.nn.Linear) and w is not None and w.dim() == 2:
+            short = re.sub(r"(^|\.)\d+(\.|$)", r"\1*\2", name)
+            out.setdefault((w.shape[1], w.shape[0]), short)
+    return out
+
+
+def gemm_table(gemms: list[Launch], steps: int, names: dict[tuple[int, int], str], elt: int, bw: float,
+               rate: float) -> list[dict]:
+    """The matrix multiplies grouped by (operator shape): calls and milliseconds a step, and their floor a step,
+    each call's max(bytes / bw, FLOPs / rate) with bytes = both inputs and the output in the model's dtype; the
+    achieved GB/s and TFLOP/s. `names` names a (K, N) after the weight of that shape. Longest first."""
+    groups: dict[tuple, list[float]] = defaultdict(list)
+    unshaped = []
+    for g in gemms:
+        d = gemm_dims(g.name, g.shapes)
+        if d is None:
+            unshaped.append(g.us)
+            continue
+        groups[d].append(g.us)
+    out = []
+    for (b, m, k, n), us in groups.items():
+        nbytes = b * (m * k + k * n + m * n) * elt
+        flops = 2 * b * m * k * n
+        t = sum(us) / len(us) / 1e6  # seconds a call
+        floor = max(nbytes / bw, flops / rate)
+        label = names.get((k, n)) if b == 1 else None
+        out.append({"gemm": label or (f"batched {b} x" if b > 1 else "other"), "b": b, "m": m, "k": k, "n": n,
+                    "calls_per_step": len(us) / steps, "ms_per_step": sum(us) / steps / 1e3,
+                    "floor_ms_per_step": floor * len(us) / steps * 1e3, "x_floor": t / floor if floor else None,
+                    "gb_per_s": nbytes / t / 1e9 if t else None, "tflop_per_s": flops / t / 1e12 if t else None,
+                    "bound": "bandwidth" if nbytes / bw >= flops / rate else "compute"})
+    if unshaped:
+        out.append({"gemm": "shapes not recorded", "b": None, "m": None, "k": None, "n": None,
+                    "calls_per_step": len(unshaped) / steps, "ms_per_step": sum(unshaped) / steps / 1e3,
+                    "floor_ms_per_step": None, "x_floor": None, "gb_per_s": None, "tflop_per_s": None, "bound": "-"})
+    return sorted(out, key=lambda r: -r["ms_per_step"])
+
+
+def profile_steps(step, steps: int, gpu: bool) -> tuple[list[Launch], list[Launch]]:
+    """Run step() `steps` times under torch.profiler (with shapes) and return `launches` of the record."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
+    with profile(activities=acts, record_shapes=True) as prof:
+        for _ in range(steps):
+            step()
+        if gpu:
+            torch.cuda.synchronize()
+    return launches(prof, gpu)
+
+
+def markdown(title: str, step_ms: dict[str, float], parts: dict[str, list[dict]], gemms: list[dict] | None,
+             gpu: bool) -> list[str]:
+    """The section bench_decode writes for one profiled cell: `parts` maps a way of running the step ("graphs",
+    "eager") to its parts_table, `step_ms` the same ways to the step's timed milliseconds."""
+    unit = "device" if gpu else "operator (CPU: host)"
+    lines = [f"### {title}", ""]
+    ways = list(parts)
+    head = "| part | " + " | ".join(f"{w}: launches a step | {w}: ms a step | {w}: share" for w in ways) + \
+        " | longest kernels (" + ways[-1] + ", ms a step) |"
+    lines += [head, "|---|" + "---|---|---|" * len(ways) + "---|"]
+    order = [p for p, _ in PARTS if any(r["part"] == p for w in ways for r in parts[w])]
+    for p in order:
+        cells = []
+        for w in ways:
+            r = next((r for r in parts[w] if r["part"] == p), None)
+            cells.append("- | - | -" if r is None else
+                         f"{r['launches_per_step']:.1f} | {r['ms_per_step']:.3f} | {r['share']:.1%}")
+        last = next((r for r in parts[ways[-1]] if r["part"] == p), None) or next(
+            r for w in ways for r in parts[w] if r["part"] == p)
+        top = "; ".join(f"`{_short(n)}` {ms:.3f}" for n, ms in last["top"])
+        lines.append(f"| {p} | " + " | ".join(cells) + f" | {top} |")
+    cells = []
+    for w in ways:
+        tot = sum(r["ms_per_step"] for r in parts[w])
+        cells.append(f"{sum(r['launches_per_step'] for r in parts[w]):.1f} | {tot:.3f} | "
+                     f"{tot / step_ms[w]:.0%} of the timed {step_ms[w]:.3f} ms" if step_ms.get(w) else
+                     f"{sum(r['launches_per_step'] for r in parts[w]):.1f} | {tot:.3f} | -")
+    lines.append(f"| **all {unit} time** | " + " | ".join(cells) + " | |")
+    lines.append("")
+    if gemms:
+        lines += ["Matrix multiplies of the eager step, by operator shape (M rows x K x N; 'batched b x': b "
+                  "multiplies at once, as the shared prefixes' scores and values):", "",
+                  "| GEMM | b x M x K x N | calls a step | ms a step | floor ms a step | x floor | GB/s | TFLOP/s | "
+                  "bound |", "|---|---|---|---|---|---|---|---|---|"]
+        for r in gemms:
+            dims = "-" if r["m"] is None else f"{r['b']} x {r['m']} x {r['k']} x {r['n']}"
+            f = (lambda v, fmt: "-" if v is None else format(v, fmt))
+            lines.append(f"| {r['gemm']} | {dims} | {r['calls_per_step']:.1f} | {r['ms_per_step']:.3f} | "
+                         f"{f(r['floor_ms_per_step'], '.3f')} | {f(r['x_floor'], '.2f')} | {f(r['gb_per_s'], '.3g')} | "
+                         f"{f(r['tflop_per_s'], '.3g')} | {r['bound']} |")
+        lines.append("")
+    return lines
+
+
+def _short(name: str, n: int = 60) -> str:
+    name = name.replace("|", "/")
+    return name if len(name) <= n else name[: n - 3] + "..."
