@@ -22,6 +22,7 @@ import argparse
 import datetime as dt
 import gc
 import json
+import os
 import shlex
 import shutil
 import sys
@@ -33,6 +34,7 @@ import torch
 
 from fastrag.data.datasets import load_examples
 from fastrag.eval import RunOptions, read_results, run, run_many
+from fastrag.kernel_parts import KERNEL_PROFILE_ENV
 from fastrag.parity import _rate, compare, method_decisions, run_oracle
 from fastrag.provenance import cpu_name, device_name, versions
 
@@ -215,6 +217,30 @@ def decode_floor_rows(folders: list[Path], metrics: list[dict], joint: bool, fig
             for by in ("batch", "prefixes")}
 
 
+def kernel_profile_section(metrics: list[dict]) -> str:
+    """The results file's section on the profiled window of engine steps ($FASTRAG_KERNEL_PROFILE=FIRST:COUNT:
+    metrics.json `kernel_profile`, fastrag.kernel_parts), or "" without one."""
+    k = metrics[0].get("kernel_profile") if metrics else None
+    if not k:
+        return ""
+    e = k["engine"]
+    first, last = k["first_step"], k["first_step"] + k["steps"] - 1
+    rows = [{"part": r["part"], "launches a step": r["launches_per_step"], "ms a step": r["ms_per_step"],
+             "share": f"{r['share']:.1%}",
+             "longest (ms a step)": "; ".join(f"`{n[:50].replace('|', '/')}` {ms:.3f}" for n, ms in r["top"])}
+            for r in k["parts"]]
+    clock = e.get("device_prefill_s", 0.0) + e.get("device_decode_s", 0.0) + e.get("device_passes_s", 0.0)
+    return (f"\n## Device time by part over engine steps {first}-{last} (torch.profiler, $FASTRAG_KERNEL_PROFILE)\n\n"
+            f"Every {k['unit']} recorded from the launch of step {first} to the launch of step {last + 1} "
+            f"({k['wall_s']:.2f} s of wall), put in one part by its name (fastrag.kernel_parts): "
+            f"{k['launches']} launches, {k['kernel_s']:.3f} s in all, against {clock:.3f} s of the engine's device "
+            f"clock in those steps (prefill {e.get('device_prefill_s', 0.0):.3f} s, decode "
+            f"{e.get('device_decode_s', 0.0):.3f} s, attention passes {e.get('device_passes_s', 0.0):.3f} s). The "
+            f"steps ran {e.get('decode_steps', 0)} decode steps ({e.get('decode_tokens', 0)} tokens) and "
+            f"{e.get('prefill_calls', 0)} prefill calls ({e.get('prefill_tokens', 0)} tokens). The profiler slows "
+            "the host: this run's throughput is not the engine's.\n\n" + md_table(rows))
+
+
 def graphs_line(metrics: list[dict]) -> str:
     """The header line on the engine's CUDA graphs (one engine ran every dataset: the first metrics.json's
     figures), or "" when it decoded without them."""
@@ -315,7 +341,12 @@ def run_engine(args, opts: dict) -> None:
                 for ds in args.datasets]
         for o in warm:
             shutil.rmtree(o.output, ignore_errors=True)
-        run_many(warm)
+        window = os.environ.pop(KERNEL_PROFILE_ENV, None)  # ($FASTRAG_KERNEL_PROFILE: the timed run's steps only)
+        try:
+            run_many(warm)
+        finally:
+            if window is not None:
+                os.environ[KERNEL_PROFILE_ENV] = window
         print(f"warm-up: {args.warmup} questions per dataset in {time.perf_counter() - t0:.1f} s (not timed)",
               flush=True)
     prof = None
@@ -583,6 +614,7 @@ def main() -> None:
                   "The same steps grouped by how many shared prefixes (the datasets' demos) their sequences start "
                   "with: a step of several prefixes reads each once and merges its part into the rows of its "
                   "sequences.\n\n" + md_table(p_rows))
+    table += kernel_profile_section(metrics)
     (res / f"e2e_{tag}.md").write_text(head + table)
     (res / f"e2e_{tag}.json").write_text(json.dumps({"rows": rows, "parity": reports, "device": device,
                                                      "floor": f_rows, "decode_floor": d_rows, "decode_floor_by_prefixes": p_rows,

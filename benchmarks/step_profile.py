@@ -1,13 +1,11 @@
 """Where a decode step's device time goes: torch.profiler's record of a few steps, split into the step's parts
 and, for the matrix multiplies, into the weights they read, each against its own floor.
 
-A GPU profile lists the device kernels themselves (graph replays included: CUPTI records the kernels a graph
-launches); each kernel is put in one part by its name (`part_of`). A CPU profile has no device kernels, so the
-operators' own CPU times stand in for them, put in parts by operator name the same way. The matrix multiplies
-are also listed by the operator that launched them (aten::mm, aten::addmm, aten::bmm, oneDNN's linear on the
-CPU), with its input shapes: those tell which weight each read, how many bytes and FLOPs that is, and so its floor,
-max(bytes / copy bandwidth, FLOPs / matmul rate). A graph replay launches no operator, so that table needs an eager
-profile.
+The parts are fastrag.kernel_parts' (`part_of`: each device kernel by its name; on a CPU the operators' own
+times stand in for kernels). The matrix multiplies are also listed by the operator that launched them (aten::mm,
+aten::addmm, aten::bmm, oneDNN's linear on the CPU), with its input shapes: those tell which weight each read, how
+many bytes and FLOPs that is, and so its floor, max(bytes / copy bandwidth, FLOPs / matmul rate). A graph replay
+launches no operator, so that table needs an eager profile.
 
 Used by bench_decode.py --profile; `profile_steps` runs any step function under the profiler.
 """
@@ -15,112 +13,15 @@ Used by bench_decode.py --profile; `profile_steps` runs any step function under 
 from __future__ import annotations
 
 import re
+import sys
 from collections import defaultdict
-from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
-# (part, pattern over a device kernel's or a CPU operator's name); the first that matches names the part
-PARTS: list[tuple[str, str]] = [
-    ("own-context attention", r"_paged_decode_(partial|merge)_kernel|fastrag::paged_decode"),
-    ("shared-prefix softmax and merge", r"_prefix_(softmax|merge)_kernel"),
-    ("fused layer ops", r"_add_rms_norm_kernel|_rope_write_kv_kernel|_silu_mul_kernel"),
-    ("signals and sampling", r"_token_signals_|decode_(partial|combine|row|span|top_p)_kernel|_attn_decode_(row|span)"
-                             r"_kernel|ArgMax|aten::argmax|fastrag::(decode|token|signals)"),
-    ("SDPA attention", r"flash|fmha|efficient_attention|scaled_dot_product"),
-    ("GEMM", r"nvjet|gemm|gemv|splitKreduce|xmma|cutlass|cublas|wgmma|^aten::(mm|addmm|bmm|baddbmm)$"
-             r"|linear_pointwise"),
-    ("copies and fills", r"^Memcpy|^Memset|aten::(copy_|fill_|zero_)$|CatArrayBatchedCopy|(?i:fillfunctor)"),
-    ("other torch kernels", r""),
-]
-_PART_RES = [(name, re.compile(pat)) for name, pat in PARTS]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-# the operators whose launches are matrix multiplies, with the shapes the profiler records for them
-GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "mkldnn::_linear_pointwise")
-
-
-def part_of(name: str) -> str:
-    """The part of a decode step a device kernel (or, on a CPU, an operator) of this name belongs to."""
-    for part, rx in _PART_RES:
-        if rx.search(name):
-            return part
-    raise AssertionError("the last part matches every name")
-
-
-@dataclass
-class Launch:
-    """One device kernel (GPU) or one operator's own time (CPU) of a profile, or one matrix multiply operator
-    with its input shapes and the device time of its kernels."""
-    name: str
-    us: float
-    shapes: list = field(default_factory=list)
-
-
-def gemm_dims(name: str, shapes: list) -> tuple[int, int, int, int] | None:
-    """(batch, M, K, N) of a matrix multiply operator's input shapes, or None where they are not recorded:
-    mm [M, K] x [K, N]; addmm (bias, [M, K], [K, N]); bmm [b, M, K] x [b, K, N]; baddbmm (c, [b, M, K], [b, K, N]);
-    oneDNN's linear (input [.., K], weight [N, K])."""
-    s = [list(x) for x in shapes if isinstance(x, (list, tuple))]
-    try:
-        if name == "aten::mm" and len(s[0]) == 2 and len(s[1]) == 2:
-            return 1, s[0][0], s[0][1], s[1][1]
-        if name == "aten::addmm" and len(s[1]) == 2 and len(s[2]) == 2:
-            return 1, s[1][0], s[1][1], s[2][1]
-        if name == "aten::bmm" and len(s[0]) == 3 and len(s[1]) == 3:
-            return s[0][0], s[0][1], s[0][2], s[1][2]
-        if name == "aten::baddbmm" and len(s[1]) == 3 and len(s[2]) == 3:
-            return s[1][0], s[1][1], s[1][2], s[2][2]
-        if name == "mkldnn::_linear_pointwise" and s[0] and len(s[1]) == 2:
-            m = 1
-            for d in s[0][:-1]:
-                m *= d
-            return 1, m, s[0][-1], s[1][0]
-    except IndexError:
-        return None
-    return None
-
-
-def launches(prof, gpu: bool) -> tuple[list[Launch], list[Launch]]:
-    """(the profile's device kernels, or on a CPU its operators' own times; its matrix multiply operators with
-    their shapes and device (GPU) or own (CPU) microseconds)."""
-    from torch.autograd import DeviceType
-
-    events = list(prof.events())
-    if gpu:
-        kernels = [Launch(e.name, e.time_range.elapsed_us()) for e in events if e.device_type == DeviceType.CUDA]
-    else:
-        kernels = [Launch(e.name, e.self_cpu_time_total) for e in events
-                   if e.device_type == DeviceType.CPU and not getattr(e, "is_user_annotation", False)
-                   and not getattr(e, "is_python_function", False) and e.name.split("::")[0] in ("aten", "mkldnn",
-                                                                                                 "fastrag", "triton")]
-    gemms = []
-    for e in events:
-        if e.device_type != DeviceType.CPU or e.name not in GEMM_OPS:
-            continue
-        us = sum(k.duration for k in e.kernels) if gpu else e.self_cpu_time_total
-        gemms.append(Launch(e.name, us, list(e.input_shapes or [])))
-    return kernels, gemms
-
-
-def parts_table(kernels: list[Launch], steps: int) -> list[dict]:
-    """Per part (in PARTS order, parts with no launch left out): distinct kernel names, launches and milliseconds
-    a step, share of the step's kernel time, and the part's three longest kernels by time."""
-    by: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
-    for k in kernels:
-        by[part_of(k.name)][k.name].append(k.us)
-    total = sum(k.us for k in kernels)
-    out = []
-    for part, _ in PARTS:
-        if part not in by:
-            continue
-        names = by[part]
-        us = sum(sum(v) for v in names.values())
-        top = sorted(names.items(), key=lambda kv: -sum(kv[1]))[:3]
-        n_launches = sum(len(v) for v in names.values())
-        out.append({"part": part, "kernels": len(names), "launches_per_step": n_launches / steps,
-                    "ms_per_step": us / steps / 1e3, "share": us / total if total else 0.0,
-                    "top": [(n, sum(v) / steps / 1e3) for n, v in top]})
-    return out
+from fastrag.kernel_parts import PARTS, Launch, gemm_dims, launches, part_of, parts_table  # noqa: E402,F401
 
 
 def weight_names(model) -> dict[tuple[int, int], str]:

@@ -411,6 +411,9 @@ class Engine:
         # prefilled and decoded, its host seconds and, once known, its device seconds (the scheduler adds its own)
         self.trace: list[dict] | None = None
         self._trace_row: dict | None = None
+        # torch.profiler over a window of steps (fastrag.kernel_parts.StepWindow; fastrag.eval with
+        # $FASTRAG_KERNEL_PROFILE=FIRST:COUNT): told of every step launch
+        self.kernel_window = None
         # decode steps replayed from CUDA graphs (fastrag/cuda_graphs.py): on by default on a GPU,
         # FASTRAG_CUDA_GRAPHS=0 turns them off; cuda_graphs=True on a CPU runs the same static-buffer protocol
         # without CUDA (emulated; how the tests check it)
@@ -729,6 +732,8 @@ class Engine:
         the decode part fails after the prefill ran, the generations that prefill finished come back from the next
         `step_finish` (see `_carry_prefill`).
         """
+        if self.kernel_window is not None:
+            self.kernel_window.before_step(self.stats)
         finished: list[SeqState] = []
         joining: list[SeqState] = []
         join_sampled = None

@@ -29,6 +29,7 @@ import torch
 from fastrag.cache.kv import OutOfBlocks
 from fastrag.data.datasets import Example, load_examples
 from fastrag.data.metrics import aggregate, score
+from fastrag.kernel_parts import StepWindow, kernel_profile_window
 from fastrag.model.loading import control_token_strings, find_control_token
 from fastrag.perf import STEP_TRACE_ENV, trace_summary
 from fastrag.provenance import environment, source_commit
@@ -636,6 +637,7 @@ def _run_many(runs: list[RunOptions], engine=None, retriever=None) -> list[dict]
     answered = [0] * len(runs)
     sched = None
     step_trace = None
+    kernel_profile = None
     tok0 = 0
     captured_ahead, capture_ahead_s = 0, 0.0
     compile_log, compile_mark = None, 0
@@ -685,6 +687,9 @@ def _run_many(runs: list[RunOptions], engine=None, retriever=None) -> list[dict]
         trace = env_switch(STEP_TRACE_ENV)
         if trace:  # the engine's per-step rows ($FASTRAG_STEP_TRACE=1), written beside the results below
             engine.trace = []
+        window = kernel_profile_window()
+        if window is not None:  # ($FASTRAG_KERNEL_PROFILE=FIRST:COUNT) torch.profiler over those engine steps
+            engine.kernel_window = StepWindow(*window, getattr(engine, "device", "cpu"))
         try:
             # twice the decode batch in flight: questions waiting on attention passes or retrieval do not
             # leave holes in the decode batch
@@ -698,6 +703,11 @@ def _run_many(runs: list[RunOptions], engine=None, retriever=None) -> list[dict]
                 w.close()
             if compile_log is not None:
                 compile_log.row = None
+            if window is not None:
+                kernel_profile = engine.kernel_window.finish(engine.stats)
+                engine.kernel_window = None
+                for out in outs:
+                    write_json(out / "kernel_profile.json", {"window": list(window), "profile": kernel_profile})
             if trace:
                 rows, engine.trace = engine.trace or [], None
                 for out in outs:  # (one engine ran every run's questions: each run's folder gets the steps)
@@ -774,6 +784,8 @@ def _run_many(runs: list[RunOptions], engine=None, retriever=None) -> list[dict]
             metrics["overlap"] = sched.overlap
             if step_trace is not None:
                 metrics["step_trace"] = step_trace
+            if kernel_profile is not None:  # ($FASTRAG_KERNEL_PROFILE) the profiled steps' time by part
+                metrics["kernel_profile"] = kernel_profile
             if sched.sync_watch is not None:  # ($FASTRAG_SYNC_WATCH) host calls that waited for the device in the
                 metrics["overlap_syncs"] = sched.sync_watch.summary()  # overlap window, by call site
             elif sched.sync_watch_off is not None:
@@ -800,7 +812,8 @@ def _run_many(runs: list[RunOptions], engine=None, retriever=None) -> list[dict]
 MEASURED_FIELDS = ("questions_per_s", "tokens_per_s", "wall_s", "questions_measured", "engine", "kv_cache_gb",
                    "kv_cache_blocks",
                    "model_costs", "prefill_attention", "cuda_graphs", "retrieval", "step_seconds", "overlap",
-                   "text_workers", "joint", "environment", "overlap_syncs", "step_trace", "triton_compiles")
+                   "text_workers", "joint", "environment", "overlap_syncs", "step_trace", "triton_compiles",
+                   "kernel_profile")
 
 
 def triton_compile_log():

@@ -219,10 +219,11 @@ def test_bench_e2e_end_to_end_on_a_tiny_random_model(tmp_path, monkeypatch):
     cfg = tmp_path / "short.json"  # (a short generation: the tiny model's random text never stops on its own)
     cfg.write_text(json.dumps({"generate_max_length": 12}))
     monkeypatch.setenv("FASTRAG_STEP_TRACE", "1")
+    monkeypatch.setenv("FASTRAG_KERNEL_PROFILE", "2:3")  # (the timed run's steps 2-4; not the warm-up's)
     monkeypatch.setattr(sys, "argv", ["bench_e2e.py", "--datasets", "hotpotqa", "--limit", "1", "--oracle-limit",
                                       "1", "--tuned-oracle-limit", "1", "--model", str(model), "--batch-size", "2",
                                       "--config", str(cfg), "--data-dir", str(data), "--output",
-                                      str(tmp_path / "o"), "--results", str(tmp_path / "r")])
+                                      str(tmp_path / "o"), "--results", str(tmp_path / "r"), "--warmup", "1"])
     load("bench_e2e").main()
     md = (tmp_path / "r" / "e2e_cpu.md").read_text()
     for part in (f"- settings: DRAGIN paper Table 9 per dataset with {cfg} over it, greedy; engine batch 2",
@@ -230,8 +231,15 @@ def test_bench_e2e_end_to_end_on_a_tiny_random_model(tmp_path, monkeypatch):
                  "## Engine vs the tuned per-question oracle", "## Engine time against its device floor",
                  "## Decode steps against their floor, by batch size (step trace)",
                  "## Decode steps against their floor, by shared prefixes in the step (step trace)",
-                 "FASTRAG_STEP_TRACE=1 "):
+                 "## Device time by part over engine steps 2-4 (torch.profiler, $FASTRAG_KERNEL_PROFILE)",
+                 "| GEMM | ", "FASTRAG_STEP_TRACE=1 ", "FASTRAG_KERNEL_PROFILE=2:3 "):
         assert part in md, (part, md[:3000])
+    (warm,) = (tmp_path / "o" / "warmup").rglob("metrics.json")
+    assert "kernel_profile" not in json.loads(warm.read_text()) and os.environ["FASTRAG_KERNEL_PROFILE"] == "2:3"
+    (engine,) = (tmp_path / "o").glob("*/engine/metrics.json")
+    kp = json.loads(engine.read_text())["kernel_profile"]
+    assert kp["steps"] == 3 and kp["engine"]["decode_steps"] <= 3 and kp["engine"]["decode_tokens"] > 0
+    assert json.loads((engine.parent / "kernel_profile.json").read_text())["window"] == [2, 3]
     rep = json.loads((tmp_path / "r" / "e2e_cpu.json").read_text())
     (batch,) = rep["decode_floor"]  # (one question: every step decodes one sequence)
     assert batch["batch"] == "1-15" and batch["steps"] > 0 and batch["median_device_ms"] > 0

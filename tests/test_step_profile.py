@@ -27,7 +27,7 @@ def load(name: str):
     return mod
 
 
-sp = load("step_profile")
+sp = load("step_profile")  # (its parts are fastrag.kernel_parts')
 
 GPU_NAMES = {
     "nvjet_sm90_tst_256x160_64x4_2x1_v_bz_coopA_TNT": "GEMM",
@@ -158,3 +158,63 @@ def test_a_real_cpu_decode_step_profiles_into_its_weights(tmp_path, monkeypatch)
     part_lines = [line for line in md.splitlines() if "%" in line and (
         line.startswith("| GEMM |") or line.startswith("| own-context attention |"))]
     assert len(part_lines) == 2, md  # (the C++ paged kernel is an operator of its own on the CPU)
+
+
+def test_kernel_profile_window_reads_first_and_count(monkeypatch):
+    from fastrag.kernel_parts import KERNEL_PROFILE_ENV, kernel_profile_window
+
+    monkeypatch.delenv(KERNEL_PROFILE_ENV, raising=False)
+    assert kernel_profile_window() is None
+    for raw, want in (("200:40", (200, 40)), (" 0 : 1 ", (0, 1)), ("", None)):
+        monkeypatch.setenv(KERNEL_PROFILE_ENV, raw)
+        assert kernel_profile_window() == want, raw
+    for bad in ("200", "5:0", "-1:3", "a:b", "1:2:3"):
+        monkeypatch.setenv(KERNEL_PROFILE_ENV, bad)
+        with pytest.raises(ValueError, match=r"\$FASTRAG_KERNEL_PROFILE=.*expected FIRST:COUNT"):
+            kernel_profile_window()
+
+
+def _steps(window, n_steps: int, stats: dict):
+    """n_steps fake engine steps: step i multiplies (i + 1) times and counts one decode step and i prefill tokens."""
+    import torch
+
+    a = torch.randn(8, 16)
+    b = torch.randn(16, 4)
+    for i in range(n_steps):
+        window.before_step(stats)
+        for _ in range(i + 1):
+            torch.mm(a, b)
+        stats["decode_steps"] += 1
+        stats["prefill_tokens"] += i
+
+
+def test_a_step_window_profiles_its_steps_only():
+    """Window 2:2 over six steps: the GEMM part holds steps 2 and 3's multiplies alone (3 + 4 over 2 steps), and the
+    engine counters are the window's change."""
+    from fastrag.kernel_parts import StepWindow
+
+    stats = {"decode_steps": 0, "prefill_tokens": 0}
+    w = StepWindow(2, 2, "cpu")
+    _steps(w, 6, stats)
+    assert w.summary is not None and w.finish(stats) is w.summary  # (stopped at step 4's launch already)
+    s = w.summary
+    assert s["first_step"] == 2 and s["steps"] == 2 and s["unit"].startswith("CPU operator (")
+    assert s["engine"]["decode_steps"] == 2 and s["engine"]["prefill_tokens"] == 2 + 3
+    gemm = next(r for r in s["parts"] if r["part"] == "GEMM")
+    assert gemm["launches_per_step"] == 3.5 and gemm["top"][0][0] == "aten::mm", gemm
+    assert s["kernel_s"] > 0 and sum(r["share"] for r in s["parts"]) == pytest.approx(1.0)
+
+
+def test_a_run_that_ends_inside_the_window_stops_it_there_and_one_that_ends_before_has_none():
+    from fastrag.kernel_parts import StepWindow
+
+    stats = {"decode_steps": 0, "prefill_tokens": 0}
+    w = StepWindow(1, 10, "cpu")
+    _steps(w, 4, stats)  # steps 1, 2, 3 profiled
+    assert w.summary is None
+    s = w.finish(stats)
+    assert s["steps"] == 3 and s["engine"]["decode_steps"] == 3
+    assert next(r for r in s["parts"] if r["part"] == "GEMM")["launches_per_step"] == (2 + 3 + 4) / 3
+    late = StepWindow(10, 2, "cpu")
+    _steps(late, 4, {"decode_steps": 0, "prefill_tokens": 0})
+    assert late.finish({"decode_steps": 4}) is None
