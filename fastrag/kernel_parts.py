@@ -94,7 +94,9 @@ def launches(prof, gpu: bool) -> tuple[list[Launch], list[Launch]]:
 
     events = list(prof.events())
     if gpu:
-        kernels = [Launch(e.name, e.time_range.elapsed_us()) for e in events if e.device_type == DeviceType.CUDA]
+        # (a record_function range shows on the device too, as a span over its kernels: not a kernel of its own)
+        kernels = [Launch(e.name, e.time_range.elapsed_us()) for e in events
+                   if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)]
     else:
         kernels = [Launch(e.name, e.self_cpu_time_total) for e in events
                    if e.device_type == DeviceType.CPU and not getattr(e, "is_user_annotation", False)

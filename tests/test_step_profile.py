@@ -218,3 +218,33 @@ def test_a_run_that_ends_inside_the_window_stops_it_there_and_one_that_ends_befo
     late = StepWindow(10, 2, "cpu")
     _steps(late, 4, {"decode_steps": 0, "prefill_tokens": 0})
     assert late.finish({"decode_steps": 4}) is None
+
+
+def test_launches_of_a_gpu_profile_take_kernels_and_the_gemm_operators_device_time():
+    """The GPU side of `launches` on a profile as torch.profiler hands it over (device kernels as CUDA events, a
+    record_function range's span on the device flagged as a user annotation, operators with their kernels): the
+    kernels are the CUDA events but the span, and a multiply operator's time is its kernels' device time."""
+    from types import SimpleNamespace as NS
+
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import Interval, Kernel
+
+    from fastrag.kernel_parts import launches
+
+    def ev(name, dev, start, end, **kw):
+        return NS(**({"name": name, "device_type": dev, "time_range": Interval(start, end),
+                      "is_user_annotation": False, "is_python_function": False, "kernels": [], "input_shapes": [],
+                      "self_cpu_time_total": end - start} | kw))
+
+    events = [ev("nvjet_sm90_tst_256x160", DeviceType.CUDA, 10, 110),
+              ev("_paged_decode_partial_kernel", DeviceType.CUDA, 120, 150),
+              ev("fastrag.decode", DeviceType.CUDA, 0, 500, is_user_annotation=True),
+              ev("aten::mm", DeviceType.CPU, 0, 5, kernels=[Kernel("nvjet_sm90_tst_256x160", 0, 100)],
+                 input_shapes=[[256, 4096], [4096, 12288]]),
+              ev("cudaLaunchKernel", DeviceType.CPU, 1, 2)]
+    prof = NS(events=lambda: events)
+    kernels, gemms = launches(prof, gpu=True)
+    assert [(k.name, k.us) for k in kernels] == [("nvjet_sm90_tst_256x160", 100), ("_paged_decode_partial_kernel", 30)]
+    assert [(g.name, g.us, g.shapes) for g in gemms] == [("aten::mm", 100, [[256, 4096], [4096, 12288]])]
+    cpu_kernels, cpu_gemms = launches(prof, gpu=False)  # (a CPU profile: the operators' own times)
+    assert [k.name for k in cpu_kernels] == ["aten::mm"] and cpu_gemms[0].us == 5
