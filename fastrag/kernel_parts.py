@@ -2,8 +2,9 @@
 
 torch.profiler records the device kernels a step launches (graph replays included: CUPTI records the kernels a
 graph launches). `part_of` puts each in one part of the step by its name: GEMMs, own-context attention (the paged
-kernel), shared-prefix softmax and merge, fused layer ops, signals and sampling, SDPA attention, copies and fills,
-other torch kernels. A CPU profile has no device kernels, so there the operators' own CPU times stand in for them,
+decode kernel), prefill attention (the paged prefill kernel), shared-prefix softmax and merge, fused layer ops,
+signals and sampling (the attention passes' statistics too), SDPA attention, copies and fills, other torch
+kernels. A CPU profile has no device kernels, so there the operators' own CPU times stand in for them,
 put in parts by operator name the same way.
 
 `StepWindow` profiles a window of an engine's steps inside a real run: `$FASTRAG_KERNEL_PROFILE=FIRST:COUNT` makes
@@ -30,10 +31,11 @@ KERNEL_PROFILE_ENV = "FASTRAG_KERNEL_PROFILE"
 # (part, pattern over a device kernel's or a CPU operator's name); the first that matches names the part
 PARTS: list[tuple[str, str]] = [
     ("own-context attention", r"_paged_decode_(partial|merge)_kernel|fastrag::paged_decode"),
+    ("prefill attention (paged)", r"_paged_prefill_kernel"),
     ("shared-prefix softmax and merge", r"_prefix_(softmax|merge)_kernel"),
     ("fused layer ops", r"_add_rms_norm_kernel|_rope_write_kv_kernel|_silu_mul_kernel"),
     ("signals and sampling", r"_token_signals_|decode_(partial|combine|row|span|top_p)_kernel|_attn_decode_(row|span)"
-                             r"_kernel|ArgMax|aten::argmax|fastrag::(decode|token|signals)"),
+                             r"_kernel|causal_(colmax|lse|rows|row_lse)_kernel|ArgMax|aten::argmax|fastrag::(decode|token|signals)"),
     ("SDPA attention", r"flash|fmha|efficient_attention|scaled_dot_product"),
     ("GEMM", r"nvjet|gemm|gemv|splitKreduce|xmma|cutlass|cublas|wgmma|^aten::(mm|addmm|bmm|baddbmm)$"
              r"|linear_pointwise"),
@@ -47,7 +49,7 @@ GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "mkldnn::_l
 
 
 def part_of(name: str) -> str:
-    """The part of a decode step a device kernel (or, on a CPU, an operator) of this name belongs to."""
+    """The part of an engine step a device kernel (or, on a CPU, an operator) of this name belongs to."""
     for part, rx in _PART_RES:
         if rx.search(name):
             return part
