@@ -20,7 +20,7 @@ A cell whose weights + KV cache do not fit the device's free memory is listed as
 0.5 MiB of KV per token, so B=256 at 1k or B=64 at 4k needs more than an 80 GB GPU).
 
 `--profile` adds, per cell, torch.profiler's record of a few steps split into the step's parts (GEMMs, own-context
-attention, shared-prefix softmax and merge, fused layer ops, signals and sampling, copies, other torch kernels),
+attention, shared-prefix attention, fused layer ops, signals and sampling, copies, other torch kernels),
 replayed from graphs and eager, and the eager step's matrix multiplies by weight against their floor
 (benchmarks/step_profile.py).
 
@@ -184,19 +184,24 @@ def main() -> None:
                  "(FASTRAG_FUSED_DECODE; on by default for CUDA tensors); '-': fused kernels not in use on this device",
                  "- shared prefixes: how many the batch's sequences start with (dealt round robin) x their tokens, "
                  "each read once a step and counted once in the roofline; ctx is each sequence's own context",
+                 "- other prefix path: the plain step with the shared prefixes attended the other way than this run's "
+                 "($FASTRAG_PREFIX_FLASH): '(flash)' all prefixes in one flash-decoding launch a layer "
+                 "(kernels/fused_decode.py prefix_flash_decode), '(GEMMs)' a GEMM, softmax, GEMM and merge per "
+                 "prefix over every row; '-': no prefix, or no fused kernels on this device",
                  "", "| ctx | B | plain ms | plain again ms | unfused layers ms | eager ms | signals ms | overhead | "
                  "signals+attn ms | overhead | roofline ms | plain / roofline | graphs | signals backend | "
-                 "decode attention | shared prefixes |",
-                 "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                 "decode attention | other prefix path ms | shared prefixes |",
+                 "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             if "skipped" in r:
-                lines.append(f"| {r['ctx']} | {r['B']} | not run: {r['skipped']} |" + " |" * 12 + f" {r['pre']} |")
+                lines.append(f"| {r['ctx']} | {r['B']} | not run: {r['skipped']} |" + " |" * 13 + f" {r['pre']} |")
                 continue
             unfused = "-" if r["unfused_ms"] is None else f"{r['unfused_ms']:.2f}"
+            other = "-" if r.get("other_prefix_ms") is None else f"{r['other_prefix_ms']:.2f} ({r['other_prefix']})"
             lines.append(f"| {r['ctx']} | {r['B']} | {r['plain_ms']:.2f} | {r['plain_again_ms']:.2f} | {unfused} | "
                          f"{r['eager_ms']:.2f} | {r['signals_ms']:.2f} | {r['overhead']:+.1%} | {r['attn_ms']:.2f} | "
                          f"{r['overhead_attn']:+.1%} | {r['roofline_ms']:.2f} | {r['x_roofline']:.2f} | {r['graphs']} | "
-                         f"{r['backend']} | {r['attn']} | {r['pre']} |")
+                         f"{r['backend']} | {r['attn']} | {other} | {r['pre']} |")
         if profiles:
             lines += ["", f"## Where a step's time goes (torch.profiler, {args.profile_steps} steps a way)", "",
                       "Each device kernel is put in one part by its name (benchmarks/step_profile.py `PARTS`); on "
@@ -277,6 +282,17 @@ def main() -> None:
                 model.fused_decode = fused_layers
                 if eng.graphs is not None:
                     eng.graphs.reset()
+            # the same step with the shared prefixes the other way (one flash launch for all / GEMMs per prefix)
+            t_other, other = None, None
+            if K and model.uses_fused_decode(dev):
+                model.prefix_flash = not model.prefix_flash
+                other = "flash" if model.prefix_flash else "GEMMs"
+                if eng.graphs is not None:
+                    eng.graphs.reset()
+                t_other = timeit(plain, dev, reps, warmup=2)
+                model.prefix_flash = not model.prefix_flash
+                if eng.graphs is not None:
+                    eng.graphs.reset()
             graphs, eng.graphs = eng.graphs, None  # the same step launched kernel by kernel
             t_eager = timeit(plain, dev, reps, warmup=1)
             eng.graphs = graphs
@@ -307,7 +323,8 @@ def main() -> None:
                          overhead_attn=(t_attn - t_plain) / t_plain, roofline_ms=roof * 1e3, x_roofline=t_plain / roof,
                          backend=eng.signals.name, attn=attn_impl, eager_ms=t_eager * 1e3,
                          graphs="yes" if replays else "no",
-                         unfused_ms=None if t_unfused is None else t_unfused * 1e3))
+                         unfused_ms=None if t_unfused is None else t_unfused * 1e3,
+                         other_prefix_ms=None if t_other is None else t_other * 1e3, other_prefix=other))
         print(rows[-1], flush=True)
         write()
         # the step closures and the graph runner hold the engine (and its KV pool): drop them all before the next cell

@@ -2,7 +2,7 @@
 
 torch.profiler records the device kernels a step launches (graph replays included: CUPTI records the kernels a
 graph launches). `part_of` puts each in one part of the step by its name: GEMMs, own-context attention (the paged
-decode kernel), prefill attention (the paged prefill kernel), shared-prefix softmax and merge, fused layer ops,
+decode kernel), prefill attention (the paged prefill kernel), shared-prefix attention, fused layer ops,
 signals and sampling (the attention passes' statistics too), SDPA attention, copies and fills, other torch
 kernels. A CPU profile has no device kernels, so there the operators' own CPU times stand in for them,
 put in parts by operator name the same way.
@@ -32,10 +32,12 @@ KERNEL_PROFILE_ENV = "FASTRAG_KERNEL_PROFILE"
 PARTS: list[tuple[str, str]] = [
     ("own-context attention", r"_paged_decode_(partial|merge)_kernel|fastrag::paged_decode"),
     ("prefill attention (paged)", r"_paged_prefill_kernel"),
-    ("shared-prefix softmax and merge", r"_prefix_(softmax|merge)_kernel"),
+    # (the flash kernel whole; of the GEMM path its softmax and merge, its two GEMMs going with the GEMMs)
+    ("shared-prefix attention", r"_prefix_(softmax|merge|flash_partial|flash_merge)_kernel"),
     ("fused layer ops", r"_add_rms_norm_kernel|_rope_write_kv_kernel|_silu_mul_kernel"),
-    ("signals and sampling", r"_token_signals_|decode_(partial|combine|row|span|top_p)_kernel|_attn_decode_(row|span)"
-                             r"_kernel|causal_(colmax|lse|rows|row_lse)_kernel|ArgMax|aten::argmax|fastrag::(decode|token|signals)"),
+    ("signals and sampling", r"_token_signals_|decode_(partial|combine|row|span|top_p)_kernel"
+                             r"|_attn_decode_(row|span)_kernel|causal_(colmax|lse|rows|row_lse)_kernel"
+                             r"|ArgMax|aten::argmax|fastrag::(decode|token|signals)"),
     ("SDPA attention", r"flash|fmha|efficient_attention|scaled_dot_product"),
     ("GEMM", r"nvjet|gemm|gemv|splitKreduce|xmma|cutlass|cublas|wgmma|^aten::(mm|addmm|bmm|baddbmm)$"
              r"|linear_pointwise"),

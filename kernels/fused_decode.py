@@ -16,6 +16,9 @@ round, so the fused step decodes what the unfused one does up to the order of a 
     silu_mul(gate_up) -> silu(gate) * up                                     gate_up: [M, 2I] -> [M, I]
     prefix_softmax(s, scale, dtype) -> (e, (max, sum))        s: [Hkv, R, P] scores of a shared prefix's keys
     prefix_merge(e @ v, stat, o_own, lse_own, member) -> (o, lse)    the prefix part merged with the own part
+    prefix_flash_decode(q, pools, starts, lengths, row_prefix, o_own, lse_own) -> (o, lse)
+                                             every shared prefix in one flash-decoding launch, merged with the own part
+                                             ($FASTRAG_PREFIX_FLASH=1; the two above otherwise)
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from fastrag.kernels.paged_attention import online_softmax_tile
 
 
 @triton.jit
@@ -259,4 +264,178 @@ def prefix_merge(num: torch.Tensor, stat: torch.Tensor, o_own: torch.Tensor, lse
         _prefix_merge_kernel[(n, H)](num, stat, o_own, lse_own, lse_own if member is None else member, out, tot,
                                      n, H, H // Hkv, num.stride(0), num.stride(1), o_own.stride(0), o_own.stride(1),
                                      HAS_MEMBER=member is not None, D=D, D_PAD=triton.next_power_of_2(D))
+    return out, tot
+
+
+# ---- every shared prefix of a decode step in one flash-decoding launch a layer (prefix_flash_decode) -------------
+
+MAX_FLASH_PREFIXES = 4  # prefixes one launch takes (their first slots and lengths are scalar arguments)
+
+
+@triton.jit(do_not_specialize=["B", "SPLIT_LEN", "NSPLIT", "S0", "S1", "S2", "S3", "L0", "L1", "L2", "L3"])
+def _prefix_flash_partial_kernel(
+    q_ptr, k_ptr, v_ptr, rp_ptr, acc_ptr, ml_ptr,
+    stride_qb, stride_qh, stride_kh, stride_ks, stride_vh, stride_vs,
+    scale, B, H, SPLIT_LEN, NSPLIT, S0, S1, S2, S3, L0, L1, L2, L3,
+    G: tl.constexpr, G_PAD: tl.constexpr, R_BLK: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+):
+    i_kh = tl.program_id(0).to(tl.int64)  # kv head (int64: a head's offset in a large pool)
+    r0 = tl.program_id(1) * R_BLK  # first batch row of this block
+    i_ks = tl.program_id(2)
+    k = i_ks // NSPLIT  # the prefix
+    i_s = i_ks % NSPLIT  # its split
+    start = tl.where(k == 0, S0, tl.where(k == 1, S1, tl.where(k == 2, S2, S3))).to(tl.int64)
+    plen = tl.where(k == 0, L0, tl.where(k == 1, L1, tl.where(k == 2, L2, L3)))
+    # the block's [R_BLK x G_PAD] query rows: (batch row, query head of this kv head's group)
+    o_m = tl.arange(0, R_BLK * G_PAD)
+    row = r0 + o_m // G_PAD
+    g = o_m % G_PAD
+    in_b = row < B
+    rp = tl.load(rp_ptr + row, mask=in_b, other=-1)
+    member = in_b & (g < G) & (rp == k)  # rows of this prefix (the others are another prefix's, or have none)
+    o_d = tl.arange(0, D_PAD)
+    m_d = o_d < D
+    head = i_kh * G + g
+    b_q = tl.load(q_ptr + row.to(tl.int64)[:, None] * stride_qb + head[:, None] * stride_qh + o_d[None, :],
+                  mask=member[:, None] & m_d[None, :], other=0.0)
+    if UPCAST:
+        b_q = b_q.to(tl.float32)
+    b_m = tl.full([R_BLK * G_PAD], float("-inf"), tl.float32)
+    b_l = tl.zeros([R_BLK * G_PAD], tl.float32)
+    b_acc = tl.zeros([R_BLK * G_PAD, D_PAD], tl.float32)
+    n_start = i_s * SPLIT_LEN
+    # a block without a row of this prefix reads none of its keys
+    any_row = tl.max(member.to(tl.int32), axis=0) > 0
+    n_end = tl.where(any_row, tl.minimum(n_start + SPLIT_LEN, plen), n_start)
+    for n0 in range(n_start, n_end, BLOCK_N):
+        o_n = n0 + tl.arange(0, BLOCK_N)
+        m_n = o_n < n_end
+        slot = start + o_n.to(tl.int64)
+        b_m, b_l, b_acc = online_softmax_tile(
+            b_q, k_ptr + i_kh * stride_kh + slot[:, None] * stride_ks + o_d[None, :],
+            v_ptr + i_kh * stride_vh + slot[:, None] * stride_vs + o_d[None, :], m_n, member[:, None], m_d, scale,
+            b_m, b_l, b_acc, IEEE, UPCAST)
+    # the partial state of (row, head, split) of each member row; a row has one prefix, so no two programs write it
+    base = (row.to(tl.int64) * H + head) * NSPLIT + i_s
+    tl.store(acc_ptr + base[:, None] * D_PAD + o_d[None, :], b_acc, mask=member[:, None] & m_d[None, :])
+    tl.store(ml_ptr + base * 2, b_m, mask=member)
+    tl.store(ml_ptr + base * 2 + 1, b_l, mask=member)
+
+
+@triton.jit(do_not_specialize=["NSPLIT"])
+def _prefix_flash_merge_kernel(acc_ptr, ml_ptr, rp_ptr, o_ptr, lse_ptr, out_ptr, tot_ptr,
+                               H, NSPLIT, stride_ob, stride_oh,
+                               D: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    rp = tl.load(rp_ptr + b)  # the row's prefix (-1: none; it keeps its own part)
+    o_s = tl.arange(0, S_PAD)
+    m_s = (o_s < NSPLIT) & (o_s * 0 + rp >= 0)
+    o_d = tl.arange(0, D_PAD)
+    m_d = o_d < D
+    base = (b * H + h) * NSPLIT + o_s
+    ms = tl.load(ml_ptr + base * 2, mask=m_s, other=float("-inf"))
+    ls = tl.load(ml_ptr + base * 2 + 1, mask=m_s, other=0.0)
+    acc = tl.load(acc_ptr + base[:, None] * D_PAD + o_d[None, :], mask=m_s[:, None] & m_d[None, :], other=0.0)
+    l_own = tl.load(lse_ptr + b * H + h)
+    o_own = tl.load(o_ptr + b * stride_ob + h * stride_oh + o_d, mask=m_d, other=0.0).to(tl.float32)
+    m = tl.maximum(tl.max(ms, axis=0), l_own)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w_s = tl.where(ms == float("-inf"), 0.0, tl.exp(ms - m_safe))  # empty splits weigh nothing
+    w_own = tl.where(l_own == float("-inf"), 0.0, tl.exp(l_own - m_safe))
+    num = o_own * w_own + tl.sum(w_s[:, None] * acc, axis=0)
+    den = w_own + tl.sum(w_s * ls, axis=0)
+    ok = den > 0
+    out = tl.where(ok, num / tl.where(ok, den, 1.0), 0.0)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + o_d, out.to(out_ptr.dtype.element_ty), mask=m_d)
+    tl.store(tot_ptr + b * H + h, tl.where(ok, m_safe + tl.log(tl.where(ok, den, 1.0)), float("-inf")))
+
+
+def prefix_flash_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, starts: list[int],
+                        lengths: list[int], row_prefix: torch.Tensor, o_own: torch.Tensor, lse_own: torch.Tensor,
+                        scale: float, num_splits: int | None = None, rows_per_block: int | None = None,
+                        block_n: int | None = None, num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every shared prefix of a decode step attended in one flash-decoding launch and merged with each sequence's
+    own-context part by log-sum-exp: (o [B, H, D] in o_own's dtype, lse [B, H] f32).
+
+    q [B, H, D]; k_pool, v_pool [Hkv, slots, D]; prefix i's keys are the consecutive slots starts[i] ..
+    starts[i] + lengths[i] - 1 (at most MAX_FLASH_PREFIXES prefixes); row_prefix [B] int, each row's prefix (-1: none:
+    the row keeps its own part exactly); o_own [B, H, D] and lse_own [B, H] f32, the own-context attention and its
+    log-sum-exp (the paged decode kernel's).
+
+    Program = (kv head, block of rows, prefix, split): it reads a tile of the prefix's keys and values once for the
+    block's rows of that prefix (the G query heads of each row included), keeps the scores in registers (online
+    softmax), and writes a partial (accumulator, max, sum) per row, head and split; a block with no row of the
+    prefix reads nothing. A second kernel merges each row's splits with its own part. The scores never reach memory:
+    the torch path (a GEMM, prefix_softmax, a GEMM and prefix_merge per prefix, each over every row of the batch)
+    writes and reads them twice. The arguments that change between calls (rows, splits, slots, lengths) are
+    not specialised, so one compile serves a run."""
+    if q.dim() != 3 or k_pool.dim() != 3 or v_pool.shape != k_pool.shape:
+        raise ValueError(f"q must be [B, H, D] and k_pool/v_pool [Hkv, slots, D] alike, got {tuple(q.shape)}, "
+                         f"{tuple(k_pool.shape)}, {tuple(v_pool.shape)}")
+    B, H, D = q.shape
+    Hkv, n_slots, Dk = k_pool.shape
+    if Dk != D or H % Hkv:
+        raise ValueError(f"q {tuple(q.shape)} does not fit the pool {tuple(k_pool.shape)}")
+    if k_pool.stride(2) != 1 or v_pool.stride(2) != 1 or q.stride(2) != 1:
+        raise ValueError("q, k_pool and v_pool must be contiguous in the head dim")
+    if len(starts) != len(lengths) or not 1 <= len(starts) <= MAX_FLASH_PREFIXES:
+        raise ValueError(f"starts and lengths: 1 to {MAX_FLASH_PREFIXES} prefixes of one start and one length each, "
+                         f"got {len(starts)} and {len(lengths)}")
+    for s, n in zip(starts, lengths):
+        if not (isinstance(s, int) and isinstance(n, int)) or s < 0 or n < 1 or s + n > n_slots:
+            raise ValueError(f"a prefix of slots {s!r}..{s!r}+{n!r} does not lie in the pool's {n_slots} slots")
+    if row_prefix.shape != (B,) or row_prefix.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"row_prefix: expected int [{B}], got {tuple(row_prefix.shape)} {row_prefix.dtype}")
+    if o_own.shape != (B, H, D) or o_own.stride(2) != 1:
+        raise ValueError(f"o_own: expected [{B}, {H}, {D}] with contiguous rows, got {tuple(o_own.shape)}")
+    if lse_own.shape != (B, H) or lse_own.dtype != torch.float32 or not lse_own.is_contiguous():
+        raise ValueError(f"lse_own: expected a contiguous float32 [{B}, {H}], got {tuple(lse_own.shape)} "
+                         f"{lse_own.dtype}")
+    # launch settings that keep a block's tiles in registers on sm_90 (tests/triton_sm90.py reports the spills):
+    # tiles of 16 keys in float32 (IEEE dots), 32 in 16-bit types, 8 warps for blocks of 64 query rows
+    block_n = block_n or (16 if q.dtype == torch.float32 else 32)
+    if block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
+    from fastrag.kernels import INTERPRETED
+
+    out = torch.empty_like(o_own)
+    tot = torch.empty(B, H, dtype=torch.float32, device=q.device)
+    if B == 0:
+        return out, tot
+    G = H // Hkv
+    g_pad = triton.next_power_of_2(G)
+    # rows x heads of a block: at least 16 (tl.dot), 64 by default (a row block's keys are read once for them all)
+    r_blk = rows_per_block or max(1, 64 // g_pad)
+    r_blk = max(r_blk, triton.cdiv(16, g_pad))
+    if r_blk & (r_blk - 1):
+        raise ValueError(f"rows_per_block must be a power of two, got {rows_per_block}")
+    n_blocks = triton.cdiv(B, r_blk)
+    K, P = len(starts), max(lengths)
+    if num_splits is None:
+        if q.device.type == "cuda":  # about 2 programs per SM in all
+            sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+            num_splits = max(1, min(triton.cdiv(P, 256), triton.cdiv(2 * sms, Hkv * n_blocks * K)))
+        else:
+            num_splits = 1
+    split_len = triton.cdiv(triton.cdiv(P, num_splits), block_n) * block_n
+    nsplit = max(1, triton.cdiv(P, split_len))
+    d_pad = max(16, triton.next_power_of_2(D))
+    acc = torch.empty(B * H * nsplit, d_pad, dtype=torch.float32, device=q.device)
+    ml = torch.empty(B * H * nsplit, 2, dtype=torch.float32, device=q.device)
+    st = list(starts) + [0] * (MAX_FLASH_PREFIXES - K)
+    ln = list(lengths) + [0] * (MAX_FLASH_PREFIXES - K)
+    _prefix_flash_partial_kernel[(Hkv, n_blocks, K * nsplit)](
+        q, k_pool, v_pool, row_prefix, acc, ml,
+        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
+        float(scale), B, H, split_len, nsplit, *st, *ln,
+        G=G, G_PAD=g_pad, R_BLK=r_blk, D=D, D_PAD=d_pad, BLOCK_N=block_n,
+        IEEE=q.dtype == torch.float32 or INTERPRETED, UPCAST=q.dtype != torch.float32 and INTERPRETED,
+        num_warps=num_warps or (8 if r_blk * g_pad >= 64 else 4),
+    )
+    _prefix_flash_merge_kernel[(B, H)](
+        acc, ml, row_prefix, o_own, lse_own, out, tot, H, nsplit, o_own.stride(0), o_own.stride(1),
+        D=D, D_PAD=d_pad, S_PAD=max(2, triton.next_power_of_2(nsplit)),
+    )
     return out, tot

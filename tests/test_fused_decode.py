@@ -200,7 +200,7 @@ class _Tok:
 
 
 def _decode(fused: bool, graphs: bool, prompts, prefixes, max_new, track: bool, fused_prefill: bool = True,
-            passes=None, calls=None):
+            passes=None, calls=None, prefix_flash: bool = False):
     from transformers import LlamaConfig
 
     from fastrag.engine import Engine
@@ -214,6 +214,7 @@ def _decode(fused: bool, graphs: bool, prompts, prefixes, max_new, track: bool, 
             layer.qkv.weight.mul_(8.0)
     m.fused_decode, m._fused_on_cpu = (fd, DEV == "cpu") if fused else (None, False)
     m.fused_prefill = fused_prefill
+    m.prefix_flash = prefix_flash
     assert m.uses_fused_decode(torch.device(DEV)) == fused
     assert m.uses_fused_prefill(torch.device(DEV)) == (fused and fused_prefill)
     if calls is not None:  # count the fused kernels' calls over more rows than sequences (prefills and passes)

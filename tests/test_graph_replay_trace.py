@@ -24,6 +24,7 @@ import contextlib
 import dataclasses
 import random
 import traceback
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -323,10 +324,11 @@ def test_prefill_and_pass_replays_repeat_their_captures(monkeypatch):
 
 
 @pytest.mark.filterwarnings("error:CUDA graph capture")
-def test_decode_replays_repeat_their_captures(monkeypatch):
-    """Decode steps as a GPU runs them (the Triton paged decode attention, the fused small operations) over
-    sequences of two prefixes and of none in one batch, then fewer as sequences end: every replay is its capture's
-    work."""
+@pytest.mark.parametrize("flash", [False, True], ids=["prefix-gemms", "prefix-flash"])
+def test_decode_replays_repeat_their_captures(monkeypatch, flash):
+    """Decode steps as a GPU runs them (the Triton paged decode attention, the fused small operations; the shared
+    prefixes as GEMMs per prefix or, $FASTRAG_PREFIX_FLASH, in one flash launch) over sequences of two prefixes and
+    of none in one batch, then fewer as sequences end: every replay is its capture's work."""
     from test_paged_attention_triton import paged_decode_attention_lse
     from test_prefill_graphs import _model, _Tok
 
@@ -335,6 +337,13 @@ def test_decode_replays_repeat_their_captures(monkeypatch):
     _checks_unrecorded(monkeypatch)
     m = _model(monkeypatch)
     m.triton_decode, m._triton_on_cpu = paged_decode_attention_lse, DEV == "cpu"
+    m.prefix_flash = flash
+    flash_calls = []
+    real_flash = m.fused_decode.prefix_flash_decode
+    monkeypatch.setattr(m, "fused_decode", SimpleNamespace(**{
+        k: getattr(m.fused_decode, k) for k in ("add_rms_norm", "rope_write_kv", "silu_mul", "prefix_softmax",
+                                                "prefix_merge")},
+        prefix_flash_decode=lambda *a, **kw: flash_calls.append(a[3]) or real_flash(*a, **kw)))
     with _triton_launches_recorded():
         eng = Engine(m, _Tok(), kv_cache_gb=0.01, max_batch=8, mix_prefill=True, cuda_graphs=True,
                      prefill_graphs=False, pass_graphs=False)
@@ -355,6 +364,7 @@ def test_decode_replays_repeat_their_captures(monkeypatch):
     assert eng.graphs.stats["eager_steps"] == 0
     w.check(min_replays=5)
     assert len(w.captures) >= 2  # (several batch buckets or prefix sets)
+    assert bool(flash_calls) == flash and (not flash or max(map(len, flash_calls)) == 2)
 
 
 @pytest.mark.parametrize("mistake", ["host_read", "call_shape", "host_tensor"])

@@ -45,8 +45,10 @@ def test_every_kernel_compiles_for_sm90():
     assert not missing, f"kernels no launcher in tests/triton_sm90.py reached (add a launch there): {sorted(missing)}"
     # the paged prefill kernel's launch settings keep its bf16 tiles in registers (a spill to local memory was
     # 896 bytes a thread at 4 warps with int64 key offsets)
+    # (and the flash prefix kernel's, at blocks of 64 query rows: 616 bytes a thread at 4 warps and 64-key tiles)
     for label, res in report["usage"].items():
-        if label.startswith("paged_prefill._paged_prefill_kernel(") and "IEEE=False" in label and res:
+        if label.startswith(("paged_prefill._paged_prefill_kernel(", "fused_decode._prefix_flash_partial_kernel(")) \
+                and "IEEE=False" in label and res:
             assert res["stack"] == 0, f"{label} spills {res['stack']} bytes a thread ({res['registers']} registers)"
     # both dtypes of the model's attention kernels (bf16 on tensor cores, fp32 in IEEE precision)
     for k in ("paged_prefill._paged_prefill_kernel", "paged_attention._paged_decode_partial_kernel"):
@@ -66,7 +68,8 @@ def test_varying_sizes_compile_each_kernel_once():
     seen = {k.split("(")[0] for k in keys}
     for k in ("paged_prefill._paged_prefill_kernel", "paged_attention._paged_decode_partial_kernel",
               "attn_stats._attn_decode_span_kernel", "attn_stats._causal_colmax_kernel",
-              "attn_stats._causal_rows_kernel", "fused_decode._prefix_merge_kernel"):
+              "attn_stats._causal_rows_kernel", "fused_decode._prefix_merge_kernel",
+              "fused_decode._prefix_flash_partial_kernel", "fused_decode._prefix_flash_merge_kernel"):
         assert k in seen, f"{k} was not launched by tests/triton_sm90.py --keys"
     several = {k: v for k, v in keys.items() if len(v) > 1}
     assert not several, "\n".join(f"{k}: {len(v)} specialisations\n  " + "\n  ".join(v) for k, v in several.items())

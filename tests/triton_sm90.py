@@ -136,6 +136,11 @@ def _launches() -> None:
         o_own, lse_own = torch.randn(4, H, D).to(dt), torch.randn(4, H)
         fused_decode.prefix_merge(num, stat, o_own, lse_own)
         fused_decode.prefix_merge(num, stat, o_own, lse_own, torch.tensor([True, False, True, True]))
+        # every shared prefix in one flash launch: GQA (G 4) and no GQA
+        for Hq in (H, Hkv):
+            fused_decode.prefix_flash_decode(torch.randn(4, Hq, D, generator=g).to(dt), kp, vp, [0, 160], [48, 100],
+                                             torch.tensor([0, 1, -1, 1], dtype=torch.int32),
+                                             torch.randn(4, Hq, D).to(dt), torch.randn(4, Hq), D ** -0.5)
         # the retrieval signals: decode step (greedy, sampled, nucleus, with and without chosen / nonstop)
         Bs, V = 3, 1000
         logits = torch.randn(Bs, V, generator=g).to(dt)
@@ -231,6 +236,10 @@ def _launches_varying() -> None:
         e, stat = fused_decode.prefix_softmax(torch.randn(Hkv, n * (H // Hkv), 40, generator=g).to(dt), 0.1, dt)
         num = torch.randn(Hkv, n * (H // Hkv), D, generator=g).to(dt)
         fused_decode.prefix_merge(num, stat, torch.randn(n, H, D).to(dt), torch.randn(n, H))
+        for starts, lens in (([0], [40]), ([16, 100, 300], [1, 33, 160])):  # the flash launch of 1 or 3 prefixes
+            fused_decode.prefix_flash_decode(torch.randn(n, H, D, generator=g).to(dt), kp, vp, starts, lens,
+                                             torch.randint(-1, len(starts), (n,), generator=g, dtype=torch.int32),
+                                             torch.randn(n, H, D).to(dt), torch.randn(n, H), D ** -0.5)
     for T in (1, 16, 17, 40):  # tokens of an attention pass
         for R in (1, 2, 16):
             q4, k4 = torch.randn(2, H, T, D, generator=g).to(dt), torch.randn(2, Hkv, T, D, generator=g).to(dt)

@@ -134,13 +134,14 @@ except RuntimeError as e:
                 --deselect tests/test_device_clock.py::test_a_run_writes_its_step_trace_when_asked \
                 --deselect tests/test_cuda_graphs.py::test_a_run_captures_its_graphs_once_its_prefixes_are_set_and_outside_its_clock \
                 --deselect tests/test_compiles.py::test_a_run_reports_the_compiles_inside_its_clock_and_the_steps_they_stopped \
+                --deselect tests/test_prefix_flash.py::test_bench_decode_times_the_other_prefix_path \
                 tests/test_kernels.py tests/test_paged_attention_triton.py tests/test_cuda_graphs.py \
                 tests/test_kernels_engine.py tests/test_attn_tracking.py tests/test_model.py tests/test_kv_reuse.py \
                 tests/test_paged_attention.py tests/test_signals.py tests/test_cache.py tests/test_fused_decode.py \
                 tests/test_overlap.py tests/test_text_workers.py tests/test_host_sync.py \
                 tests/test_prefill_gqa.py tests/test_cascade_prefill.py tests/test_prefill_hold.py \
                 tests/test_device_clock.py tests/test_sync_watch.py tests/test_async_prefill.py \
-                tests/test_paged_prefill.py tests/test_compiles.py tests/test_prefill_graphs.py
+                tests/test_paged_prefill.py tests/test_compiles.py tests/test_prefill_graphs.py tests/test_prefix_flash.py
             ;;
         kernels) stage kernels $PY benchmarks/bench_kernels.py ;;
         # DECODE_ARGS: e.g. "--ctx 4096 --name decode_gpu_4k" (other cells into their own table)

@@ -238,6 +238,19 @@ def _fused_decode_ops():
     return _ModuleRef(fused_decode), mode == "1" and INTERPRETED
 
 
+PREFIX_FLASH_ENV = "FASTRAG_PREFIX_FLASH"  # 1: shared prefixes through fd.prefix_flash_decode | 0 (default)
+FLASH_PREFIXES = 4  # prefixes one flash launch takes (kernels/fused_decode.py MAX_FLASH_PREFIXES)
+
+
+def _prefix_flash_mode() -> bool:
+    """$FASTRAG_PREFIX_FLASH as a switch (off unless 1): the decode step's shared prefixes in one flash-decoding
+    launch a layer (kernels/fused_decode.py prefix_flash_decode) instead of a GEMM, softmax, GEMM and merge per
+    prefix over every row. Off by default until a GPU has timed both (bench_decode --prefixes)."""
+    from fastrag.switches import env_switch
+
+    return env_switch(PREFIX_FLASH_ENV)
+
+
 FUSED_PREFILL_ENV = "FASTRAG_FUSED_PREFILL"  # auto (default: wherever the decode step's fused kernels run) | 0
 
 
@@ -451,6 +464,8 @@ class AttnBatch:
     lens: list[int] | None = None
     valid_index: torch.Tensor | None = None
     ctx_lens_host: list[int] | None = None
+    prefix_rows: torch.Tensor | None = None  # decode: [B] int32 each row's prefix group (-1: none), set by the
+    # forward for the flash prefix kernel (LlamaModel._flash_prefix_rows); None: that kernel is not used
 
 
 @dataclass(slots=True)
@@ -558,6 +573,9 @@ class LlamaModel(nn.Module):
         self.native_decode = _native_decode_attention()
         self.triton_decode, self._triton_on_cpu = _triton_decode_attention()
         self.fused_decode, self._fused_on_cpu = _fused_decode_ops()
+        # every shared prefix of a decode step in one flash-decoding launch a layer (fd.prefix_flash_decode) where
+        # the fused decode kernels run; off: a GEMM, softmax, GEMM and merge per prefix ($FASTRAG_PREFIX_FLASH)
+        self.prefix_flash = _prefix_flash_mode()
         self.fused_prefill = _fused_prefill_mode() == "auto"
         mode = _prefill_gqa_mode()
         self.expand_gqa = None if mode == "auto" else mode == "expand"  # None: by device (gqa_expand)
@@ -861,6 +879,7 @@ class LlamaModel(nn.Module):
         cos, sin = self.rope(batch.positions)  # [B, 1, D]
         cos, sin = cos[:, 0], sin[:, 0]
         mask_ctx = self._ctx_mask(batch)
+        batch.prefix_rows = self._flash_prefix_rows(batch, B, ids.device)  # (once for all layers)
         stats_at = len(self.layers) - 1 if batch.last_layer is not None else -1
         delta = None
         for li, layer in enumerate(self.layers):
@@ -1320,6 +1339,32 @@ class LlamaModel(nn.Module):
         p = self.embed.weight
         return self.paged_decode_op(p.device, p.dtype) is not None
 
+    @staticmethod
+    def _prefix_groups(b: AttnBatch) -> list:
+        if b.prefix_groups is not None:
+            return b.prefix_groups
+        return [PrefixGroup(None, b.prefix_len, b.prefix_slots, b.prefix_start)] if b.prefix_len else []
+
+    def _flash_prefix_rows(self, b: AttnBatch, B: int, device: torch.device) -> torch.Tensor | None:
+        """[B] int32, each row's index in the step's prefix groups (-1: none), when the flash prefix kernel takes
+        this step (FASTRAG_PREFIX_FLASH=1, the fused decode kernels on this device, 1 to MAX_FLASH_PREFIXES prefixes,
+        each in consecutive slots); else None. Made on the device from the groups' rows or member masks, so a CUDA
+        graph recomputes it on every replay."""
+        if not self.prefix_flash or not self.uses_fused_decode(device):
+            return None
+        groups = self._prefix_groups(b)
+        if not groups or len(groups) > FLASH_PREFIXES or any(g.start < 0 for g in groups):
+            return None
+        rp = torch.full((B,), -1, dtype=torch.int32, device=device)
+        for k, g in enumerate(groups):
+            if g.rows is not None:
+                rp.index_fill_(0, g.rows, k)
+            elif g.member is not None:
+                rp = torch.where(g.member, torch.full_like(rp, k), rp)
+            else:
+                rp.fill_(k)
+        return rp
+
     def _decode_native(self, q, b: AttnBatch, kp, vp, want_lse: bool = False):
         """One new token per sequence, q: [B, H, D] -> [B, H, D].
 
@@ -1333,12 +1378,16 @@ class LlamaModel(nn.Module):
         B, H, D = q.shape
         Hkv = self.c.num_kv_heads
         G = H // Hkv
-        groups = b.prefix_groups
-        if groups is None:
-            groups = [PrefixGroup(None, b.prefix_len, b.prefix_slots, b.prefix_start)] if b.prefix_len else []
+        groups = self._prefix_groups(b)
         no_prefix = b.prefix_slots[:0]
         op = self.paged_decode_op(q.device, q.dtype)
         o, lse = op(q, kp, vp, no_prefix, b.ctx_blocks, b.ctx_lens, b.block_size, self.scale)
+        if b.prefix_rows is not None and self.uses_fused_decode(q.device):  # every prefix in one launch, merged
+            # with the own part (_flash_prefix_rows)
+            o, tot = self.fused_decode.prefix_flash_decode(q, kp, vp, [g.start for g in groups],
+                                                           [g.length for g in groups], b.prefix_rows, o, lse,
+                                                           self.scale)
+            return (o, tot) if want_lse else o
         lse_all = lse.clone() if want_lse else None
         fd = self.fused_decode if self.uses_fused_decode(q.device) else None
         for g in groups:

@@ -248,6 +248,35 @@ def decode_lse_ref(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.T
     return out
 
 
+def cascade_decode_ref(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, prefix_slots: list,
+                       row_prefix: torch.Tensor, ctx_blocks: torch.Tensor, ctx_lens: torch.Tensor, block_size: int,
+                       scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [B, H, D] f64, lse [B, H] f64): one new query per sequence attending, in one softmax, the keys of its
+    shared prefix (prefix_slots[row_prefix[b]], a list of pool slots; row_prefix[b] = -1: no prefix) followed by its
+    own ctx_lens[b] paged keys; pools [Hkv, num_slots, D], the G = H / Hkv query heads of a group sharing a kv
+    head. A row with no key at all gets out = 0 and lse = -inf."""
+    B, H, D = q.shape
+    G = H // k_pool.shape[0]
+    kp = k_pool.detach().cpu().to(torch.float64)
+    vp = v_pool.detach().cpu().to(torch.float64)
+    out = torch.zeros(B, H, D, dtype=torch.float64)
+    lse = torch.full((B, H), float("-inf"), dtype=torch.float64)
+    for b in range(B):
+        n = int(ctx_lens[b])
+        pos = torch.arange(n)
+        own = ctx_blocks[b].detach().cpu().to(torch.int64)[pos // block_size] * block_size + pos % block_size
+        k_idx = int(row_prefix[b])
+        pre = torch.as_tensor(prefix_slots[k_idx], dtype=torch.int64) if k_idx >= 0 else own[:0]
+        slots = torch.cat([pre, own])
+        if slots.numel() == 0:
+            continue
+        for h in range(H):
+            s = (kp[h // G, slots] @ q[b, h].detach().cpu().to(torch.float64)) * scale
+            lse[b, h] = torch.logsumexp(s, dim=0)
+            out[b, h] = torch.softmax(s, dim=0) @ vp[h // G, slots]
+    return out, lse
+
+
 def attn_decode_update_ref(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor,
                            ctx_lens: torch.Tensor, span_start: torch.Tensor, lse: torch.Tensor, block_size: int,
                            scale: float, amax: torch.Tensor, want_row: bool = False):
