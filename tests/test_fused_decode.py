@@ -259,11 +259,22 @@ def test_fused_decode_equals_unfused(graphs):
     """Two shared prefixes and a prompt with none, sequences of different budgets (the batch shrinks through
     several graph buckets), DRAGIN's attention tracking on: the same tokens, log-probabilities, entropies and
     tracked attention as the unfused decode."""
+    want, got = _unfused_and_fused(graphs)
+    _assert_same_decodes(got, want)
+
+
+def _unfused_and_fused(graphs: bool, **fused_kw):
+    """The decodes of two shared prefixes and a prompt with none (DRAGIN's attention tracked) without and with the
+    fused kernels (fused_kw: more _decode settings of the fused side)."""
     pa, pb = list(range(20, 52)), list(range(40, 88))
     prompts = [pa + [1, 2, 3], pb + list(range(1, 12)), pa + list(range(5, 25)), pb + [7, 9], [3, 4, 5, 6, 8]]
     max_new = [6, 14, 3, 11, 8]
     want = _decode(False, graphs, prompts, [pa, pb], max_new, track=True)
-    got = _decode(True, graphs, prompts, [pa, pb], max_new, track=True)
+    return want, _decode(True, graphs, prompts, [pa, pb], max_new, track=True, **fused_kw)
+
+
+def _assert_same_decodes(got, want):
+    """The same tokens; log-probabilities, entropies and tracked attention up to float32 sum order."""
     for (ia, la, ea, aa), (ib, lb, eb, ab) in zip(got, want):
         assert ia == ib
         torch.testing.assert_close(torch.tensor(la), torch.tensor(lb), rtol=1e-4, atol=1e-5)

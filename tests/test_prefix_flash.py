@@ -9,26 +9,18 @@ allocates starts as NaN, so a value the kernels do not write shows.
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
 import torch
+# (test_fused_decode sets TRITON_INTERPRET=1 without a GPU before fastrag.kernels is imported)
+from test_fused_decode import DEV, DTYPES, INTERPRETED, _assert_same_decodes, _unfused_and_fused, fd
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from fastrag.model import llama
+from fastrag.signals.reference import cascade_decode_ref
 
-triton = pytest.importorskip("triton")
-
-from fastrag.kernels import INTERPRETED  # noqa: E402
-from fastrag.kernels import fused_decode as fd  # noqa: E402
-from fastrag.model import llama  # noqa: E402
-from fastrag.signals.reference import cascade_decode_ref  # noqa: E402
-
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(DEV == "cpu" and not INTERPRETED,
                                 reason="no GPU and fastrag.kernels was imported without TRITON_INTERPRET=1")
-DTYPES = [torch.float32] + ([torch.bfloat16] if DEV == "cuda" else [])
 
 
 @pytest.fixture
@@ -132,8 +124,6 @@ def test_engine_decode_with_the_flash_prefixes_equals_without(graphs, monkeypatc
     """Two shared prefixes and a prompt with none, DRAGIN's attention tracking on (the last layer's merged LSE):
     the same tokens, log-probabilities, entropies and tracked attention as the unfused decode, and the flash
     kernel took the decode steps (eagerly: each step's rows as index lists; from graphs: member masks)."""
-    from test_fused_decode import _decode
-
     calls = []
     real = fd.prefix_flash_decode
 
@@ -142,19 +132,9 @@ def test_engine_decode_with_the_flash_prefixes_equals_without(graphs, monkeypatc
         return real(*a, **kw)
 
     monkeypatch.setattr(fd, "prefix_flash_decode", counted)
-    pa, pb = list(range(20, 52)), list(range(40, 88))
-    prompts = [pa + [1, 2, 3], pb + list(range(1, 12)), pa + list(range(5, 25)), pb + [7, 9], [3, 4, 5, 6, 8]]
-    max_new = [6, 14, 3, 11, 8]
-    want = _decode(False, graphs, prompts, [pa, pb], max_new, track=True)
-    assert not calls
-    got = _decode(True, graphs, prompts, [pa, pb], max_new, track=True, prefix_flash=True)
-    assert calls and max(calls) == 2, calls  # (steps of both prefixes in one launch a layer)
-    for (ia, la, ea, aa), (ib, lb, eb, ab) in zip(got, want):
-        assert ia == ib
-        torch.testing.assert_close(torch.tensor(la), torch.tensor(lb), rtol=1e-4, atol=1e-5)
-        torch.testing.assert_close(torch.tensor(ea), torch.tensor(eb), rtol=1e-4, atol=1e-5)
-        assert aa is not None and len(aa) > 2
-        torch.testing.assert_close(torch.tensor(aa), torch.tensor(ab), rtol=1e-4, atol=1e-5)
+    want, got = _unfused_and_fused(graphs, prefix_flash=True)
+    assert calls and max(calls) == 2, calls  # (steps of both prefixes in one launch a layer; none unfused)
+    _assert_same_decodes(got, want)
 
 
 def test_bench_decode_times_the_other_prefix_path(tmp_path, monkeypatch):
