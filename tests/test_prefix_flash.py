@@ -119,7 +119,7 @@ def test_switch_reads_the_environment(monkeypatch):
         llama._prefix_flash_mode()
 
 
-@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+@pytest.mark.parametrize("graphs", [pytest.param(False, marks=pytest.mark.slow), True], ids=["eager", "graphs"])
 def test_engine_decode_with_the_flash_prefixes_equals_without(graphs, monkeypatch):
     """Two shared prefixes and a prompt with none, DRAGIN's attention tracking on (the last layer's merged LSE):
     the same tokens, log-probabilities, entropies and tracked attention as the unfused decode, and the flash
@@ -137,7 +137,8 @@ def test_engine_decode_with_the_flash_prefixes_equals_without(graphs, monkeypatc
     _assert_same_decodes(got, want)
 
 
-def test_bench_decode_times_the_other_prefix_path(tmp_path, monkeypatch):
+@pytest.mark.parametrize("flash,other", [("0", "flash"), pytest.param("1", "GEMMs", marks=pytest.mark.slow)])
+def test_bench_decode_times_the_other_prefix_path(tmp_path, monkeypatch, flash, other):
     """bench_decode's "other prefix path ms" column: with shared prefixes and the fused kernels in use, the step
     timed with the prefixes the other way than the run's ($FASTRAG_PREFIX_FLASH), named; '-' without prefixes."""
     import importlib.util
@@ -150,15 +151,14 @@ def test_bench_decode_times_the_other_prefix_path(tmp_path, monkeypatch):
     bd = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bd)
     monkeypatch.setenv("FASTRAG_FUSED_DECODE", "1")
-    for flash, other in (("0", "flash"), ("1", "GEMMs")):
-        monkeypatch.setenv("FASTRAG_PREFIX_FLASH", flash)
-        monkeypatch.setattr(sys, "argv", ["bench_decode.py", "--cpu-small", "--shape", "tiny", "--batches", "3",
-                                          "--ctx", "20", "--reps", "1", "--span", "4", "--prefixes", "0", "2",
-                                          "--prefix-len", "32", "--results", str(tmp_path / flash)])
-        bd.main()
-        md = (tmp_path / flash / "decode_cpu_tiny.md").read_text()
-        rows = [line.strip("| ").split(" | ") for line in md.splitlines() if line.startswith("| 20 |")]
-        assert [r[-1] for r in rows] == ["0", "2 x 32"], md
-        assert rows[0][-2] == "-", md
-        ms, name = rows[1][-2].split()
-        assert float(ms) > 0 and name == f"({other})", md
+    monkeypatch.setenv("FASTRAG_PREFIX_FLASH", flash)
+    monkeypatch.setattr(sys, "argv", ["bench_decode.py", "--cpu-small", "--shape", "tiny", "--batches", "3",
+                                      "--ctx", "20", "--reps", "1", "--span", "4", "--prefixes", "0", "2",
+                                      "--prefix-len", "32", "--results", str(tmp_path)])
+    bd.main()
+    md = (tmp_path / "decode_cpu_tiny.md").read_text()
+    rows = [line.strip("| ").split(" | ") for line in md.splitlines() if line.startswith("| 20 |")]
+    assert [r[-1] for r in rows] == ["0", "2 x 32"], md
+    assert rows[0][-2] == "-", md
+    ms, name = rows[1][-2].split()
+    assert float(ms) > 0 and name == f"({other})", md
