@@ -48,6 +48,7 @@ from bench_kernels import device_name, measure_bandwidth, timeit  # noqa: E402
 from make_random_model import SHAPES, hf_shape  # noqa: E402
 
 from fastrag.engine import Engine  # noqa: E402
+from fastrag.kernel_parts import parts_table  # noqa: E402
 from fastrag.model.llama import LlamaModel  # noqa: E402
 from fastrag.perf import measure_device, model_costs  # noqa: E402
 from fastrag.provenance import versions  # noqa: E402
@@ -308,7 +309,7 @@ def main() -> None:
                 ways["eager"], step_ms["eager"] = step_profile.profile_steps(plain, args.profile_steps, gpu), \
                     t_eager * 1e3
                 eng.graphs = graphs
-                parts = {w: step_profile.parts_table(k, args.profile_steps) for w, (k, _) in ways.items()}
+                parts = {w: parts_table(k, args.profile_steps) for w, (k, _) in ways.items()}
                 gemms = step_profile.gemm_table(ways["eager"][1], args.profile_steps, step_profile.weight_names(model),
                                                 dtype.itemsize, figures.copy_bytes_per_s, figures.matmul_flops_per_s)
                 profiles.append(step_profile.markdown(f"ctx {ctx}, B {B}, shared prefixes {pre}", step_ms, parts,

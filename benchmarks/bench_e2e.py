@@ -34,7 +34,7 @@ import torch
 
 from fastrag.data.datasets import load_examples
 from fastrag.eval import RunOptions, read_results, run, run_many
-from fastrag.kernel_parts import KERNEL_PROFILE_ENV
+from fastrag.kernel_parts import KERNEL_PROFILE_ENV, short_name
 from fastrag.parity import _rate, compare, method_decisions, run_oracle
 from fastrag.provenance import cpu_name, device_name, versions
 
@@ -227,7 +227,7 @@ def kernel_profile_section(metrics: list[dict]) -> str:
     first, last = k["first_step"], k["first_step"] + k["steps"] - 1
     rows = [{"part": r["part"], "launches a step": r["launches_per_step"], "ms a step": r["ms_per_step"],
              "share": f"{r['share']:.1%}",
-             "longest (ms a step)": "; ".join(f"`{n[:50].replace('|', '/')}` {ms:.3f}" for n, ms in r["top"])}
+             "longest (ms a step)": "; ".join(f"`{short_name(n)}` {ms:.3f}" for n, ms in r["top"])}
             for r in k["parts"]]
     clock = e.get("device_prefill_s", 0.0) + e.get("device_decode_s", 0.0) + e.get("device_passes_s", 0.0)
     return (f"\n## Device time by part over engine steps {first}-{last} (torch.profiler, $FASTRAG_KERNEL_PROFILE)\n\n"

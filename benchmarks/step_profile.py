@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fastrag.kernel_parts import PARTS, Launch, gemm_dims, launches, part_of, parts_table  # noqa: E402,F401
+from fastrag.kernel_parts import PARTS, Launch, gemm_dims, launches, short_name  # noqa: E402
 
 
 def weight_names(model) -> dict[tuple[int, int], str]:
@@ -100,7 +100,7 @@ def markdown(title: str, step_ms: dict[str, float], parts: dict[str, list[dict]]
                          f"{r['launches_per_step']:.1f} | {r['ms_per_step']:.3f} | {r['share']:.1%}")
         last = next((r for r in parts[ways[-1]] if r["part"] == p), None) or next(
             r for w in ways for r in parts[w] if r["part"] == p)
-        top = "; ".join(f"`{_short(n)}` {ms:.3f}" for n, ms in last["top"])
+        top = "; ".join(f"`{short_name(n)}` {ms:.3f}" for n, ms in last["top"])
         lines.append(f"| {p} | " + " | ".join(cells) + f" | {top} |")
     cells = []
     for w in ways:
@@ -123,8 +123,3 @@ def markdown(title: str, step_ms: dict[str, float], parts: dict[str, list[dict]]
                          f"{f(r['tflop_per_s'], '.3g')} | {r['bound']} |")
         lines.append("")
     return lines
-
-
-def _short(name: str, n: int = 60) -> str:
-    name = name.replace("|", "/")
-    return name if len(name) <= n else name[: n - 3] + "..."

@@ -136,6 +136,12 @@ def parts_table(kernels: list[Launch], steps: int) -> list[dict]:
     return out
 
 
+def short_name(name: str, n: int = 60) -> str:
+    """A kernel's name for a markdown table cell: no '|', at most n characters."""
+    name = name.replace("|", "/")
+    return name if len(name) <= n else name[: n - 3] + "..."
+
+
 def kernel_profile_window() -> tuple[int, int] | None:
     """$FASTRAG_KERNEL_PROFILE as (first step, steps), or None when unset or blank; anything but FIRST:COUNT with
     FIRST >= 0 and COUNT >= 1 is an error naming the variable."""

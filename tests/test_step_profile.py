@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from fastrag import kernel_parts as kp
+
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 ROOT = BENCH.parent
 
@@ -27,7 +29,7 @@ def load(name: str):
     return mod
 
 
-sp = load("step_profile")  # (its parts are fastrag.kernel_parts')
+sp = load("step_profile")  # (the GEMM table; the parts are fastrag.kernel_parts')
 
 GPU_NAMES = {
     "nvjet_sm90_tst_256x160_64x4_2x1_v_bz_coopA_TNT": "GEMM",
@@ -70,13 +72,13 @@ GPU_NAMES = {
 
 @pytest.mark.parametrize("name", sorted(GPU_NAMES))
 def test_each_kernel_lands_in_its_part(name):
-    assert sp.part_of(name) == GPU_NAMES[name]
+    assert kp.part_of(name) == GPU_NAMES[name]
 
 
 def test_every_part_is_reached_and_the_last_takes_anything():
-    parts = [p for p, _ in sp.PARTS]
+    parts = [p for p, _ in kp.PARTS]
     assert set(GPU_NAMES.values()) == set(parts), set(parts) - set(GPU_NAMES.values())
-    assert sp.part_of("a kernel nobody has named yet") == parts[-1]
+    assert kp.part_of("a kernel nobody has named yet") == parts[-1]
 
 
 @pytest.mark.parametrize("name,shapes,dims", [
@@ -90,17 +92,17 @@ def test_every_part_is_reached_and_the_last_takes_anything():
     ("aten::bmm", [[256, 4096], [4096, 12288]], None),
 ])
 def test_gemm_dims_read_each_operators_shapes(name, shapes, dims):
-    assert sp.gemm_dims(name, shapes) == dims
+    assert kp.gemm_dims(name, shapes) == dims
 
 
 def test_gemm_table_prices_each_shape_against_its_floor():
     """Two steps of a 4096 x 12288 multiply at M = 256 (2 calls, 300 and 500 us), one bmm, one call without shapes:
     the floor is the slower of bytes / bandwidth and FLOPs / rate, counted here by hand."""
     bw, rate = 4.0e12, 6.0e14
-    g = [sp.Launch("aten::mm", 300.0, [[256, 4096], [4096, 12288]]),
-         sp.Launch("aten::mm", 500.0, [[256, 4096], [4096, 12288]]),
-         sp.Launch("aten::bmm", 40.0, [[32, 8, 128], [32, 128, 640]]),
-         sp.Launch("aten::mm", 7.0, [])]
+    g = [kp.Launch("aten::mm", 300.0, [[256, 4096], [4096, 12288]]),
+         kp.Launch("aten::mm", 500.0, [[256, 4096], [4096, 12288]]),
+         kp.Launch("aten::bmm", 40.0, [[32, 8, 128], [32, 128, 640]]),
+         kp.Launch("aten::mm", 7.0, [])]
     rows = sp.gemm_table(g, steps=2, names={(4096, 12288): "layers.*.qkv"}, elt=2, bw=bw, rate=rate)
     assert [r["gemm"] for r in rows] == ["layers.*.qkv", "batched 32 x", "shapes not recorded"]
     qkv = rows[0]
@@ -119,9 +121,9 @@ def test_gemm_table_prices_each_shape_against_its_floor():
 
 
 def test_parts_table_shares_and_counts():
-    ks = [sp.Launch("nvjet_a", 600.0), sp.Launch("nvjet_b", 200.0), sp.Launch("_paged_decode_partial_kernel", 150.0),
-          sp.Launch("_paged_decode_merge_kernel", 50.0)] * 2
-    rows = sp.parts_table(ks, steps=2)
+    ks = [kp.Launch("nvjet_a", 600.0), kp.Launch("nvjet_b", 200.0), kp.Launch("_paged_decode_partial_kernel", 150.0),
+          kp.Launch("_paged_decode_merge_kernel", 50.0)] * 2
+    rows = kp.parts_table(ks, steps=2)
     assert [r["part"] for r in rows] == ["own-context attention", "GEMM"]  # PARTS order, empty parts left out
     gemm = rows[1]
     assert gemm["kernels"] == 2 and gemm["launches_per_step"] == 2 and gemm["ms_per_step"] == pytest.approx(0.8)

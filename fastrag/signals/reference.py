@@ -257,23 +257,21 @@ def cascade_decode_ref(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tens
     head. A row with no key at all gets out = 0 and lse = -inf."""
     B, H, D = q.shape
     G = H // k_pool.shape[0]
-    kp = k_pool.detach().cpu().to(torch.float64)
-    vp = v_pool.detach().cpu().to(torch.float64)
+    kp, vp = k_pool.detach().cpu().to(torch.float64), v_pool.detach().cpu().to(torch.float64)
     out = torch.zeros(B, H, D, dtype=torch.float64)
     lse = torch.full((B, H), float("-inf"), dtype=torch.float64)
     for b in range(B):
         n = int(ctx_lens[b])
-        pos = torch.arange(n)
-        own = ctx_blocks[b].detach().cpu().to(torch.int64)[pos // block_size] * block_size + pos % block_size
         k_idx = int(row_prefix[b])
-        pre = torch.as_tensor(prefix_slots[k_idx], dtype=torch.int64) if k_idx >= 0 else own[:0]
-        slots = torch.cat([pre, own])
-        if slots.numel() == 0:
+        pre = torch.as_tensor(prefix_slots[k_idx] if k_idx >= 0 else [], dtype=torch.int64)
+        k = torch.cat([kp[:, pre], paged_keys_ref(k_pool, ctx_blocks[b], n, block_size)], 1)  # [Hkv, P + n, D]
+        v = torch.cat([vp[:, pre], paged_keys_ref(v_pool, ctx_blocks[b], n, block_size)], 1)
+        if k.shape[1] == 0:
             continue
         for h in range(H):
-            s = (kp[h // G, slots] @ q[b, h].detach().cpu().to(torch.float64)) * scale
+            s = (k[h // G] @ q[b, h].detach().cpu().to(torch.float64)) * scale
             lse[b, h] = torch.logsumexp(s, dim=0)
-            out[b, h] = torch.softmax(s, dim=0) @ vp[h // G, slots]
+            out[b, h] = torch.softmax(s, dim=0) @ v[h // G]
     return out, lse
 
 
