@@ -190,13 +190,23 @@ def test_a_file_of_another_dataset_is_refused(tmp_path):
 
 def test_a_qid_file_whose_answer_is_no_yes_no_is_not_called_strategyqa(tmp_path):
     """{qid, question, answer: "Paris"} was detected as StrategyQA (any string answer): read as nq it was refused as
-    "a strategyqa file ... pass --dataset strategyqa", which then refused its answer; now it is an unknown format
-    whose message lists what each format needs."""
-    p = _jsonl(tmp_path / "q.jsonl", [{"qid": "1", "question": "Capital of France?", "answer": "Paris"}])
-    for name in ("nq", "hotpotqa", "strategyqa"):
-        with pytest.raises(DataError, match=r"q\.jsonl:1: unknown data format .*StrategyQA \(qid, question, answer: "
-                                            r"bool\).*NQ-open \(question, answer\[\]\)"):
-            load_examples(name, p)
+    "a strategyqa file ... pass --dataset strategyqa", which then refused its answer. It is the plain QA format
+    (read as nq_open) now, and --dataset strategyqa names its non-yes/no gold; a yes/no answer with a qid still
+    makes a StrategyQA file."""
+    p = _jsonl(tmp_path / "q.jsonl", [{"qid": "1", "question": "Capital of France?", "answer": "Paris"},
+                                      {"qid": "2", "question": "Year?", "answer": 1946}])
+    for name in ("nq", "hotpotqa"):
+        ex = load_examples(name, p)
+        assert [(e.qid, e.question, e.answers, e.meta["format"]) for e in ex] == [
+            ("1", "Capital of France?", ["Paris"], "nq_open"), ("2", "Year?", ["1946"], "nq_open")]
+    with pytest.raises(DataError, match=r"q\.jsonl:1: --dataset strategyqa scores yes/no answers, but question '1'"):
+        load_examples("strategyqa", p)
+    plain = _jsonl(tmp_path / "plain.jsonl", [{"id": "a", "question": "Q?", "answer": "Danube"},
+                                              {"id": "b", "question": "Q2?", "answer": ["x", "y"]}])
+    assert [(e.qid, e.answers) for e in load_examples("hotpotqa", plain)] == [("a", ["Danube"]), ("b", ["x", "y"])]
+    for bad in ({"question": "Q?", "answer": True}, {"question": "Q?", "answer": {"text": "x"}}, {"question": "Q?"}):
+        with pytest.raises(DataError, match=r"b\.jsonl:1: unknown data format .*NQ-open or plain QA"):
+            load_examples("nq", _jsonl(tmp_path / "b.jsonl", [bad]))
     yes = _jsonl(tmp_path / "y.jsonl", [{"qid": "1", "question": "Q?", "answer": " Yes"}])  # a yes/no string: still
     assert load_examples("strategyqa", yes)[0].answers == ["yes"]
     with pytest.raises(DataError, match="this is a strategyqa file"):

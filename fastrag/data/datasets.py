@@ -8,7 +8,7 @@
 | `strategyqa`| `qid, question, answer` (bool)                             | `["yes"]` / `["no"]`             |
 | `flashrag`  | `id, question, golden_answers[]`                           | `golden_answers`                 |
 | `webq`      | `qId, qText, answers[]`                                    | `answers`                        |
-| `nq_open`   | `question, answer[]` (no id: qid = `"<dataset>-<index>"`)  | `answer`                         |
+| `nq_open`   | `question, answer`, optional `id`/`qid` (none: `"<dataset>-<index>"`) | `answer` (a list, or one string) |
 | `iirc`      | passages, each with `questions[{qid, question, answer}]`   | see below                        |
 
 IIRC follows the published DRAGIN loader (src/data.py, `IIRC`), which reads the IIRC release's `dev.json`: answer
@@ -104,6 +104,8 @@ def _str_list(rec: _Rec, key: str, value: Any) -> list[str]:
     """An answer field as a list of strings: a string becomes a one-element list; numbers become strings."""
     if isinstance(value, str):
         return [value]
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return [str(value)]
     if isinstance(value, list) and all(isinstance(v, (str, int, float)) and not isinstance(v, bool) for v in value):
         return [str(v) for v in value]
     raise DataError(f"{rec.where}: field {key!r} must be a string or a list of strings, got {value!r:.80}")
@@ -236,8 +238,8 @@ def _detect(obj: dict) -> str | None:
     if "qid" in keys and (isinstance(a, bool) or isinstance(a, str) and a.strip().lower() in ("yes", "no")):
         return "strategyqa"  # (what _read_strategyqa reads: a {qid, question, answer: "Paris"} file is no StrategyQA
         # file, and calling it one sent its user to --dataset strategyqa, which refuses the answer)
-    if "question" in keys and isinstance(obj.get("answer"), list):
-        return "nq_open"
+    if "question" in keys and (isinstance(a, (list, str, int, float)) and not isinstance(a, bool)):
+        return "nq_open"  # (also the plain {id, question, answer: "Paris"} file many QA sets are exported as)
     return None
 
 
@@ -385,8 +387,8 @@ def load_examples(dataset: str, path: str | Path, limit: int | None = None,
                 raise DataError(
                     f"{rec.where}: unknown data format (fields {sorted(rec.obj)[:12]}); expected one of: IRCoT "
                     "(question_id, question_text, answers_objects), 2Wiki (_id | test_id, question, answer), "
-                    "StrategyQA (qid, question, answer: bool), NQ-open (question, answer[]), WebQuestions "
-                    "(qId, qText, answers), FlashRAG (id, question, golden_answers), IIRC (passages with questions)"
+                    "StrategyQA (qid, question, answer: bool), NQ-open or plain QA (question, answer[] or answer: "
+                    "str), WebQuestions (qId, qText, answers), FlashRAG (id, question, golden_answers), IIRC (passages with questions)"
                 )
             _check_dataset(name, fmt, rec)
         if fmt == "iirc":
