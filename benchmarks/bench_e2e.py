@@ -193,14 +193,11 @@ def oracle_host_line(recipes: list[tuple[str, list]]) -> str:
     return f"- oracle timings beside their host: {'; '.join(parts)}\n" if parts else ""
 
 
-def decode_floor_rows(folders: list[Path], metrics: list[dict], joint: bool, figures) -> dict[str, list[dict]]:
-    """The engine's decode steps against their floor, {"batch": by batch size, "prefixes": by shared prefixes in the
-    step} (fastrag.perf.decode_steps_vs_floor), from the step traces the run wrote ($FASTRAG_STEP_TRACE=1:
-    step_trace.jsonl in each engine folder, read once; a joint run wrote the same steps to each, so the first is
-    read). Empty lists without a trace, or with one from before the steps' KV counts."""
+def step_trace_rows(folders: list[Path], metrics: list[dict], joint: bool) -> list[dict]:
+    """The rows of the step traces the run wrote ($FASTRAG_STEP_TRACE=1: step_trace.jsonl in each engine folder; a
+    joint run wrote the same steps to each, so the first is read), of the folders whose metrics hold the model's
+    costs; a line that is not JSON raises, named by file and line."""
     import gzip
-
-    from fastrag.perf import decode_steps_vs_floor
 
     rows = []
     for folder, m in list(zip(folders, metrics))[: 1 if joint else None]:
@@ -213,8 +210,31 @@ def decode_floor_rows(folders: list[Path], metrics: list[dict], joint: bool, fig
                     rows.append(json.loads(line))
                 except ValueError as e:
                     raise ValueError(f"{path}:{i}: not a JSON step row ({e})") from None
+    return rows
+
+
+def decode_floor_rows(folders: list[Path], metrics: list[dict], joint: bool, figures,
+                      rows: list[dict] | None = None) -> dict[str, list[dict]]:
+    """The engine's decode steps against their floor, {"batch": by batch size, "prefixes": by shared prefixes in the
+    step} (fastrag.perf.decode_steps_vs_floor), from the step traces (`step_trace_rows`, or the rows given). Empty
+    lists without a trace, or with one from before the steps' KV counts."""
+    from fastrag.perf import decode_steps_vs_floor
+
+    rows = step_trace_rows(folders, metrics, joint) if rows is None else rows
     return {by: decode_steps_vs_floor(rows, metrics[0]["model_costs"], figures, by=by) if rows else []
             for by in ("batch", "prefixes")}
+
+
+def forward_floor_rows(folders: list[Path], metrics: list[dict], joint: bool, figures,
+                       rows: list[dict] | None = None) -> dict[str, list[dict]]:
+    """The engine's prefill steps and attention passes against their floor, {"prefill": ..., "passes": ...}, by
+    tokens in the step (fastrag.perf.forwards_vs_floor), from the step traces (`step_trace_rows`, or the rows
+    given). Empty lists without a trace, or with one from before the forwards' counts."""
+    from fastrag.perf import forwards_vs_floor
+
+    rows = step_trace_rows(folders, metrics, joint) if rows is None else rows
+    return {kind: forwards_vs_floor(rows, metrics[0]["model_costs"], figures, kind=kind) if rows else []
+            for kind in ("prefill", "passes")}
 
 
 def kernel_profile_section(metrics: list[dict]) -> str:
@@ -508,8 +528,10 @@ def main() -> None:
     else:
         e_wall = sum(m["wall_s"] for m in metrics)
     f_rows = floor_rows(list(args.datasets), metrics, is_joint, figures)
-    d_rows, p_rows = decode_floor_rows([outs[ds] / "engine" for ds in args.datasets], metrics, is_joint,
-                                       figures).values()
+    folders = [outs[ds] / "engine" for ds in args.datasets]
+    trace = step_trace_rows(folders, metrics, is_joint)
+    d_rows, p_rows = decode_floor_rows(folders, metrics, is_joint, figures, trace).values()
+    pre_rows, pass_rows = forward_floor_rows(folders, metrics, is_joint, figures, trace).values()
     n_e = sum(m["computed_this_run"] for m in metrics)
     rep_all = compare(eng_all, orc_all, method_decisions("dragin"))
     rep_all.update({"engine_questions_per_s": n_e / e_wall if e_wall > 0 else None,
@@ -614,10 +636,24 @@ def main() -> None:
                   "The same steps grouped by how many shared prefixes (the datasets' demos) their sequences start "
                   "with: a step of several prefixes reads each once and merges its part into the rows of its "
                   "sequences.\n\n" + md_table(p_rows))
+    if pre_rows:
+        table += ("\n## Prefill steps against their floor, by tokens in the step (step trace)\n\n"
+                  "Per engine step that prefilled: its device milliseconds (CUDA events from its first prefill kernel "
+                  "to its first tokens sampled) against its own floor (the weights read once per forward plus the "
+                  "tokens' KV written, or 2 FLOPs per weight per token plus the attention's over every context entry "
+                  "each token saw, whichever is longer; fastrag.perf.forward_floor). graphed_steps: steps whose "
+                  "prefill replayed a CUDA graph.\n\n" + md_table(pre_rows))
+    if pass_rows:
+        table += ("\n## Attention passes against their floor, by tokens in the step (step trace)\n\n"
+                  "DRAGIN's cache-free attention passes launched after each engine step (its RIND and QFS lists), "
+                  "the same way: device milliseconds from the passes' first kernel to their last, against the floor "
+                  "of their forwards and tokens. graphed_steps: steps with a pass forward replayed from a CUDA "
+                  "graph.\n\n" + md_table(pass_rows))
     table += kernel_profile_section(metrics)
     (res / f"e2e_{tag}.md").write_text(head + table)
     (res / f"e2e_{tag}.json").write_text(json.dumps({"rows": rows, "parity": reports, "device": device,
                                                      "floor": f_rows, "decode_floor": d_rows, "decode_floor_by_prefixes": p_rows,
+                                                     "prefill_floor": pre_rows, "passes_floor": pass_rows,
                                                      "device_figures": figures.as_dict()}, indent=2))
     print(head + table)
 

@@ -791,12 +791,16 @@ class Engine:
                 if row is not None:
                     row["prefill_seqs"], row["prefill_tokens"] = len(group), sum(len(s.pending_prompt) for s in group)
                     replays0 = self.prefill_graphs.stats["replays"] if self.prefill_graphs is not None else 0
+                    work0 = (self.stats["prefill_calls"], self.stats["prefill_ctx_tokens"])
                 dev0 = self.clock.mark()
                 try:
                     logits = self._prefill([(s, s.pending_prompt) for s in group], want_logits=True)
                 except BaseException:  # (the forward failed: out of memory, a kernel error, Ctrl-C) the group
                     self.waiting[:0] = group  # waits again as it was, its blocks reserved, nothing computed
                     raise
+                if row is not None:  # its forwards and the KV entries their attention read (fastrag.perf's floor)
+                    row["prefill_calls"] = self.stats["prefill_calls"] - work0[0]
+                    row["prefill_ctx_tokens"] = self.stats["prefill_ctx_tokens"] - work0[1]
                 if row is not None and self.prefill_graphs is not None:  # (graphed prefills apart from eager ones)
                     row["prefill_graphed"] = self.prefill_graphs.stats["replays"] > replays0
                 for s in group:
@@ -1272,12 +1276,20 @@ class Engine:
             lens_h = torch.tensor([len(seqs[k]) for k in idx])
             lens = self._h2d(lens_h)  # (a plain .to(device) from pageable memory would wait for the device)
             qk = pg.run([seqs[k] for k in idx]) if pg is not None else None
+            graphed = qk is not None
             if qk is None:
                 ids = torch.zeros(len(idx), T, dtype=torch.long)
                 for b, k in enumerate(idx):
                     ids[b, : len(seqs[k])] = torch.tensor(seqs[k])
                 # (the host lengths let the paged kernel's path compute only the real rows)
                 qk = self.model.last_layer_qk(self._h2d(ids), lens, lens_h.tolist())
+            row = self._trace_row
+            if row is not None:  # the step launched last: its passes' forwards, tokens and attention entries
+                n_tok = sum(len(seqs[k]) for k in idx)
+                for key, add in (("pass_calls", 1), ("pass_lists", len(idx)), ("pass_tokens", n_tok),
+                                 ("pass_ctx_tokens", sum(len(seqs[k]) * (len(seqs[k]) + 1) // 2 for k in idx)),
+                                 ("pass_graphed", int(graphed))):
+                    row[key] = row.get(key, 0) + add
             q, k_ = qk
             q, k_ = q.float(), k_.float()
             if kind == "colmax":

@@ -164,6 +164,64 @@ def decode_steps_vs_floor(rows: list[dict], costs: dict, dev: DeviceFigures | di
     return out
 
 
+# the groups of a step trace's prefill steps and attention passes (`forwards_vs_floor`) by the tokens the step put
+# through them, (low, high) with None for no upper end
+TOKEN_RANGES = ((1, 63), (64, 255), (256, 599), (600, 1023), (1024, None))
+
+# per kind of forward, the step-trace fields (Engine.trace) of its tokens, forwards, attention entries, sequences,
+# device seconds, and of whether it replayed a CUDA graph
+FORWARD_FIELDS = {
+    "prefill": ("prefill_tokens", "prefill_calls", "prefill_ctx_tokens", "prefill_seqs", "device_prefill_s",
+                "prefill_graphed"),
+    "passes": ("pass_tokens", "pass_calls", "pass_ctx_tokens", "pass_lists", "device_passes_s", "pass_graphed"),
+}
+
+
+def forward_floor(calls: int, tokens: int, ctx_entries: int, costs: dict, dev: DeviceFigures | dict) -> float:
+    """The least device time (seconds) of `calls` prefill forwards (or DRAGIN attention passes) over `tokens` tokens
+    whose attention covered `ctx_entries` (token, context entry) pairs, as `floor` counts prefill work: the weights
+    read once per forward plus the tokens' KV written, or 2 FLOPs per weight per token (the LM head left out) plus
+    the attention's, whichever is longer. (An attention pass stops at the last layer's queries and keys, so it skips
+    about 1/layers of the weights: its floor here is high by at most that.)"""
+    d = dev.as_dict() if isinstance(dev, DeviceFigures) else dev
+    nbytes = calls * costs["weight_bytes_per_step"] + tokens * costs["kv_bytes_per_token"]
+    flops = 2 * (costs["matmul_params"] - costs["lm_head_params"]) * tokens \
+        + costs["attn_flops_per_entry"] * ctx_entries
+    return max(nbytes / d["copy_bytes_per_s"], flops / d["matmul_flops_per_s"])
+
+
+def forwards_vs_floor(rows: list[dict], costs: dict, dev: DeviceFigures | dict, kind: str = "prefill") -> list[dict]:
+    """The prefill steps (kind "prefill") or the attention passes (kind "passes": those the scheduler launched
+    after each step, in that step's row) of a step trace against their floor (`forward_floor`), grouped by the
+    tokens the step put through them (TOKEN_RANGES), then all of them: per group the steps, the median forwards,
+    sequences and tokens a step, the steps whose forwards replayed CUDA graphs (prefill: the step's; passes: steps
+    with any replayed pass forward), the median step's device and floor milliseconds and the median of their
+    ratios, and the group's seconds. A prefill step's device seconds end at its first tokens sampled. [] when the
+    rows lack the counts (a trace from before them) or hold no timed step of the kind."""
+    tok, calls, ctx, seqs, dev_key, graphed = FORWARD_FIELDS[kind]
+    steps = [r for r in rows if r.get(tok) and r.get(dev_key) is not None and calls in r and ctx in r]
+
+    def med(xs):
+        return statistics.median(xs) if xs else None
+
+    out = []
+    for lo, hi in (*TOKEN_RANGES, (None, None)):
+        sel = steps if lo is None else [r for r in steps if r[tok] >= lo and (hi is None or r[tok] <= hi)]
+        if not sel or (lo is None and len(out) == 1):  # (one group: "all" would repeat it)
+            continue
+        dev_s = [r[dev_key] for r in sel]
+        floor_s = [forward_floor(r[calls], r[tok], r[ctx], costs, dev) for r in sel]
+        name = "all" if lo is None else f"{lo}-{hi}" if hi is not None else f"{lo}+"
+        out.append({"tokens": name, "steps": len(sel), "median_forwards": med([r[calls] for r in sel]),
+                    "median_seqs": med([r.get(seqs, 0) for r in sel]), "median_tokens": med([r[tok] for r in sel]),
+                    "graphed_steps": sum(1 for r in sel if r.get(graphed)),
+                    "median_device_ms": 1e3 * med(dev_s), "median_floor_ms": 1e3 * med(floor_s),
+                    "median_device_over_floor": med([a / b for a, b in zip(dev_s, floor_s)]),
+                    "device_s": sum(dev_s), "floor_s": sum(floor_s),
+                    "device_over_floor": sum(dev_s) / sum(floor_s)})
+    return out
+
+
 COUNTERS = ("decode_ctx_tokens", "decode_prefix_tokens", "prefill_ctx_tokens")
 
 

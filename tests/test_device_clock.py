@@ -281,6 +281,42 @@ def test_decode_steps_against_their_floor_by_batch_size():
     assert three["device_s"] == pytest.approx(4.9) and both["prefixes"] == "all" and both["steps"] == 3
 
 
+def test_prefill_steps_and_attention_passes_against_their_floor_by_tokens():
+    """A forward's floor is its weights read once per forward plus its tokens' KV at the copy bandwidth, or its FLOPs
+    (2 per weight per token, the LM head left out, plus 4 x heads x dim per attention entry) at the matmul rate,
+    whichever is longer; prefill steps and passes group by the tokens in the step, with their own fields, an "all"
+    row when there are several groups, and rows without the counts or the device seconds left out."""
+    from fastrag.perf import DeviceFigures, forward_floor, forwards_vs_floor
+
+    costs = {"weight_bytes_per_step": 1000, "matmul_params": 100, "lm_head_params": 30, "kv_bytes_per_token": 10,
+             "attn_flops_per_entry": 4, "dtype_bytes": 4}
+    dev = DeviceFigures("test", "float32", copy_bytes_per_s=1e4, matmul_flops_per_s=2e4)
+    assert forward_floor(2, 10, 50, costs, dev) == pytest.approx(0.21)  # bytes 2000 + 100 over FLOPs 1400 + 200
+    assert forward_floor(1, 300, 1000, costs, dev) == pytest.approx(2.3)  # FLOPs 42000 + 4000 over bytes 4000
+    small = {"prefill_tokens": 10, "prefill_calls": 2, "prefill_ctx_tokens": 50, "prefill_seqs": 3,
+             "device_prefill_s": 0.42, "prefill_graphed": True}
+    large = {"prefill_tokens": 300, "prefill_calls": 1, "prefill_ctx_tokens": 1000, "prefill_seqs": 1,
+             "device_prefill_s": 4.6, "prefill_graphed": False}
+    rows = [small, dict(small, device_prefill_s=0.63, prefill_graphed=False), large,
+            {"prefill_tokens": 10, "device_prefill_s": 0.1}, dict(small, device_prefill_s=None), {"prefill_tokens": 0}]
+    lo, hi, everything = forwards_vs_floor(rows, costs, dev)
+    assert (lo["tokens"], lo["steps"], lo["graphed_steps"], hi["tokens"], hi["steps"]) == ("1-63", 2, 1, "256-599", 1)
+    assert lo["median_forwards"] == 2 and lo["median_seqs"] == 3 and lo["median_tokens"] == 10
+    assert lo["median_floor_ms"] == pytest.approx(210.0) and lo["median_device_ms"] == pytest.approx(525.0)
+    assert lo["median_device_over_floor"] == pytest.approx(2.5) and lo["device_over_floor"] == pytest.approx(2.5)
+    assert hi["median_device_over_floor"] == pytest.approx(2.0)
+    assert everything["tokens"] == "all" and everything["steps"] == 3
+    assert everything["device_s"] == pytest.approx(5.65) and everything["floor_s"] == pytest.approx(2.72)
+    assert [x["tokens"] for x in forwards_vs_floor([small], costs, dev)] == ["1-63"]  # (one group: no "all")
+    # passes: their own fields, read from the same rows; a step's prefill fields are not the passes'
+    p = {"pass_tokens": 1100, "pass_calls": 2, "pass_ctx_tokens": 4000, "pass_lists": 9, "device_passes_s": 10.0,
+         "pass_graphed": 1}
+    (one,) = forwards_vs_floor([dict(small, **p), small], costs, dev, kind="passes")
+    assert (one["tokens"], one["steps"], one["median_seqs"], one["graphed_steps"]) == ("1024+", 1, 9, 1)
+    assert one["median_floor_ms"] == pytest.approx(1e3 * (140 * 1100 + 16000) / 2e4)
+    assert forwards_vs_floor(rows, costs, dev, kind="passes") == []
+
+
 def test_a_run_writes_its_step_trace_when_asked(tmp_path, monkeypatch):
     """fastrag.eval with $FASTRAG_STEP_TRACE=1 and overlap: step_trace.jsonl (one row per engine step, the
     scheduler's timings in it) and its summary in metrics.json; without the switch neither."""
@@ -310,6 +346,19 @@ def test_a_run_writes_its_step_trace_when_asked(tmp_path, monkeypatch):
     assert sum(r["decode_batch"] > 0 for r in rows) == m["engine"]["decode_steps"]
     assert all("step_s" in r and "window_s" in r for r in rows)
     assert m["step_trace"]["device_s"] <= m["step_trace"]["step_s"] * 1.05 + 0.01
+    # the forwards of the prefill steps and of the attention passes, which the engine counts as prefill work: with
+    # the shared prefix's own prefill (before the first step) they are the counters' prefill tokens and calls
+    st = m["engine"]
+    pre = [r for r in rows if r["prefill_tokens"]]
+    passes = [r for r in rows if r.get("pass_tokens")]
+    assert pre and passes and all(r["prefill_calls"] >= 1 and r["prefill_ctx_tokens"] > 0 for r in pre)
+    assert all(r["pass_calls"] >= 1 and r["pass_lists"] >= r["pass_calls"] for r in passes)
+    assert all(r["pass_ctx_tokens"] >= r["pass_tokens"] and r["device_passes_s"] > 0 for r in passes)
+    n = st["prefill_tokens"] - sum(r["prefill_tokens"] + r.get("pass_tokens", 0) for r in rows)  # the prefix's
+    assert st["prefill_calls"] - sum(r["prefill_calls"] for r in pre) == 1 and n > 0  # (one dataset: one prefix)
+    assert st["prefix_hit_tokens"] % n == 0  # (every sequence starts on it)
+    assert st["prefill_ctx_tokens"] - sum(r["prefill_ctx_tokens"] for r in pre) \
+        - sum(r["pass_ctx_tokens"] for r in passes) == n * (n + 1) // 2
     monkeypatch.setenv("FASTRAG_STEP_TRACE", "0")
     m = run(opts("plain"))
     assert "step_trace" not in m and not (tmp_path / "plain" / "step_trace.jsonl").exists()

@@ -276,7 +276,11 @@ def test_passes_are_grouped_for_the_graphs_and_the_rest_run_eagerly(monkeypatch)
         sizes = []
         run = g.run
         g.run = lambda x: sizes.append(len(x)) or run(x)  # noqa: E731
+        eng._trace_row = row = {}  # (what a step's launch sets: its passes' forwards are counted in its row)
         got = eng.attention_passes(lists, "colmax")
+        assert row["pass_graphed"] == g.stats["replays"] and row["pass_calls"] == len(sizes)
+        assert (row["pass_lists"], row["pass_tokens"]) == (6, sum(map(len, lists)))
+        assert row["pass_ctx_tokens"] == sum(len(x) * (len(x) + 1) // 2 for x in lists)
         for a, b in zip(got, want):
             torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=1e-4, atol=1e-6)
         if "max_seqs" in cap:
