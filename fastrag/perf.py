@@ -142,26 +142,40 @@ def decode_steps_vs_floor(rows: list[dict], costs: dict, dev: DeviceFigures | di
     steps = [r for r in rows if r.get("decode_batch") and r.get("device_decode_s") is not None
              and "decode_ctx_tokens" in r and key in r]
 
-    def med(xs):
-        return statistics.median(xs) if xs else None
-
     out = []
-    for lo, hi in (*ranges, (None, None)):
-        sel = steps if lo is None else [r for r in steps if r[key] >= lo and (hi is None or r[key] <= hi)]
-        if not sel or (lo is None and len(out) == 1):  # (one group: "all" would repeat it)
-            continue
+    for name, sel in _groups(steps, key, ranges):
         dev_s = [r["device_decode_s"] for r in sel]
         floor_s = [decode_step_floor(r, costs, dev) for r in sel]
-        name = "all" if lo is None else (str(lo) if lo == hi else f"{lo}-{hi}" if hi is not None else f"{lo}+")
-        out.append({by: name, "steps": len(sel), "median_batch": med([r["decode_batch"] for r in sel]),
-                    "median_prefixes": med([r["decode_prefixes"] for r in sel if "decode_prefixes" in r]),
-                    "median_ctx_per_seq": med([r["decode_ctx_tokens"] / r["decode_batch"] for r in sel]),
-                    "median_prefix_entries": med([r["decode_prefix_tokens"] for r in sel]),
-                    "median_device_ms": 1e3 * med(dev_s), "median_floor_ms": 1e3 * med(floor_s),
-                    "median_device_over_floor": med([a / b for a, b in zip(dev_s, floor_s)]),
-                    "device_s": sum(dev_s), "floor_s": sum(floor_s),
-                    "device_over_floor": sum(dev_s) / sum(floor_s)})
+        out.append({by: name, "steps": len(sel), "median_batch": _med([r["decode_batch"] for r in sel]),
+                    "median_prefixes": _med([r["decode_prefixes"] for r in sel if "decode_prefixes" in r]),
+                    "median_ctx_per_seq": _med([r["decode_ctx_tokens"] / r["decode_batch"] for r in sel]),
+                    "median_prefix_entries": _med([r["decode_prefix_tokens"] for r in sel])} | _against(dev_s, floor_s))
     return out
+
+
+def _med(xs):
+    return statistics.median(xs) if xs else None
+
+
+def _groups(steps: list[dict], key: str, ranges):
+    """(name, steps) per range of row[key] that holds any (a range (lo, hi), hi None for no upper end, named "lo",
+    "lo-hi" or "lo+"), then ("all", steps) when more than one range did."""
+    n = 0
+    for lo, hi in ranges:
+        sel = [r for r in steps if r[key] >= lo and (hi is None or r[key] <= hi)]
+        if sel:
+            n += 1
+            yield (str(lo) if lo == hi else f"{lo}-{hi}" if hi is not None else f"{lo}+"), sel
+    if n > 1:
+        yield "all", steps
+
+
+def _against(dev_s: list[float], floor_s: list[float]) -> dict:
+    """A group's device seconds against their floors: the median step's milliseconds and the median of the ratios,
+    and the sums."""
+    return {"median_device_ms": 1e3 * _med(dev_s), "median_floor_ms": 1e3 * _med(floor_s),
+            "median_device_over_floor": _med([a / b for a, b in zip(dev_s, floor_s)]),
+            "device_s": sum(dev_s), "floor_s": sum(floor_s), "device_over_floor": sum(dev_s) / sum(floor_s)}
 
 
 # the groups of a step trace's prefill steps and attention passes (`forwards_vs_floor`) by the tokens the step put
@@ -201,24 +215,13 @@ def forwards_vs_floor(rows: list[dict], costs: dict, dev: DeviceFigures | dict, 
     tok, calls, ctx, seqs, dev_key, graphed = FORWARD_FIELDS[kind]
     steps = [r for r in rows if r.get(tok) and r.get(dev_key) is not None and calls in r and ctx in r]
 
-    def med(xs):
-        return statistics.median(xs) if xs else None
-
     out = []
-    for lo, hi in (*TOKEN_RANGES, (None, None)):
-        sel = steps if lo is None else [r for r in steps if r[tok] >= lo and (hi is None or r[tok] <= hi)]
-        if not sel or (lo is None and len(out) == 1):  # (one group: "all" would repeat it)
-            continue
+    for name, sel in _groups(steps, tok, TOKEN_RANGES):
         dev_s = [r[dev_key] for r in sel]
         floor_s = [forward_floor(r[calls], r[tok], r[ctx], costs, dev) for r in sel]
-        name = "all" if lo is None else f"{lo}-{hi}" if hi is not None else f"{lo}+"
-        out.append({"tokens": name, "steps": len(sel), "median_forwards": med([r[calls] for r in sel]),
-                    "median_seqs": med([r.get(seqs, 0) for r in sel]), "median_tokens": med([r[tok] for r in sel]),
-                    "graphed_steps": sum(1 for r in sel if r.get(graphed)),
-                    "median_device_ms": 1e3 * med(dev_s), "median_floor_ms": 1e3 * med(floor_s),
-                    "median_device_over_floor": med([a / b for a, b in zip(dev_s, floor_s)]),
-                    "device_s": sum(dev_s), "floor_s": sum(floor_s),
-                    "device_over_floor": sum(dev_s) / sum(floor_s)})
+        out.append({"tokens": name, "steps": len(sel), "median_forwards": _med([r[calls] for r in sel]),
+                    "median_seqs": _med([r.get(seqs, 0) for r in sel]), "median_tokens": _med([r[tok] for r in sel]),
+                    "graphed_steps": sum(1 for r in sel if r.get(graphed))} | _against(dev_s, floor_s))
     return out
 
 
