@@ -8,7 +8,7 @@
 | `strategyqa`| `qid, question, answer` (bool)                             | `["yes"]` / `["no"]`             |
 | `flashrag`  | `id, question, golden_answers[]`                           | `golden_answers`                 |
 | `webq`      | `qId, qText, answers[]`                                    | `answers`                        |
-| `nq_open`   | `question, answer`, optional `id`/`qid` (none: `"<dataset>-<index>"`) | `answer` (a list, or one string) |
+| `nq_open`   | `question, answer`; `id`/`qid` optional (none: `"<dataset>-<index>"`) | `answer` (list or string) |
 | `iirc`      | passages, each with `questions[{qid, question, answer}]`   | see below                        |
 
 IIRC follows the published DRAGIN loader (src/data.py, `IIRC`), which reads the IIRC release's `dev.json`: answer
@@ -388,7 +388,8 @@ def load_examples(dataset: str, path: str | Path, limit: int | None = None,
                     f"{rec.where}: unknown data format (fields {sorted(rec.obj)[:12]}); expected one of: IRCoT "
                     "(question_id, question_text, answers_objects), 2Wiki (_id | test_id, question, answer), "
                     "StrategyQA (qid, question, answer: bool), NQ-open or plain QA (question, answer[] or answer: "
-                    "str), WebQuestions (qId, qText, answers), FlashRAG (id, question, golden_answers), IIRC (passages with questions)"
+                    "str), WebQuestions (qId, qText, answers), FlashRAG (id, question, golden_answers), IIRC "
+                    "(passages with questions)"
                 )
             _check_dataset(name, fmt, rec)
         if fmt == "iirc":
