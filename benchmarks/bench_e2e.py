@@ -225,14 +225,12 @@ def decode_floor_rows(folders: list[Path], metrics: list[dict], joint: bool, fig
             for by in ("batch", "prefixes")}
 
 
-def forward_floor_rows(folders: list[Path], metrics: list[dict], joint: bool, figures,
-                       rows: list[dict] | None = None) -> dict[str, list[dict]]:
+def forward_floor_rows(rows: list[dict], metrics: list[dict], figures) -> dict[str, list[dict]]:
     """The engine's prefill steps and attention passes against their floor, {"prefill": ..., "passes": ...}, by
-    tokens in the step (fastrag.perf.forwards_vs_floor), from the step traces (`step_trace_rows`, or the rows
-    given). Empty lists without a trace, or with one from before the forwards' counts."""
+    tokens in the step (fastrag.perf.forwards_vs_floor), from the step-trace rows (`step_trace_rows`). Empty lists
+    without a trace, or with one from before the forwards' counts."""
     from fastrag.perf import forwards_vs_floor
 
-    rows = step_trace_rows(folders, metrics, joint) if rows is None else rows
     return {kind: forwards_vs_floor(rows, metrics[0]["model_costs"], figures, kind=kind) if rows else []
             for kind in ("prefill", "passes")}
 
@@ -531,7 +529,7 @@ def main() -> None:
     folders = [outs[ds] / "engine" for ds in args.datasets]
     trace = step_trace_rows(folders, metrics, is_joint)
     d_rows, p_rows = decode_floor_rows(folders, metrics, is_joint, figures, trace).values()
-    pre_rows, pass_rows = forward_floor_rows(folders, metrics, is_joint, figures, trace).values()
+    pre_rows, pass_rows = forward_floor_rows(trace, metrics, figures).values()
     n_e = sum(m["computed_this_run"] for m in metrics)
     rep_all = compare(eng_all, orc_all, method_decisions("dragin"))
     rep_all.update({"engine_questions_per_s": n_e / e_wall if e_wall > 0 else None,

@@ -801,8 +801,8 @@ class Engine:
                 if row is not None:  # its forwards and the KV entries their attention read (fastrag.perf's floor)
                     row["prefill_calls"] = self.stats["prefill_calls"] - work0[0]
                     row["prefill_ctx_tokens"] = self.stats["prefill_ctx_tokens"] - work0[1]
-                if row is not None and self.prefill_graphs is not None:  # (graphed prefills apart from eager ones)
-                    row["prefill_graphed"] = self.prefill_graphs.stats["replays"] > replays0
+                    if self.prefill_graphs is not None:  # (graphed prefills apart from eager ones)
+                        row["prefill_graphed"] = self.prefill_graphs.stats["replays"] > replays0
                 for s in group:
                     s.pending_prompt = []
                 # the first token of every prefilled generation in one signals call and one host copy (a sequence
@@ -1283,12 +1283,12 @@ class Engine:
                     ids[b, : len(seqs[k])] = torch.tensor(seqs[k])
                 # (the host lengths let the paged kernel's path compute only the real rows)
                 qk = self.model.last_layer_qk(self._h2d(ids), lens, lens_h.tolist())
+            n_tok = sum(len(seqs[k]) for k in idx)
+            n_ctx = sum(len(seqs[k]) * (len(seqs[k]) + 1) // 2 for k in idx)
             row = self._trace_row
             if row is not None:  # the step launched last: its passes' forwards, tokens and attention entries
-                n_tok = sum(len(seqs[k]) for k in idx)
                 for key, add in (("pass_calls", 1), ("pass_lists", len(idx)), ("pass_tokens", n_tok),
-                                 ("pass_ctx_tokens", sum(len(seqs[k]) * (len(seqs[k]) + 1) // 2 for k in idx)),
-                                 ("pass_graphed", int(graphed))):
+                                 ("pass_ctx_tokens", n_ctx), ("pass_graphed", int(graphed))):
                     row[key] = row.get(key, 0) + add
             q, k_ = qk
             q, k_ = q.float(), k_.float()
@@ -1297,8 +1297,8 @@ class Engine:
             else:
                 r = self.signals.causal_attn_mean_rows(q, k_, lens, self.model.scale)
             pending.groups.append((idx, self._d2h(r)))
-            self.stats["prefill_tokens"] += sum(len(seqs[k]) for k in idx)
-            self.stats["prefill_ctx_tokens"] += sum(len(seqs[k]) * (len(seqs[k]) + 1) // 2 for k in idx)
+            self.stats["prefill_tokens"] += n_tok
+            self.stats["prefill_ctx_tokens"] += n_ctx
             i = j
         if self.device.type == "cuda" and pending.groups:
             pending.event = torch.cuda.Event(enable_timing=True)
