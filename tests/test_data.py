@@ -48,6 +48,8 @@ def test_shared_files_load(dataset, rel, count, fmt):
         assert any(f"{len(no_gold)} question(s) have no gold answer (first: {no_gold[0]})" in str(w.message)
                    for w in caught), [str(w.message) for w in caught]
     assert len({e.qid for e in ex}) == count, "qids must be unique"
+    # no gold answer of a real QA file is taken for a regular expression (the warning is for CuratedTREC's patterns)
+    assert not [str(w.message) for w in caught if "regular expression" in str(w.message)]
     raw = _raw_records(path)
     assert len(raw) == count
     for e, r in zip(ex, raw):
@@ -223,6 +225,118 @@ def test_webq(tmp_path):
     p = _json(tmp_path / "w.json", [{"qId": "wq1", "qText": "what?", "answers": ["x", "y"]}])
     (e,) = load_examples("webq", p)
     assert (e.qid, e.question, e.answers) == ("wq1", "what?", ["x", "y"])
+
+
+def test_question_answers_json_of_dpr_and_hugging_face_exports(tmp_path):
+    """{question, answers} records: DPR's retriever json (no id, the contexts kept), Hugging Face's web_questions
+    (url, no id) and squad ({id, answers: {text, answer_start}}); an answers object without text is refused."""
+    dpr = _json(tmp_path / "nq-dev.json", [
+        {"dataset": "nq_dev_psgs_w100", "question": "who sings does he love me with reba",
+         "answers": ["Linda Davis"], "positive_ctxs": [{"title": "Does He Love You", "text": "..."}]},
+        {"dataset": "nq_dev_psgs_w100", "question": "how many pages is invisible man",
+         "answers": ["581 (second)", 581]}])
+    ex = load_examples("nq", dpr)
+    assert [(e.qid, e.answers, e.meta["format"]) for e in ex] == [
+        ("nq-0", ["Linda Davis"], "qa_answers"), ("nq-1", ["581 (second)", "581"], "qa_answers")]
+    assert ex[0].meta["positive_ctxs"][0]["title"] == "Does He Love You" and ex[0].meta["dataset"] == "nq_dev_psgs_w100"
+    hf = _jsonl(tmp_path / "wq.jsonl", [{"url": "http://www.freebase.com/view/en/justin_bieber",
+                                         "question": "what is the name of justin bieber brother?",
+                                         "answers": ["Jazmyn Bieber", "Jaxon Bieber"]}])
+    (e,) = load_examples("webq", hf)
+    assert (e.qid, e.answers, e.meta["url"]) == ("webq-0", ["Jazmyn Bieber", "Jaxon Bieber"],
+                                                 "http://www.freebase.com/view/en/justin_bieber")
+    squad = _jsonl(tmp_path / "sq.jsonl", [
+        {"id": "56be4db0acb8001400a502ec", "title": "Super_Bowl_50", "context": "...",
+         "question": "Which NFL team represented the AFC at Super Bowl 50?",
+         "answers": {"text": ["Denver Broncos", "Denver Broncos"], "answer_start": [177, 177]}}])
+    (e,) = load_examples("nq", squad)
+    assert (e.qid, e.answers, e.meta["title"]) == ("56be4db0acb8001400a502ec", ["Denver Broncos"] * 2, "Super_Bowl_50")
+    bad = _jsonl(tmp_path / "bad.jsonl", [{"question": "q", "answers": ["a"]}, {"question": "q", "answers": {"x": 1}}])
+    with pytest.raises(DataError, match=r"bad\.jsonl:2: field 'answers' is an object without 'text'"):
+        load_examples("nq", bad)
+    bad = _jsonl(tmp_path / "bad2.jsonl", [{"question": "q", "answers": [True]}])
+    with pytest.raises(DataError, match=r"bad2\.jsonl:1: field 'answers' must be a string or a list of strings"):
+        load_examples("nq", bad)
+
+
+def test_original_webquestions_release(tmp_path):
+    """The original release's records {url, targetValue: "(list (description ...) ...)", utterance}: quoted
+    descriptions (escapes undone) and bare words are the answers; a targetValue of another shape names its line."""
+    p = _json(tmp_path / "webquestions.examples.test.json", [
+        {"url": "http://www.freebase.com/view/en/justin_bieber",
+         "targetValue": '(list (description "Jazmyn Bieber") (description "Jaxon Bieber"))',
+         "utterance": "what is the name of justin bieber brother?"},
+        {"url": "http://www.freebase.com/view/en/jamaica", "targetValue": "(list (description Jamaican English) )",
+         "utterance": "what language do people in jamaica speak?"},
+        {"url": "u", "targetValue": '(list (description "The \\"Boss\\" (song)") (description Canada))',
+         "utterance": "q3"}])
+    with pytest.raises(DataError, match=r"examples\.test\.json\[1\]: field 'targetValue' is not a \(list"):
+        load_examples("webq", p)  # a bare description of two words: not the release's layout
+    obj = json.loads(p.read_text())
+    obj[1]["targetValue"] = '(list (description "Jamaican English") (description "Jamaican Creole English Language"))'
+    p.write_text(json.dumps(obj), encoding="utf-8")
+    ex = load_examples("webq", p)
+    assert [(e.qid, e.question, e.answers, e.meta["format"]) for e in ex] == [
+        ("webq-0", "what is the name of justin bieber brother?", ["Jazmyn Bieber", "Jaxon Bieber"], "webq_original"),
+        ("webq-1", "what language do people in jamaica speak?",
+         ["Jamaican English", "Jamaican Creole English Language"], "webq_original"),
+        ("webq-2", "q3", ['The "Boss" (song)', "Canada"], "webq_original")]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        (e,) = load_examples("webq", _jsonl(tmp_path / "e.jsonl", [{"utterance": "q", "targetValue": "(list)"}]))
+    assert e.answers == [] and any("have no gold answer" in str(w.message) for w in caught)
+
+
+def test_dpr_question_answers_tsv(tmp_path):
+    """DPR's `*.qa.csv` files: question<TAB>answers, the answers a Python list literal (DPR writes repr) or JSON; no
+    ids; an answers cell that is no list is one answer; a header line is skipped; extra columns are kept; the
+    lines of errors are the file's own (a blank line counted)."""
+    p = tmp_path / "nq-test.qa.csv"
+    p.write_text("question\tanswers\n"
+                 "who got the first nobel prize in physics\t['Wilhelm Conrad Röntgen']\n"
+                 "\n"
+                 'when was the last time anyone was on the moon\t["14 December 1972 UTC", "December 1972"]\n'
+                 "what is the capital of france\tParis\n"
+                 "who said \"it's me\"\t['a', \"b's\"]\tsrc-7\n", encoding="utf-8")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ex = load_examples("nq", p)
+    assert [(e.qid, e.question, e.answers) for e in ex] == [
+        ("nq-0", "who got the first nobel prize in physics", ["Wilhelm Conrad Röntgen"]),
+        ("nq-1", "when was the last time anyone was on the moon", ["14 December 1972 UTC", "December 1972"]),
+        ("nq-2", "what is the capital of france", ["Paris"]),
+        ("nq-3", 'who said "it\'s me"', ["a", "b's"])]
+    assert all(e.meta["format"] == "dpr_qas" for e in ex) and ex[3].meta["column_3"] == "src-7"
+    assert not [str(w.message) for w in caught if "regular expression" in str(w.message)]
+    assert [e.qid for e in load_examples("nq", p, limit=2)] == ["nq-0", "nq-1"]
+    for text, pattern in (
+        ("q1\t['a']\n\nq2 without a tab\n", r"x\.tsv:3: expected question<TAB>answers"),
+        ("q1\t['a']\nq2\t['b', \n", r"x\.tsv:2: the answers column starts a list but is not one"),
+        ("q1\t['a']\nq2\t[open('f')]\n", r"x\.tsv:2: the answers column starts a list but is not one"),
+        ("q1\t[1, ['nested']]\n", r"x\.tsv:1: field 'answers' must be a string or a list of strings"),
+        # (a quoted question over two lines: the error names the row's first line)
+        ('q0\t[]\n"a question\nover two lines"\t[\'a\',\n', r"x\.tsv:2: the answers column starts a list"),
+        ("plain text, no tab\nq\t['a']\n", r"x\.tsv:1: neither JSON, JSON lines nor a tab-separated"),
+    ):
+        (tmp_path / "x.tsv").write_text(text, encoding="utf-8")
+        with pytest.raises(DataError, match=pattern):
+            load_examples("nq", tmp_path / "x.tsv")
+
+
+def test_gold_answers_written_as_patterns_are_named(tmp_path):
+    """CuratedTREC's gold answers (DPR's curatedtrec-test.qa.csv) are regular expressions; scored as text they can
+    only match themselves, so the file is warned about. Answer text with slashes, dots, pluses or brackets is not."""
+    p = tmp_path / "trec.qa.csv"
+    p.write_text("who wrote howl\t['(Allen\\s+)?Ginsberg']\nwhere is it\t['Paris|France']\n", encoding="utf-8")
+    with pytest.warns(UserWarning, match=r"2 question\(s\) have a gold answer that looks like a regular expression "
+                                         r"\(first: nq-0, '\(Allen\\\\s\+\)\?Ginsberg'"):
+        load_examples("nq", p)
+    fine = _jsonl(tmp_path / "fine.jsonl", [{"question": "q", "answer": a} for a in (
+        ["AC/DC"], ["U.S."], ["C++"], ["Romeo + Juliet"], ["Beyoncé (singer)"], ["[Untitled]"], ["a | b"], ["50%"])])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert len(load_examples("nq", fine)) == 8
+    assert not [str(w.message) for w in caught if "regular expression" in str(w.message)]
 
 
 def test_flashrag(tmp_path):

@@ -9,11 +9,17 @@
 | `flashrag`  | `id, question, golden_answers[]`                           | `golden_answers`                 |
 | `webq`      | `qId, qText, answers[]`                                    | `answers`                        |
 | `nq_open`   | `question, answer`; `id`/`qid` optional (none: `"<dataset>-<index>"`) | `answer` (list or string) |
+| `qa_answers`| `question, answers`; `id`/`qid` optional (DPR json, HF exports) | `answers` (list, string, `{text}`) |
+| `dpr_qas`   | tab-separated `question<TAB>answers`, no ids (DPR's `*.qa.csv`)  | Python/JSON list, or one answer  |
+| `webq_original` | `utterance, targetValue` (the original WebQuestions release)   | its `(description ...)` values   |
 | `iirc`      | passages, each with `questions[{qid, question, answer}]`   | see below                        |
 
 IIRC follows the published DRAGIN loader (src/data.py, `IIRC`), which reads the IIRC release's `dev.json`: answer
 type span -> `answer_spans[].text` (stripped), value/binary -> `[answer_value]`, none (unanswerable) -> the
 question is dropped; the paper's 954 IIRC questions are what is left.
+
+CuratedTREC's gold answers in DPR's files are regular expressions, which DPR matches as such; fastrag scores every
+gold answer as text and warns when a file's answers look like patterns.
 
 Error policy: a file-level problem (missing, unreadable, not JSON, a malformed jsonl line, a record without a
 required field, an unknown format) raises `DataError` naming the file and the 1-based line (jsonl) or 0-based
@@ -24,6 +30,9 @@ error for that question alone. Duplicate ids are made unique (`id`, `id#2`, ...;
 
 from __future__ import annotations
 
+import ast
+import csv
+import io
 import json
 import re
 import warnings
@@ -76,6 +85,7 @@ def canonical_dataset(name: str) -> str:
 class _Rec:
     where: str  # "file.jsonl:12" (1-based line) or "file.json[3]" (0-based record index)
     obj: dict
+    fmt: str | None = None  # the format, when the file's layout says it (a tab-separated file); else detected
 
 
 def _need(rec: _Rec, key: str, types: type | tuple[type, ...] | None = None) -> Any:
@@ -178,10 +188,41 @@ def _read_webq(rec: _Rec) -> _Row:
 
 def _read_nq_open(rec: _Rec) -> _Row:
     answers = _str_list(rec, "answer", _need(rec, "answer"))
-    key = "id" if "id" in rec.obj else "qid"
-    qid = None if rec.obj.get(key) is None else _qid(rec, key)  # (no id, or a null one: numbered in file order)
     used = ("question", "answer", "id", "qid")
-    return qid, _question(rec, "question"), answers, _meta(rec, used, "nq_open")
+    return _optional_qid(rec), _question(rec, "question"), answers, _meta(rec, used, "nq_open")
+
+
+def _optional_qid(rec: _Rec) -> str | None:
+    key = "id" if "id" in rec.obj else "qid"
+    return None if rec.obj.get(key) is None else _qid(rec, key)  # (no id, or a null one: numbered in file order)
+
+
+def _read_qa_answers(rec: _Rec) -> _Row:
+    value = _need(rec, "answers")
+    key = "answers"
+    if isinstance(value, dict):  # SQuAD's {"text": [...], "answer_start": [...]}
+        if "text" not in value:
+            raise DataError(f"{rec.where}: field 'answers' is an object without 'text' (SQuAD's layout is "
+                            f"{{'text': [...], 'answer_start': [...]}}), got {value!r:.80}")
+        value, key = value["text"], "answers.text"
+    answers = _str_list(rec, key, value)
+    used = ("question", "answers", "id", "qid")
+    return _optional_qid(rec), _question(rec, "question"), answers, _meta(rec, used, rec.fmt or "qa_answers")
+
+
+# one (description ...) of a WebQuestions targetValue: a quoted string (with \" and \\ escapes) or a bare word
+_WEBQ_DESCRIPTION = re.compile(r'\(description\s+(?:"((?:[^"\\]|\\.)*)"|([^\s()"]+))\)')
+_WEBQ_LIST = re.compile(r'\s*\(list((?:\s*\(description\s+(?:"(?:[^"\\]|\\.)*"|[^\s()"]+)\))*)\s*\)\s*')
+
+
+def _read_webq_original(rec: _Rec) -> _Row:
+    target = _need(rec, "targetValue", str)
+    whole = _WEBQ_LIST.fullmatch(target)
+    if whole is None:
+        raise DataError(f"{rec.where}: field 'targetValue' is not a (list (description ...) ...) value: "
+                        f"{target!r:.120}")
+    answers = [bare or re.sub(r"\\(.)", r"\1", quoted) for quoted, bare in _WEBQ_DESCRIPTION.findall(whole.group(1))]
+    return None, _question(rec, "utterance"), answers, _meta(rec, ("utterance", "targetValue"), "webq_original")
 
 
 def _read_iirc_question(rec: _Rec, passage_title: Any) -> _Row:
@@ -218,6 +259,9 @@ _READERS: dict[str, Callable[[_Rec], _Row]] = {
     "2wiki": _read_2wiki,
     "strategyqa": _read_strategyqa,
     "nq_open": _read_nq_open,
+    "qa_answers": _read_qa_answers,
+    "dpr_qas": _read_qa_answers,
+    "webq_original": _read_webq_original,
 }
 
 
@@ -229,6 +273,7 @@ def _detect(obj: dict) -> str | None:
         (("questions",), "iirc"),
         (("golden_answers",), "flashrag"),
         (("qId", "qText"), "webq"),
+        (("utterance", "targetValue"), "webq_original"),
         (("test_id",), "2wiki_list"),
         (("_id",), "2wiki"),
     ):
@@ -240,6 +285,8 @@ def _detect(obj: dict) -> str | None:
         # file, and calling it one sent its user to --dataset strategyqa, which refuses the answer)
     if "question" in keys and (isinstance(a, (list, str, int, float)) and not isinstance(a, bool)):
         return "nq_open"  # (also the plain {id, question, answer: "Paris"} file many QA sets are exported as)
+    if "question" in keys and "answers" in keys:
+        return "qa_answers"
     return None
 
 
@@ -276,7 +323,8 @@ def read_text_file(path: Path, error: type[Exception]) -> str:
 
 
 def _records(path: Path) -> Iterator[_Rec]:
-    """Yield the JSON objects of a json-list or jsonl file with their location; malformed input raises DataError."""
+    """Yield the JSON objects of a json-list or jsonl file, or the rows of a question<TAB>answers file
+    (`_qas_records`), with their location; malformed input raises DataError."""
     text = read_text_file(path, DataError)
     head = text.lstrip()[:1]
     if not head:
@@ -301,6 +349,13 @@ def _records(path: Path) -> Iterator[_Rec]:
         if isinstance(whole, dict):  # a single-object file (a one-line jsonl or a wrapper we do not know)
             yield _Rec(f"{path}:1", whole)
             return
+    else:
+        lineno, first = next((i, line) for i, line in enumerate(text.split("\n"), start=1) if line.strip())
+        if "\t" in first:
+            yield from _qas_records(path, text)
+            return
+        raise DataError(f"{path}:{lineno}: neither JSON, JSON lines nor a tab-separated question<TAB>answers file "
+                        f"(the line starts {first.strip()[:60]!r})")
     # (split on newlines only: str.splitlines also breaks at U+2028, U+0085, ... which JSON strings may hold raw)
     for lineno, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
@@ -316,6 +371,49 @@ def _records(path: Path) -> Iterator[_Rec]:
         yield _Rec(f"{path}:{lineno}", obj)
 
 
+def _answer_list(cell: str) -> Any:
+    """The answers column of a question-answers TSV written as a list: a JSON list, or a Python list literal (DPR
+    writes its files with Python's repr, quotes and all); None when it is neither."""
+    try:
+        return json.loads(cell)
+    except json.JSONDecodeError:
+        pass
+    try:
+        return ast.literal_eval(cell)  # (literals only: nothing in the file is run)
+    except (ValueError, SyntaxError, MemoryError, RecursionError):
+        return None
+
+
+def _qas_records(path: Path, text: str) -> Iterator[_Rec]:
+    """The questions of a tab-separated `question<TAB>answers` file (DPR's `nq-test.qa.csv`, `trivia-test.qa.csv`,
+    `webq-test.qa.csv`: read with the csv module's tab dialect, as DPR does), as records of the `dpr_qas` format.
+    An answers column that does not start with "[" is one answer, as written. A first line `question<TAB>answer(s)`
+    is a header. Columns past the second go to the record as `column_3`, ..."""
+    rows = csv.reader(io.StringIO(text, newline=""), delimiter="\t")
+    start = 1
+    try:
+        for row in rows:
+            lineno, start = start, rows.line_num + 1
+            if not any(cell.strip() for cell in row):
+                continue
+            where = f"{path}:{lineno}"
+            if len(row) < 2:
+                raise DataError(f"{where}: expected question<TAB>answers, got {len(row)} field (no tab)")
+            if lineno == 1 and row[0].strip().lower() in ("question", "query") \
+                    and row[1].strip().lower() in ("answer", "answers"):
+                continue
+            cell = row[1].strip()
+            answers = _answer_list(cell) if cell.startswith("[") else cell  # (else one answer, written as it is)
+            if answers is None:
+                raise DataError(f"{where}: the answers column starts a list but is not one (a JSON list or "
+                                f"['a', 'b']): {cell[:80]!r}")
+            obj = {"question": row[0], "answers": answers}
+            obj.update({f"column_{i}": cell for i, cell in enumerate(row[2:], start=3)})
+            yield _Rec(where, obj, fmt="dpr_qas")
+    except csv.Error as e:
+        raise DataError(f"{path}:{start}: not a readable tab-separated line: {e}") from None
+
+
 def _iirc_questions(rec: _Rec) -> Iterator[tuple[_Rec, Any]]:
     qs = _need(rec, "questions", list)
     for j, q in enumerate(qs):
@@ -326,6 +424,9 @@ def _iirc_questions(rec: _Rec) -> Iterator[tuple[_Rec, Any]]:
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
+# what a gold answer written as a regular expression has and answer text does not: a backslash class or escape,
+# an alternation, a group with a quantifier or an alternation inside
+_PATTERN_LIKE = re.compile(r"\\[sSdDwWb.()\[\]?*+|]|\|\S|\)[?*+]|\(\?|\[[^\]]*\][?*+]")
 
 
 def load_answer_aliases(path: str | Path) -> dict[str, list[str]]:
@@ -376,20 +477,22 @@ def load_examples(dataset: str, path: str | Path, limit: int | None = None,
     seen: set[str] = set()
     blank_gold: list[str] = []  # questions with a blank gold answer (left out)
     odd_gold: list[tuple[str, str]] = []  # (question, gold) of golds that normalise to nothing (kept)
+    pattern_gold: list[tuple[str, str]] = []  # (question, gold) of golds written as regular expressions
     fmt: str | None = None
     index = 0  # running question index, the qid of formats without ids
     for rec in _records(path):
         if limit is not None and len(out) >= limit:
             break
         if fmt is None:
-            fmt = _detect(rec.obj)
+            fmt = rec.fmt or _detect(rec.obj)
             if fmt is None:
                 raise DataError(
                     f"{rec.where}: unknown data format (fields {sorted(rec.obj)[:12]}); expected one of: IRCoT "
                     "(question_id, question_text, answers_objects), 2Wiki (_id | test_id, question, answer), "
                     "StrategyQA (qid, question, answer: bool), NQ-open or plain QA (question, answer[] or answer: "
-                    "str), WebQuestions (qId, qText, answers), FlashRAG (id, question, golden_answers), IIRC "
-                    "(passages with questions)"
+                    "str), question + answers (DPR, Hugging Face exports), WebQuestions (qId, qText, answers; or "
+                    "utterance, targetValue), FlashRAG (id, question, golden_answers), IIRC (passages with "
+                    "questions), or a question<TAB>answers file"
                 )
             _check_dataset(name, fmt, rec)
         if fmt == "iirc":
@@ -423,6 +526,8 @@ def load_examples(dataset: str, path: str | Path, limit: int | None = None,
                 answers = [a for a in answers if a.strip()]
             if (odd := [a for a in answers if not normalize_answer(a)]):
                 odd_gold.append((qid, odd[0]))  # (written text, e.g. "A" or "---": scored as published)
+            if (pat := [a for a in answers if _PATTERN_LIKE.search(a)]):
+                pattern_gold.append((qid, pat[0]))
             out.append(Example(qid=qid, question=question, answers=answers, dataset=name, meta=meta))
     if not out and limit != 0:
         raise DataError(f"{path}: no question to run in the file (every record was skipped: e.g. IIRC questions "
@@ -440,6 +545,11 @@ def load_examples(dataset: str, path: str | Path, limit: int | None = None,
                       f"{odd_gold[0][0]}, {odd_gold[0][1]!r}; lowercase, no punctuation or articles): it matches "
                       "only answers that do too, an empty one included, as in the published evaluation",
                       UserWarning, stacklevel=2)
+    if pattern_gold:
+        warnings.warn(f"{path}: {len(pattern_gold)} question(s) have a gold answer that looks like a regular "
+                      f"expression (first: {pattern_gold[0][0]}, {pattern_gold[0][1]!r}; CuratedTREC's are "
+                      "patterns): gold answers are scored as text, so such a question can only match its pattern "
+                      "written out", UserWarning, stacklevel=2)
     no_gold = [e.qid for e in out if not e.answers]  # (they can only score 0; counted after the aliases)
     if no_gold:
         warnings.warn(f"{path}: {len(no_gold)} question(s) have no gold answer (first: {no_gold[0]}); they score 0",
