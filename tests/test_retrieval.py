@@ -363,6 +363,29 @@ def test_contents_format(tmp_path):
                                                 r.search(["quoted"], 1)[0][0].score)
 
 
+def test_beir_corpus_with_underscore_ids(tmp_path):
+    """BEIR's corpus.jsonl: {_id, title, text, metadata}; `id` wins when a line has both; a repeated _id and a line
+    with neither are named."""
+    p = tmp_path / "corpus.jsonl"
+    p.write_text(json.dumps({"_id": "doc0", "title": "Berlin", "text": "Berlin is the capital of Germany.",
+                             "metadata": {"url": "u"}}) + "\n"
+                 + json.dumps({"_id": 7, "title": "", "text": "Paris is the capital of France."}) + "\n"
+                 + json.dumps({"id": "x", "_id": "y", "title": "T", "text": "both ids"}) + "\n")
+    assert list(iter_corpus(p)) == [("doc0", "Berlin", "Berlin is the capital of Germany."),
+                                    ("7", "", "Paris is the capital of France."), ("x", "T", "both ids")]
+    r = BM25Retriever(p, show_progress=False)
+    assert [d.id for d in r.search(["capital of Germany"], 1)[0]] == ["doc0"]
+    for content, match in (
+        ('{"_id": "a", "text": "x"}\n{"_id": "a", "text": "y"}\n', r"b\.jsonl:2: field 'id': passage id 'a' repeats "
+                                                                   r"line 1"),
+        ('{"_id": null, "text": "x"}\n', r"b\.jsonl:1: field '_id' must be a string or an integer, got NoneType"),
+        ('{"title": "t", "text": "x"}\n', r"b\.jsonl:1: missing field 'id' \(or BEIR's '_id'\)"),
+    ):
+        (tmp_path / "b.jsonl").write_text(content)
+        with pytest.raises(CorpusError, match=match):
+            list(iter_corpus(tmp_path / "b.jsonl"))
+
+
 def test_dpr_tsv_format(tmp_path):
     p = tmp_path / "psgs.tsv"
     p.write_text('id\ttext\ttitle\n1\t"Aaron ( or ; ""Ahärôn"") is a prophet"\tAaron\n2\tMoses led them.\tMoses\n')

@@ -1,7 +1,8 @@
 """Corpus readers: jsonl `{id, title, text}`, jsonl `{id, contents}` (FlashRAG), and the DPR tsv.
 
 All formats yield `(id, title, text)` string triples in file order (the corpus order that breaks score ties).
-- jsonl `{id, title, text}`: one JSON object per line; blank lines are skipped.
+- jsonl `{id, title, text}`: one JSON object per line; blank lines are skipped. The id may be named `_id` (BEIR's
+  `corpus.jsonl`, whose `metadata` is not read); `id` wins when a line has both.
 - jsonl `{id, contents}`: FlashRAG style, the first line of `contents` is the title and the rest the text;
   a title in double quotes ('"Title"\\ntext', the wiki-18 dump) is unquoted; `contents` without a line break is
   all text (no title).
@@ -127,11 +128,14 @@ def _iter_jsonl(path: Path) -> Iterator[tuple[str, str, str]]:
             raise _json_array(path, lineno)
         if not isinstance(rec, dict):
             raise CorpusError(f"{path}:{lineno}: expected a JSON object, got {type(rec).__name__}")
-        if "id" not in rec:
-            raise CorpusError(f"{path}:{lineno}: missing field 'id'")
-        if isinstance(rec["id"], bool) or not isinstance(rec["id"], (str, int)):
-            raise CorpusError(f"{path}:{lineno}: field 'id' must be a string or an integer, got "
-                              f"{type(rec['id']).__name__}")
+        key = "id" if "id" in rec else "_id"  # (BEIR's corpus.jsonl names it _id)
+        if key not in rec:
+            raise CorpusError(f"{path}:{lineno}: missing field 'id' (or BEIR's '_id')")
+        doc_id = rec[key]
+        if isinstance(doc_id, bool) or not isinstance(doc_id, (str, int)):
+            raise CorpusError(f"{path}:{lineno}: field {key!r} must be a string or an integer, got "
+                              f"{type(doc_id).__name__}")
+        doc_id = str(doc_id)
         if "text" in rec:
             title, text = rec.get("title"), rec["text"]
             title = "" if title is None else title
@@ -144,12 +148,12 @@ def _iter_jsonl(path: Path) -> Iterator[tuple[str, str, str]]:
         for name, v in (("title", title), ("text", text)):
             if not isinstance(v, str):
                 raise CorpusError(f"{path}:{lineno}: field {name!r} must be a string, got {type(v).__name__}")
-        for name, v in (("id", str(rec["id"])), ("title", title), ("text", text)):
+        for name, v in ((key, doc_id), ("title", title), ("text", text)):
             if (bad := _SURROGATE.search(v)) is not None:  # (a "\ud800" escape: no UTF-8 for the index to store)
                 raise CorpusError(f"{path}:{lineno}: field {name!r} holds a lone surrogate (U+{ord(bad.group()):04X}, "
                                   "e.g. a '\\ud800' escape): not Unicode text")
-        _check_unique(path, seen, str(rec["id"]), lineno)
-        yield str(rec["id"]), title, text
+        _check_unique(path, seen, doc_id, lineno)
+        yield doc_id, title, text
 
 
 def _tsv_fields(line: str) -> list[str]:
