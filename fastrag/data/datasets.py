@@ -408,7 +408,7 @@ def _qas_records(path: Path, text: str) -> Iterator[_Rec]:
                 raise DataError(f"{where}: the answers column starts a list but is not one (a JSON list or "
                                 f"['a', 'b']): {cell[:80]!r}")
             obj = {"question": row[0], "answers": answers}
-            obj.update({f"column_{i}": cell for i, cell in enumerate(row[2:], start=3)})
+            obj.update({f"column_{i}": extra for i, extra in enumerate(row[2:], start=3)})
             yield _Rec(where, obj, fmt="dpr_qas")
     except csv.Error as e:
         raise DataError(f"{path}:{start}: not a readable tab-separated line: {e}") from None
