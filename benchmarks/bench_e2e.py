@@ -213,14 +213,12 @@ def step_trace_rows(folders: list[Path], metrics: list[dict], joint: bool) -> li
     return rows
 
 
-def decode_floor_rows(folders: list[Path], metrics: list[dict], joint: bool, figures,
-                      rows: list[dict] | None = None) -> dict[str, list[dict]]:
+def decode_floor_rows(rows: list[dict], metrics: list[dict], figures) -> dict[str, list[dict]]:
     """The engine's decode steps against their floor, {"batch": by batch size, "prefixes": by shared prefixes in the
-    step} (fastrag.perf.decode_steps_vs_floor), from the step traces (`step_trace_rows`, or the rows given). Empty
-    lists without a trace, or with one from before the steps' KV counts."""
+    step} (fastrag.perf.decode_steps_vs_floor), from the step-trace rows (`step_trace_rows`). Empty lists without a
+    trace, or with one from before the steps' KV counts."""
     from fastrag.perf import decode_steps_vs_floor
 
-    rows = step_trace_rows(folders, metrics, joint) if rows is None else rows
     return {by: decode_steps_vs_floor(rows, metrics[0]["model_costs"], figures, by=by) if rows else []
             for by in ("batch", "prefixes")}
 
@@ -526,9 +524,8 @@ def main() -> None:
     else:
         e_wall = sum(m["wall_s"] for m in metrics)
     f_rows = floor_rows(list(args.datasets), metrics, is_joint, figures)
-    folders = [outs[ds] / "engine" for ds in args.datasets]
-    trace = step_trace_rows(folders, metrics, is_joint)
-    d_rows, p_rows = decode_floor_rows(folders, metrics, is_joint, figures, trace).values()
+    trace = step_trace_rows([outs[ds] / "engine" for ds in args.datasets], metrics, is_joint)
+    d_rows, p_rows = decode_floor_rows(trace, metrics, figures).values()
     pre_rows, pass_rows = forward_floor_rows(trace, metrics, figures).values()
     n_e = sum(m["computed_this_run"] for m in metrics)
     rep_all = compare(eng_all, orc_all, method_decisions("dragin"))

@@ -89,19 +89,31 @@ def model_costs(model) -> dict:
             "attn_flops_per_entry": 4 * c.num_layers * c.num_heads * c.head_dim, "dtype_bytes": elt}
 
 
+def _decode_work(steps: int, tokens: int, kv_entries: int, costs: dict) -> tuple[float, float]:
+    """(bytes, FLOPs) of decode steps: every weight read once a step plus the KV entries read; 2 FLOPs per weight
+    per token plus the attention's."""
+    return (steps * costs["weight_bytes_per_step"] + kv_entries * costs["kv_bytes_per_token"],
+            2 * costs["matmul_params"] * tokens + costs["attn_flops_per_entry"] * kv_entries)
+
+
+def _forward_work(calls: int, tokens: int, ctx_entries: int, costs: dict) -> tuple[float, float]:
+    """(bytes, FLOPs) of prefill forwards: the weights read once a forward plus the tokens' KV written; 2 FLOPs per
+    weight per token (the LM head left out) plus the attention's over `ctx_entries`."""
+    return (calls * costs["weight_bytes_per_step"] + tokens * costs["kv_bytes_per_token"],
+            2 * (costs["matmul_params"] - costs["lm_head_params"]) * tokens
+            + costs["attn_flops_per_entry"] * ctx_entries)
+
+
 def floor(stats: dict, costs: dict, dev: DeviceFigures | dict) -> dict:
     """Lower bounds (seconds) on the device time of the work counted in `stats` (Engine.stats)."""
     d = dev.as_dict() if isinstance(dev, DeviceFigures) else dev
     bw, rate = d["copy_bytes_per_s"], d["matmul_flops_per_s"]
-    w, kv = costs["weight_bytes_per_step"], costs["kv_bytes_per_token"]
-    dec_bytes = stats["decode_steps"] * w + (stats["decode_ctx_tokens"] + stats["decode_prefix_tokens"]) * kv
     # (a prefix's attention FLOPs are counted once per step, not per sequence: still a lower bound, and small next
     # to the 2 FLOPs per weight per token)
-    dec_flops = 2 * costs["matmul_params"] * stats["decode_tokens"] \
-        + costs["attn_flops_per_entry"] * (stats["decode_ctx_tokens"] + stats["decode_prefix_tokens"])
-    pre_bytes = stats["prefill_calls"] * w + stats["prefill_tokens"] * kv
-    pre_flops = 2 * (costs["matmul_params"] - costs["lm_head_params"]) * stats["prefill_tokens"] \
-        + costs["attn_flops_per_entry"] * stats["prefill_ctx_tokens"]
+    dec_bytes, dec_flops = _decode_work(stats["decode_steps"], stats["decode_tokens"],
+                                        stats["decode_ctx_tokens"] + stats["decode_prefix_tokens"], costs)
+    pre_bytes, pre_flops = _forward_work(stats["prefill_calls"], stats["prefill_tokens"], stats["prefill_ctx_tokens"],
+                                         costs)
     dec = max(dec_bytes / bw, dec_flops / rate)
     pre = max(pre_bytes / bw, pre_flops / rate)
     return {"decode_s": dec, "prefill_s": pre, "total_s": dec + pre,
@@ -123,9 +135,7 @@ def decode_step_floor(row: dict, costs: dict, dev: DeviceFigures | dict) -> floa
     every weight read once plus those entries, or 2 FLOPs per weight per token plus the attention's, whichever is
     longer."""
     d = dev.as_dict() if isinstance(dev, DeviceFigures) else dev
-    kv = row["decode_ctx_tokens"] + row["decode_prefix_tokens"]
-    nbytes = costs["weight_bytes_per_step"] + kv * costs["kv_bytes_per_token"]
-    flops = 2 * costs["matmul_params"] * row["decode_batch"] + costs["attn_flops_per_entry"] * kv
+    nbytes, flops = _decode_work(1, row["decode_batch"], row["decode_ctx_tokens"] + row["decode_prefix_tokens"], costs)
     return max(nbytes / d["copy_bytes_per_s"], flops / d["matmul_flops_per_s"])
 
 
@@ -198,9 +208,7 @@ def forward_floor(calls: int, tokens: int, ctx_entries: int, costs: dict, dev: D
     the attention's, whichever is longer. (An attention pass stops at the last layer's queries and keys, so it skips
     about 1/layers of the weights: its floor here is high by at most that.)"""
     d = dev.as_dict() if isinstance(dev, DeviceFigures) else dev
-    nbytes = calls * costs["weight_bytes_per_step"] + tokens * costs["kv_bytes_per_token"]
-    flops = 2 * (costs["matmul_params"] - costs["lm_head_params"]) * tokens \
-        + costs["attn_flops_per_entry"] * ctx_entries
+    nbytes, flops = _forward_work(calls, tokens, ctx_entries, costs)
     return max(nbytes / d["copy_bytes_per_s"], flops / d["matmul_flops_per_s"])
 
 

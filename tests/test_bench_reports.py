@@ -170,14 +170,16 @@ def test_bench_e2e_decode_steps_against_their_floor_from_the_step_traces(tmp_pat
         f.mkdir()
         (f / "step_trace.jsonl").write_text("".join(json.dumps(step) + "\n" for _ in range(n)))
     m = {"model_costs": costs}
-    (joint,) = be.decode_floor_rows(folders, [m, m], True, dev)["batch"]
-    (separate,) = be.decode_floor_rows(folders, [m, m], False, dev)["batch"]
+    (joint,) = be.decode_floor_rows(be.step_trace_rows(folders, [m, m], True), [m, m], dev)["batch"]
+    (separate,) = be.decode_floor_rows(be.step_trace_rows(folders, [m, m], False), [m, m], dev)["batch"]
     assert (joint["steps"], separate["steps"]) == (3, 5) and joint["median_floor_ms"] == pytest.approx(200.0)
-    assert be.decode_floor_rows(folders, [m, m], True, dev)["prefixes"] == []  # (steps without the count)
-    assert be.decode_floor_rows([tmp_path / "none"], [m], True, dev) == {"batch": [], "prefixes": []}
+    rows = be.step_trace_rows(folders, [m, m], True)
+    assert be.decode_floor_rows(rows, [m, m], dev)["prefixes"] == []  # (steps without the count)
+    none = be.step_trace_rows([tmp_path / "none"], [m], True)
+    assert be.decode_floor_rows(none, [m], dev) == {"batch": [], "prefixes": []}
     (folders[0] / "step_trace.jsonl").write_text(json.dumps(step) + "\n{not json\n")
     with pytest.raises(ValueError, match=r"a/step_trace.jsonl:2: not a JSON step row"):
-        be.decode_floor_rows(folders, [m, m], True, dev)
+        be.step_trace_rows(folders, [m, m], True)
 
 
 def test_bench_e2e_says_what_the_oracle_timings_ran_beside():

@@ -212,13 +212,12 @@ def _read_qa_answers(rec: _Rec) -> _Row:
 
 # one (description ...) of a WebQuestions targetValue: a quoted string (with \" and \\ escapes) or a bare word
 _WEBQ_DESCRIPTION = re.compile(r'\(description\s+(?:"((?:[^"\\]|\\.)*)"|([^\s()"]+))\)')
-_WEBQ_LIST = re.compile(r'\s*\(list((?:\s*\(description\s+(?:"(?:[^"\\]|\\.)*"|[^\s()"]+)\))*)\s*\)\s*')
 
 
 def _read_webq_original(rec: _Rec) -> _Row:
     target = _need(rec, "targetValue", str)
-    whole = _WEBQ_LIST.fullmatch(target)
-    if whole is None:
+    whole = re.fullmatch(r"\s*\(list(.*)\)\s*", target, re.S)
+    if whole is None or _WEBQ_DESCRIPTION.sub("", whole.group(1)).strip():  # (only descriptions inside the list)
         raise DataError(f"{rec.where}: field 'targetValue' is not a (list (description ...) ...) value: "
                         f"{target!r:.120}")
     answers = [bare or re.sub(r"\\(.)", r"\1", quoted) for quoted, bare in _WEBQ_DESCRIPTION.findall(whole.group(1))]
