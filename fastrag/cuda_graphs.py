@@ -475,15 +475,22 @@ class PrefillGraphs(_TokenGraphs):
     what = "a prefill"
 
     def __init__(self, model, pool, *, ctx_blocks: int, max_tokens: int = 1024, max_seqs: int = 16,
-                 max_prefix_slots: int | None = None, emulate: bool = False, block_m: int | None = None):
+                 max_prefix_slots: int | None = None, emulate: bool = False, block_m: int | None = None,
+                 scratch_block: int | None = None):
         if not isinstance(ctx_blocks, int) or isinstance(ctx_blocks, bool) or ctx_blocks < 1:
             raise ValueError(f"ctx_blocks must be a positive int, got {ctx_blocks!r}")
+        if scratch_block is not None and (isinstance(scratch_block, bool) or not isinstance(scratch_block, int)
+                                          or not 0 <= scratch_block < pool.num_blocks):
+            raise ValueError(f"scratch_block must be a block of the pool (0..{pool.num_blocks - 1}) or None, "
+                             f"got {scratch_block!r}")
         super().__init__(pool.k[0].device, max_tokens, max_seqs, emulate, block_m)
         self.model, self.pool = model, pool
         bs = self.block_size = pool.block_size
         self.width = ctx_blocks
         self.max_prefix_slots = MAX_PREFIXES * ctx_blocks * bs if max_prefix_slots is None else max_prefix_slots
-        self.scratch_block = pool.allocate(1)[0]  # padding tokens write here; never freed
+        # padding tokens write here; never freed. Another scratch block no sequence owns (the decode graphs') serves
+        # as well: padding writes token 0's keys there and only padding reads them
+        self.scratch_block = pool.allocate(1)[0] if scratch_block is None else scratch_block
         Mx, S, W = self.buckets[-1], max_seqs, ctx_blocks
         # the int64 inputs in one buffer (one host copy a call): ids, positions, write slots [Mx] | logit rows [S] |
         # block table [S + 1, W] (row S: the padding tiles' empty sequence); the kernel's int32 rows and tiles in

@@ -442,7 +442,8 @@ class Engine:
         self.prefill_graphs = PrefillGraphs(
             model, self.pool, ctx_blocks=-(-self.max_context // block_size),
             max_tokens=min(PREFILL_GRAPH_TOKENS, max_prefill_tokens), max_seqs=min(PREFILL_GRAPH_SEQS, max_batch),
-            emulate=self.device.type != "cuda") if prefill_graphs else None
+            emulate=self.device.type != "cuda",
+            scratch_block=None if self.graphs is None else self.graphs.scratch_block) if prefill_graphs else None
         # DRAGIN's attention passes likewise (`PassGraphs`; FASTRAG_PASS_GRAPHS=0 turns them off)
         pass_graphs = graphs_on(pass_graphs, PASS_GRAPHS_ENV, "pass_graphs")
         self.pass_graphs = PassGraphs(model, max_tokens=min(PASS_GRAPH_TOKENS, max_prefill_tokens),

@@ -54,6 +54,9 @@ class CompileLog:
     def _hook(self, *args, **kwargs):
         fn = kwargs.get("fn")
         name = getattr(fn, "name", None) or str(kwargs.get("repr", "?")).split("[", 1)[0]
+        # (Triton names a kernel by its qualified name: one defined inside a function or a class is
+        # "outer.<locals>.kernel" or "Class.kernel"; the log keeps the kernel's own name, as the module-level ones)
+        name = name.rsplit(".", 1)[-1]
         self.events.append((time.perf_counter(), name))
         row = self.row
         if row is not None:

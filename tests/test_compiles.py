@@ -64,6 +64,11 @@ def test_the_log_records_each_miss_by_kernel_and_chains_to_the_hook_before_it(kn
     assert log.report(mark1) == {"hooked": True, "why_not": None, "count": 2,
                                  "kernels": {"attn_kernel": 1, "norm_kernel": 1}}
     assert [n for _, n in log.events] == ["attn_kernel", "attn_kernel", "norm_kernel"]
+    # a kernel defined inside a function or a class: Triton gives its qualified name, the log its own
+    mark2 = log.mark()
+    _miss("test_x.<locals>._scaled_copy")
+    _miss("Fused.rope_kernel")
+    assert log.since(mark2) == {"_scaled_copy": 1, "rope_kernel": 1}
 
 
 def test_a_triton_without_the_hook_is_said_so(monkeypatch):

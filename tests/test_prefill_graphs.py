@@ -45,8 +45,8 @@ def _engine(monkeypatch, graphs: bool, **kw):
     from fastrag.engine import Engine
 
     return Engine(_model(monkeypatch), _Tok(), kv_cache_gb=0.01, max_batch=kw.pop("max_batch", 8), mix_prefill=True,
-                  prefill_hold=0, prefill_graphs=graphs, pass_graphs=kw.pop("pass_graphs", graphs), cuda_graphs=False,
-                  **kw)
+                  prefill_hold=0, prefill_graphs=graphs, pass_graphs=kw.pop("pass_graphs", graphs),
+                  cuda_graphs=kw.pop("cuda_graphs", False), **kw)
 
 
 def _generate(eng, prompts, prefixes, max_new, rounds=2):
@@ -135,6 +135,29 @@ def test_padding_writes_only_the_scratch_block(monkeypatch):
         changed = set((t0 != t1).any(-1).any(0).nonzero().flatten().tolist())
         assert written <= changed and changed <= own | scratch and changed & scratch
         assert (t1[:, sorted(own - written)] == 0).all()  # the rest of its block as allocated: nothing written
+
+
+def test_decode_and_prefill_graphs_share_one_scratch_block(monkeypatch):
+    """With the decode graphs and the prefill graphs both on (the GPU default), the pool gives up one block to
+    padding, not one per kind of graph: the prefill graphs write their padding into the decode graphs' scratch block.
+    The tokens equal eager decoding's, and once every sequence and prefix is released every block but that one is
+    free again."""
+    prompts, prefixes, max_new = _case(random.randrange(2**31), most_new=4)
+    want = _generate(_engine(monkeypatch, False), prompts, prefixes, max_new, rounds=2)
+    eng = _engine(monkeypatch, True, cuda_graphs=True)
+    assert eng.graphs is not None and eng.prefill_graphs.scratch_block == eng.graphs.scratch_block
+    assert eng.pool.num_free == eng.pool.num_blocks - 1
+    got = _generate(eng, prompts, prefixes, max_new, rounds=2)
+    _same(got, want)
+    assert eng.prefill_graphs.stats["replays"] > 0 and eng.graphs.stats["replays"] > 0
+    for s in list(eng.live.values()):
+        eng.release(s)
+    eng.clear_prefixes()
+    assert eng.pool.num_free == eng.pool.num_blocks - 1
+    from fastrag.cuda_graphs import PrefillGraphs as PG
+
+    with pytest.raises(ValueError, match="scratch_block must be a block of the pool"):
+        PG(eng.model, eng.pool, ctx_blocks=4, scratch_block=eng.pool.num_blocks, emulate=True)
 
 
 def test_calls_that_do_not_fit_a_graph_prefill_eagerly(monkeypatch):
