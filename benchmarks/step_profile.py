@@ -118,8 +118,9 @@ def markdown(title: str, step_ms: dict[str, float], parts: dict[str, list[dict]]
         for r in gemms:
             dims = "-" if r["m"] is None else f"{r['b']} x {r['m']} x {r['k']} x {r['n']}"
             f = (lambda v, fmt: "-" if v is None else format(v, fmt))
-            lines.append(f"| {r['gemm']} | {dims} | {r['calls_per_step']:.1f} | {r['ms_per_step']:.3f} | "
-                         f"{f(r['floor_ms_per_step'], '.3f')} | {f(r['x_floor'], '.2f')} | {f(r['gb_per_s'], '.3g')} | "
+            # (significant digits, not decimals: a tiny shape's floor on a CPU is well under a microsecond)
+            lines.append(f"| {r['gemm']} | {dims} | {r['calls_per_step']:.1f} | {r['ms_per_step']:.3g} | "
+                         f"{f(r['floor_ms_per_step'], '.3g')} | {f(r['x_floor'], '.2f')} | {f(r['gb_per_s'], '.3g')} | "
                          f"{f(r['tflop_per_s'], '.3g')} | {r['bound']} |")
         lines.append("")
     return lines

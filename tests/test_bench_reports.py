@@ -567,6 +567,8 @@ def test_bench_prefill_bad_cells_are_a_message(args, message, tmp_path, monkeypa
     ("bench_cpu_decode_attention", ["--batch", "0"]), ("bench_cpu_decode_attention", ["--reps", "0"]),
     ("bench_cpu_decode_step", ["--batch", "0"]), ("bench_host", ["--reps", "0"]), ("bench_host", ["--texts", "-1"]),
     ("bench_search_concurrency", ["--limit", "0"]), ("bench_search_concurrency", ["--concurrency", "1", "0"]),
+    ("bench_text_groups", ["--workers", "0"]), ("bench_text_groups", ["--steps", "0"]),
+    ("bench_text_groups", ["--reps", "0"]),
 ])
 def test_benchmark_counts_below_one_are_refused_by_name(script, args, monkeypatch, capsys):
     """A zero or negative count is an argparse error naming the option before anything runs (they ended in
@@ -636,7 +638,7 @@ def test_bench_e2e_data_file_replaces_a_datasets_file(tmp_path):
 
 @pytest.mark.parametrize("script", ["bench_kernels", "bench_host", "bench_paged_attention", "bench_cpu_decode_step",
                                     "bench_prefill_attention", "bench_prefill", "bench_decode", "bench_text_modes",
-                                    "bench_pass_padding"])
+                                    "bench_pass_padding", "bench_text_groups"])
 def test_every_table_writing_benchmark_takes_a_results_folder(script):
     """Each script that writes tables has --results (they wrote into benchmarks/results/ whatever the caller
     wanted, so a trial run overwrote the committed tables)."""
@@ -728,3 +730,22 @@ def test_the_pass_padding_count_groups_the_passes_as_the_engine_does():
         eng.attention_passes([[rng.randrange(1, 60) for _ in range(n)] for n in lens], "colmax")
     real, padded, forwards = bp.grouped_rows(calls, 64)
     assert (real, padded, forwards) == (sum(r for _, r in seen), sum(p for p, _ in seen), len(seen))
+
+
+def test_bench_text_groups_times_both_splits_on_one_stream(tmp_path, monkeypatch):
+    """bench_text_groups on a short stream through one worker: both splits' rows and the cost model's eight rows in
+    the table, the runs in the JSON, and the baseline split is the one from before (contiguous equal counts, the
+    least-loaded workers first)."""
+    mod = load("bench_text_groups")
+    assert mod._count_split([5, 1, 1, 9, 2], [7, 0, 3]) == [[3, 4], [0], [1, 2]]
+    assert mod._count_split([3], [0, 0]) == [[0], []]
+    monkeypatch.setattr(sys, "argv", ["bench_text_groups.py", "--workers", "1", "--steps", "6", "--reps", "1",
+                                      "--interval-ms", "5", "--results", str(tmp_path)])
+    assert mod.main() == 0
+    md = (tmp_path / "text_groups_cpu.md").read_text()
+    rows = [line for line in md.splitlines() if line.startswith(("| count |", "| cost |"))]
+    assert len(rows) == 2, md
+    assert sum(line.startswith(("| sentences |", "| real_words |")) for line in md.splitlines()) == 8, md
+    data = json.loads((tmp_path / "text_groups_cpu.json").read_text())
+    assert set(data["runs"]) == {"count", "cost"} and all(len(v) == 1 for v in data["runs"].values())
+    assert all(r["median_ms"] > 0 for v in data["runs"].values() for r in v)

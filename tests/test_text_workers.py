@@ -488,8 +488,8 @@ def test_the_pool_sends_a_group_without_waiting_and_settles_it_whole(pool):
     # the group stays unsettled while any share is out: hold the second worker's share back
     held, real_submit = [], _Worker.submit
 
-    def submit(self, rid, kind, text):
-        fut = real_submit(self, rid, kind, text)
+    def submit(self, rid, kind, text, cost):
+        fut = real_submit(self, rid, kind, text, cost)
         if self is pool._workers[1]:
             gate = Future()
             fut.add_done_callback(lambda f: held.append((gate, f)))
@@ -514,6 +514,31 @@ def test_the_pool_sends_a_group_without_waiting_and_settles_it_whole(pool):
     got = fut.result(timeout=60)
     for (k, t), g, w in zip(items, got, want):
         assert (is_failure(g) and is_failure(w)) if t is huge else g == w, (k, t)
+    assert [w.backlog() for w in pool._workers] == [0, 0]  # (every answered share's cost is off its worker)
+
+
+def test_balanced_shares_end_together_and_keep_every_item_once():
+    """The group's shares: every item in exactly one, each share in the items' order, and the greedy bound of
+    the longest-first split: a worker's total (its backlog plus its share) less its smallest item is at most the
+    least total of any worker. A worker whose backlog is larger than the whole group gets nothing."""
+    from fastrag.text.pool import balanced_shares
+
+    rng = random.Random(int.from_bytes(os.urandom(2), "little"))
+    for _ in range(200):
+        costs = [rng.choice([rng.randint(150, 300), rng.randint(150, 3000)]) for _ in range(rng.randint(1, 60))]
+        backlogs = [rng.choice([0, 0, rng.randint(0, 4000)]) for _ in range(rng.randint(1, 9))]
+        shares = balanced_shares(costs, backlogs)
+        assert len(shares) == len(backlogs)
+        assert sorted(j for sh in shares for j in sh) == list(range(len(costs)))
+        assert all(sh == sorted(sh) for sh in shares)
+        total = [b + sum(costs[j] for j in sh) for b, sh in zip(backlogs, shares)]
+        for t, sh in zip(total, shares):
+            if sh:
+                assert t - min(costs[j] for j in sh) <= min(total)
+    assert balanced_shares([200, 200, 200], [10**6, 0]) == [[], [0, 1, 2]]
+    assert balanced_shares([1000, 300, 300, 300], [0, 0]) == [[0], [1, 2, 3]]  # (by count: [0, 1] and [2, 3])
+    with pytest.raises(ValueError, match="at least one worker"):
+        balanced_shares([1], [])
 
 
 @pytest.mark.parametrize("overlap", [False, True])

@@ -38,6 +38,11 @@ BATCH_KINDS = {"sentences": ("fastrag.text.sentences", "split_sentences_batch"),
                "real_words": ("fastrag.text.realwords", "real_words_batch")}
 
 _BATCH = "__batch__"  # a frame holding several (kind, text) items: answered with compute_texts, in order
+# A text's estimated cost on a worker, in characters: its length plus a fixed part. Within a share's nlp.pipe pass
+# spaCy's time per text is about linear in its length: on the 2-core CI CPU, 40 texts a pass, 0.44 / 1.10 / 3.34 /
+# 9.39 ms a text split into sentences and 0.53 / 1.40 / 4.33 / 11.52 ms tagged at 30 / 100 / 300 / 900
+# characters, 10-13 us a character plus 10-15 characters' worth a text (benchmarks/results/text_groups_cpu.md)
+TEXT_COST_FIXED = 20
 _READY = -1  # the id of a worker's first frame: its pipeline is loaded (request ids count from 0)
 TEXT_LOCKSTEP_ENV = "FASTRAG_TEXT_LOCKSTEP"
 TEXT_GROUPS_ENV = "FASTRAG_TEXT_GROUPS"
@@ -150,6 +155,7 @@ class _Worker:
         self.proc = subprocess.Popen([sys.executable, "-m", "fastrag.text.pool"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, env=env)
         self.pending: dict[int, Future] = {}
+        self.costs: dict[int, int] = {}  # the estimated cost of each pending request (text_cost)
         self.lock = threading.Lock()
         self.broken: str | None = None
         self.ready = False  # its pipeline is loaded (the worker says so before its first answer)
@@ -187,6 +193,7 @@ class _Worker:
                     continue
                 with self.lock:
                     fut = self.pending.pop(rid, None)
+                    self.costs.pop(rid, None)
                 if fut is not None and fut.set_running_or_notify_cancel():
                     fut.set_result(value)
         except BaseException as e:  # noqa: BLE001  (whatever stops this reader, nothing may wait on it forever:
@@ -198,21 +205,51 @@ class _Worker:
             self.broken = f"text worker pid {self.proc.pid} exited with code {code}" + \
                 (f" (its reader failed: {why})" if why else "")
             left, self.pending = self.pending, {}
+            self.costs = {}
         for fut in left.values():
             if fut.set_running_or_notify_cancel():
                 fut.set_exception(BrokenProcessPool(self.broken))
 
-    def submit(self, rid: int, kind: str, text: str) -> Future:
+    def submit(self, rid: int, kind: str, text, cost: int) -> Future:
         fut = Future()
         with self.lock:
             if self.broken is not None:
                 raise BrokenProcessPool(self.broken)
             self.pending[rid] = fut
+            self.costs[rid] = cost
         self.outbox.put((rid, kind, text))
         return fut
 
     def load(self) -> int:
         return len(self.pending)
+
+    def backlog(self) -> int:
+        """The estimated cost of what this worker has not answered yet (text_cost of each text)."""
+        with self.lock:
+            return sum(self.costs.values())
+
+
+def text_cost(text) -> int:
+    """The estimated cost of one text request on a worker: its characters plus TEXT_COST_FIXED."""
+    return (len(text) if isinstance(text, str) else 0) + TEXT_COST_FIXED
+
+
+def balanced_shares(costs: list[int], backlogs: list[int]) -> list[list[int]]:
+    """The items of `costs` split over workers that already hold `backlogs` of work, so that the last worker to
+    finish finishes as early as it can: the longest item first, each to the worker whose backlog plus share is the
+    least so far (ties to the lower index). Returns each worker's item indices in increasing order (a worker may get
+    none)."""
+    if not backlogs:
+        raise ValueError("balanced_shares needs at least one worker")
+    load = list(backlogs)
+    shares: list[list[int]] = [[] for _ in backlogs]
+    for j in sorted(range(len(costs)), key=lambda j: (-costs[j], j)):
+        w = min(range(len(load)), key=lambda i: (load[i], i))
+        shares[w].append(j)
+        load[w] += costs[j]
+    for sh in shares:
+        sh.sort()
+    return shares
 
 
 class TextPool:
@@ -248,7 +285,7 @@ class TextPool:
     def submit(self, kind: str, text: str) -> Future:
         live = self._live([kind], "submit")
         self.texts += 1
-        return min(live, key=_Worker.load).submit(next(self._ids), kind, text)
+        return min(live, key=_Worker.backlog).submit(next(self._ids), kind, text, text_cost(text))
 
     @property
     def ready(self) -> int:
@@ -263,16 +300,18 @@ class TextPool:
         return None if any(w.broken is None for w in self._workers) else self._workers[0].broken
 
     def compute_texts(self, items: list[tuple[str, str]]) -> list:
-        """`compute_texts(items)` (this module's) on the workers: the items split into one contiguous share a
-        worker (those with their pipeline loaded, when any is), each share one frame through one nlp.pipe pass a
-        kind, then all waited for. Raises BrokenProcessPool when a worker dies meanwhile (the caller computes the
-        items itself)."""
+        """`compute_texts(items)` (this module's) on the workers: the items split into shares as `submit_texts`
+        splits them, each share one frame through one nlp.pipe pass a kind, then all waited for. Raises
+        BrokenProcessPool when a worker dies meanwhile (the caller computes the items itself)."""
         return self.submit_texts(items).result()
 
     def submit_texts(self, items: list[tuple[str, str]]) -> Future:
-        """`compute_texts(items)` without waiting: the shares go out as `compute_texts` sends them, and the Future
-        returned holds the whole list once every share is back (BrokenProcessPool when a worker died meanwhile).
-        One result for the group: whoever waits on it gets all the items' values at once."""
+        """`compute_texts(items)` without waiting: the items split over the workers (those with their pipeline
+        loaded, when any is) by their estimated cost (`text_cost`), counting what each worker still has to answer
+        from earlier calls (`balanced_shares`: the group is back when its last share is, so the shares are sized to
+        end together), one frame a share; the Future returned holds the whole list, in the items' order, once every
+        share is back (BrokenProcessPool when a worker died meanwhile). One result for the group: whoever waits on
+        it gets all the items' values at once."""
         live = self._live([k for k, _ in items], "submit_texts")
         live = [w for w in live if w.ready] or live
         out: Future = Future()
@@ -280,10 +319,11 @@ class TextPool:
         if n == 0:
             out.set_result([])
             return out
-        k = min(len(live), n)
-        bounds = [n * j // k for j in range(k + 1)]
-        futs = [w.submit(next(self._ids), _BATCH, items[a:b])
-                for w, a, b in zip(sorted(live, key=_Worker.load), bounds, bounds[1:])]
+        costs = [text_cost(t) for _, t in items]
+        plan = [(w, share) for w, share in zip(live, balanced_shares(costs, [w.backlog() for w in live])) if share]
+        futs = [w.submit(next(self._ids), _BATCH, [items[j] for j in share], sum(costs[j] for j in share))
+                for w, share in plan]
+        order = [j for _, share in plan for j in share]  # (the shares' values, concatenated: items at these places)
         self.texts += n
         left = [len(futs)]
         lock = threading.Lock()
@@ -295,14 +335,17 @@ class TextPool:
                     return
             if not out.set_running_or_notify_cancel():
                 return
-            values: list = []
+            got: list = []
             for f in futs:
                 try:
-                    values += f.result()
+                    got += f.result()
                 except BaseException as e:  # noqa: BLE001  (a dead worker, a cancelled share)
                     out.set_exception(e if isinstance(e, BrokenProcessPool) else BrokenProcessPool(
                         f"a share of the texts was lost ({type(e).__name__}: {e})"))
                     return
+            values: list = [None] * n
+            for j, v in zip(order, got):
+                values[j] = v
             out.set_result(values)
 
         for f in futs:
