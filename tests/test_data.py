@@ -287,6 +287,46 @@ def test_original_webquestions_release(tmp_path):
     assert e.answers == [] and any("have no gold answer" in str(w.message) for w in caught)
 
 
+def test_triviaqa_release_and_hugging_face_layouts(tmp_path):
+    """TriviaQA as released (the `Data` list of {QuestionId, Question, Answer: {Value, Aliases, ...}}) and as
+    Hugging Face's trivia_qa exports it ({question_id, question, answer: {value, aliases, ...}}): ids kept, gold
+    answers the value then its aliases without repeats; an answer with neither, or a Data entry that is not an
+    object, names its record."""
+    release = {"Data": [
+        {"Answer": {"Aliases": ["Sunset Blvd", "Sunset Boulevard", "West Sunset Boulevard"],
+                    "NormalizedAliases": ["sunset blvd", "sunset boulevard", "west sunset boulevard"],
+                    "NormalizedValue": "sunset boulevard", "Type": "WikipediaEntity", "Value": "Sunset Boulevard"},
+         "EntityPages": [{"Filename": "Sunset_Boulevard.txt", "Title": "Sunset Boulevard"}],
+         "Question": "Which Lloyd Webber musical premiered in the US on 10th December 1993?",
+         "QuestionId": "tc_33", "QuestionSource": "http://www.quiz-zone.co.uk/", "SearchResults": []},
+        {"Answer": {"Aliases": ["7"], "Type": "Numerical", "Value": 7},
+         "Question": "How many wonders of the ancient world?", "QuestionId": "tc_40"}],
+        "Domain": "Web", "Split": "dev", "Version": 1.0, "VerifiedEval": False}
+    p = tmp_path / "unfiltered-web-dev.json"
+    p.write_text(json.dumps(release), encoding="utf-8")
+    ex = load_examples("nq", p)
+    assert [(e.qid, e.answers, e.meta["format"]) for e in ex] == [
+        ("tc_33", ["Sunset Boulevard", "Sunset Blvd", "West Sunset Boulevard"], "triviaqa"),
+        ("tc_40", ["7"], "triviaqa")]
+    assert ex[0].question.startswith("Which Lloyd Webber") and ex[0].meta["QuestionSource"].startswith("http")
+    hf = _jsonl(tmp_path / "trivia_qa.jsonl", [
+        {"question": "Who was the man behind The Chipmunks?", "question_id": "tc_2", "question_source": "src",
+         "entity_pages": {"title": [], "wiki_context": []},
+         "answer": {"aliases": ["David Seville", "david seville"], "normalized_aliases": ["david seville"],
+                    "value": "David Seville", "normalized_value": "david seville", "type": "WikipediaEntity"}}])
+    (e,) = load_examples("nq", hf)
+    assert (e.qid, e.question, e.answers, e.meta["format"]) == (
+        "tc_2", "Who was the man behind The Chipmunks?", ["David Seville", "david seville"], "triviaqa")
+    bad = _jsonl(tmp_path / "bad.jsonl", [{"question": "q", "question_id": "x", "answer": {"value": None,
+                                                                                         "aliases": None}}])
+    with pytest.raises(DataError, match=r"bad\.jsonl:1: field 'answer' has neither 'value' nor 'aliases'"):
+        load_examples("nq", bad)
+    release["Data"][1] = ["not", "a", "record"]
+    p.write_text(json.dumps(release), encoding="utf-8")
+    with pytest.raises(DataError, match=r"unfiltered-web-dev\.json\[Data\]\[1\]: record is a list"):
+        load_examples("nq", p)
+
+
 def test_dpr_question_answers_tsv(tmp_path):
     """DPR's `*.qa.csv` files: question<TAB>answers, the answers a Python list literal (DPR writes repr) or JSON; no
     ids; an answers cell that is no list is one answer; a header line is skipped; extra columns are kept; the

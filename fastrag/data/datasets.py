@@ -224,6 +224,25 @@ def _read_webq_original(rec: _Rec) -> _Row:
     return None, _question(rec, "utterance"), answers, _meta(rec, ("utterance", "targetValue"), "webq_original")
 
 
+def _read_triviaqa(rec: _Rec) -> _Row:
+    """TriviaQA as released ({QuestionId, Question, Answer: {Value, Aliases, ...}, ...}, one of the `Data` list of
+    its json) and as Hugging Face's `trivia_qa` exports it ({question_id, question, answer: {value, aliases, ...}}):
+    the gold answers are the value, then its aliases (the published evaluation matches any of them)."""
+    released = "Answer" in rec.obj
+    qkey, akey, idkey, vkey, alkey = (("Question", "Answer", "QuestionId", "Value", "Aliases") if released
+                                      else ("question", "answer", "question_id", "value", "aliases"))
+    ans = _need(rec, akey, dict)
+    golds: list[str] = []
+    for key in (vkey, alkey):
+        if ans.get(key) is not None:
+            golds += _str_list(rec, f"{akey}.{key}", ans[key])
+    if not golds:
+        raise DataError(f"{rec.where}: field {akey!r} has neither {vkey!r} nor {alkey!r} (TriviaQA's gold answers), "
+                        f"got keys {sorted(ans)!r:.120}")
+    qid = None if rec.obj.get(idkey) is None else _qid(rec, idkey)
+    return qid, _question(rec, qkey), list(dict.fromkeys(golds)), _meta(rec, (qkey, akey, idkey), "triviaqa")
+
+
 def _read_iirc_question(rec: _Rec, passage_title: Any) -> _Row:
     ans = _need(rec, "answer", dict)
     kind = ans.get("type")
@@ -261,6 +280,7 @@ _READERS: dict[str, Callable[[_Rec], _Row]] = {
     "qa_answers": _read_qa_answers,
     "dpr_qas": _read_qa_answers,
     "webq_original": _read_webq_original,
+    "triviaqa": _read_triviaqa,
 }
 
 
@@ -273,12 +293,15 @@ def _detect(obj: dict) -> str | None:
         (("golden_answers",), "flashrag"),
         (("qId", "qText"), "webq"),
         (("utterance", "targetValue"), "webq_original"),
+        (("QuestionId", "Question", "Answer"), "triviaqa"),
         (("test_id",), "2wiki_list"),
         (("_id",), "2wiki"),
     ):
         if all(k in keys for k in need):
             return name
     a = obj.get("answer")
+    if "question" in keys and isinstance(a, dict) and ("value" in a or "aliases" in a):
+        return "triviaqa"  # (Hugging Face's trivia_qa)
     if "qid" in keys and (isinstance(a, bool) or isinstance(a, str) and a.strip().lower() in ("yes", "no")):
         return "strategyqa"  # (what _read_strategyqa reads: a {qid, question, answer: "Paris"} file is no StrategyQA
         # file, and calling it one sent its user to --dataset strategyqa, which refuses the answer)
@@ -344,6 +367,13 @@ def _records(path: Path) -> Iterator[_Rec]:
                 if not isinstance(obj, dict):
                     raise DataError(f"{path}[{i}]: record is a {type(obj).__name__}, expected a JSON object")
                 yield _Rec(f"{path}[{i}]", obj)
+            return
+        if isinstance(whole, dict) and isinstance(whole.get("Data"), list):  # TriviaQA's release: {"Data": [...],
+            # "Domain", "Version", "Split", ...}
+            for i, obj in enumerate(whole["Data"]):
+                if not isinstance(obj, dict):
+                    raise DataError(f"{path}[Data][{i}]: record is a {type(obj).__name__}, expected a JSON object")
+                yield _Rec(f"{path}[Data][{i}]", obj)
             return
         if isinstance(whole, dict):  # a single-object file (a one-line jsonl or a wrapper we do not know)
             yield _Rec(f"{path}:1", whole)

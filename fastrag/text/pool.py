@@ -220,9 +220,6 @@ class _Worker:
         self.outbox.put((rid, kind, text))
         return fut
 
-    def load(self) -> int:
-        return len(self.pending)
-
     def backlog(self) -> int:
         """The estimated cost of what this worker has not answered yet (text_cost of each text)."""
         with self.lock:
