@@ -12,6 +12,7 @@
 | `qa_answers`| `question, answers`; `id`/`qid` optional (DPR json, HF exports) | `answers` (list, string, `{text}`) |
 | `dpr_qas`   | tab-separated `question<TAB>answers`, no ids (DPR's `*.qa.csv`)  | Python/JSON list, or one answer  |
 | `webq_original` | `utterance, targetValue` (the original WebQuestions release)   | its `(description ...)` values   |
+| `triviaqa`  | `QuestionId, Question, Answer` (the release's `Data` list) or HF's `question_id, question, answer` | the value, then its aliases |
 | `iirc`      | passages, each with `questions[{qid, question, answer}]`   | see below                        |
 
 IIRC follows the published DRAGIN loader (src/data.py, `IIRC`), which reads the IIRC release's `dev.json`: answer
@@ -192,9 +193,11 @@ def _read_nq_open(rec: _Rec) -> _Row:
     return _optional_qid(rec), _question(rec, "question"), answers, _meta(rec, used, "nq_open")
 
 
-def _optional_qid(rec: _Rec) -> str | None:
-    key = "id" if "id" in rec.obj else "qid"
-    return None if rec.obj.get(key) is None else _qid(rec, key)  # (no id, or a null one: numbered in file order)
+def _optional_qid(rec: _Rec, keys: tuple[str, ...] = ("id", "qid")) -> str | None:
+    """The first of `keys` the record has (else the last) as a question id; None for no id or a null one (the
+    question is then numbered in file order)."""
+    key = next((k for k in keys if k in rec.obj), keys[-1])
+    return None if rec.obj.get(key) is None else _qid(rec, key)
 
 
 def _read_qa_answers(rec: _Rec) -> _Row:
@@ -239,8 +242,7 @@ def _read_triviaqa(rec: _Rec) -> _Row:
     if not golds:
         raise DataError(f"{rec.where}: field {akey!r} has neither {vkey!r} nor {alkey!r} (TriviaQA's gold answers), "
                         f"got keys {sorted(ans)!r:.120}")
-    qid = None if rec.obj.get(idkey) is None else _qid(rec, idkey)
-    return qid, _question(rec, qkey), list(dict.fromkeys(golds)), _meta(rec, (qkey, akey, idkey), "triviaqa")
+    return _optional_qid(rec, (idkey,)), _question(rec, qkey), list(dict.fromkeys(golds)), _meta(rec, (qkey, akey, idkey), "triviaqa")
 
 
 def _read_iirc_question(rec: _Rec, passage_title: Any) -> _Row:
@@ -362,18 +364,14 @@ def _records(path: Path) -> Iterator[_Rec]:
             if head == "[":
                 raise DataError(f"{path}: {e}") from None
             whole = None  # (jsonl: the line is named below)
+        where = str(path)
+        if isinstance(whole, dict) and isinstance(whole.get("Data"), list):  # TriviaQA's release: {"Data": [...],
+            whole, where = whole["Data"], f"{path}[Data]"  # "Domain", "Version", "Split", ...}
         if isinstance(whole, list):
             for i, obj in enumerate(whole):
                 if not isinstance(obj, dict):
-                    raise DataError(f"{path}[{i}]: record is a {type(obj).__name__}, expected a JSON object")
-                yield _Rec(f"{path}[{i}]", obj)
-            return
-        if isinstance(whole, dict) and isinstance(whole.get("Data"), list):  # TriviaQA's release: {"Data": [...],
-            # "Domain", "Version", "Split", ...}
-            for i, obj in enumerate(whole["Data"]):
-                if not isinstance(obj, dict):
-                    raise DataError(f"{path}[Data][{i}]: record is a {type(obj).__name__}, expected a JSON object")
-                yield _Rec(f"{path}[Data][{i}]", obj)
+                    raise DataError(f"{where}[{i}]: record is a {type(obj).__name__}, expected a JSON object")
+                yield _Rec(f"{where}[{i}]", obj)
             return
         if isinstance(whole, dict):  # a single-object file (a one-line jsonl or a wrapper we do not know)
             yield _Rec(f"{path}:1", whole)
@@ -520,8 +518,9 @@ def load_examples(dataset: str, path: str | Path, limit: int | None = None,
                     "(question_id, question_text, answers_objects), 2Wiki (_id | test_id, question, answer), "
                     "StrategyQA (qid, question, answer: bool), NQ-open or plain QA (question, answer[] or answer: "
                     "str), question + answers (DPR, Hugging Face exports), WebQuestions (qId, qText, answers; or "
-                    "utterance, targetValue), FlashRAG (id, question, golden_answers), IIRC (passages with "
-                    "questions), or a question<TAB>answers file"
+                    "utterance, targetValue), TriviaQA (Question, Answer: {Value, Aliases}; or question, answer: {value, "
+                    "aliases}), FlashRAG (id, question, golden_answers), IIRC (passages with questions), or a "
+                    "question<TAB>answers file"
                 )
             _check_dataset(name, fmt, rec)
         if fmt == "iirc":
