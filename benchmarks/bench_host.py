@@ -19,6 +19,11 @@ Four measurements (the first with a second part), each with its baseline in the 
 5. Host preparation of a prefill and of an attention pass replayed from CUDA graphs (`PrefillGraphs.run`,
    `PassGraphs.run`, fastrag/cuda_graphs.py) with the graph's forward stubbed out: the buffers' host images, their
    two copies, and for a pass the q and k put back in [B, T] order; against 3.'s eager forwards.
+6. A graphed decode step whose every sequence tracks its attention (DRAGIN): the torch operations `step_launch`
+   dispatches (on a GPU each is a launch or at least a dispatch) and its host ms, at batch 64 and 256, with every
+   span a different length. Baseline in the same run: each sequence's maxima in a tensor of its span's exact
+   length, so each is a capacity of its own (as before `fastrag.engine.track_capacity`); against the engine's
+   power-of-two capacities. Graph forward, signal kernels and the tracking kernel stubbed out.
 
     python benchmarks/bench_host.py              # writes benchmarks/results/host_<device>.md
 
@@ -136,6 +141,89 @@ def step_host(reps: int) -> dict:
             tf.append(time.perf_counter() - t1)
     return {"batch": len(eng.running), "launch_ms": statistics.median(tl) * 1e3,
             "finish_ms": statistics.median(tf) * 1e3}
+
+
+def tracked_step(reps: int, batches: tuple[int, ...] = (64, 256)) -> list[dict]:
+    """6. in the module doc: per batch and capacity rule, the torch operations one `step_launch` dispatches and the
+    median host ms of `step_launch` and `step_finish`, every sequence tracked, every span of its own length."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from fastrag.cuda_graphs import DecodeGraphs
+    from fastrag.engine import Engine
+    from fastrag.model.llama import LlamaModel
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    class Signals:  # the decode-step signals and the tracking update stubbed out (one operation each)
+        def __init__(self, inner, B):
+            self.inner, self.one, self.zero = inner, torch.ones(B, dtype=torch.long), torch.zeros(B)
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def decode_signals(self, lg, **kw):
+            B = lg.shape[0]
+            return types.SimpleNamespace(chosen=self.one[:B], entropy=self.zero[:B], logprob=self.zero[:B])
+
+        @staticmethod
+        def attn_decode_update(q, k, blocks, lens, starts, lse, bs, scale, amax):
+            amax.add_(0.0)
+
+    rows = []
+    forward = DecodeGraphs._forward
+    try:
+        for B in batches:
+            logits = torch.zeros(B, 96)
+
+            def stub(self, g, logits=logits):  # what the model's forward leaves for the tracking: q and lse
+                c = self.model.c
+                g.batch.last_layer.update(q=torch.zeros(g.ids.shape[0], c.num_heads, c.head_dim),
+                                          lse=torch.zeros(g.ids.shape[0], c.num_heads))
+                return logits[: g.ids.shape[0]]
+
+            DecodeGraphs._forward = stub
+            for rule in ("exact", "power of two"):
+                m = LlamaModel.from_hf_config(_tiny_config(), seed=5)
+                eng = Engine(m, _Tok(), kv_cache_gb=0.6, max_batch=B, cuda_graphs=True)
+                rng = random.Random(0)
+                for i in range(B):  # spans of 8 prompt tokens + 100-355 new ones: every one a different length
+                    p = [rng.randrange(96) for _ in range(rng.randint(200, 400))]
+                    s = eng.new_sequence()
+                    eng.start(s, p, 100 + i, track_from=len(p) - 8)
+                    if rule == "exact":
+                        s.amax = torch.zeros(m.c.num_heads, 108 + i)
+                eng.max_prefill_tokens = 10**6
+                while eng.waiting:
+                    eng.step()
+                eng.signals = Signals(eng.signals, B)
+                for _ in range(10):  # past the spans' prompt tokens: every step samples
+                    eng.step_finish(eng.step_launch())
+                with torch.inference_mode(), Count() as c:
+                    st = eng.step_launch()
+                eng.step_finish(st)
+                tl, tf = [], []
+                for _ in range(reps):
+                    t = time.perf_counter()
+                    st = eng.step_launch()
+                    t1 = time.perf_counter()
+                    eng.step_finish(st)
+                    tl.append(t1 - t)
+                    tf.append(time.perf_counter() - t1)
+                if len(eng.running) != B or eng.graphs.stats["replays"] == 0:
+                    raise RuntimeError("the tracked decode steps did not replay a full batch")
+                rows.append({"batch": B, "capacities": rule,
+                             "distinct": len({s.amax.shape[1] for s in eng.running}), "ops": c.n,
+                             "launch_ms": statistics.median(tl) * 1e3, "finish_ms": statistics.median(tf) * 1e3})
+    finally:
+        DecodeGraphs._forward = forward
+    return rows
 
 
 def text_pool(n_texts: int, workers: list[int]) -> dict:
@@ -373,6 +461,8 @@ def main() -> int:
     ops = packed_ops(max(5, args.reps // 3))
     sig = signals(max(10, args.reps // 2))
     gp = graph_prep(args.reps)
+    tr = tracked_step(max(5, args.reps // 2))
+    base = {r["batch"]: r for r in tr if r["capacities"] == "exact"}
     cmd = "python benchmarks/bench_host.py " + shlex.join(sys.argv[1:])
     lines = [
         f"# Host-side work around the engine's steps ({device})", "",
@@ -413,6 +503,17 @@ def main() -> int:
         "[B, T] order. On a GPU the replay adds one launch. Against the eager forwards' host ms at 32 layers above.",
         "", "| call | median host ms |", "|---|---|",
         *(f"| {r['call']} | {r['median_ms']:.3f} |" for r in gp), "",
+        "## A graphed decode step whose every sequence tracks its attention (DRAGIN), by capacity rule", "",
+        "Every sequence's span a different length (8 prompt tokens and 100 to 99 + batch new ones); its maxima held "
+        "in a tensor of the span's exact length (the rule before `track_capacity`: a capacity a sequence) or of the "
+        "next power of two (the engine's). ops: torch operations one `step_launch` dispatches, each a launch or a "
+        "dispatch on a GPU. Graph forward, signal kernels and the tracking kernel stubbed out (one operation each); "
+        "ms are this CPU's, medians.", "",
+        "| batch | capacities | distinct capacities | ops a launch | launch ms | finish ms | ops / exact's | "
+        "launch ms / exact's |", "|---|---|---|---|---|---|---|---|",
+        *(f"| {r['batch']} | {r['capacities']} | {r['distinct']} | {r['ops']} | {r['launch_ms']:.3f} | "
+          f"{r['finish_ms']:.3f} | {r['ops'] / base[r['batch']]['ops']:.3f} | "
+          f"{r['launch_ms'] / base[r['batch']]['launch_ms']:.3f} |" for r in tr), "",
     ]
     results = Path(args.results)
     results.mkdir(parents=True, exist_ok=True)

@@ -342,13 +342,13 @@ def main() -> None:
     graphs_default = eng.prefill_graphs
     if args.graphs and graphs_default is None:  # (the engine has none: a CPU; they need the paged fused prefill)
         from fastrag.cuda_graphs import PrefillGraphs
-        from fastrag.engine import PREFILL_GRAPH_SEQS, PREFILL_GRAPH_TOKENS
+        from fastrag.engine import PREFILL_GRAPH_SEQS, prefill_graph_tokens
 
         if not (model.uses_fused_prefill(dev) and on):
             ap.error("--graphs on a CPU needs the paged prefill kernel and the fused small operations "
                      "(TRITON_INTERPRET=1 FASTRAG_PAGED_PREFILL=1 FASTRAG_FUSED_DECODE=1)")
         graphs_other = PrefillGraphs(model, eng.pool, ctx_blocks=-(-eng.max_context // eng.pool.block_size),
-                                     max_tokens=min(PREFILL_GRAPH_TOKENS, eng.max_prefill_tokens),
+                                     max_tokens=min(prefill_graph_tokens(), eng.max_prefill_tokens),
                                      max_seqs=min(PREFILL_GRAPH_SEQS, eng.max_batch),
                                      emulate=not gpu)
         graphs_other.capture_ahead()

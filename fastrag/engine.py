@@ -30,10 +30,16 @@ _M64 = (1 << 64) - 1
 CUDA_GRAPHS_ENV = "FASTRAG_CUDA_GRAPHS"
 PREFILL_GRAPHS_ENV = "FASTRAG_PREFILL_GRAPHS"
 PASS_GRAPHS_ENV = "FASTRAG_PASS_GRAPHS"
-# the largest prefill (new tokens) and the most sequences a prefill graph takes (fastrag/cuda_graphs.py)
-PREFILL_GRAPH_TOKENS, PREFILL_GRAPH_SEQS = 1024, 16
+# the largest prefill (new tokens; capped by the engine's max_prefill_tokens) and the most sequences a prefill graph
+# takes (fastrag/cuda_graphs.py); $FASTRAG_PREFILL_GRAPH_TOKENS overrides the first. Up to 2026-11-27b the graphs
+# stopped at 1,024 tokens and 16 sequences: on the H200 the 245 eager calls past them (1,024-3,900 tokens, 2-38
+# sequences) each took a median 28.8 ms of host launch and 43.5 ms of device time at 1.62x their floor
+PREFILL_GRAPH_TOKENS, PREFILL_GRAPH_SEQS = 4096, 32
+PREFILL_GRAPH_TOKENS_ENV = "FASTRAG_PREFILL_GRAPH_TOKENS"
 # and for the attention passes' graphs (token lists of DRAGIN's RIND and QFS passes)
 PASS_GRAPH_TOKENS, PASS_GRAPH_SEQS = 1024, 32
+# a tracked span's maxima are held in columns of a power-of-two capacity, at least this many (track_capacity)
+TRACK_MIN_CAPACITY = 64
 PREFILL_HOLD_ENV = "FASTRAG_PREFILL_HOLD"  # steps a small prefill may wait for more (default: 2 on CUDA, else 0)
 DEFAULT_PREFILL_HOLD = 2  # on CUDA devices (Engine's prefill_hold)
 MIX_PREFILL_ENV = "FASTRAG_MIX_PREFILL"  # 1: prefill batches mix shared prefixes (default 0)
@@ -49,6 +55,16 @@ def _env_int(name: str, default: int) -> int:
     if not raw.isdigit():
         raise ValueError(f"${name}={os.environ[name]!r}: expected an integer >= 0")
     return int(raw)
+
+
+def prefill_graph_tokens() -> int:
+    """The most new tokens a prefill graph takes: $FASTRAG_PREFILL_GRAPH_TOKENS (an integer >= 16) when set, else
+    PREFILL_GRAPH_TOKENS."""
+    v = _env_int(PREFILL_GRAPH_TOKENS_ENV, PREFILL_GRAPH_TOKENS)
+    if v < 16:
+        raise ValueError(f"${PREFILL_GRAPH_TOKENS_ENV}={os.environ[PREFILL_GRAPH_TOKENS_ENV]!r}: expected an integer "
+                         ">= 16 (the smallest token bucket)")
+    return v
 
 
 def default_async_prefill(device: torch.device) -> bool:
@@ -275,6 +291,14 @@ CPU_KV_CACHE_GB = 4.0  # the pool on a CPU when none is asked for
 GPU_MEMORY_FRACTION = 0.8
 
 
+def track_capacity(n: int) -> int:
+    """The columns held for a tracked span of at most n tokens: the next power of two >= n, at least
+    TRACK_MIN_CAPACITY. A decode step moves the tracked sequences' maxima to the kernel and back one capacity at a
+    time, a fixed number of operations per capacity (`Engine._track`); spans of exact lengths would almost all differ
+    (DRAGIN's continuations carry their earlier text) and cost operations per sequence instead."""
+    return max(TRACK_MIN_CAPACITY, 1 << max(int(n) - 1, 0).bit_length())
+
+
 def auto_kv_cache_gb(model: LlamaModel, max_batch: int, max_prefill_tokens: int) -> float:
     """The KV pool's size (GiB) when none is given. CPU: CPU_KV_CACHE_GB. GPU: GPU_MEMORY_FRACTION of the device's
     memory, less what is allocated now (the weights), the largest prefill chunk's activations and a full decode
@@ -426,8 +450,8 @@ class Engine:
             else None
         self.graphs = DecodeGraphs(model, self.pool, max_batch, emulate=self.device.type != "cuda",
                                    ctx_blocks=width) if cuda_graphs else None
-        # small prefills replayed from CUDA graphs (fastrag/cuda_graphs.py `PrefillGraphs`): calls of up to
-        # PREFILL_GRAPH_SEQS sequences and PREFILL_GRAPH_TOKENS new tokens, where the model prefills through the
+        # prefills replayed from CUDA graphs (fastrag/cuda_graphs.py `PrefillGraphs`): calls of up to
+        # PREFILL_GRAPH_SEQS sequences and prefill_graph_tokens() new tokens, where the model prefills through the
         # paged prefill kernel with the fused small operations. None: on where the decode graphs are, unless
         # $FASTRAG_PREFILL_GRAPHS=0; True on a CPU runs the same static-buffer protocol emulated (the tests)
         def graphs_on(value, env: str, name: str) -> bool:  # (the env setting read, a bad one named, on any device)
@@ -441,7 +465,7 @@ class Engine:
         prefill_graphs = graphs_on(prefill_graphs, PREFILL_GRAPHS_ENV, "prefill_graphs")
         self.prefill_graphs = PrefillGraphs(
             model, self.pool, ctx_blocks=-(-self.max_context // block_size),
-            max_tokens=min(PREFILL_GRAPH_TOKENS, max_prefill_tokens), max_seqs=min(PREFILL_GRAPH_SEQS, max_batch),
+            max_tokens=min(prefill_graph_tokens(), max_prefill_tokens), max_seqs=min(PREFILL_GRAPH_SEQS, max_batch),
             emulate=self.device.type != "cuda",
             scratch_block=None if self.graphs is None else self.graphs.scratch_block) if prefill_graphs else None
         # DRAGIN's attention passes likewise (`PassGraphs`; FASTRAG_PASS_GRAPHS=0 turns them off)
@@ -655,7 +679,7 @@ class Engine:
         if track_from is not None:
             if track_from < base:
                 raise ValueError(f"track_from={track_from} lies inside the shared prefix ({base} tokens)")
-            cap = len(prompt_ids) - track_from + max_new_tokens
+            cap = track_capacity(len(prompt_ids) - track_from + max_new_tokens)
             amax = torch.zeros(self.model.c.num_heads, cap, dtype=torch.float32, device=self.device)
             if s.track_from == track_from and s.amax is not None:  # the same span continues: keep what is cached
                 keep = min(max(s.computed - track_from, 0), s.amax.shape[1], cap)
@@ -1169,7 +1193,14 @@ class Engine:
 
     def _track(self, items, rows: list[int], batch: AttnBatch) -> None:
         """Fold this decode step's last-layer attention into the running maxima of the tracked sequences (one
-        fused call for all of them), reusing the row log-sum-exp of the decode attention."""
+        fused call for all of them), reusing the row log-sum-exp of the decode attention.
+
+        The kernel takes the maxima as one [R, H, width] tensor. The sequences' own tensors go in and come back a
+        capacity at a time (track_capacity): the rows are ordered by capacity, and each capacity's sequences are
+        stacked, copied into their rows and copied back in a fixed number of operations, so a step's operations
+        grow with the capacities in the batch, not with its sequences (on a GPU each is a launch: row-by-row
+        copies cost the H200's host about 28 us a sequence a step, 2026-11-27b)."""
+        rows = sorted(rows, key=lambda b: items[b][0].amax.shape[1])
         seqs = [items[b][0] for b in rows]
         idx = self._h2d(torch.tensor(rows, dtype=torch.long))
         q, lse = batch.last_layer["q"].index_select(0, idx), batch.last_layer["lse"].index_select(0, idx)
@@ -1178,26 +1209,33 @@ class Engine:
         starts = [s.track_from - s.base for s in seqs]
         cols = [min(s.amax.shape[1], s.table.num_tokens + 1 - st) for s, st in zip(seqs, starts)]
         width = max(cols)  # the span columns any tracked sequence has keys for (the kernel's S)
-        same_cap = len({s.amax.shape[1] for s in seqs}) == 1  # (one method's generations: all of them)
-        if same_cap:  # a fixed number of copies whatever the batch, not two small copies per sequence: the kernel
-            # leaves each sequence's columns past its keys unchanged, so whole rows can go in and come back
-            whole = torch.stack([s.amax for s in seqs])  # [R, H, cap]
+        groups = []  # (first row, end row, capacity): the rows of one capacity, consecutive
+        for i, s in enumerate(seqs):
+            cap = s.amax.shape[1]
+            if groups and groups[-1][2] == cap:
+                groups[-1][1] = i + 1
+            else:
+                groups.append([i, i + 1, cap])
+        # each capacity's tensors stacked [Rg, H, cap]; the kernel leaves each sequence's columns past its keys
+        # unchanged, so whole rows go in and come back
+        wholes = [torch.stack([s.amax for s in seqs[a:b]]) for a, b, _ in groups]
+        if len(groups) == 1:
+            whole = wholes[0]
             amax = whole if width == whole.shape[2] else whole[:, :, :width].contiguous()
         else:
             amax = torch.zeros(len(seqs), q.shape[1], width, dtype=torch.float32, device=self.device)
-            for i, (s, n) in enumerate(zip(seqs, cols)):
-                amax[i, :, :n] = s.amax[:, :n]
+            for (a, b, cap), whole in zip(groups, wholes):
+                w = min(cap, width)
+                amax[a:b, :, :w] = whole[:, :, :w]
         self.signals.attn_decode_update(q.contiguous(), self.pool.k[-1], batch.ctx_blocks.index_select(0, idx),
                                         batch.ctx_lens.index_select(0, idx),
                                         self._h2d(torch.tensor(starts, dtype=torch.long)),
                                         lse.float().contiguous(), self.pool.block_size, self.model.scale, amax)
-        if same_cap:
+        for (a, b, cap), whole in zip(groups, wholes):
+            w = min(cap, width)
             if amax is not whole:
-                whole[:, :, :width] = amax
-            torch._foreach_copy_([s.amax for s in seqs], list(whole.unbind(0)))
-        else:
-            for i, (s, n) in enumerate(zip(seqs, cols)):
-                s.amax[:, :n] = amax[i, :, :n]
+                whole[:, :, :w] = amax[a:b, :, :w]
+            torch._foreach_copy_([s.amax for s in seqs[a:b]], list(whole.unbind(0)))
 
     def _h2d(self, t: torch.Tensor) -> torch.Tensor:
         """A host tensor on the engine's device. On a GPU through pinned memory with non_blocking: a copy from

@@ -16,7 +16,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # the Triton kernels on CPU tensors; before any kernels import
 
-from fastrag.engine import Engine  # noqa: E402
+from fastrag.engine import Engine, track_capacity  # noqa: E402
 from fastrag.model.llama import LlamaModel  # noqa: E402
 from fastrag.signals import BackendUnavailableError, get_backend  # noqa: E402
 from fastrag.signals.reference import _causal_probs  # noqa: E402
@@ -222,10 +222,12 @@ def test_real_smollm2_tracked_attention_and_streaming_dragin(tmp_path):
     assert m["errors"] == 0 and m["n"] == 1 and m["decode_tokens_per_question"] > 0
 
 
-@pytest.mark.parametrize("news", [(8, 8, 8, 8), (8, 5, 8, 3)], ids=["one_capacity", "mixed_capacities"])
+@pytest.mark.parametrize("news", [(8, 8, 8, 8), (8, 5, 8, 3), (8, 70, 3, 130)],
+                         ids=["one_capacity", "one_capacity_mixed_spans", "three_capacities"])
 def test_tracked_sequences_at_different_points_share_a_step(model, news):
-    """Tracked sequences of different prompt lengths in one decode batch, with one span capacity (the engine moves
-    all rows to the kernel at once) or several (row by row): each sequence's maxima are its own."""
+    """Tracked sequences of different prompt lengths and spans in one decode batch, their maxima held in one
+    capacity (the engine moves all rows to the kernel at once) or several, interleaved in the batch (moved a
+    capacity at a time, the rows reordered by capacity): each sequence's maxima are its own."""
     eng = Engine(model, ByteTok(), block_size=8, kv_cache_gb=0.01, signals="torch")
     prompts = [ByteTok().encode(f"Q{i}: {'y' * (5 * i)}? A:") for i in range(4)]
     seqs = [eng.new_sequence() for _ in prompts]
@@ -238,3 +240,45 @@ def test_tracked_sequences_at_different_points_share_a_step(model, news):
         exp = expected_attn(model, p + s.out.ids, fed=len(p) + n - 1, track_from=len(p) - 2)
         torch.testing.assert_close(torch.tensor(s.out.attn, dtype=torch.float64), torch.tensor(exp, dtype=torch.float64),
                                    atol=2e-6, rtol=1e-4)
+
+
+def test_track_capacity_is_a_power_of_two_from_the_minimum():
+    assert [track_capacity(n) for n in (0, 1, 63, 64, 65, 128, 129, 1000)] == [64, 64, 64, 64, 128, 128, 256, 1024]
+
+
+def test_tracking_operations_do_not_grow_with_the_batch(model):
+    """A decode step's tracking (`Engine._track`) dispatches the same torch operations for 4 and for 16 tracked
+    sequences whose spans all differ in length, held in two capacities: on a GPU each operation costs the host a
+    launch, and moving the maxima sequence by sequence cost the H200's host about 28 us a sequence a step."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    def ops_per_track(batch: int) -> list[int]:
+        eng = Engine(model, ByteTok(), block_size=8, kv_cache_gb=0.02, signals="torch", max_batch=batch)
+        counts = []
+        track = eng._track
+
+        def counted(*a, **k):
+            with Count() as c:
+                track(*a, **k)
+            counts.append(c.n)
+
+        eng._track = counted
+        for i in range(batch):  # spans of 2 + n tokens, every one a different length: capacities 64 and 128
+            p = ByteTok().encode(f"Q{i}: {'z' * (3 * i)}? A:")
+            eng.start(eng.new_sequence(), p, 6 + i if i % 2 else 70 + i, track_from=len(p) - 2)
+        for _ in range(4):
+            eng.step()
+        assert len(counts) >= 2 and {s.amax.shape[1] for s in eng.running} == {64, 128}
+        return counts
+
+    small, large = ops_per_track(4), ops_per_track(16)
+    assert max(large) == max(small), (small, large)

@@ -676,6 +676,20 @@ def test_bench_host_times_the_graphed_calls_host_work_as_replays(monkeypatch):
     assert all(r["median_ms"] > 0 for r in rows)
 
 
+def test_bench_host_tracked_step_counts_fewer_operations_with_shared_capacities(monkeypatch):
+    """bench_host's tracked decode step: at each batch the exact-length rule holds a capacity a sequence and
+    dispatches more operations the bigger the batch; the engine's power-of-two capacities are a few, whose
+    operations hardly grow with the batch."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    rows = {(r["batch"], r["capacities"]): r for r in load("bench_host").tracked_step(2, batches=(8, 32))}
+    assert rows[8, "exact"]["distinct"] == 8 and rows[32, "exact"]["distinct"] == 32
+    assert rows[32, "exact"]["ops"] - rows[8, "exact"]["ops"] >= 24 * 4
+    assert rows[32, "power of two"]["distinct"] <= 2
+    # (a second capacity adds its own dozen operations; 24 more sequences of their own capacities, hundreds)
+    assert rows[32, "power of two"]["ops"] - rows[8, "power of two"]["ops"] < 16
+    assert all(r["launch_ms"] > 0 and r["finish_ms"] > 0 for r in rows.values())
+
+
 def test_bench_prefill_times_each_cell_eagerly_and_from_the_prefill_graphs(tmp_path):
     """bench_prefill --graphs on a CPU (emulated graphs, the paged kernel interpreted): each cell eagerly and then
     replayed from its graph, the same counted work, and the table says which rows replayed."""

@@ -243,6 +243,27 @@ def _lists(rng, n, longest):
     return [[rng.randrange(1, 90) for _ in range(rng.randint(1, longest))] for _ in range(n)]
 
 
+def test_prefill_graphs_take_calls_up_to_the_prefill_budget(monkeypatch):
+    """The prefill graphs' largest bucket is the engine's prefill token budget (4,096 by default) unless
+    $FASTRAG_PREFILL_GRAPH_TOKENS says less, and a call takes up to 32 sequences (the H200's 1,000-question run
+    prefilled 245 calls of 1,024-3,900 tokens and 2-38 sequences eagerly while the graphs stopped at 1,024 and 16); a
+    setting below the smallest bucket, or not an integer, is named."""
+    from fastrag.engine import Engine
+
+    m = _model(monkeypatch)
+    monkeypatch.delenv("FASTRAG_PREFILL_GRAPH_TOKENS", raising=False)
+    g = Engine(m, _Tok(), kv_cache_gb=0.01, max_batch=64, prefill_graphs=True).prefill_graphs
+    assert g.buckets[-1] == 4096 and g.max_seqs == 32 and 1280 in g.buckets
+    g = Engine(m, _Tok(), kv_cache_gb=0.01, max_batch=8, max_prefill_tokens=2000, prefill_graphs=True).prefill_graphs
+    assert g.buckets[-1] == 2000 and g.max_seqs == 8
+    monkeypatch.setenv("FASTRAG_PREFILL_GRAPH_TOKENS", "1024")
+    assert Engine(m, _Tok(), kv_cache_gb=0.01, prefill_graphs=True).prefill_graphs.buckets[-1] == 1024
+    for bad in ("8", "lots"):
+        monkeypatch.setenv("FASTRAG_PREFILL_GRAPH_TOKENS", bad)
+        with pytest.raises(ValueError, match=f"FASTRAG_PREFILL_GRAPH_TOKENS='{bad}'"):
+            Engine(m, _Tok(), kv_cache_gb=0.01, prefill_graphs=True)
+
+
 def test_graphed_attention_passes_equal_eager(monkeypatch):
     """Engine.attention_passes (colmax and rows) from the pass graphs and eagerly: the same signals, over calls of
     several lists and then fewer, shorter ones in a bucket a bigger call wrote first; the engine's KV pool is not
