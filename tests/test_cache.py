@@ -54,3 +54,53 @@ def test_out_of_blocks_is_a_clear_error():
     p = pool(n=2)
     with pytest.raises(OutOfBlocks, match="need 3 KV blocks, 2 free"):
         p.allocate(3)
+
+
+def _dispatches(fn) -> int:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return Count.n
+
+
+@pytest.mark.parametrize("zero_at_start", [False, True])
+def test_every_block_is_zero_at_its_first_use_and_a_zeroed_pool_allocates_without_device_work(zero_at_start):
+    """Blocks handed out for the first time hold zeros (never-written memory could hold NaN, and attention reads a
+    last block's unwritten tail with weight 0). Zeroed lazily, each allocation of fresh blocks fills them in every
+    layer (a launch each on a GPU, inside a step's launch); zeroed at the start, an allocation dispatches nothing."""
+    import torch
+
+    p = KVPool(num_layers=3, num_blocks=6, block_size=4, num_kv_heads=2, head_dim=8, zero_at_start=zero_at_start)
+    for t in p.k + p.v:  # what never-written memory may hold, where the pool has not zeroed yet
+        view = t.view(2, 6, 4, 8)
+        for b in range(6):
+            if not p._zeroed[b]:
+                view[:, b] = float("nan")
+    blocks = []
+    ops = _dispatches(lambda: blocks.extend(p.allocate(3)))
+    assert (ops == 0) == zero_at_start and (ops >= 6 or zero_at_start)  # (lazily: a fill a layer, keys and values)
+    for t in p.k + p.v:
+        assert torch.equal(t.view(2, 6, 4, 8)[:, blocks], torch.zeros(2, 3, 4, 8))
+    p.release(blocks)
+    assert _dispatches(lambda: p.allocate(3)) == 0  # (blocks zeroed once are not zeroed again)
+
+
+def test_the_pool_zeroes_at_the_start_on_a_gpu_only_by_default():
+    """Default: zeroed at the start on CUDA devices (the memory is held anyway), lazily elsewhere (an unused CPU
+    block costs no memory); a setting that is not a bool is named."""
+    assert KVPool(1, 4, 4, 1, 8).zero_at_start is False
+    with pytest.raises(ValueError, match="zero_at_start must be a bool or None"):
+        KVPool(1, 4, 4, 1, 8, zero_at_start="yes")
+    import torch
+
+    if torch.cuda.is_available():
+        p = KVPool(1, 4, 4, 1, 8, device="cuda")
+        assert p.zero_at_start is True and all(p._zeroed) and not p.k[0].isnan().any()
