@@ -526,6 +526,9 @@ def main() -> None:
     f_rows = floor_rows(list(args.datasets), metrics, is_joint, figures)
     trace = step_trace_rows([outs[ds] / "engine" for ds in args.datasets], metrics, is_joint)
     d_rows, p_rows = decode_floor_rows(trace, metrics, figures).values()
+    from fastrag.perf import launch_by_batch, launch_fit
+
+    l_rows, l_fit = launch_by_batch(trace), launch_fit(trace)
     pre_rows, pass_rows = forward_floor_rows(trace, metrics, figures).values()
     n_e = sum(m["computed_this_run"] for m in metrics)
     rep_all = compare(eng_all, orc_all, method_decisions("dragin"))
@@ -631,6 +634,16 @@ def main() -> None:
                   "The same steps grouped by how many shared prefixes (the datasets' demos) their sequences start "
                   "with: a step of several prefixes reads each once and merges its part into the rows of its "
                   "sequences.\n\n" + md_table(p_rows))
+    if l_rows:
+        fit = "" if l_fit is None else (
+            f" A least-squares fit over the {l_fit['steps']} steps that decoded (eager prefills left out): launch = "
+            f"{l_fit['fixed_ms']:.2f} ms + "
+            f"{l_fit['per_decode_seq_us']:.1f} us a decode sequence + {l_fit['per_prefill_seq_us']:.1f} us a prefilled "
+            f"sequence + {l_fit['per_prefill_token_us']:.2f} us a prefilled token (fastrag.perf.launch_fit).")
+        table += ("\n## The host's launch of the decode steps, by batch size (step trace)\n\n"
+                  "launch: the engine step's first half on the host, from building its inputs to its last launch "
+                  "(the device mostly waits meanwhile); track: DRAGIN's attention maxima moved to the tracking kernel "
+                  "and back, part of the launch (fastrag.perf.launch_by_batch)." + fit + "\n\n" + md_table(l_rows))
     if pre_rows:
         table += ("\n## Prefill steps against their floor, by tokens in the step (step trace)\n\n"
                   "Per engine step that prefilled: its device milliseconds (CUDA events from its first prefill kernel "
@@ -648,6 +661,7 @@ def main() -> None:
     (res / f"e2e_{tag}.md").write_text(head + table)
     (res / f"e2e_{tag}.json").write_text(json.dumps({"rows": rows, "parity": reports, "device": device,
                                                      "floor": f_rows, "decode_floor": d_rows, "decode_floor_by_prefixes": p_rows,
+                                                     "launch_by_batch": l_rows, "launch_fit": l_fit,
                                                      "prefill_floor": pre_rows, "passes_floor": pass_rows,
                                                      "device_figures": figures.as_dict()}, indent=2))
     print(head + table)

@@ -5,7 +5,8 @@ Four measurements (the first with a second part), each with its baseline in the 
    out (inputs, positions, KV slots and the block table of every row): the work the launch does before the device can
    start, per step.
    The engine's whole host time per decode step at the same batch (`step_launch` + `step_finish`, the forward
-   and the signal kernels stubbed out), of which 1. is a part.
+   and the signal kernels stubbed out), of which 1. is a part; and at batch 256 after a 640-token shared prefix
+   with 256 sequences waiting (a 1,000-question run's decode steps on a GPU).
 2. spaCy on worker processes (fastrag.text.pool): sentence splits of real passages per second in this process, and
    through 1 and 2 workers (N for `--workers`).
 3. Torch operations of one packed prefill forward (12 sequences of random lengths 16-600 after a 1,536-token prefix):
@@ -19,8 +20,9 @@ Four measurements (the first with a second part), each with its baseline in the 
 5. Host preparation of a prefill and of an attention pass replayed from CUDA graphs (`PrefillGraphs.run`,
    `PassGraphs.run`, fastrag/cuda_graphs.py) with the graph's forward stubbed out: the buffers' host images, their
    two copies, and for a pass the q and k put back in [B, T] order; against 3.'s eager forwards.
-6. A graphed decode step whose every sequence tracks its attention (DRAGIN): the torch operations `step_launch`
-   dispatches (on a GPU each is a launch or at least a dispatch) and its host ms, at batch 64 and 256, with every
+6. A graphed decode step whose every sequence tracks its attention (dragin-streaming, in context): the torch
+   operations `step_launch` dispatches (on a GPU each is a launch or at least a dispatch) and its host ms, at batch
+   64 and 256, with every
    span a different length. Baseline in the same run: each sequence's maxima in a tensor of its span's exact
    length, so each is a capacity of its own (as before `fastrag.engine.track_capacity`); against the engine's
    power-of-two capacities. Graph forward, signal kernels and the tracking kernel stubbed out.
@@ -70,21 +72,29 @@ class _Tok:
 
 
 @contextlib.contextmanager
-def _decoding_engine(max_new: int):
-    """An engine holding 128 prefilled sequences of 500-700 tokens (tiny model, graphs emulated), with the graph's
+def _decoding_engine(max_new: int, batch: int = 128, prefix: int = 0, waiting: int = 0):
+    """An engine holding `batch` prefilled sequences of 500-700 tokens (tiny model, graphs emulated), after a shared
+    prefix of `prefix` tokens when > 0, with `waiting` more sequences waiting for room in the batch, and the graph's
     forward stubbed out (constant logits) while inside: what is left of a decode step is the host's work."""
     from fastrag.cuda_graphs import DecodeGraphs
     from fastrag.engine import Engine
     from fastrag.model.llama import LlamaModel
 
     m = LlamaModel.from_hf_config(_tiny_config(), seed=5)
-    eng = Engine(m, _Tok(), kv_cache_gb=0.3, max_batch=128, cuda_graphs=True)
+    eng = Engine(m, _Tok(), kv_cache_gb=0.3 * (batch + waiting) / 128, max_batch=batch, cuda_graphs=True)
+    pre = [i % 90 for i in range(prefix)]
+    if prefix:
+        eng.set_prefix(" ".join(map(str, pre)))
     rng = random.Random(0)
-    for _ in range(128):
-        eng.start(eng.new_sequence(), [rng.randrange(96) for _ in range(rng.randint(500, 700))], max_new)
+    for _ in range(batch + waiting):
+        eng.start(eng.new_sequence(), pre + [rng.randrange(96) for _ in range(rng.randint(500, 700))], max_new)
     eng.max_prefill_tokens = 10**6
     eng.step()
-    logits = torch.zeros(128, 96)
+    eng.max_prefill_tokens = 4096
+    if len(eng.running) != batch or len(eng.waiting) != waiting:
+        raise RuntimeError(f"expected {batch} running and {waiting} waiting, got {len(eng.running)} and "
+                           f"{len(eng.waiting)}")
+    logits = torch.zeros(batch, 96)
     forward = DecodeGraphs._forward
     DecodeGraphs._forward = lambda self, g: logits[: g.ids.shape[0]]
     try:
@@ -108,14 +118,15 @@ def host_prep(reps: int) -> dict:
             "median_ms": statistics.median(ts) * 1e3}
 
 
-def step_host(reps: int) -> dict:
-    """The engine's whole host time per decode step at batch 128: `step_launch` (batch bookkeeping, KV slots,
-    the graph's inputs, the signals launch) and `step_finish` (reading the sampled tokens, appending them, stop
-    checks), with the graph's forward and the signal kernels stubbed out. This is what a step costs the host
-    between two device steps, the most a device-side token feed (launching step N+1 before step N's tokens reach
-    the host) could hide."""
-    one = torch.ones(128, dtype=torch.long)
-    zero = torch.zeros(128)
+def step_host(reps: int, batch: int = 128, prefix: int = 0, waiting: int = 0) -> dict:
+    """The engine's whole host time per decode step at `batch` (after a shared prefix of `prefix` tokens, with
+    `waiting` sequences waiting for room: _decoding_engine): `step_launch` (batch bookkeeping, KV slots, the graph's
+    inputs, the signals launch) and `step_finish` (reading the sampled tokens, appending them, stop checks), with
+    the graph's forward and the signal kernels stubbed out. This is what a step costs the host between two device
+    steps, the most a device-side token feed (launching step N+1 before step N's tokens reach the host) could
+    hide."""
+    one = torch.ones(batch, dtype=torch.long)
+    zero = torch.zeros(batch)
 
     class Signals:  # the engine's backend, its decode-step kernel replaced by a constant result
         def __init__(self, inner):
@@ -129,7 +140,7 @@ def step_host(reps: int) -> dict:
             B = lg.shape[0]
             return types.SimpleNamespace(chosen=one[:B], entropy=zero[:B], logprob=zero[:B])
 
-    with _decoding_engine(reps + 10) as eng:
+    with _decoding_engine(reps + 10, batch, prefix, waiting) as eng:
         eng.signals = Signals(eng.signals)
         tl, tf = [], []
         for _ in range(reps):
@@ -139,7 +150,7 @@ def step_host(reps: int) -> dict:
             eng.step_finish(st)
             tl.append(t1 - t)
             tf.append(time.perf_counter() - t1)
-    return {"batch": len(eng.running), "launch_ms": statistics.median(tl) * 1e3,
+    return {"batch": len(eng.running), "prefix": prefix, "waiting": waiting, "launch_ms": statistics.median(tl) * 1e3,
             "finish_ms": statistics.median(tf) * 1e3}
 
 
@@ -457,6 +468,7 @@ def main() -> int:
     device = f"CPU {cpu_name()} x{threads} threads"
     prep = host_prep(args.reps)
     step = step_host(args.reps)
+    steps = [step, step_host(args.reps, batch=256, prefix=640, waiting=256)]
     pool = text_pool(args.texts, args.workers)
     ops = packed_ops(max(5, args.reps // 3))
     sig = signals(max(10, args.reps // 2))
@@ -472,11 +484,15 @@ def main() -> int:
         "| batch | blocks a row | median ms |", "|---|---|---|",
         f"| {prep['batch']} | {prep['blocks_per_row']} | {prep['median_ms']:.3f} |", "",
         "## The engine's whole host time per decode step (graph forward and signal kernels stubbed out)", "",
-        "`step_launch` + `step_finish` at the same batch: what a device-side token feed could hide at most.", "",
-        "| batch | launch ms | finish ms | total ms | of which the graph's inputs |", "|---|---|---|---|---|",
-        f"| {step['batch']} | {step['launch_ms']:.3f} | {step['finish_ms']:.3f} | "
-        f"{step['launch_ms'] + step['finish_ms']:.3f} | "
-        f"{prep['median_ms'] / (step['launch_ms'] + step['finish_ms']):.0%} |", "",
+        "`step_launch` + `step_finish`: what a device-side token feed could hide at most. The first row at the "
+        "batch of the table above (its share the graph's inputs); the second as a 1,000-question DRAGIN run decodes "
+        "on a GPU: a full batch of 256 after a 640-token shared prefix, 256 more sequences waiting for room.", "",
+        "| batch | shared prefix | waiting | launch ms | finish ms | total ms | of which the graph's inputs |",
+        "|---|---|---|---|---|---|---|",
+        *(f"| {st['batch']} | {st['prefix']} | {st['waiting']} | {st['launch_ms']:.3f} | {st['finish_ms']:.3f} | "
+          f"{st['launch_ms'] + st['finish_ms']:.3f} | "
+          + (f"{prep['median_ms'] / (st['launch_ms'] + st['finish_ms']):.0%} |" if st is step else "|")
+          for st in steps), "",
         "## spaCy sentence splits per second (real passages, 200-800 characters)", "",
         "| in this process | " + " | ".join(f"{n} worker{'s' if n > 1 else ''}" for n in args.workers)
         + " |", "|---" * (1 + len(args.workers)) + "|",
@@ -503,7 +519,8 @@ def main() -> int:
         "[B, T] order. On a GPU the replay adds one launch. Against the eager forwards' host ms at 32 layers above.",
         "", "| call | median host ms |", "|---|---|",
         *(f"| {r['call']} | {r['median_ms']:.3f} |" for r in gp), "",
-        "## A graphed decode step whose every sequence tracks its attention (DRAGIN), by capacity rule", "",
+        "## A graphed decode step whose every sequence tracks its attention (dragin-streaming, in context), by "
+        "capacity rule", "",
         "Every sequence's span a different length (8 prompt tokens and 100 to 99 + batch new ones); its maxima held "
         "in a tensor of the span's exact length (the rule before `track_capacity`: a capacity a sequence) or of the "
         "next power of two (the engine's). ops: torch operations one `step_launch` dispatches, each a launch or a "

@@ -871,7 +871,9 @@ class Engine:
                     row["decode_prefix_tokens"] = self.stats["decode_prefix_tokens"] - kv0[1]
                     row["decode_prefixes"] = len({id(s.prefix) for s in batch if s.prefix is not None})
                 # a sequence still feeding the tracked tokens of its prompt samples nothing this step
-                st.ready = [i for i, s in enumerate(batch) if s.computed == len(s.tokens)]
+                # (s.computed written out: this runs for every sequence of every step)
+                st.ready = [i for i, s in enumerate(batch)
+                            if (s.prefix.length if s.prefix else 0) + s.table.num_tokens == len(s.tokens)]
                 if st.ready:
                     st.sampled = self._sample_launch([batch[i] for i in st.ready],
                                                      logits if len(st.ready) == len(batch) else logits[st.ready])
@@ -1165,14 +1167,20 @@ class Engine:
         """_decode through a replayed graph (sequences of one shared prefix, or of several on a model that mixes
         prefixes in one forward; heads: the distinct prefixes of seqs, None for no prefix); None: decode eagerly
         instead."""
+        # (the per-sequence host work of every decode step: reserve(1), base, computed and slots written out, a few
+        # us a sequence less on the launch's critical path)
+        bs = self.pool.block_size
         ids, pos, write, ctx = [], [], [], []
         for s in seqs:
-            s.table.reserve(1)
-            n0 = s.table.num_tokens
-            ids.append(s.tokens[s.computed])
-            pos.append(s.base + n0)
-            write.append(s.table.slots(n0, n0 + 1)[0])
-            ctx.append((s.table.blocks, n0 + 1))
+            t = s.table
+            n0 = t.num_tokens
+            if n0 >= len(t.blocks) * bs:  # (t.reserve(1): the next token opens a block)
+                t.reserve(1)
+            at = (s.prefix.length if s.prefix else 0) + n0  # (s.computed: the fed token's position)
+            ids.append(s.tokens[at])
+            pos.append(at)
+            write.append(t.blocks[n0 // bs] * bs + n0 % bs)
+            ctx.append((t.blocks, n0 + 1))
         if len(heads) == 1:
             prefix = heads[0]
             res = self.graphs.run(ids, pos, write, ctx, prefix, self._starts.get(id(prefix), -1) if prefix else -1)
@@ -1198,8 +1206,9 @@ class Engine:
         The kernel takes the maxima as one [R, H, width] tensor. The sequences' own tensors go in and come back a
         capacity at a time (track_capacity): the rows are ordered by capacity, and each capacity's sequences are
         stacked, copied into their rows and copied back in a fixed number of operations, so a step's operations
-        grow with the capacities in the batch, not with its sequences (on a GPU each is a launch: row-by-row
-        copies cost the H200's host about 28 us a sequence a step, 2026-11-27b)."""
+        grow with the capacities in the batch, not with its sequences (on a GPU each is a launch or at least a
+        dispatch; row by row, about 6 a sequence a step)."""
+        t0 = time.perf_counter()
         rows = sorted(rows, key=lambda b: items[b][0].amax.shape[1])
         seqs = [items[b][0] for b in rows]
         idx = self._h2d(torch.tensor(rows, dtype=torch.long))
@@ -1236,6 +1245,10 @@ class Engine:
             if amax is not whole:
                 whole[:, :, :w] = amax[a:b, :, :w]
             torch._foreach_copy_([s.amax for s in seqs[a:b]], list(whole.unbind(0)))
+        if self._trace_row is not None:  # (the step trace: host seconds of the tracking, and its capacities)
+            row = self._trace_row
+            row["track_s"] = row.get("track_s", 0.0) + time.perf_counter() - t0
+            row["track_seqs"], row["track_capacities"] = len(seqs), len(groups)
 
     def _h2d(self, t: torch.Tensor) -> torch.Tensor:
         """A host tensor on the engine's device. On a GPU through pinned memory with non_blocking: a copy from

@@ -163,6 +163,45 @@ def decode_steps_vs_floor(rows: list[dict], costs: dict, dev: DeviceFigures | di
     return out
 
 
+def launch_by_batch(rows: list[dict]) -> list[dict]:
+    """The host's launch of a step trace's decode steps (its `launch_s`: the engine step's first half, from building
+    the inputs to the last launch; the device mostly waits meanwhile), grouped by batch size (DECODE_BATCH_RANGES),
+    steps without a prefill apart from those with one: per group the steps, the median batch, the median launch
+    and tracking milliseconds (`track_s`: DRAGIN's attention maxima to the tracking kernel and back), the median
+    launch per decode sequence in microseconds, and the group's launch seconds. [] without timed decode steps."""
+    steps = [r for r in rows if r.get("decode_batch") and "launch_s" in r]
+    out = []
+    for kind, sel0 in (("decode only", [r for r in steps if not r.get("prefill_seqs")]),
+                       ("with a prefill", [r for r in steps if r.get("prefill_seqs")])):
+        for name, sel in _groups(sel0, "decode_batch", DECODE_BATCH_RANGES):
+            out.append({"steps": kind, "batch": name, "n": len(sel),
+                        "median_batch": _med([r["decode_batch"] for r in sel]),
+                        "median_launch_ms": 1e3 * _med([r["launch_s"] for r in sel]),
+                        "median_track_ms": 1e3 * _med([r.get("track_s", 0.0) for r in sel])
+                        if any("track_s" in r for r in sel) else None,
+                        "median_launch_us_per_seq": 1e6 * _med([r["launch_s"] / r["decode_batch"] for r in sel]),
+                        "launch_s": sum(r["launch_s"] for r in sel)})
+    return out
+
+
+def launch_fit(rows: list[dict]) -> dict | None:
+    """A least-squares fit of a step trace's launch seconds over its steps that decoded, leaving out those whose
+    prefill ran eagerly (a launch of hundreds of dispatches a forward, tens of ms, would swamp the rest): launch =
+    fixed + per decode sequence x batch + per prefill sequence x prefilled sequences + per prefill token x tokens.
+    Milliseconds (fixed) and microseconds (the rest); None with fewer steps than 8."""
+    import numpy as np
+
+    steps = [r for r in rows if r.get("decode_batch") and "launch_s" in r
+             and not (r.get("prefill_seqs") and r.get("prefill_graphed") is False)]
+    if len(steps) < 8:
+        return None
+    a = np.array([[1.0, r["decode_batch"], r.get("prefill_seqs", 0), r.get("prefill_tokens", 0)] for r in steps])
+    y = np.array([r["launch_s"] for r in steps])
+    c = np.linalg.lstsq(a, y, rcond=None)[0]
+    return {"steps": len(steps), "fixed_ms": 1e3 * float(c[0]), "per_decode_seq_us": 1e6 * float(c[1]),
+            "per_prefill_seq_us": 1e6 * float(c[2]), "per_prefill_token_us": 1e6 * float(c[3])}
+
+
 def _med(xs):
     return statistics.median(xs) if xs else None
 

@@ -235,6 +235,7 @@ def test_bench_e2e_end_to_end_on_a_tiny_random_model(tmp_path, monkeypatch):
                  "## Decode steps against their floor, by shared prefixes in the step (step trace)",
                  "## Prefill steps against their floor, by tokens in the step (step trace)",
                  "## Attention passes against their floor, by tokens in the step (step trace)",
+                 "## The host's launch of the decode steps, by batch size (step trace)",
                  "## Device time by part over engine steps 2-4 (torch.profiler, $FASTRAG_KERNEL_PROFILE)",
                  "| GEMM | ", "FASTRAG_STEP_TRACE=1 ", "FASTRAG_KERNEL_PROFILE=2:3 "):
         assert part in md, (part, md[:3000])
@@ -251,6 +252,8 @@ def test_bench_e2e_end_to_end_on_a_tiny_random_model(tmp_path, monkeypatch):
     for key in ("prefill_floor", "passes_floor"):  # (one question's prompt, and its RIND pass of at most 12 tokens)
         assert rep[key][-1]["steps"] > 0 and rep[key][-1]["median_floor_ms"] > 0, rep[key]
     assert rep["passes_floor"][0]["tokens"] == "1-63" and rep["passes_floor"][0]["median_forwards"] >= 1
+    launch = [r for r in rep["launch_by_batch"] if r["steps"] == "decode only"]
+    assert launch and launch[0]["batch"] == "1-15" and launch[0]["median_launch_ms"] > 0
 
 
 def test_bench_e2e_oracle_questions_spread_over_the_run_and_their_devices_are_named(tmp_path):

@@ -212,3 +212,43 @@ def test_report_of_a_ray_run_reads_its_shards(tmp_path):
     (tmp_path / "metrics.json").write_text(json.dumps(ray_metrics))
     assert [r["decode_steps"] for r in report([str(tmp_path)], dev)] == [5, 10]
     assert rows[0]["floor_s"] == pytest.approx(floor(WORK, _run_metrics(WORK)["model_costs"], dev)["total_s"])
+
+
+def test_launch_tables_group_the_steps_and_the_fit_recovers_the_per_sequence_cost():
+    """launch_by_batch groups a step trace's decode steps by batch, with and without a prefill; launch_fit recovers
+    a launch made of a fixed part, a part a decode sequence and a part a prefilled sequence and token, leaving out
+    the eager prefills (whose launch is of another kind)."""
+    import random
+    import statistics
+
+    from fastrag.perf import launch_by_batch, launch_fit
+
+    rng = random.Random(4)
+    rows = []
+    for i in range(300):
+        b = rng.randint(1, 256)
+        pre = rng.choice([0, 0, 0, rng.randint(1, 8)])
+        tok = pre * rng.randint(20, 120)
+        r = {"step": i, "decode_batch": b, "prefill_seqs": pre, "prefill_tokens": tok,
+             "launch_s": 6e-4 + 30e-6 * b + 150e-6 * pre + 1e-6 * tok, "track_s": 2e-6 * b}
+        if pre:
+            r["prefill_graphed"] = True
+        rows.append(r)
+    rows.append({"step": 300, "decode_batch": 0, "launch_s": 0.05, "prefill_seqs": 3, "prefill_tokens": 90})
+    rows += [{"step": 301 + i, "decode_batch": 100, "prefill_seqs": 4, "prefill_tokens": 1500,
+              "prefill_graphed": False, "launch_s": 0.03} for i in range(10)]
+    fit = launch_fit(rows)
+    assert fit["steps"] == 300
+    for k, want in (("fixed_ms", 0.6), ("per_decode_seq_us", 30), ("per_prefill_seq_us", 150),
+                    ("per_prefill_token_us", 1)):
+        assert math.isclose(fit[k], want, rel_tol=1e-6, abs_tol=1e-9), (k, fit[k])
+    table = launch_by_batch(rows)
+    plain = [r for r in table if r["steps"] == "decode only"]
+    assert plain[-1]["batch"] == "all" and plain[-1]["n"] == sum(1 for r in rows[:300] if not r["prefill_seqs"])
+    big = next(r for r in plain if r["batch"] == "192+")
+    sel = [r for r in rows[:300] if not r["prefill_seqs"] and r["decode_batch"] >= 192]
+    assert big["n"] == len(sel) and math.isclose(big["launch_s"], sum(r["launch_s"] for r in sel))
+    assert math.isclose(big["median_track_ms"], 1e3 * statistics.median(r["track_s"] for r in sel))
+    with_pre = [r for r in table if r["steps"] == "with a prefill"]
+    assert with_pre[-1]["n"] == sum(1 for r in rows if r.get("prefill_seqs") and r.get("decode_batch"))
+    assert launch_by_batch([]) == [] and launch_fit(rows[:5]) is None

@@ -26,6 +26,8 @@
 #   e2e       bench_e2e.py: engine DRAGIN vs the published per-question recipe and the tuned one, on that model
 #             (E2E_LIMIT, E2E_BATCH, E2E_ORACLE_LIMIT, E2E_TUNED_LIMIT override the sizes)
 #   variants  the e2e stage again for each of E2E_VARIANTS (engine settings side by side; see the stage below)
+#   host      benchmarks/bench_host.py on this machine's CPU (host_gpu.md): the engine's host work per step with
+#             the device's part stubbed out, the same code the CPU sessions time, so the two hosts compare (~30 s)
 # T_<stage>=SECONDS bounds a stage (e.g. T_tests=240), so that one hung stage leaves the call time for the rest (it is
 # interrupted with SIGINT, so that pytest still reports what failed).
 # Planned in three calls of <= 10 minutes: "tests kernels", "decode", "model e2e".
@@ -144,6 +146,7 @@ except RuntimeError as e:
                 tests/test_paged_prefill.py tests/test_compiles.py tests/test_prefill_graphs.py tests/test_prefix_flash.py
             ;;
         kernels) stage kernels $PY benchmarks/bench_kernels.py ;;
+        host) stage host $PY benchmarks/bench_host.py --note "${HOST_NOTE:-on the GPU machine, nothing else}" ;;
         # DECODE_ARGS: e.g. "--ctx 4096 --name decode_gpu_4k" (other cells into their own table)
         decode) stage decode $PY benchmarks/bench_decode.py ${DECODE_ARGS:-} ;;
         attn) stage attn $PY benchmarks/bench_paged_attention.py ;;
@@ -208,7 +211,8 @@ except RuntimeError as e:
                 done
             done
             ;;
-        *) echo "unknown stage $st (diag, tests, kernels, decode, attn, pattn, prefill, model, e2e, variants)"; exit 2 ;;
+        *) echo "unknown stage $st (diag, tests, kernels, host, decode, attn, pattn, prefill, model, e2e, variants)"
+           exit 2 ;;
     esac
     copy_results
 done
