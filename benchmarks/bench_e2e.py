@@ -642,8 +642,10 @@ def main() -> None:
             f"sequence + {l_fit['per_prefill_token_us']:.2f} us a prefilled token (fastrag.perf.launch_fit).")
         table += ("\n## The host's launch of the decode steps, by batch size (step trace)\n\n"
                   "launch: the engine step's first half on the host, from building its inputs to its last launch "
-                  "(the device mostly waits meanwhile); track: DRAGIN's attention maxima moved to the tracking kernel "
-                  "and back, part of the launch (fastrag.perf.launch_by_batch)." + fit + "\n\n" + md_table(l_rows))
+                  "(the device mostly waits meanwhile); track: dragin-streaming's attention maxima moved to the "
+                  "tracking kernel and back, part of the launch; launch_cpu_share: the launch's thread CPU time over "
+                  "its wall (the rest it waited: for the GIL, or in a blocking call) (fastrag.perf.launch_by_batch)."
+                  + fit + "\n\n" + md_table(l_rows))
     if pre_rows:
         table += ("\n## Prefill steps against their floor, by tokens in the step (step trace)\n\n"
                   "Per engine step that prefilled: its device milliseconds (CUDA events from its first prefill kernel "

@@ -765,6 +765,7 @@ class Engine:
         t0 = time.perf_counter()
         row = None
         if self.trace is not None:
+            c0 = time.thread_time()  # (the launch's CPU seconds on this thread: wall minus these is time it waited)
             row = {"step": len(self.trace), "prefill_seqs": 0, "prefill_tokens": 0, "decode_batch": 0}
             self.trace.append(row)
             compile_log = _compile_log()
@@ -884,6 +885,7 @@ class Engine:
             st.decode_s = time.perf_counter() - t1
         if row is not None:
             row["launch_s"] = time.perf_counter() - t0
+            row["launch_cpu_s"] = time.thread_time() - c0
             if cap0 is not None and self._captures() > cap0:  # (graphs captured in this step: decode, prefill, pass)
                 row["graph_captures"] = self._captures() - cap0
         return st

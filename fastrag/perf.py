@@ -167,8 +167,10 @@ def launch_by_batch(rows: list[dict]) -> list[dict]:
     """The host's launch of a step trace's decode steps (its `launch_s`: the engine step's first half, from building
     the inputs to the last launch; the device mostly waits meanwhile), grouped by batch size (DECODE_BATCH_RANGES),
     steps without a prefill apart from those with one: per group the steps, the median batch, the median launch
-    and tracking milliseconds (`track_s`: DRAGIN's attention maxima to the tracking kernel and back), the median
-    launch per decode sequence in microseconds, and the group's launch seconds. [] without timed decode steps."""
+    and tracking milliseconds (`track_s`: dragin-streaming's attention maxima to the tracking kernel and back), the
+    median share of the launch's wall the thread spent on its CPU (`launch_cpu_s`, its thread time: the rest it
+    waited, for the GIL or in a blocking call), the median launch per decode sequence in microseconds, and the
+    group's launch seconds. [] without timed decode steps."""
     steps = [r for r in rows if r.get("decode_batch") and "launch_s" in r]
     out = []
     for kind, sel0 in (("decode only", [r for r in steps if not r.get("prefill_seqs")]),
@@ -179,6 +181,8 @@ def launch_by_batch(rows: list[dict]) -> list[dict]:
                         "median_launch_ms": 1e3 * _med([r["launch_s"] for r in sel]),
                         "median_track_ms": 1e3 * _med([r.get("track_s", 0.0) for r in sel])
                         if any("track_s" in r for r in sel) else None,
+                        "median_launch_cpu_share": _med([r["launch_cpu_s"] / r["launch_s"] for r in sel
+                                                         if "launch_cpu_s" in r and r["launch_s"] > 0]),
                         "median_launch_us_per_seq": 1e6 * _med([r["launch_s"] / r["decode_batch"] for r in sel]),
                         "launch_s": sum(r["launch_s"] for r in sel)})
     return out

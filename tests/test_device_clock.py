@@ -345,6 +345,8 @@ def test_a_run_writes_its_step_trace_when_asked(tmp_path, monkeypatch):
     assert sum(r["decode_batch"] for r in rows) == m["engine"]["decode_tokens"]
     assert sum(r["decode_batch"] > 0 for r in rows) == m["engine"]["decode_steps"]
     assert all("step_s" in r and "window_s" in r for r in rows)
+    # (the launch's thread CPU seconds: at most its wall, give or take the two clocks' granularity)
+    assert all(0 <= r["launch_cpu_s"] <= r["launch_s"] + 2e-3 for r in rows)
     assert m["step_trace"]["device_s"] <= m["step_trace"]["step_s"] * 1.05 + 0.01
     # the forwards of the prefill steps and of the attention passes, which the engine counts as prefill work: with
     # the shared prefix's own prefill (before the first step) they are the counters' prefill tokens and calls

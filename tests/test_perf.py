@@ -231,6 +231,7 @@ def test_launch_tables_group_the_steps_and_the_fit_recovers_the_per_sequence_cos
         tok = pre * rng.randint(20, 120)
         r = {"step": i, "decode_batch": b, "prefill_seqs": pre, "prefill_tokens": tok,
              "launch_s": 6e-4 + 30e-6 * b + 150e-6 * pre + 1e-6 * tok, "track_s": 2e-6 * b}
+        r["launch_cpu_s"] = r["launch_s"] * (0.5 if b >= 192 else 1.0)  # (the big steps waited half their launch)
         if pre:
             r["prefill_graphed"] = True
         rows.append(r)
@@ -249,6 +250,7 @@ def test_launch_tables_group_the_steps_and_the_fit_recovers_the_per_sequence_cos
     sel = [r for r in rows[:300] if not r["prefill_seqs"] and r["decode_batch"] >= 192]
     assert big["n"] == len(sel) and math.isclose(big["launch_s"], sum(r["launch_s"] for r in sel))
     assert math.isclose(big["median_track_ms"], 1e3 * statistics.median(r["track_s"] for r in sel))
+    assert math.isclose(big["median_launch_cpu_share"], 0.5) and math.isclose(plain[0]["median_launch_cpu_share"], 1.0)
     with_pre = [r for r in table if r["steps"] == "with a prefill"]
     assert with_pre[-1]["n"] == sum(1 for r in rows if r.get("prefill_seqs") and r.get("decode_batch"))
     assert launch_by_batch([]) == [] and launch_fit(rows[:5]) is None
