@@ -142,16 +142,22 @@ def step_host(reps: int, batch: int = 128, prefix: int = 0, waiting: int = 0) ->
 
     with _decoding_engine(reps + 10, batch, prefix, waiting) as eng:
         eng.signals = Signals(eng.signals)
-        tl, tf = [], []
-        for _ in range(reps):
-            t = time.perf_counter()
-            st = eng.step_launch()
-            t1 = time.perf_counter()
-            eng.step_finish(st)
-            tl.append(t1 - t)
-            tf.append(time.perf_counter() - t1)
-    return {"batch": len(eng.running), "prefix": prefix, "waiting": waiting, "launch_ms": statistics.median(tl) * 1e3,
-            "finish_ms": statistics.median(tf) * 1e3}
+        launch_ms, finish_ms = _time_steps(eng, reps)
+    return {"batch": len(eng.running), "prefix": prefix, "waiting": waiting, "launch_ms": launch_ms,
+            "finish_ms": finish_ms}
+
+
+def _time_steps(eng, reps: int) -> tuple[float, float]:
+    """Median host ms of `step_launch` and of `step_finish` over `reps` engine steps."""
+    tl, tf = [], []
+    for _ in range(reps):
+        t = time.perf_counter()
+        st = eng.step_launch()
+        t1 = time.perf_counter()
+        eng.step_finish(st)
+        tl.append(t1 - t)
+        tf.append(time.perf_counter() - t1)
+    return statistics.median(tl) * 1e3, statistics.median(tf) * 1e3
 
 
 def tracked_step(reps: int, batches: tuple[int, ...] = (64, 256)) -> list[dict]:
@@ -219,19 +225,12 @@ def tracked_step(reps: int, batches: tuple[int, ...] = (64, 256)) -> list[dict]:
                 with torch.inference_mode(), Count() as c:
                     st = eng.step_launch()
                 eng.step_finish(st)
-                tl, tf = [], []
-                for _ in range(reps):
-                    t = time.perf_counter()
-                    st = eng.step_launch()
-                    t1 = time.perf_counter()
-                    eng.step_finish(st)
-                    tl.append(t1 - t)
-                    tf.append(time.perf_counter() - t1)
+                launch_ms, finish_ms = _time_steps(eng, reps)
                 if len(eng.running) != B or eng.graphs.stats["replays"] == 0:
                     raise RuntimeError("the tracked decode steps did not replay a full batch")
                 rows.append({"batch": B, "capacities": rule,
                              "distinct": len({s.amax.shape[1] for s in eng.running}), "ops": c.n,
-                             "launch_ms": statistics.median(tl) * 1e3, "finish_ms": statistics.median(tf) * 1e3})
+                             "launch_ms": launch_ms, "finish_ms": finish_ms})
     finally:
         DecodeGraphs._forward = forward
     return rows

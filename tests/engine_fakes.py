@@ -56,3 +56,19 @@ def drive(eng, arrivals, after_step=None, max_steps: int = 500) -> list:
         step += 1
         assert step < max_steps, "the run did not finish"
     return seqs
+
+
+def count_ops(fn) -> int:
+    """The torch operations `fn()` dispatches (each a launch, or at least a dispatch, on a GPU)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return Count.n

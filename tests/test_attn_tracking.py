@@ -16,6 +16,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # the Triton kernels on CPU tensors; before any kernels import
 
+from engine_fakes import count_ops  # noqa: E402
 from fastrag.engine import Engine, track_capacity  # noqa: E402
 from fastrag.model.llama import LlamaModel  # noqa: E402
 from fastrag.signals import BackendUnavailableError, get_backend  # noqa: E402
@@ -250,26 +251,13 @@ def test_tracking_operations_do_not_grow_with_the_batch(model):
     """A decode step's tracking (`Engine._track`) dispatches the same torch operations for 4 and for 16 tracked
     sequences whose spans all differ in length, held in two capacities: on a GPU each operation costs the host a
     launch or a dispatch, and moving the maxima sequence by sequence cost about 6 operations a sequence a step."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Count(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.n += 1
-            return func(*args, **(kwargs or {}))
-
     def ops_per_track(batch: int) -> list[int]:
         eng = Engine(model, ByteTok(), block_size=8, kv_cache_gb=0.02, signals="torch", max_batch=batch)
         counts = []
         track = eng._track
 
         def counted(*a, **k):
-            with Count() as c:
-                track(*a, **k)
-            counts.append(c.n)
+            counts.append(count_ops(lambda: track(*a, **k)))
 
         eng._track = counted
         for i in range(batch):  # spans of 2 + n tokens, every one a different length: capacities 64 and 128

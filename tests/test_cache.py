@@ -2,6 +2,8 @@
 
 import pytest
 
+from engine_fakes import count_ops
+
 from fastrag.cache.kv import BlockTable, KVPool, OutOfBlocks
 
 
@@ -56,21 +58,6 @@ def test_out_of_blocks_is_a_clear_error():
         p.allocate(3)
 
 
-def _dispatches(fn) -> int:
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Count(TorchDispatchMode):
-        n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Count.n += 1
-            return func(*args, **(kwargs or {}))
-
-    with Count():
-        fn()
-    return Count.n
-
-
 @pytest.mark.parametrize("zero_at_start", [False, True])
 def test_every_block_is_zero_at_its_first_use_and_a_zeroed_pool_allocates_without_device_work(zero_at_start):
     """Blocks handed out for the first time hold zeros (never-written memory could hold NaN, and attention reads a
@@ -85,12 +72,12 @@ def test_every_block_is_zero_at_its_first_use_and_a_zeroed_pool_allocates_withou
             if not p._zeroed[b]:
                 view[:, b] = float("nan")
     blocks = []
-    ops = _dispatches(lambda: blocks.extend(p.allocate(3)))
+    ops = count_ops(lambda: blocks.extend(p.allocate(3)))
     assert (ops == 0) == zero_at_start and (ops >= 6 or zero_at_start)  # (lazily: a fill a layer, keys and values)
     for t in p.k + p.v:
         assert torch.equal(t.view(2, 6, 4, 8)[:, blocks], torch.zeros(2, 3, 4, 8))
     p.release(blocks)
-    assert _dispatches(lambda: p.allocate(3)) == 0  # (blocks zeroed once are not zeroed again)
+    assert count_ops(lambda: p.allocate(3)) == 0  # (blocks zeroed once are not zeroed again)
 
 
 def test_the_pool_zeroes_at_the_start_on_a_gpu_only_by_default():
