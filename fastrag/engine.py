@@ -295,7 +295,7 @@ def track_capacity(n: int) -> int:
     """The columns held for a tracked span of at most n tokens: the next power of two >= n, at least
     TRACK_MIN_CAPACITY. A decode step moves the tracked sequences' maxima to the kernel and back one capacity at a
     time, a fixed number of operations per capacity (`Engine._track`); spans of exact lengths would almost all differ
-    (DRAGIN's continuations carry their earlier text) and cost operations per sequence instead."""
+    (dragin-streaming's continuations carry their earlier text) and cost operations per sequence instead."""
     return max(TRACK_MIN_CAPACITY, 1 << max(int(n) - 1, 0).bit_length())
 
 

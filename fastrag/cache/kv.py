@@ -46,9 +46,10 @@ class KVPool:
         # with weight 0, and 0 * NaN from never-written memory would poison the output); later it only holds finite
         # stale values. On a CPU the pool starts uninitialised, costing no memory until its blocks are used, and
         # each block is zeroed when it is first handed out. On a GPU the memory is held from the start anyway, so
-        # the whole pool is zeroed now (one fill a tensor, about 25 ms for 97 GB on an H200): zeroing at first use
-        # cost each allocation of fresh blocks an upload and two fills a layer, 65 launches for a 32-layer model
-        # in the middle of a step's launch, and with prefix caching most of a run's allocations are fresh blocks.
+        # the whole pool is zeroed now, one fill a tensor (about 25 ms for 97 GB at an H200's copy bandwidth,
+        # estimated). Zeroing at first use cost each allocation of fresh blocks an upload and two fills a layer, 65
+        # launches for a 32-layer model in the middle of a step's launch, and with prefix caching most of a run's
+        # allocations are fresh blocks.
         self.zero_at_start = torch.device(device).type == "cuda" if zero_at_start is None else zero_at_start
         self.k = [torch.empty(num_kv_heads, n, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.empty(num_kv_heads, n, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
