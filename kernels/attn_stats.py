@@ -167,7 +167,10 @@ def _causal_row_lse_kernel(
 ):
     # log-sum-exp of one selected row's scores for one head, the scores computed exactly as _causal_rows_kernel
     # computes them (same tiles, same elementwise products and sums): its probabilities then sum to 1 to float32
-    # rounding at any score size (normalising by the tl.dot scores of _causal_lse_kernel did not: two roundings)
+    # rounding at any score size (normalising by the tl.dot scores of _causal_lse_kernel did not: two roundings).
+    # Stored as its two parts, the row's largest score m and log(l), [.., 2]: m + log(l) in float32 loses log(l)
+    # next to a large m (at |m| ~ 1e6 a float32 step is 0.06, so a row of p = 1 - 4.5e-5 and 4.5e-5 came out as
+    # 1 and 4.5e-5); the rows kernel takes exp((s - m) - log(l)), where s - m is exact near the largest score
     i_br = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     i_b = i_br // R
@@ -189,7 +192,8 @@ def _causal_row_lse_kernel(
         m_new = tl.maximum(m_i, tl.max(s, axis=0))
         l_i = l_i * tl.exp(m_i - m_new) + tl.sum(tl.exp(s - m_new), axis=0)
         m_i = m_new
-    tl.store(lse_ptr + i_br * H + h, tl.where(j_last >= 0, m_i + tl.log(l_i), 0.0))
+    tl.store(lse_ptr + (i_br * H + h) * 2, tl.where(j_last >= 0, m_i, 0.0))
+    tl.store(lse_ptr + (i_br * H + h) * 2 + 1, tl.where(j_last >= 0, tl.log(l_i), 0.0))
 
 
 @triton.jit(do_not_specialize=["T", "R"])
@@ -215,8 +219,9 @@ def _causal_rows_kernel(
         # k: [BLOCK_N, BLOCK_D]
         b_k = tl.load(k_ptr + i_b * sk_b + (h // G) * sk_h + o_n[:, None] * sk_t + o_d[None, :],
                       mask=ok[:, None] & m_d[None, :], other=0.0).to(tl.float32)
-        lse = tl.load(lse_ptr + i_br * H + h)  # (the row's own, _causal_row_lse_kernel)
-        acc += tl.where(ok, tl.exp(tl.sum(b_k * b_q[None, :], axis=1) * scale - lse), 0.0)
+        m = tl.load(lse_ptr + (i_br * H + h) * 2)  # (the row's own m and log(l), _causal_row_lse_kernel)
+        log_l = tl.load(lse_ptr + (i_br * H + h) * 2 + 1)
+        acc += tl.where(ok, tl.exp((tl.sum(b_k * b_q[None, :], axis=1) * scale - m) - log_l), 0.0)
     tl.store(out_ptr + i_br * T + o_n, acc / H, mask=o_n < T)
 
 
@@ -294,7 +299,7 @@ def causal_attn_stats(q, k, lengths, scale: float, rows=None, colmax_out=None, r
     if rows is not None and rows.shape[1]:
         R = rows.shape[1]
         rows = rows.contiguous()
-        row_lse = torch.empty(B * R, H, dtype=torch.float32, device=q.device)
+        row_lse = torch.empty(B * R, H, 2, dtype=torch.float32, device=q.device)  # (m, log l) a row and head
         _causal_row_lse_kernel[(B * R, H)](
             q, *qs, k, *ks, lengths, rows, row_lse, H, G, T, D, R, scale,
             BLOCK_N=block, BLOCK_D=BD, num_warps=4,
