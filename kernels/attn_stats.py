@@ -161,7 +161,7 @@ def _causal_colmax_kernel(
 
 @triton.jit(do_not_specialize=["T", "R"])
 def _causal_row_lse_kernel(
-    q_ptr, sq_b, sq_h, sq_t, k_ptr, sk_b, sk_h, sk_t, len_ptr, rows_ptr, lse_ptr,
+    q_ptr, sq_b, sq_h, sq_t, k_ptr, sk_b, sk_h, sk_t, len_ptr, rows_ptr, ml_ptr,
     H, G, T, D, R,
     scale, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -192,13 +192,13 @@ def _causal_row_lse_kernel(
         m_new = tl.maximum(m_i, tl.max(s, axis=0))
         l_i = l_i * tl.exp(m_i - m_new) + tl.sum(tl.exp(s - m_new), axis=0)
         m_i = m_new
-    tl.store(lse_ptr + (i_br * H + h) * 2, tl.where(j_last >= 0, m_i, 0.0))
-    tl.store(lse_ptr + (i_br * H + h) * 2 + 1, tl.where(j_last >= 0, tl.log(l_i), 0.0))
+    tl.store(ml_ptr + (i_br * H + h) * 2, tl.where(j_last >= 0, m_i, 0.0))
+    tl.store(ml_ptr + (i_br * H + h) * 2 + 1, tl.where(j_last >= 0, tl.log(l_i), 0.0))
 
 
 @triton.jit(do_not_specialize=["T", "R"])
 def _causal_rows_kernel(
-    q_ptr, sq_b, sq_h, sq_t, k_ptr, sk_b, sk_h, sk_t, len_ptr, lse_ptr, rows_ptr, out_ptr,
+    q_ptr, sq_b, sq_h, sq_t, k_ptr, sk_b, sk_h, sk_t, len_ptr, ml_ptr, rows_ptr, out_ptr,
     H, G, T, D, R, scale,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -219,8 +219,8 @@ def _causal_rows_kernel(
         # k: [BLOCK_N, BLOCK_D]
         b_k = tl.load(k_ptr + i_b * sk_b + (h // G) * sk_h + o_n[:, None] * sk_t + o_d[None, :],
                       mask=ok[:, None] & m_d[None, :], other=0.0).to(tl.float32)
-        m = tl.load(lse_ptr + (i_br * H + h) * 2)  # (the row's own m and log(l), _causal_row_lse_kernel)
-        log_l = tl.load(lse_ptr + (i_br * H + h) * 2 + 1)
+        m = tl.load(ml_ptr + (i_br * H + h) * 2)  # (the row's own m and log(l), _causal_row_lse_kernel)
+        log_l = tl.load(ml_ptr + (i_br * H + h) * 2 + 1)
         acc += tl.where(ok, tl.exp((tl.sum(b_k * b_q[None, :], axis=1) * scale - m) - log_l), 0.0)
     tl.store(out_ptr + i_br * T + o_n, acc / H, mask=o_n < T)
 
@@ -299,12 +299,12 @@ def causal_attn_stats(q, k, lengths, scale: float, rows=None, colmax_out=None, r
     if rows is not None and rows.shape[1]:
         R = rows.shape[1]
         rows = rows.contiguous()
-        row_lse = torch.empty(B * R, H, 2, dtype=torch.float32, device=q.device)  # (m, log l) a row and head
+        row_ml = torch.empty(B * R, H, 2, dtype=torch.float32, device=q.device)  # (m, log l) a row and head
         _causal_row_lse_kernel[(B * R, H)](
-            q, *qs, k, *ks, lengths, rows, row_lse, H, G, T, D, R, scale,
+            q, *qs, k, *ks, lengths, rows, row_ml, H, G, T, D, R, scale,
             BLOCK_N=block, BLOCK_D=BD, num_warps=4,
         )
         _causal_rows_kernel[(B * R, triton.cdiv(T, block))](
-            q, *qs, k, *ks, lengths, row_lse, rows, rows_out, H, G, T, D, R, scale,
+            q, *qs, k, *ks, lengths, row_ml, rows, rows_out, H, G, T, D, R, scale,
             BLOCK_N=block, BLOCK_D=BD, num_warps=4,
         )
