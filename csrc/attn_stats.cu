@@ -1,7 +1,7 @@
 // Last-layer attention statistics on CUDA (reference: fastrag/signals/reference.py attn_decode_update_ref,
 // causal_attn_colmax_ref, causal_attn_rows_ref). A warp computes one q.k dot product (lanes over the head dim,
-// shuffle reduction); p = exp(q.k * scale - lse) with lse from the main attention (decode) or from a first
-// log-sum-exp pass (prefill). Only the last layer's attention is formed, one key at a time.
+// shuffle reduction); p = exp(q.k * scale - lse) with lse from the main attention (decode), or
+// p = exp((q.k * scale - m) - log l) with each row's (m, log l) from a first pass (prefill). Only the last layer's attention is formed, one key at a time.
 #include "cuda_common.cuh"
 #include "signals_cuda.cuh"
 
@@ -72,18 +72,21 @@ __global__ void __launch_bounds__(kThreads) decode_row_kernel(
   if (threadIdx.x % 32 == 0) row[b * L + i] = acc / static_cast<float>(H);
 }
 
-// lse[b, h, j] = ln sum_{i <= j, i < n} exp(q_j . k_i * scale): one block per (j, b*h), warps over keys.
+// Row j's log-sum-exp ln sum_{i <= j, i < n} exp(s_ji), s_ji = q_j . k_i * scale, kept as two floats:
+// ml[(b*H + h)*T + j] = (m, log l) with m = max_i s_ji and l = sum_i exp(s_ji - m). The consumers form
+// p = exp((s - m) - log l): one float m + log l would drop log l next to a large m (log l = 4.5e-5 is lost
+// beside m ~ 1e6, and the row sums to 1 + 4.5e-5). One block per (j, b*h), warps over keys.
 template <typename T>
 __global__ void __launch_bounds__(kThreads) causal_lse_kernel(const T* __restrict__ q, const T* __restrict__ k,
                                                               const int64_t* __restrict__ lengths, int64_t H,
                                                               int64_t G, int64_t T_, int64_t D, float scale,
-                                                              float* __restrict__ lse) {
+                                                              float2* __restrict__ ml) {
   const int64_t j = blockIdx.x, bh = blockIdx.y, b = bh / H, h = bh % H;
   const int64_t n = lengths[b];
   __shared__ float qs[kMaxHeadDim];
   __shared__ float wm[kWarps], ws[kWarps];
   if (j >= n) {
-    if (threadIdx.x == 0) lse[bh * T_ + j] = kNegInf;
+    if (threadIdx.x == 0) ml[bh * T_ + j] = make_float2(kNegInf, 0.f);
     return;
   }
   for (int64_t d = threadIdx.x; d < D; d += kThreads) qs[d] = to_float(q[(bh * T_ + j) * D + d]);
@@ -107,16 +110,20 @@ __global__ void __launch_bounds__(kThreads) causal_lse_kernel(const T* __restric
     for (int w = 0; w < kWarps; ++w) M = fmaxf(M, wm[w]);
     float tot = 0.f;
     for (int w = 0; w < kWarps; ++w) tot += ws[w] > 0.f ? ws[w] * expf(wm[w] - M) : 0.f;
-    lse[bh * T_ + j] = M + logf(tot);
+    ml[bh * T_ + j] = make_float2(M, logf(tot));
   }
 }
 
-// colmax[b, i] = mean_h max_{i <= j < n} exp(q_j . k_i * scale - lse_j): one block per (i, b), warps over rows j.
+// p_ji = exp((s_ji - m_j) - log l_j), the attention row j gives key i (s_ji as causal_lse_kernel forms it, the
+// same float products in the same lane order, so the row is normalised by the scores it is made of)
+__device__ __forceinline__ float row_prob(float s, float2 ml) { return expf((s - ml.x) - ml.y); }
+
+// colmax[b, i] = mean_h max_{i <= j < n} p_ji: one block per (i, b), warps over rows j.
 template <typename T>
 __global__ void __launch_bounds__(kThreads) causal_colmax_kernel(const T* __restrict__ q, const T* __restrict__ k,
                                                                  const int64_t* __restrict__ lengths, int64_t H,
                                                                  int64_t G, int64_t T_, int64_t D, float scale,
-                                                                 const float* __restrict__ lse,
+                                                                 const float2* __restrict__ ml,
                                                                  float* __restrict__ colmax) {
   const int64_t i = blockIdx.x, b = blockIdx.y;
   const int64_t n = lengths[b];
@@ -130,9 +137,9 @@ __global__ void __launch_bounds__(kThreads) causal_colmax_kernel(const T* __rest
     for (int64_t d = threadIdx.x; d < D; d += kThreads) ks[d] = to_float(kb[d]);
     __syncthreads();
     const T* qb = q + (b * H + h) * T_ * D;
-    const float* lb = lse + (b * H + h) * T_;
+    const float2* mb = ml + (b * H + h) * T_;
     float mx = 0.f;
-    for (int64_t j = i + warp; j < n; j += kWarps) mx = fmaxf(mx, expf(warp_dot(ks, qb + j * D, D) * scale - lb[j]));
+    for (int64_t j = i + warp; j < n; j += kWarps) mx = fmaxf(mx, row_prob(warp_dot(ks, qb + j * D, D) * scale, mb[j]));
     if (threadIdx.x % 32 == 0) wmax[warp] = mx;
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -143,13 +150,13 @@ __global__ void __launch_bounds__(kThreads) causal_colmax_kernel(const T* __rest
   if (threadIdx.x == 0) colmax[b * T_ + i] = acc / static_cast<float>(H);
 }
 
-// rows_out[b, r, i] = mean_h exp(q_j . k_i * scale - lse_j) for i <= j = rows[b, r] < n, else 0.
+// rows_out[b, r, i] = mean_h p_ji for i <= j = rows[b, r] < n, else 0.
 template <typename T>
 __global__ void __launch_bounds__(kThreads) causal_rows_kernel(const T* __restrict__ q, const T* __restrict__ k,
                                                                const int64_t* __restrict__ lengths,
                                                                const int64_t* __restrict__ rows, int64_t R,
                                                                int64_t H, int64_t G, int64_t T_, int64_t D,
-                                                               float scale, const float* __restrict__ lse,
+                                                               float scale, const float2* __restrict__ ml,
                                                                float* __restrict__ out) {
   const int64_t r = blockIdx.x, b = blockIdx.y;
   const int64_t n = lengths[b];
@@ -165,7 +172,7 @@ __global__ void __launch_bounds__(kThreads) causal_rows_kernel(const T* __restri
         const T* ki = k + ((b * (H / G) + h / G) * T_ + i) * D;
         float part = 0.f;
         for (int64_t d = threadIdx.x % 32; d < D; d += 32) part += to_float(qj[d]) * to_float(ki[d]);
-        acc += expf(warp_sum(part) * scale - lse[(b * H + h) * T_ + j]);
+        acc += row_prob(warp_sum(part) * scale, ml[(b * H + h) * T_ + j]);
       }
     }
     if (threadIdx.x % 32 == 0) o[i] = acc / static_cast<float>(H);
@@ -196,24 +203,24 @@ cudaError_t launch_decode(const T* q, const T* k, int64_t sk_h, int64_t sk_s, co
 
 template <typename T>
 cudaError_t launch_prefill(const T* q, const T* k, const int64_t* lengths, int64_t B, int64_t H, int64_t Hkv,
-                           int64_t T_, int64_t D, float scale, float* lse, float* colmax, const int64_t* rows,
+                           int64_t T_, int64_t D, float scale, float2* ml, float* colmax, const int64_t* rows,
                            int64_t R, float* rows_out, cudaStream_t st) {
   if (B == 0 || T_ == 0) return cudaSuccess;
   if (D > kMaxHeadDim) return cudaErrorInvalidValue;
   const int64_t G = H / Hkv;
   causal_lse_kernel<T><<<dim3(static_cast<unsigned>(T_), static_cast<unsigned>(B * H)), kThreads, 0, st>>>(
-      q, k, lengths, H, G, T_, D, scale, lse);
+      q, k, lengths, H, G, T_, D, scale, ml);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
   if (colmax) {
     causal_colmax_kernel<T><<<dim3(static_cast<unsigned>(T_), static_cast<unsigned>(B)), kThreads, 0, st>>>(
-        q, k, lengths, H, G, T_, D, scale, lse, colmax);
+        q, k, lengths, H, G, T_, D, scale, ml, colmax);
     err = cudaGetLastError();
     if (err != cudaSuccess) return err;
   }
   if (rows && R > 0) {
     causal_rows_kernel<T><<<dim3(static_cast<unsigned>(R), static_cast<unsigned>(B)), kThreads, 0, st>>>(
-        q, k, lengths, rows, R, H, G, T_, D, scale, lse, rows_out);
+        q, k, lengths, rows, R, H, G, T_, D, scale, ml, rows_out);
   }
   return cudaGetLastError();
 }
@@ -243,18 +250,19 @@ cudaError_t attn_decode_update(const void* q, const void* k_cache, DType dtype, 
 }
 
 cudaError_t causal_attn_stats(const void* q, const void* k, DType dtype, const int64_t* lengths, int64_t B,
-                              int64_t H, int64_t Hkv, int64_t T, int64_t D, float scale, float* lse, float* colmax,
+                              int64_t H, int64_t Hkv, int64_t T, int64_t D, float scale, float* row_ml, float* colmax,
                               const int64_t* rows, int64_t R, float* rows_out, cudaStream_t stream) {
+  float2* ml = reinterpret_cast<float2*>(row_ml);  // [B, H, T] pairs (m, log l); torch allocations are 8-aligned
   switch (dtype) {
     case DType::kF32:
       return launch_prefill(static_cast<const float*>(q), static_cast<const float*>(k), lengths, B, H, Hkv, T, D,
-                            scale, lse, colmax, rows, R, rows_out, stream);
+                            scale, ml, colmax, rows, R, rows_out, stream);
     case DType::kBF16:
       return launch_prefill(static_cast<const __nv_bfloat16*>(q), static_cast<const __nv_bfloat16*>(k), lengths, B,
-                            H, Hkv, T, D, scale, lse, colmax, rows, R, rows_out, stream);
+                            H, Hkv, T, D, scale, ml, colmax, rows, R, rows_out, stream);
     case DType::kF16:
       return launch_prefill(static_cast<const __half*>(q), static_cast<const __half*>(k), lengths, B, H, Hkv, T, D,
-                            scale, lse, colmax, rows, R, rows_out, stream);
+                            scale, ml, colmax, rows, R, rows_out, stream);
   }
   return cudaErrorInvalidValue;
 }

@@ -125,10 +125,10 @@ void causal_attn_stats_cuda(torch::Tensor q, torch::Tensor k, torch::Tensor leng
   q = q.contiguous();
   k = k.contiguous();
   lengths = lengths.contiguous();
-  auto lse = torch::empty({B, H, T}, q.options().dtype(at::kFloat));
+  auto row_ml = torch::empty({B, H, T, 2}, q.options().dtype(at::kFloat));  // each row's (largest score, log l)
   C10_CUDA_CHECK(fastrag::cuda::causal_attn_stats(
       q.data_ptr(), k.data_ptr(), dtype_code(q.scalar_type()), lengths.data_ptr<int64_t>(), B, H, Hkv, T, D,
-      static_cast<float>(scale), lse.data_ptr<float>(), colmax.has_value() ? colmax->data_ptr<float>() : nullptr,
+      static_cast<float>(scale), row_ml.data_ptr<float>(), colmax.has_value() ? colmax->data_ptr<float>() : nullptr,
       rw.defined() ? rw.data_ptr<int64_t>() : nullptr, R, rows_out.has_value() ? rows_out->data_ptr<float>() : nullptr,
       c10::cuda::getCurrentCUDAStream().stream()));
 }

@@ -33,9 +33,10 @@ cudaError_t attn_decode_update(const void* q, const void* k_cache, DType dtype, 
                                cudaStream_t stream);
 
 // Prefill (causal block) statistics. q: [B, H, T, D], k: [B, Hkv, T, D] contiguous; lengths: [B];
-// lse: [B, H, T] f32 workspace; colmax: [B, T] (nullable); rows: [B, R] i64 and rows_out: [B, R, T] (nullable).
+// row_ml: [B, H, T, 2] f32 workspace (each row's largest score and log l); colmax: [B, T] (nullable);
+// rows: [B, R] i64 and rows_out: [B, R, T] (nullable).
 cudaError_t causal_attn_stats(const void* q, const void* k, DType dtype, const int64_t* lengths, int64_t B,
-                              int64_t H, int64_t Hkv, int64_t T, int64_t D, float scale, float* lse, float* colmax,
+                              int64_t H, int64_t Hkv, int64_t T, int64_t D, float scale, float* row_ml, float* colmax,
                               const int64_t* rows, int64_t R, float* rows_out, cudaStream_t stream);
 
 }  // namespace fastrag::cuda
