@@ -257,6 +257,41 @@ def kernel_profile_section(metrics: list[dict]) -> str:
             "the host: this run's throughput is not the engine's.\n\n" + md_table(rows))
 
 
+def launch_profile_section(metrics: list[dict], top: int = 12) -> str:
+    """The results file's section on where the steps' launch spent its host time, function by function
+    ($FASTRAG_LAUNCH_PROFILE=1: metrics.json `launch_profile`, fastrag.launch_profile), or "" without one: a line
+    per kind of step, the functions of the largest decode bucket by own time, and the functions whose time grows
+    with the decode batch (per decode sequence, from the smallest bucket to the largest)."""
+    lp = metrics[0].get("launch_profile") if metrics else None
+    if not lp or not lp.get("kinds"):
+        return ""
+    kinds = lp["kinds"]
+    out = ("\n## Where the steps' launch spends its host time (cProfile, $FASTRAG_LAUNCH_PROFILE)\n\n"
+           "Every `Engine.step_launch` of the run under cProfile (the launching thread; wall-clock: a call that "
+           "waits is charged its wait), kept apart by kind of step (fastrag.launch_profile). The profiler slows "
+           "every Python call: this run's throughput and the launch's absolute times are not the engine's, the "
+           "split is. Full statistics per kind in the run folder's launch_profile/*.pstats.\n\n")
+    out += md_table([{"kind": kd, "steps": k["steps"], "mean decode batch": f"{k['mean_decode_batch']:.1f}",
+                      "profiled launch us a step": f"{k['wall_us_per_step']:.0f}"} for kd, k in kinds.items()])
+    decode = [kd for kd in kinds if kd.startswith("decode ")]
+    if decode:
+        big = max(decode, key=lambda kd: kinds[kd]["mean_decode_batch"])
+        out += (f"\nThe {top} functions with the most own time in the plain decode steps of the largest batches "
+                f"({big}, {kinds[big]['steps']} steps):\n\n")
+        out += md_table([{"function": f"`{short_name(r['function'], 90)}`",
+                          "calls a step": f"{r['calls_per_step']:.1f}", "own us a step": f"{r['own_us_per_step']:.1f}",
+                          "cum us a step": f"{r['cum_us_per_step']:.1f}", "own share": f"{r['own_share']:.1%}"}
+                         for r in kinds[big]["functions"][:top]])
+    per = lp.get("per_sequence")
+    if per:
+        out += (f"\nWhat grows with the decode batch, from {per['from']} to {per['to']}: the profiled launch "
+                f"{per['wall_us_per_seq']:.1f} us a decode sequence; the {top} functions whose own time grows the "
+                "most, a decode sequence:\n\n")
+        out += md_table([{"function": f"`{short_name(r['function'], 90)}`", "us a sequence": f"{r['us_per_seq']:.2f}",
+                          "calls a sequence": f"{r['calls_per_seq']:.2f}"} for r in per["functions"][:top]])
+    return out
+
+
 def graphs_line(metrics: list[dict]) -> str:
     """The header line on the engine's CUDA graphs (one engine ran every dataset: the first metrics.json's
     figures), or "" when it decoded without them."""
@@ -660,6 +695,7 @@ def main() -> None:
                   "of their forwards and tokens. graphed_steps: steps with a pass forward replayed from a CUDA "
                   "graph.\n\n" + md_table(pass_rows))
     table += kernel_profile_section(metrics)
+    table += launch_profile_section(metrics)
     (res / f"e2e_{tag}.md").write_text(head + table)
     (res / f"e2e_{tag}.json").write_text(json.dumps({"rows": rows, "parity": reports, "device": device,
                                                      "floor": f_rows, "decode_floor": d_rows, "decode_floor_by_prefixes": p_rows,

@@ -438,6 +438,9 @@ class Engine:
         # torch.profiler over a window of steps (fastrag.kernel_parts.StepWindow; fastrag.eval with
         # $FASTRAG_KERNEL_PROFILE=FIRST:COUNT): told of every step launch
         self.kernel_window = None
+        # cProfile over every step launch, kept apart by kind of step (fastrag.launch_profile.LaunchProfile;
+        # fastrag.eval with $FASTRAG_LAUNCH_PROFILE=1): which calls the launch's host seconds are in
+        self.launch_profile = None
         # decode steps replayed from CUDA graphs (fastrag/cuda_graphs.py): on by default on a GPU,
         # FASTRAG_CUDA_GRAPHS=0 turns them off; cuda_graphs=True on a CPU runs the same static-buffer protocol
         # without CUDA (emulated; how the tests check it)
@@ -759,6 +762,10 @@ class Engine:
         """
         if self.kernel_window is not None:
             self.kernel_window.before_step(self.stats)
+        lp = self.launch_profile
+        if lp is not None:
+            calls0 = self.stats["prefill_calls"]
+            lp.start()
         finished: list[SeqState] = []
         joining: list[SeqState] = []
         join_sampled = None
@@ -888,6 +895,8 @@ class Engine:
             row["launch_cpu_s"] = time.thread_time() - c0
             if cap0 is not None and self._captures() > cap0:  # (graphs captured in this step: decode, prefill, pass)
                 row["graph_captures"] = self._captures() - cap0
+        if lp is not None:
+            lp.stop(self.stats["prefill_calls"] > calls0, len(st.batch))
         return st
 
     def _captures(self) -> int:

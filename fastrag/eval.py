@@ -30,6 +30,7 @@ from fastrag.cache.kv import OutOfBlocks
 from fastrag.data.datasets import Example, load_examples
 from fastrag.data.metrics import aggregate, score
 from fastrag.kernel_parts import StepWindow, kernel_profile_window
+from fastrag.launch_profile import LAUNCH_PROFILE_ENV, LaunchProfile
 from fastrag.model.loading import control_token_strings, find_control_token
 from fastrag.perf import STEP_TRACE_ENV, trace_summary
 from fastrag.provenance import environment, source_commit
@@ -638,6 +639,7 @@ def _run_many(runs: list[RunOptions], engine=None, retriever=None) -> list[dict]
     sched = None
     step_trace = None
     kernel_profile = None
+    launch_profile = None
     tok0 = 0
     captured_ahead, capture_ahead_s = 0, 0.0
     compile_log, compile_mark = None, 0
@@ -687,6 +689,9 @@ def _run_many(runs: list[RunOptions], engine=None, retriever=None) -> list[dict]
         trace = env_switch(STEP_TRACE_ENV)
         if trace:  # the engine's per-step rows ($FASTRAG_STEP_TRACE=1), written beside the results below
             engine.trace = []
+        launch_prof = env_switch(LAUNCH_PROFILE_ENV) and hasattr(engine, "step_launch")
+        if launch_prof:  # ($FASTRAG_LAUNCH_PROFILE=1) cProfile over every step launch (fastrag.launch_profile)
+            engine.launch_profile = LaunchProfile()
         window = kernel_profile_window()
         if window is not None:  # ($FASTRAG_KERNEL_PROFILE=FIRST:COUNT) torch.profiler over those engine steps
             engine.kernel_window = StepWindow(*window, getattr(engine, "device", "cpu"))
@@ -708,6 +713,11 @@ def _run_many(runs: list[RunOptions], engine=None, retriever=None) -> list[dict]
                 engine.kernel_window = None
                 for out in outs:
                     write_json(out / "kernel_profile.json", {"window": list(window), "profile": kernel_profile})
+            if launch_prof:
+                lp, engine.launch_profile = engine.launch_profile, None
+                launch_profile = lp.summary() | {"folder": "launch_profile"}
+                for out in outs:  # (each kind's full statistics: python -m pstats FILE)
+                    lp.dump(out / "launch_profile")
             if trace:
                 rows, engine.trace = engine.trace or [], None
                 for out in outs:  # (one engine ran every run's questions: each run's folder gets the steps)
@@ -786,6 +796,8 @@ def _run_many(runs: list[RunOptions], engine=None, retriever=None) -> list[dict]
                 metrics["step_trace"] = step_trace
             if kernel_profile is not None:  # ($FASTRAG_KERNEL_PROFILE) the profiled steps' time by part
                 metrics["kernel_profile"] = kernel_profile
+            if launch_profile is not None:  # ($FASTRAG_LAUNCH_PROFILE) the launches' host time by function
+                metrics["launch_profile"] = launch_profile
             if sched.sync_watch is not None:  # ($FASTRAG_SYNC_WATCH) host calls that waited for the device in the
                 metrics["overlap_syncs"] = sched.sync_watch.summary()  # overlap window, by call site
             elif sched.sync_watch_off is not None:
@@ -813,7 +825,7 @@ MEASURED_FIELDS = ("questions_per_s", "tokens_per_s", "wall_s", "questions_measu
                    "kv_cache_blocks",
                    "model_costs", "prefill_attention", "cuda_graphs", "retrieval", "step_seconds", "overlap",
                    "text_workers", "joint", "environment", "overlap_syncs", "step_trace", "triton_compiles",
-                   "kernel_profile")
+                   "kernel_profile", "launch_profile")
 
 
 def triton_compile_log():
