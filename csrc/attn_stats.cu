@@ -1,7 +1,8 @@
 // Last-layer attention statistics on CUDA (reference: fastrag/signals/reference.py attn_decode_update_ref,
 // causal_attn_colmax_ref, causal_attn_rows_ref). A warp computes one q.k dot product (lanes over the head dim,
 // shuffle reduction); p = exp(q.k * scale - lse) with lse from the main attention (decode), or
-// p = exp((q.k * scale - m) - log l) with each row's (m, log l) from a first pass (prefill). Only the last layer's attention is formed, one key at a time.
+// p = exp((q.k * scale - m) - log l) with each row's (m, log l) from a first pass (prefill). Only the last layer's
+// attention is formed, one key at a time.
 #include "cuda_common.cuh"
 #include "signals_cuda.cuh"
 
@@ -139,7 +140,9 @@ __global__ void __launch_bounds__(kThreads) causal_colmax_kernel(const T* __rest
     const T* qb = q + (b * H + h) * T_ * D;
     const float2* mb = ml + (b * H + h) * T_;
     float mx = 0.f;
-    for (int64_t j = i + warp; j < n; j += kWarps) mx = fmaxf(mx, row_prob(warp_dot(ks, qb + j * D, D) * scale, mb[j]));
+    for (int64_t j = i + warp; j < n; j += kWarps) {
+      mx = fmaxf(mx, row_prob(warp_dot(ks, qb + j * D, D) * scale, mb[j]));
+    }
     if (threadIdx.x % 32 == 0) wmax[warp] = mx;
     __syncthreads();
     if (threadIdx.x == 0) {
