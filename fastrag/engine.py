@@ -432,7 +432,8 @@ class Engine:
                       "device_prefill_s": 0.0, "device_decode_s": 0.0, "device_passes_s": 0.0}
         self.clock = DeviceClock(self.device, self.stats)
         # a row per step_launch when a list (`trace = []`, fastrag.eval with $FASTRAG_STEP_TRACE=1): what the step
-        # prefilled and decoded, its host seconds and, once known, its device seconds (the scheduler adds its own)
+        # prefilled and decoded, its host seconds and, once known, its device seconds (the scheduler adds its own);
+        # and a `passes_only` row per scheduler step that launched attention passes without an engine step
         self.trace: list[dict] | None = None
         self._trace_row: dict | None = None
         # torch.profiler over a window of steps (fastrag.kernel_parts.StepWindow; fastrag.eval with
@@ -898,6 +899,19 @@ class Engine:
         if lp is not None:
             lp.stop(self.stats["prefill_calls"] > calls0, len(st.batch))
         return st
+
+    def trace_passes_step(self) -> dict | None:
+        """With the step trace on: a row for a scheduler step that launches attention passes but no engine step
+        (`passes_only`), so that their device seconds and work are that step's, not the last launched step's (whose
+        wall was already closed). Passes launched from here to the next step_launch go in it. None without the
+        trace."""
+        if self.trace is None:
+            return None
+        row = {"step": len(self.trace), "prefill_seqs": 0, "prefill_tokens": 0, "decode_batch": 0,
+               "passes_only": True}
+        self.trace.append(row)
+        self._trace_row = row
+        return row
 
     def _captures(self) -> int:
         return sum(g.stats["captures"] for g in (self.graphs, self.prefill_graphs, self.pass_graphs) if g is not None)

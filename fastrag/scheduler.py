@@ -478,10 +478,14 @@ class Scheduler:
         self._answer_step_texts()  # (before the passes are taken: a text's answer may ask for one)
         # attention passes: one batched forward per kind, launched behind the step (collected below)
         passes = []
+        pass_row = None  # (the step trace's row of a step that launches passes and no engine step)
         for kind, cls in (("colmax", AttnColmax), ("rows", AttnRows)):
             items = self._take(cls)
             if items:
                 ta = time.perf_counter()
+                if launched is None and self.overlap and not passes and hasattr(self.engine, "trace_passes_step"):
+                    pass_row = self.engine.trace_passes_step()
+                    t_window = ta
                 passes.append((items, self._passes_launch([r.ids for _, _, r in items], kind)))
                 t_attn += time.perf_counter() - ta
                 progressed = True
@@ -504,6 +508,8 @@ class Scheduler:
                     tw = time.perf_counter()
                     wait(self._text_futures(), timeout=0.0005, return_when=FIRST_COMPLETED)
                     t_wait += time.perf_counter() - tw
+        if pass_row is not None:  # the host's time between the passes' launch and their wait
+            pass_row["window_s"] = time.perf_counter() - t_window
         for items, pending in passes:
             ta = time.perf_counter()
             res = pending.results if isinstance(pending, _DonePasses) else self.engine.attention_passes_finish(pending)
@@ -535,6 +541,8 @@ class Scheduler:
         if launched is None and not self.overlap:
             self._answer_step_texts()  # (the generations their answers start join this step's engine step)
         row = getattr(launched, "trace_row", None)
+        if pass_row is not None:
+            row, pass_row["passes_s"] = pass_row, t_attn
         if launched is not None:
             if self.sync_watch is not None:
                 self.sync_watch.stop()

@@ -72,3 +72,31 @@ def count_ops(fn) -> int:
     with Count():
         fn()
     return Count.n
+
+
+def tiny_dragin_run(tmp_path):
+    """A function out -> fastrag.eval.RunOptions of a real DRAGIN run over 3 bundled HotpotQA questions (BM25 over
+    the bundled passages) with a tiny random model written under tmp_path: batch 4, overlap on, results in
+    tmp_path / out."""
+    import json
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    from fastrag.eval import BUNDLED, RunOptions
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from make_random_model import make
+
+    model_dir = make("tiny", tmp_path / "tiny", dtype=torch.float32, device="cpu")
+    cfg = tmp_path / "dragin.json"
+    cfg.write_text(json.dumps({"method": "attn_entropy", "generate_max_length": 16, "hallucination_threshold": 0.5,
+                               "retrieve_topk": 2, "query_formulation": "real_words"}))
+
+    def opts(out: str) -> RunOptions:
+        return RunOptions(method="dragin", dataset="hotpotqa", data=str(BUNDLED / "hotpotqa_dev20.jsonl"),
+                          corpus=str(BUNDLED / "wiki_passages.jsonl"), model=str(model_dir), config=str(cfg),
+                          limit=3, batch_size=4, output=str(tmp_path / out), progress=False, overlap=True)
+
+    return opts
