@@ -774,7 +774,9 @@ class Engine:
         row = None
         if self.trace is not None:
             c0 = time.thread_time()  # (the launch's CPU seconds on this thread: wall minus these is time it waited)
-            row = {"step": len(self.trace), "prefill_seqs": 0, "prefill_tokens": 0, "decode_batch": 0}
+            # (step: the launch's number; a passes_only row carries the number of the launch it follows)
+            row = {"step": self.trace[-1]["step"] + 1 if self.trace else 0, "prefill_seqs": 0, "prefill_tokens": 0,
+                   "decode_batch": 0}
             self.trace.append(row)
             compile_log = _compile_log()
             if compile_log is not None:  # Triton compiles from here to the next launch are this step's ("compiles")
@@ -903,12 +905,13 @@ class Engine:
     def trace_passes_step(self) -> dict | None:
         """With the step trace on: a row for a scheduler step that launches attention passes but no engine step
         (`passes_only`), so that their device seconds and work are that step's, not the last launched step's (whose
-        wall was already closed). Passes launched from here to the next step_launch go in it. None without the
-        trace."""
+        wall was already closed). Passes launched from here to the next step_launch go in it. Its `step` is the
+        number of the launch it follows (-1 before the first), so that the launches keep their numbers (those of
+        $FASTRAG_KERNEL_PROFILE's window). None without the trace."""
         if self.trace is None:
             return None
-        row = {"step": len(self.trace), "prefill_seqs": 0, "prefill_tokens": 0, "decode_batch": 0,
-               "passes_only": True}
+        row = {"step": self.trace[-1]["step"] if self.trace else -1, "prefill_seqs": 0, "prefill_tokens": 0,
+               "decode_batch": 0, "passes_only": True}
         self.trace.append(row)
         self._trace_row = row
         return row

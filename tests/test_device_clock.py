@@ -349,6 +349,10 @@ def test_a_run_writes_its_step_trace_when_asked(tmp_path, monkeypatch):
     # host seconds for its passes; the stale row's exceeded them in every run before the passes_only rows)
     only = [r for r in rows if r.get("passes_only")]
     assert all(r["decode_batch"] == r["prefill_seqs"] == 0 and r["pass_calls"] >= 1 for r in only)
+    # the launches keep their numbers (0, 1, 2, ...: $FASTRAG_KERNEL_PROFILE's window counts them), a passes_only
+    # row the number of the launch before it
+    assert [r["step"] for r in rows if not r.get("passes_only")] == list(range(len(rows) - len(only)))
+    assert all(r["step"] == rows[i - 1]["step"] for i, r in enumerate(rows) if r.get("passes_only"))
     # the forwards of the prefill steps and of the attention passes, which the engine counts as prefill work: with
     # the shared prefix's own prefill (before the first step) they are the counters' prefill tokens and calls
     st = m["engine"]
