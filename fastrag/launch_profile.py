@@ -4,7 +4,7 @@ The step trace times each `Engine.step_launch` as a whole (`launch_s`, and its t
 fastrag.perf.launch_fit splits it into a fixed part and parts per decode sequence, prefilled sequence and prefilled
 token. This says which calls those seconds are in: `$FASTRAG_LAUNCH_PROFILE=1` makes fastrag.eval run cProfile over
 every step launch of the run (the launching thread only) and keep the results apart by kind of step: steps with a
-prefill, and plain decode steps by batch size (DECODE_BUCKETS). cProfile's clock is the wall: a call that waits
+prefill, and plain decode steps by batch size (fastrag.perf.DECODE_BATCH_RANGES, the launch table's). cProfile's clock is the wall: a call that waits
 (for the GIL, in a blocking CUDA call, for a pinned buffer) is charged its wait, and torch's C functions show as
 their own entries (`<method 'copy_' ...>`). Comparing the smallest and the largest decode buckets gives each
 function's cost per decode sequence (`per_sequence`), the part of the launch that grows with the batch.
@@ -24,10 +24,9 @@ import re
 import time
 from pathlib import Path
 
-LAUNCH_PROFILE_ENV = "FASTRAG_LAUNCH_PROFILE"
+from fastrag.perf import DECODE_BATCH_RANGES
 
-# plain decode steps are kept apart by batch size: [lo, hi] inclusive, the last open-ended
-DECODE_BUCKETS: tuple[tuple[int, int | None], ...] = ((1, 31), (32, 95), (96, 191), (192, None))
+LAUNCH_PROFILE_ENV = "FASTRAG_LAUNCH_PROFILE"
 PREFILL_KIND = "with a prefill"
 IDLE_KIND = "no decode, no prefill"
 
@@ -36,15 +35,15 @@ _PKG_ROOT = str(Path(__file__).resolve().parents[1]) + os.sep
 
 def step_kind(prefilled: bool, decode_batch: int) -> str:
     """The kind a launch is counted under: PREFILL_KIND when it ran a prefill, else its decode bucket
-    ("decode 32-95", "decode 192+"), else IDLE_KIND."""
+    in DECODE_BATCH_RANGES ("decode 16-63", "decode 192+"), else IDLE_KIND."""
     if prefilled:
         return PREFILL_KIND
     if decode_batch <= 0:
         return IDLE_KIND
-    for lo, hi in DECODE_BUCKETS:
+    for lo, hi in DECODE_BATCH_RANGES:
         if decode_batch >= lo and (hi is None or decode_batch <= hi):
             return f"decode {lo}+" if hi is None else f"decode {lo}-{hi}"
-    raise ValueError(f"DECODE_BUCKETS do not cover a decode batch of {decode_batch}")
+    raise ValueError(f"DECODE_BATCH_RANGES do not cover a decode batch of {decode_batch}")
 
 
 def function_label(func: tuple[str, int, str]) -> str:
@@ -113,10 +112,10 @@ class LaunchProfile:
         (calls, own and cumulative microseconds a step, share of the kind's own time). `per_sequence`, when two
         decode buckets ran: each function's change in own time and calls a step from the smallest bucket to the
         largest, over the change in mean batch size (microseconds and calls a decode sequence), the `top` largest."""
-        kinds = {}
+        kinds, by_kind = {}, {}
         for kind, k in sorted(self.kinds.items()):
             n = k["steps"]
-            rows = self._rows(kind)
+            rows = by_kind[kind] = self._rows(kind)
             own_total = sum(t for _, t, _ in rows.values()) or 1.0
             best = sorted(rows.items(), key=lambda kv: -kv[1][1])[:top]
             funcs = [{"function": f, "calls_per_step": c / n, "own_us_per_step": 1e6 * t / n,
@@ -130,7 +129,7 @@ class LaunchProfile:
             large = max(decode, key=lambda kd: kinds[kd]["mean_decode_batch"])
             db = kinds[large]["mean_decode_batch"] - kinds[small]["mean_decode_batch"]
             if db > 0:
-                rs, rl = self._rows(small), self._rows(large)
+                rs, rl = by_kind[small], by_kind[large]
                 ns, nl = self.kinds[small]["steps"], self.kinds[large]["steps"]
                 per = []
                 for f in set(rs) | set(rl):

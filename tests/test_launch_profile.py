@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from fastrag.launch_profile import DECODE_BUCKETS, IDLE_KIND, PREFILL_KIND, LaunchProfile, function_label, step_kind
+from fastrag.launch_profile import IDLE_KIND, PREFILL_KIND, LaunchProfile, function_label, step_kind
+from fastrag.perf import DECODE_BATCH_RANGES
 
 from engine_fakes import tiny_dragin_run
 
@@ -44,12 +45,12 @@ def _by_name(rows: list[dict], name: str) -> dict:
 def test_step_kinds_cover_every_batch():
     assert step_kind(True, 0) == step_kind(True, 300) == PREFILL_KIND
     assert step_kind(False, 0) == IDLE_KIND
-    assert step_kind(False, 1) == step_kind(False, 31) == "decode 1-31"
-    assert step_kind(False, 32) == "decode 32-95"
-    assert step_kind(False, 191) == "decode 96-191"
+    assert step_kind(False, 1) == step_kind(False, 15) == "decode 1-15"
+    assert step_kind(False, 16) == "decode 16-63"
+    assert step_kind(False, 191) == "decode 128-191"
     assert step_kind(False, 192) == step_kind(False, 4096) == "decode 192+"
     # the buckets follow each other without a gap
-    for (_, hi), (lo, _) in zip(DECODE_BUCKETS, DECODE_BUCKETS[1:]):
+    for (_, hi), (lo, _) in zip(DECODE_BATCH_RANGES, DECODE_BATCH_RANGES[1:]):
         assert lo == hi + 1
 
 
@@ -62,10 +63,10 @@ def test_calls_and_time_are_kept_by_kind_and_the_growing_part_is_found(tmp_path)
             lp.stop(prefilled, batch)
     s = lp.summary(top=50)
     kinds = s["kinds"]
-    assert set(kinds) == {"decode 1-31", "decode 192+", PREFILL_KIND, IDLE_KIND}
-    assert [kinds[k]["steps"] for k in ("decode 1-31", "decode 192+", PREFILL_KIND, IDLE_KIND)] == [6, 4, 2, 1]
+    assert set(kinds) == {"decode 1-15", "decode 192+", PREFILL_KIND, IDLE_KIND}
+    assert [kinds[k]["steps"] for k in ("decode 1-15", "decode 192+", PREFILL_KIND, IDLE_KIND)] == [6, 4, 2, 1]
     assert kinds["decode 192+"]["mean_decode_batch"] == 240 and kinds[PREFILL_KIND]["mean_decode_batch"] == 3
-    for kind, batch in (("decode 1-31", 8), ("decode 192+", 240), (PREFILL_KIND, 3)):
+    for kind, batch in (("decode 1-15", 8), ("decode 192+", 240), (PREFILL_KIND, 3)):
         fns = kinds[kind]["functions"]
         assert _by_name(fns, "_per_sequence_part")["calls_per_step"] == batch
         assert _by_name(fns, "_fixed_part")["calls_per_step"] == 1
@@ -73,16 +74,16 @@ def test_calls_and_time_are_kept_by_kind_and_the_growing_part_is_found(tmp_path)
         assert all(r["cum_us_per_step"] >= r["own_us_per_step"] >= 0 for r in fns)
     big = kinds["decode 192+"]
     assert big["functions"][0]["function"].endswith("(_per_sequence_part)")  # most own time
-    assert big["wall_us_per_step"] > kinds["decode 1-31"]["wall_us_per_step"]
+    assert big["wall_us_per_step"] > kinds["decode 1-15"]["wall_us_per_step"]
     per = s["per_sequence"]
-    assert (per["from"], per["to"]) == ("decode 1-31", "decode 192+")
+    assert (per["from"], per["to"]) == ("decode 1-15", "decode 192+")
     grow = _by_name(per["functions"], "_per_sequence_part")
     assert grow["calls_per_seq"] == pytest.approx(1.0) and grow is per["functions"][0] and grow["us_per_seq"] > 0
     assert _by_name(per["functions"], "_fixed_part")["calls_per_seq"] == pytest.approx(0.0)
     assert per["wall_us_per_seq"] > 0
     # each kind's full statistics, readable by pstats
     paths = lp.dump(tmp_path / "lp")
-    assert sorted(p.name for p in paths) == sorted(["decode_1_31.pstats", "decode_192.pstats",
+    assert sorted(p.name for p in paths) == sorted(["decode_1_15.pstats", "decode_192.pstats",
                                                     "with_a_prefill.pstats", "no_decode_no_prefill.pstats"])
     st = pstats.Stats(str(tmp_path / "lp" / "decode_192.pstats"))
     calls = {f[2]: v[1] for f, v in st.stats.items()}
@@ -100,7 +101,7 @@ def test_one_decode_bucket_has_no_per_sequence_part_and_misuse_is_an_error():
     lp.start()
     lp.start()  # (a launch that raised before its stop: the next start drops its partial profile)
     lp.stop(False, 4)
-    assert lp.summary()["kinds"]["decode 1-31"]["steps"] == 2
+    assert lp.summary()["kinds"]["decode 1-15"]["steps"] == 2
 
 
 def test_function_labels():
