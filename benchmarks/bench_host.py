@@ -1,6 +1,6 @@
 """The host-side work around the engine's steps: what a GPU run cannot hide behind its decode steps.
 
-Four measurements (the first with a second part), each with its baseline in the same run:
+Seven measurements (the first with a second part), each with its baseline in the same run:
 1. Host preparation of a graphed decode step: `Engine._decode_graphed` at batch 128 with the graph's forward stubbed
    out (inputs, positions, KV slots and the block table of every row): the work the launch does before the device can
    start, per step.
@@ -26,6 +26,12 @@ Four measurements (the first with a second part), each with its baseline in the 
    span a different length. Baseline in the same run: each sequence's maxima in a tensor of its span's exact
    length, so each is a capacity of its own (as before `fastrag.engine.track_capacity`); against the engine's
    power-of-two capacities. Graph forward, signal kernels and the tracking kernel stubbed out.
+7. The launch of 1.'s second step (batch 256 after a 640-token prefix, 256 waiting) beside another thread that takes
+   the GIL, at three interpreter switch intervals (`sys.setswitchinterval`, default 5 ms): alone, beside a BM25 search
+   loop (the engine's retriever over the bundled corpus) and beside a pure-Python loop. Every torch call gives the GIL
+   up while it runs, so a thread that runs Python meanwhile can hold the launch off for up to a switch interval per
+   call. Baseline in the same run: the launch alone. Read with the step trace's `launch_cpu_s` share: a launch that
+   waits for the GIL spends a small share of its wall on its CPU.
 
     python benchmarks/bench_host.py              # writes benchmarks/results/host_<device>.md
 
@@ -42,6 +48,7 @@ import random
 import shlex
 import statistics
 import sys
+import threading
 import time
 import types
 from pathlib import Path
@@ -233,6 +240,103 @@ def tracked_step(reps: int, batches: tuple[int, ...] = (64, 256)) -> list[dict]:
                              "launch_ms": launch_ms, "finish_ms": finish_ms})
     finally:
         DecodeGraphs._forward = forward
+    return rows
+
+
+CONTENDERS = ("none", "BM25 search", "Python loop")
+SWITCH_INTERVALS_MS = (5.0, 0.5, 0.1)
+
+
+def _contender(kind: str, stop: threading.Event):
+    """A thread doing `kind`'s work until `stop` is set (None for "none"), and its loop count."""
+    done = [0]
+    if kind == "none":
+        return None, done
+    if kind == "BM25 search":  # the engine's retriever over the bundled corpus, batches of the bundled questions
+        from fastrag.eval import BUNDLED
+        from fastrag.retrieval.bm25 import BM25Retriever
+
+        retriever = BM25Retriever(BUNDLED / "wiki_passages.jsonl", show_progress=False)
+        qs = [json.loads(x)["question_text"] for x in (BUNDLED / "hotpotqa_dev20.jsonl").read_text().splitlines()
+              if x.strip()]
+
+        def work():
+            while not stop.is_set():
+                retriever.search(qs, 3)
+                done[0] += 1
+    elif kind == "Python loop":  # interpreted code only: it gives the GIL up only when asked to
+        def work():
+            x = 0
+            while not stop.is_set():
+                for i in range(2000):
+                    x += i * i
+                done[0] += 1
+    else:
+        raise ValueError(f"unknown contender {kind!r}")
+    return threading.Thread(target=work, name=f"bench-contender-{kind}", daemon=True), done
+
+
+def launch_beside_threads(reps: int, rounds: int = 2) -> list[dict]:
+    """7. in the module doc: `step_launch` at batch 256 after a 640-token prefix, 256 waiting (graph forward and
+    signal kernels stubbed out, as in 1.), alone and beside a thread that takes the GIL (a BM25 search loop; a
+    pure-Python loop), at each interpreter switch interval (`sys.setswitchinterval`; Python's default is 5 ms).
+    Per setting: the launch's median and 90th-percentile wall, and the median share of that wall the launching
+    thread spent on its CPU (the step trace's `launch_cpu_s` / `launch_s`: the rest it waited). `rounds` passes over
+    the settings, each `reps` steps, pooled (the sequences' contexts grow a little over the steps)."""
+    settings = [(kind, iv) for kind in CONTENDERS for iv in SWITCH_INTERVALS_MS]
+    samples = {k: ([], []) for k in settings}
+    old = sys.getswitchinterval()
+    one, zero = torch.ones(256, dtype=torch.long), torch.zeros(256)
+
+    class Signals:  # as in step_host
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        @staticmethod
+        def decode_signals(lg, **kw):
+            B = lg.shape[0]
+            return types.SimpleNamespace(chosen=one[:B], entropy=zero[:B], logprob=zero[:B])
+
+    with _decoding_engine(rounds * len(settings) * reps + 10, 256, 640, 256) as eng:
+        eng.signals = Signals(eng.signals)
+        try:
+            for _ in range(rounds):
+                for kind, iv in settings:
+                    stop = threading.Event()
+                    th, done = _contender(kind, stop)
+                    if th is not None:
+                        th.start()
+                        while done[0] == 0:  # (its setup, e.g. the index's load, is not part of the reading)
+                            time.sleep(0.001)
+                    sys.setswitchinterval(iv / 1e3)
+                    try:
+                        for _ in range(reps):
+                            t, c = time.perf_counter(), time.thread_time()
+                            st = eng.step_launch()
+                            wall, cpu = time.perf_counter() - t, time.thread_time() - c
+                            eng.step_finish(st)
+                            samples[(kind, iv)][0].append(wall)
+                            samples[(kind, iv)][1].append(cpu / wall)
+                    finally:
+                        sys.setswitchinterval(old)
+                        stop.set()
+                        if th is not None:
+                            th.join()
+        finally:
+            sys.setswitchinterval(old)
+    if len(eng.running) != 256:
+        raise RuntimeError(f"expected a batch of 256 throughout, got {len(eng.running)}")
+    rows = []
+    for kind, iv in settings:
+        walls, shares = samples[(kind, iv)]
+        walls = sorted(walls)
+        rows.append({"contender": kind, "switch_interval_ms": iv, "steps": len(walls),
+                     "median_ms": statistics.median(walls) * 1e3,
+                     "p90_ms": walls[min(len(walls) - 1, int(0.9 * len(walls)))] * 1e3,
+                     "cpu_share": statistics.median(shares)})
     return rows
 
 
@@ -473,6 +577,8 @@ def main() -> int:
     sig = signals(max(10, args.reps // 2))
     gp = graph_prep(args.reps)
     tr = tracked_step(max(5, args.reps // 2))
+    beside = launch_beside_threads(max(10, args.reps // 2))
+    alone = {r["switch_interval_ms"]: r for r in beside if r["contender"] == "none"}
     base = {r["batch"]: r for r in tr if r["capacities"] == "exact"}
     cmd = "python benchmarks/bench_host.py " + shlex.join(sys.argv[1:])
     lines = [
@@ -530,6 +636,21 @@ def main() -> int:
         *(f"| {r['batch']} | {r['capacities']} | {r['distinct']} | {r['ops']} | {r['launch_ms']:.3f} | "
           f"{r['finish_ms']:.3f} | {r['ops'] / base[r['batch']]['ops']:.3f} | "
           f"{r['launch_ms'] / base[r['batch']]['launch_ms']:.3f} |" for r in tr), "",
+        "## The launch beside another thread that takes the GIL, by switch interval", "",
+        "`step_launch` of the second step above (batch 256 after a 640-token prefix, 256 waiting; forward and signal "
+        "kernels stubbed out) while another thread runs: nothing, a loop of BM25 searches (the engine's retriever "
+        "over the bundled corpus, the 20 bundled questions a batch, back to back), or a loop of pure Python. Every "
+        "torch call lets the GIL go while it runs; a thread running Python then holds it until it blocks or the "
+        "interpreter's switch interval (`sys.setswitchinterval`, Python's default 5 ms) makes it hand over. "
+        "cpu share: the median share of the launch's wall its thread spent on its CPU (the step trace's "
+        "`launch_cpu_s` over `launch_s`); the rest it waited. Medians of "
+        f"{beside[0]['steps']} steps a setting, two passes over the settings pooled; x alone: against the launch "
+        "alone at the same interval, same run.", "",
+        "| other thread | switch interval ms | median launch ms | p90 launch ms | cpu share | x alone |",
+        "|---|---|---|---|---|---|",
+        *(f"| {r['contender']} | {r['switch_interval_ms']:g} | {r['median_ms']:.3f} | {r['p90_ms']:.3f} | "
+          f"{r['cpu_share']:.2f} | {r['median_ms'] / alone[r['switch_interval_ms']]['median_ms']:.2f} |"
+          for r in beside), "",
     ]
     results = Path(args.results)
     results.mkdir(parents=True, exist_ok=True)

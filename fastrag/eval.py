@@ -34,7 +34,7 @@ from fastrag.launch_profile import LAUNCH_PROFILE_ENV, LaunchProfile
 from fastrag.model.loading import control_token_strings, find_control_token
 from fastrag.perf import STEP_TRACE_ENV, trace_summary
 from fastrag.provenance import environment, source_commit
-from fastrag.switches import env_switch
+from fastrag.switches import env_switch, switch_interval_setting
 from fastrag.trace import QuestionResult
 
 BUNDLED = Path(__file__).resolve().parent / "data" / "bundled"
@@ -611,6 +611,7 @@ def _run_many(runs: list[RunOptions], engine=None, retriever=None) -> list[dict]
     from fastrag.scheduler import Scheduler
 
     source_commit()  # the commit of the code this run loaded (fastrag.provenance), before anything can change it
+    switch_interval_setting()  # (a bad $FASTRAG_SWITCH_INTERVAL fails here, before the model loads)
     first = runs[0]
     for o in runs[1:]:
         for f in ("model", "corpus", "retriever", "batch_size", "signals", "kv_cache_gb", "prefix_caching",

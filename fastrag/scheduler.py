@@ -30,6 +30,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, ClassVar, Generator, Iterable
 
 from fastrag.engine import Engine, Generation, SeqState, sampling_key
+from fastrag.switches import switch_interval
 from fastrag.sync_watch import SyncWatch, sync_watch_requested
 from fastrag.text.pool import (BrokenProcessPool, TextPool, compute_text, compute_texts, failure_message, is_failure,
                                text_groups_requested, text_lockstep_requested)
@@ -274,8 +275,9 @@ class Scheduler:
             cb = (lambda r, ex=ex: on_result(r, ex)) if pass_example else on_result
             self.submit(ex, cb)
         try:
-            while self.busy:
-                self.step()
+            with switch_interval():  # ($FASTRAG_SWITCH_INTERVAL: how long a launch may wait for the GIL per call)
+                while self.busy:
+                    self.step()
         except BaseException:  # (Ctrl-C, an on_result that raised, an engine error): the engine is left clean
             self.abort()
             raise

@@ -11,6 +11,7 @@ import importlib.util
 import json
 import os
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -766,3 +767,19 @@ def test_bench_text_groups_times_both_splits_on_one_stream(tmp_path, monkeypatch
     data = json.loads((tmp_path / "text_groups_cpu.json").read_text())
     assert set(data["runs"]) == {"count", "cost"} and all(len(v) == 1 for v in data["runs"].values())
     assert all(r["median_ms"] > 0 for v in data["runs"].values() for r in v)
+
+
+def test_bench_host_launch_beside_threads_reads_every_setting_and_restores_the_interval(monkeypatch):
+    """bench_host's launch beside another thread: a row per (other thread, switch interval), each of the asked steps,
+    the interpreter's interval back as it was and no contender thread left. (How long the launch waits depends on
+    the machine's load: on an oversubscribed CPU the contender hardly runs, so the effect itself is not asserted.)"""
+    monkeypatch.syspath_prepend(str(BENCH))
+    mod = load("bench_host")
+    old = sys.getswitchinterval()
+    rows = mod.launch_beside_threads(4, rounds=1)
+    assert sys.getswitchinterval() == old
+    assert [(r["contender"], r["switch_interval_ms"]) for r in rows] == [
+        (c, iv) for c in mod.CONTENDERS for iv in mod.SWITCH_INTERVALS_MS]
+    assert all(r["steps"] == 4 and 0 < r["median_ms"] <= r["p90_ms"] for r in rows)
+    assert all(0 < r["cpu_share"] < 1.5 for r in rows), rows
+    assert not [t for t in threading.enumerate() if t.name.startswith("bench-contender")]
