@@ -1,4 +1,4 @@
-"""On/off settings read from the environment ($FASTRAG_* diagnosis and scheduling switches)."""
+"""Settings read from the environment: on/off switches ($FASTRAG_* diagnosis and scheduling) and seconds."""
 
 from __future__ import annotations
 
