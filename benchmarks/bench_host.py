@@ -125,6 +125,22 @@ def host_prep(reps: int) -> dict:
             "median_ms": statistics.median(ts) * 1e3}
 
 
+class _ConstantSignals:
+    """An engine's signals backend whose decode-step kernel is replaced by a constant result (token 1, entropy and
+    log-probability 0) for up to `batch` rows; everything else is the backend's."""
+
+    def __init__(self, inner, batch: int):
+        self.inner = inner
+        self.one, self.zero = torch.ones(batch, dtype=torch.long), torch.zeros(batch)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def decode_signals(self, lg, **kw):
+        B = lg.shape[0]
+        return types.SimpleNamespace(chosen=self.one[:B], entropy=self.zero[:B], logprob=self.zero[:B])
+
+
 def step_host(reps: int, batch: int = 128, prefix: int = 0, waiting: int = 0) -> dict:
     """The engine's whole host time per decode step at `batch` (after a shared prefix of `prefix` tokens, with
     `waiting` sequences waiting for room: _decoding_engine): `step_launch` (batch bookkeeping, KV slots, the graph's
@@ -132,23 +148,8 @@ def step_host(reps: int, batch: int = 128, prefix: int = 0, waiting: int = 0) ->
     the graph's forward and the signal kernels stubbed out. This is what a step costs the host between two device
     steps, the most a device-side token feed (launching step N+1 before step N's tokens reach the host) could
     hide."""
-    one = torch.ones(batch, dtype=torch.long)
-    zero = torch.zeros(batch)
-
-    class Signals:  # the engine's backend, its decode-step kernel replaced by a constant result
-        def __init__(self, inner):
-            self.inner = inner
-
-        def __getattr__(self, name):
-            return getattr(self.inner, name)
-
-        @staticmethod
-        def decode_signals(lg, **kw):
-            B = lg.shape[0]
-            return types.SimpleNamespace(chosen=one[:B], entropy=zero[:B], logprob=zero[:B])
-
     with _decoding_engine(reps + 10, batch, prefix, waiting) as eng:
-        eng.signals = Signals(eng.signals)
+        eng.signals = _ConstantSignals(eng.signals, batch)
         launch_ms, finish_ms = _time_steps(eng, reps)
     return {"batch": len(eng.running), "prefix": prefix, "waiting": waiting, "launch_ms": launch_ms,
             "finish_ms": finish_ms}
@@ -286,22 +287,8 @@ def launch_beside_threads(reps: int, rounds: int = 2) -> list[dict]:
     settings = [(kind, iv) for kind in CONTENDERS for iv in SWITCH_INTERVALS_MS]
     samples = {k: ([], []) for k in settings}
     old = sys.getswitchinterval()
-    one, zero = torch.ones(256, dtype=torch.long), torch.zeros(256)
-
-    class Signals:  # as in step_host
-        def __init__(self, inner):
-            self.inner = inner
-
-        def __getattr__(self, name):
-            return getattr(self.inner, name)
-
-        @staticmethod
-        def decode_signals(lg, **kw):
-            B = lg.shape[0]
-            return types.SimpleNamespace(chosen=one[:B], entropy=zero[:B], logprob=zero[:B])
-
     with _decoding_engine(rounds * len(settings) * reps + 10, 256, 640, 256) as eng:
-        eng.signals = Signals(eng.signals)
+        eng.signals = _ConstantSignals(eng.signals, 256)
         try:
             for _ in range(rounds):
                 for kind, iv in settings:

@@ -577,6 +577,7 @@ def test_bench_prefill_bad_cells_are_a_message(args, message, tmp_path, monkeypa
 def test_benchmark_counts_below_one_are_refused_by_name(script, args, monkeypatch, capsys):
     """A zero or negative count is an argparse error naming the option before anything runs (they ended in
     tracebacks from the timing loops: max() of an empty tensor, a modulo by zero, the median of no timings)."""
+    monkeypatch.syspath_prepend(str(BENCH))  # (their bench_args import, as when run as scripts: not left to the order)
     mod = load(script)
     monkeypatch.setattr(sys, "argv", [f"{script}.py", *args])
     with pytest.raises(SystemExit) as e:
