@@ -296,7 +296,9 @@ def launch_beside_threads(reps: int, rounds: int = 2) -> list[dict]:
                     th, done = _contender(kind, stop)
                     if th is not None:
                         th.start()
-                        while done[0] == 0:  # (its setup, e.g. the index's load, is not part of the reading)
+                        while done[0] == 0:  # (its first loop is not part of the reading)
+                            if not th.is_alive():  # (it failed: its traceback is on stderr; no endless wait)
+                                raise RuntimeError(f"the {kind!r} contender thread stopped before its first loop")
                             time.sleep(0.001)
                     sys.setswitchinterval(iv / 1e3)
                     try:

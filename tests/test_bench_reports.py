@@ -784,3 +784,23 @@ def test_bench_host_launch_beside_threads_reads_every_setting_and_restores_the_i
     assert all(r["steps"] == 4 and 0 < r["median_ms"] <= r["p90_ms"] for r in rows)
     assert all(0 < r["cpu_share"] < 1.5 for r in rows), rows
     assert not [t for t in threading.enumerate() if t.name.startswith("bench-contender")]
+
+
+def test_bench_host_launch_beside_threads_stops_when_a_contender_fails(monkeypatch):
+    """A contender thread that dies before its first loop ends the section with an error naming it (it waited for
+    that loop forever, which on a GPU machine would spend the stage's whole time limit)."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    mod = load("bench_host")
+    real = mod._contender
+
+    def broken(kind, stop):
+        th, done = real(kind, stop)
+        if kind != "Python loop":
+            return th, done
+        return threading.Thread(target=lambda: None, name="bench-contender-broken", daemon=True), done
+
+    monkeypatch.setattr(mod, "_contender", broken)
+    old = sys.getswitchinterval()
+    with pytest.raises(RuntimeError, match="'Python loop' contender thread stopped before its first loop"):
+        mod.launch_beside_threads(2, rounds=1)
+    assert sys.getswitchinterval() == old
