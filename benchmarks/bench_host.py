@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as dt
+import functools
 import json
 import random
 import shlex
@@ -248,18 +249,25 @@ CONTENDERS = ("none", "BM25 search", "Python loop")
 SWITCH_INTERVALS_MS = (5.0, 0.5, 0.1)
 
 
+@functools.cache
+def _bundled_bm25():
+    """The engine's BM25 retriever over the bundled corpus and the bundled questions (loaded once a process)."""
+    from fastrag.eval import BUNDLED
+    from fastrag.retrieval.bm25 import BM25Retriever
+
+    retriever = BM25Retriever(BUNDLED / "wiki_passages.jsonl", show_progress=False)
+    qs = [json.loads(x)["question_text"] for x in (BUNDLED / "hotpotqa_dev20.jsonl").read_text().splitlines()
+          if x.strip()]
+    return retriever, qs
+
+
 def _contender(kind: str, stop: threading.Event):
     """A thread doing `kind`'s work until `stop` is set (None for "none"), and its loop count."""
     done = [0]
     if kind == "none":
         return None, done
     if kind == "BM25 search":  # the engine's retriever over the bundled corpus, batches of the bundled questions
-        from fastrag.eval import BUNDLED
-        from fastrag.retrieval.bm25 import BM25Retriever
-
-        retriever = BM25Retriever(BUNDLED / "wiki_passages.jsonl", show_progress=False)
-        qs = [json.loads(x)["question_text"] for x in (BUNDLED / "hotpotqa_dev20.jsonl").read_text().splitlines()
-              if x.strip()]
+        retriever, qs = _bundled_bm25()
 
         def work():
             while not stop.is_set():
