@@ -381,7 +381,8 @@ def text_line(metrics: list[dict]) -> str:
     g = tw.get("groups")
     mode = "in lockstep" if tw.get("lockstep") else (
         f"in groups ({g['sent']} groups, up to {g['largest']} texts)" if g else "free-running")
-    return f"- spaCy texts: {tw['workers']} worker processes, {mode}, {tw.get('texts', 0)} texts sent\n"
+    chosen = " (the run's own choice: no --text-workers)" if tw.get("chosen") == "auto" else ""
+    return f"- spaCy texts: {tw['workers']} worker processes{chosen}, {mode}, {tw.get('texts', 0)} texts sent\n"
 
 
 def run_engine(args, opts: dict) -> None:
@@ -467,7 +468,9 @@ def main() -> None:
                     help="the scheduler runs the methods' own logic while the device decodes the next step (auto: "
                          "on a GPU); time 'off' beside it to see what the overlap gives")
     ap.add_argument("--text-workers", type=int, default=None,
-                    help="processes for DRAGIN's spaCy work (default 0: the scheduler's thread)")
+                    help="processes for DRAGIN's spaCy work (default: the run's own choice, "
+                         "fastrag.text.pool.auto_text_workers: on a GPU the host's cores beyond two, at most 8; "
+                         "on a CPU none, the scheduler's thread)")
     ap.add_argument("--warmup", type=int, default=0,
                     help="first run the engine on this many questions per dataset (untimed, own output folder): "
                          "the timed run then starts with the Triton kernels compiled, as a long-running job does")

@@ -35,7 +35,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overlap", choices=("auto", "on", "off"), default="auto",
                    help="run the methods' own logic while the device decodes the next step (auto: on a GPU)")
     p.add_argument("--text-workers", type=int, default=None,
-                   help="processes for the methods' spaCy work (default 0: in the main process). Each step's "
+                   help="processes for the methods' spaCy work (0: in the main process; default: on a GPU one a "
+                        "host core beyond two, at most 8, on a CPU 0). Each step's "
                         "texts go to them as one group the step does not wait for (on an H200, 8 workers: 17.05 s "
                         "against 18.51 s without, 128 DRAGIN questions, benchmarks/results/gpu_h200_2026-11-27.md); "
                         "$FASTRAG_TEXT_LOCKSTEP=1: the step waits for its texts; $FASTRAG_TEXT_GROUPS=0: each text "

@@ -21,6 +21,12 @@ from fastrag.eval import (ResultWriter, RunError, RunOptions, _close_progress, _
 from fastrag.provenance import environment, source_commit
 
 
+def cpus_a_gpu(resources: dict) -> int:
+    """The CPUs a GPU shard counts its auto text workers from (RunOptions.text_worker_cpus): the cluster's CPUs over
+    its GPUs, so that the shards on one node share its cores instead of each starting workers for all of them."""
+    return max(1, int(resources.get("CPU", 1)) // max(1, int(resources.get("GPU", 0))))
+
+
 def _shard_worker(opts: RunOptions, device: str | None) -> dict:
     """Runs inside a Ray worker: the shard's questions through one engine."""
     import torch
@@ -76,8 +82,10 @@ def _run_ray(opts: RunOptions, num_workers: int, max_retries: int, ray_address: 
         per_gpu = gpus >= n
         threads = opts.threads or max(1, (os.cpu_count() or 1) // n)
         task = ray.remote(num_gpus=1 if per_gpu else 0, num_cpus=0 if per_gpu else 1, max_retries=0)(_shard_worker)
+        cpus_per_gpu = cpus_a_gpu(ray.cluster_resources()) if per_gpu else None
         shard_opts = [replace(opts, output=str(out / "shards" / str(i)), qids=shards[i], limit=opts.limit,
-                              threads=None if per_gpu else threads, progress=False) for i in range(n)]
+                              threads=None if per_gpu else threads, progress=False, text_worker_cpus=cpus_per_gpu)
+                      for i in range(n)]
         device = "cuda" if per_gpu else "cpu"
         mine = [[e for e in todo if e.qid in set(shards[i])] for i in range(n)]  # each shard's examples
 

@@ -59,8 +59,12 @@ class RunOptions:
     threads: int | None = None
     # the methods' host logic runs while the device decodes the next step (Scheduler.overlap); None: on a GPU
     overlap: bool | None = None
-    # processes for the methods' spaCy work (Scheduler.text_workers; 0: on the scheduler's thread); None: 0
+    # processes for the methods' spaCy work (Scheduler.text_workers; 0: on the scheduler's thread); None: chosen by
+    # the run (fastrag.text.pool.auto_text_workers: on a GPU the host's cores beyond two, at most 8; on a CPU 0)
     text_workers: int | None = None
+    # the host CPUs that auto text workers are counted from; None: this process's (a Ray run's GPU shard: the
+    # cluster's CPUs a GPU, as its siblings on the node share the cores)
+    text_worker_cpus: int | None = None
     # retrieval batches in flight at once (Scheduler.search_concurrency); None: what the retriever serves
     # (Retriever.concurrent_searches: 1 for the bundled ones)
     search_concurrency: int | None = None
@@ -609,6 +613,7 @@ def _run_many(runs: list[RunOptions], engine=None, retriever=None) -> list[dict]
 
     from fastrag.retrieval import make_retriever
     from fastrag.scheduler import Scheduler
+    from fastrag.text.pool import auto_text_workers
 
     source_commit()  # the commit of the code this run loaded (fastrag.provenance), before anything can change it
     switch_interval_setting()  # (a bad $FASTRAG_SWITCH_INTERVAL fails here, before the model loads)
@@ -699,9 +704,13 @@ def _run_many(runs: list[RunOptions], engine=None, retriever=None) -> list[dict]
         try:
             # twice the decode batch in flight: questions waiting on attention passes or retrieval do not
             # leave holes in the decode batch
+            # (text workers not given: as many as the host's cores spare on a GPU, none on a CPU)
+            text_workers = first.text_workers
+            if text_workers is None:
+                text_workers = auto_text_workers(getattr(engine, "device", "cpu"), cpus=first.text_worker_cpus)
             sched = Scheduler(engine, retriever, lambda ex: policies[which[id(ex)]](ex),
                               max_inflight=2 * first.batch_size, overlap=first.overlap,
-                              text_workers=first.text_workers, search_concurrency=first.search_concurrency)
+                              text_workers=text_workers, search_concurrency=first.search_concurrency)
             sched.run(todo, on_result, pass_example=True)
         finally:
             bar.close()
@@ -805,7 +814,8 @@ def _run_many(runs: list[RunOptions], engine=None, retriever=None) -> list[dict]
                 metrics["overlap_syncs"] = {"off": sched.sync_watch_off}
             # spaCy texts sent to worker processes (0 workers: all run on the scheduler's thread)
             metrics["text_workers"] = {"workers": sched.text_workers, "texts": sched.text_requests,
-                                       "lockstep": sched.text_lockstep}
+                                       "lockstep": sched.text_lockstep, "chosen": "auto" if first.text_workers
+                                       is None else "given"}
             if sched.text_groups:  # ($FASTRAG_TEXT_GROUPS) a step's texts sent together, not waited for
                 sizes = sched.text_group_sizes
                 metrics["text_workers"]["groups"] = {"sent": len(sizes), "texts": sum(sizes),

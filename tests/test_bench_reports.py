@@ -401,6 +401,9 @@ def test_the_e2e_header_says_where_the_texts_ran():
     line = be.text_line([{"text_workers": free | {"groups": {"sent": 57, "texts": 912, "largest": 64}}}])
     assert "in groups (57 groups, up to 64 texts), 912 texts sent" in line
     assert be.text_line([{}]) == "" and be.text_line([]) == ""
+    auto = be.text_line([{"text_workers": free | {"chosen": "auto"}}])
+    assert auto.startswith("- spaCy texts: 8 worker processes (the run's own choice: no --text-workers), free-running")
+    assert "own choice" not in be.text_line([{"text_workers": free | {"chosen": "given"}}])
 
 
 def test_the_compiles_line_names_the_kernels_and_the_steps_they_stopped():

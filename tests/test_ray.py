@@ -207,3 +207,15 @@ def test_an_error_raised_by_the_shards_own_code_is_not_retried_as_a_dead_worker(
             run_ray(opts, num_workers=2, max_retries=1)
     finally:
         ray.shutdown()
+
+
+def test_gpu_shards_count_their_text_workers_from_their_share_of_the_cores():
+    """On a node of 16 cores and 2 GPUs each GPU shard counts its auto text workers from 8 CPUs (6 workers), not
+    from 16 (8 workers each: 16 spaCy processes beside 2 engines on 16 cores)."""
+    from fastrag.distributed import cpus_a_gpu
+    from fastrag.text.pool import auto_text_workers
+
+    assert cpus_a_gpu({"CPU": 16.0, "GPU": 2.0}) == 8
+    assert auto_text_workers("cuda", cpus=cpus_a_gpu({"CPU": 16.0, "GPU": 2.0})) == 6
+    assert cpus_a_gpu({"CPU": 64.0, "GPU": 8.0}) == 8 and cpus_a_gpu({"CPU": 3.0, "GPU": 4.0}) == 1
+    assert cpus_a_gpu({"CPU": 16.0}) == 16 and cpus_a_gpu({}) == 1

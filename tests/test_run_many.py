@@ -71,7 +71,9 @@ def test_joint_run_equals_separate_runs(tmp_path, short_cfg):
                    mk("2wikimultihopqa", "graph_w", overlap=True, text_workers=2)], engine=geng, retriever=ret)
     assert gm[0]["overlap"] is True and joint[0]["overlap"] is False
     assert gm[0]["text_workers"]["workers"] == 2 and gm[0]["text_workers"]["texts"] >= 6  # a split per question
-    assert joint[0]["text_workers"] == {"workers": 0, "texts": 0, "lockstep": False}
+    # (no --text-workers on a CPU engine: the run chooses none; given ones are said to be given)
+    assert joint[0]["text_workers"] == {"workers": 0, "texts": 0, "lockstep": False, "chosen": "auto"}
+    assert gm[0]["text_workers"]["chosen"] == "given"
     for a, b in (("sep_h", "graph_h"), ("sep_w", "graph_w")):
         assert decisions(tmp_path / a) == decisions(tmp_path / b)
     g = gm[0]["cuda_graphs"]

@@ -22,12 +22,12 @@ from fastrag.eval import BUNDLED
 from fastrag.model.llama import LlamaModel
 from fastrag.retrieval.base import Doc
 from fastrag.scheduler import Generate, Parallel, RealWords, Scheduler, Search, Sentences
-from fastrag.text.pool import TextPool, failure_message, is_failure
+from fastrag.text.pool import AUTO_TEXT_WORKERS_MAX, TextPool, auto_text_workers, failure_message, is_failure
 from fastrag.text.realwords import real_words
 from fastrag.text.sentences import split_sentences
 from fastrag.trace import QuestionResult, Round
 
-from engine_fakes import Ex
+from engine_fakes import Ex, tiny_dragin_run
 from engine_fakes import IntTok as Tok
 
 
@@ -648,3 +648,36 @@ def test_the_groups_switch(model, monkeypatch):
     monkeypatch.setenv(TEXT_GROUPS_ENV, "often")
     with pytest.raises(ValueError, match=TEXT_GROUPS_ENV):
         Scheduler(eng, Retriever(), policy, text_workers=2)
+
+
+def test_auto_text_workers_spare_two_cores_on_a_gpu_and_none_on_a_cpu(monkeypatch):
+    import fastrag.text.pool as tp
+
+    for dev in ("cuda", "cuda:1", torch.device("cuda", 0)):
+        assert [auto_text_workers(dev, cpus=c) for c in (1, 2, 3, 4, 10, 16, 64)] == [0, 0, 1, 2, 8, 8, 8]
+    assert AUTO_TEXT_WORKERS_MAX == 8
+    for dev in ("cpu", torch.device("cpu"), "mps", None):
+        assert auto_text_workers(dev, cpus=64) == 0
+    assert 1 <= tp.usable_cpus() <= (os.cpu_count() or 1)
+    monkeypatch.setattr(tp, "usable_cpus", lambda: 7)  # (cpus not given: this process's)
+    assert auto_text_workers("cuda") == 5
+
+
+def test_a_run_not_told_its_text_workers_takes_the_chosen_count(tmp_path, monkeypatch):
+    """`run` without text_workers asks auto_text_workers with its engine's device (and the CPUs the options name),
+    starts that many workers, and says in metrics.json that it chose them; told a count, it does not ask."""
+    import dataclasses
+
+    import fastrag.text.pool as tp
+    from fastrag.eval import run
+
+    opts = tiny_dragin_run(tmp_path)
+    asked = []
+    monkeypatch.setattr(tp, "auto_text_workers", lambda device, cpus=None: asked.append((str(device), cpus)) or 1)
+    m = run(dataclasses.replace(opts("auto"), text_worker_cpus=6))
+    assert asked == [("cpu", 6)]
+    assert m["text_workers"]["workers"] == 1 and m["text_workers"]["chosen"] == "auto"
+    assert m["text_workers"]["texts"] >= 1  # (the run's spaCy work went to the worker)
+    assert json.loads((tmp_path / "auto" / "metrics.json").read_text())["text_workers"]["chosen"] == "auto"
+    m = run(dataclasses.replace(opts("given"), text_workers=0))
+    assert asked == [("cpu", 6)] and m["text_workers"]["workers"] == 0 and m["text_workers"]["chosen"] == "given"
