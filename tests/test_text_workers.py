@@ -665,7 +665,9 @@ def test_auto_text_workers_spare_two_cores_on_a_gpu_and_none_on_a_cpu(monkeypatc
 
 def test_a_run_not_told_its_text_workers_takes_the_chosen_count(tmp_path, monkeypatch):
     """`run` without text_workers asks auto_text_workers with its engine's device (and the CPUs the options name),
-    starts that many workers, and says in metrics.json that it chose them; told a count, it does not ask."""
+    gives its scheduler that many workers, and says in metrics.json that it chose them; told a count, it does not
+    ask. (Whether texts reach the worker depends on its spaCy loading before this short run ends: texts asked for
+    while it loads are answered in this process, tests above.)"""
     import dataclasses
 
     import fastrag.text.pool as tp
@@ -677,7 +679,6 @@ def test_a_run_not_told_its_text_workers_takes_the_chosen_count(tmp_path, monkey
     m = run(dataclasses.replace(opts("auto"), text_worker_cpus=6))
     assert asked == [("cpu", 6)]
     assert m["text_workers"]["workers"] == 1 and m["text_workers"]["chosen"] == "auto"
-    assert m["text_workers"]["texts"] >= 1  # (the run's spaCy work went to the worker)
     assert json.loads((tmp_path / "auto" / "metrics.json").read_text())["text_workers"]["chosen"] == "auto"
     m = run(dataclasses.replace(opts("given"), text_workers=0))
     assert asked == [("cpu", 6)] and m["text_workers"]["workers"] == 0 and m["text_workers"]["chosen"] == "given"
