@@ -702,12 +702,12 @@ def _run_many(runs: list[RunOptions], engine=None, retriever=None) -> list[dict]
         if window is not None:  # ($FASTRAG_KERNEL_PROFILE=FIRST:COUNT) torch.profiler over those engine steps
             engine.kernel_window = StepWindow(*window, getattr(engine, "device", "cpu"))
         try:
-            # twice the decode batch in flight: questions waiting on attention passes or retrieval do not
-            # leave holes in the decode batch
-            # (text workers not given: as many as the host's cores spare on a GPU, none on a CPU)
+            # text workers not given: as many as the host's cores spare on a GPU, none on a CPU
             text_workers = first.text_workers
             if text_workers is None:
                 text_workers = auto_text_workers(getattr(engine, "device", "cpu"), cpus=first.text_worker_cpus)
+            # twice the decode batch in flight: questions waiting on attention passes or retrieval do not
+            # leave holes in the decode batch
             sched = Scheduler(engine, retriever, lambda ex: policies[which[id(ex)]](ex),
                               max_inflight=2 * first.batch_size, overlap=first.overlap,
                               text_workers=text_workers, search_concurrency=first.search_concurrency)
@@ -813,9 +813,10 @@ def _run_many(runs: list[RunOptions], engine=None, retriever=None) -> list[dict]
             elif sched.sync_watch_off is not None:
                 metrics["overlap_syncs"] = {"off": sched.sync_watch_off}
             # spaCy texts sent to worker processes (0 workers: all run on the scheduler's thread)
+            # (chosen: "auto" when the run chose the count, auto_text_workers; "given" when it was told)
             metrics["text_workers"] = {"workers": sched.text_workers, "texts": sched.text_requests,
-                                       "lockstep": sched.text_lockstep, "chosen": "auto" if first.text_workers
-                                       is None else "given"}
+                                       "lockstep": sched.text_lockstep,
+                                       "chosen": "auto" if first.text_workers is None else "given"}
             if sched.text_groups:  # ($FASTRAG_TEXT_GROUPS) a step's texts sent together, not waited for
                 sizes = sched.text_group_sizes
                 metrics["text_workers"]["groups"] = {"sent": len(sizes), "texts": sum(sizes),
