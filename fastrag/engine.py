@@ -985,10 +985,21 @@ class Engine:
         self.clock.settle()  # (the step's copy is on the host: its device time and any before it can be read)
         if st.trace_row is not None:
             st.trace_row["finish_s"] = time.perf_counter() - t_fin
-        for s in finished:
-            if s.amax is not None:
-                s.out.attn = s.amax[:, : len(s.tokens) - s.track_from].mean(0).tolist()
+        self._attn_out([s for s in finished if s.amax is not None])
         return finished
+
+    def _attn_out(self, seqs: list[SeqState]) -> None:
+        """The tracked a_i of sequences that ended in this step (the head mean of their running maxima), brought to
+        the host in one copy for all of them: a copy a sequence would be a host synchronisation a sequence on a
+        GPU, beside the step's one."""
+        if not seqs:
+            return
+        means = [s.amax[:, : len(s.tokens) - s.track_from].mean(0) for s in seqs]
+        flat = (torch.cat(means) if len(means) > 1 else means[0]).tolist()
+        at = 0
+        for s, m in zip(seqs, means):
+            s.out.attn = flat[at: at + m.shape[0]]
+            at += m.shape[0]
 
     def _admit_fed(self) -> None:
         """Waiting sequences with nothing to prefill (their next tokens are fed by decode steps) join the decode

@@ -270,3 +270,39 @@ def test_tracking_operations_do_not_grow_with_the_batch(model):
 
     small, large = ops_per_track(4), ops_per_track(16)
     assert max(large) == max(small), (small, large)
+
+
+def test_tracked_sequences_ending_together_reach_the_host_in_one_copy(model, monkeypatch):
+    """Tracked sequences that end in the same step get their a_i through one host copy, however many they are: a
+    `.tolist()` each is a host synchronisation each on a GPU (the step's own is the copy of its sampled tokens).
+    Each still gets its own a_i, equal to the statistic from scratch."""
+    def finish_copies(batch: int) -> tuple[int, int]:
+        eng = Engine(model, ByteTok(), block_size=8, kv_cache_gb=0.02, signals="torch", max_batch=batch)
+        prompts = [ByteTok().encode(f"Q{i}: {'w' * (6 * i)}? A:") for i in range(batch)]
+        seqs = [eng.new_sequence() for _ in prompts]
+        for s, p in zip(seqs, prompts):  # prompts of different lengths, ending in the same step
+            eng.start(s, p, 9, track_from=len(p) - 2)
+        calls = []
+        real_tolist, real_finish = torch.Tensor.tolist, eng.step_finish
+
+        def counted_finish(st):
+            calls.clear()
+            monkeypatch.setattr(torch.Tensor, "tolist", lambda t: (calls.append(1), real_tolist(t))[1])
+            try:
+                return real_finish(st)
+            finally:
+                monkeypatch.setattr(torch.Tensor, "tolist", real_tolist)
+
+        eng.step_finish = counted_finish
+        ended = []
+        while eng.has_work:
+            ended.append(len(eng.step()))
+        assert ended[-1] == batch and sum(ended) == batch  # all of them in the last step
+        for s, p in zip(seqs, prompts):
+            exp = expected_attn(model, p + s.out.ids, fed=len(p) + 8, track_from=s.track_from)
+            torch.testing.assert_close(torch.tensor(s.out.attn, dtype=torch.float64),
+                                       torch.tensor(exp, dtype=torch.float64), atol=2e-6, rtol=1e-4)
+        return len(calls)
+
+    small, large = finish_copies(2), finish_copies(12)
+    assert large == small, (small, large)
