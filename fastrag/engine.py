@@ -995,7 +995,7 @@ class Engine:
         if not seqs:
             return
         means = [s.amax[:, : len(s.tokens) - s.track_from].mean(0) for s in seqs]
-        flat = (torch.cat(means) if len(means) > 1 else means[0]).tolist()
+        flat = torch.cat(means).tolist()
         at = 0
         for s, m in zip(seqs, means):
             s.out.attn = flat[at: at + m.shape[0]]

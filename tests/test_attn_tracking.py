@@ -276,7 +276,7 @@ def test_tracked_sequences_ending_together_reach_the_host_in_one_copy(model, mon
     """Tracked sequences that end in the same step get their a_i through one host copy, however many they are: a
     `.tolist()` each is a host synchronisation each on a GPU (the step's own is the copy of its sampled tokens).
     Each still gets its own a_i, equal to the statistic from scratch."""
-    def finish_copies(batch: int) -> tuple[int, int]:
+    def finish_copies(batch: int) -> int:
         eng = Engine(model, ByteTok(), block_size=8, kv_cache_gb=0.02, signals="torch", max_batch=batch)
         prompts = [ByteTok().encode(f"Q{i}: {'w' * (6 * i)}? A:") for i in range(batch)]
         seqs = [eng.new_sequence() for _ in prompts]
