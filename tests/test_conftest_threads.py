@@ -1,0 +1,58 @@
+"""tests/conftest.py shares the cores among pytest-xdist's workers (the README's test command runs one per core)."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("xdist")
+
+PROBE = '''
+import json, os, torch
+def test_probe():
+    w = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    with open(os.path.join(os.environ["PROBE_OUT"], w + ".json"), "w") as f:
+        json.dump({"torch": torch.get_num_threads(), "omp": os.environ.get("OMP_NUM_THREADS")}, f)
+'''
+
+
+def _probe(tmp_path: Path, args: list[str], **env: str) -> dict:
+    shutil.copy(Path(__file__).with_name("conftest.py"), tmp_path / "conftest.py")
+    (tmp_path / "test_probe.py").write_text(PROBE)
+    out = tmp_path / "out"
+    out.mkdir()
+    e = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "PYTEST_XDIST_WORKER",
+                                                          "PYTEST_XDIST_WORKER_COUNT", "PYTEST_ADDOPTS")}
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args, "test_probe.py"],
+                       cwd=tmp_path, env={**e, "PROBE_OUT": str(out), **env}, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return {p.stem: json.loads(p.read_text()) for p in out.glob("*.json")}
+
+
+def test_each_xdist_worker_gets_its_share_of_the_cores(tmp_path):
+    got = _probe(tmp_path, ["-n", "2"])
+    share = max(1, (os.cpu_count() or 1) // 2)
+    assert set(got) <= {"gw0", "gw1"} and got, got
+    for seen in got.values():
+        assert seen == {"torch": share, "omp": str(share)}, seen
+
+
+def _torch_default(**env: str) -> int:
+    e = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    r = subprocess.run([sys.executable, "-c", "import torch; print(torch.get_num_threads())"], env={**e, **env},
+                       capture_output=True, text=True, timeout=120, check=True)
+    return int(r.stdout)
+
+
+def test_a_plain_run_and_a_users_omp_setting_are_left_alone(tmp_path):
+    assert _probe(tmp_path, []) == {"main": {"torch": _torch_default(), "omp": None}}
+    shutil.rmtree(tmp_path / "out")
+    given = _probe(tmp_path, ["-n", "2"], OMP_NUM_THREADS="3")
+    assert given and all(seen == {"torch": _torch_default(OMP_NUM_THREADS="3"), "omp": "3"}
+                         for seen in given.values()), given
