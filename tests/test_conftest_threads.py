@@ -6,11 +6,8 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
-
-import pytest
-
-pytest.importorskip("xdist")
 
 PROBE = '''
 import json, os, torch
@@ -24,8 +21,7 @@ def test_probe():
 def _probe(tmp_path: Path, args: list[str], **env: str) -> dict:
     shutil.copy(Path(__file__).with_name("conftest.py"), tmp_path / "conftest.py")
     (tmp_path / "test_probe.py").write_text(PROBE)
-    out = tmp_path / "out"
-    out.mkdir()
+    out = Path(tempfile.mkdtemp(dir=tmp_path))  # (a folder of its own for each probe)
     e = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "PYTEST_XDIST_WORKER",
                                                           "PYTEST_XDIST_WORKER_COUNT", "PYTEST_ADDOPTS")}
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args, "test_probe.py"],
@@ -52,7 +48,6 @@ def _torch_default(**env: str) -> int:
 
 def test_a_plain_run_and_a_users_omp_setting_are_left_alone(tmp_path):
     assert _probe(tmp_path, []) == {"main": {"torch": _torch_default(), "omp": None}}
-    shutil.rmtree(tmp_path / "out")
     given = _probe(tmp_path, ["-n", "2"], OMP_NUM_THREADS="3")
     assert given and all(seen == {"torch": _torch_default(OMP_NUM_THREADS="3"), "omp": "3"}
                          for seen in given.values()), given
