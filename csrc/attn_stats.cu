@@ -20,6 +20,14 @@ __device__ __forceinline__ float warp_dot(const float* q, const T* __restrict__ 
   return warp_sum(acc);
 }
 
+// s = q.k * scale rounded to nearest, in every kernel that forms a prefill row's scores: a row is normalised by
+// scores the lse kernel formed and divided by scores colmax or rows form, so all must round s alike. A plain
+// `dot * scale` is contracted (nvcc's default --fmad=true: ptxas made `dot * scale - m` one FFMA in the rows kernel,
+// the exact product less m against the rounded product the lse kernel compared; at the largest score p = exp(r -
+// log l), r up to half a float32 step of s, p up to 1.03 at |s| ~ 1e6 with a scale that is not a power of two);
+// __fmul_rn is never contracted.
+__device__ __forceinline__ float scaled(float dot, float scale) { return __fmul_rn(dot, scale); }
+
 // slot of key position i of sequence b, or -1 outside the context, the block table or the pool
 __device__ __forceinline__ int64_t slot_of(const int64_t* bt, int64_t NB, int64_t nb_pool, int64_t bs, int64_t n,
                                            int64_t i) {
@@ -96,7 +104,7 @@ __global__ void __launch_bounds__(kThreads) causal_lse_kernel(const T* __restric
   const int warp = threadIdx.x / 32;
   float m = kNegInf, s = 0.f;
   for (int64_t i = warp; i <= j; i += kWarps) {
-    const float x = warp_dot(qs, kb + i * D, D) * scale;
+    const float x = scaled(warp_dot(qs, kb + i * D, D), scale);
     const float m2 = fmaxf(m, x);
     s = s * expf(m - m2) + expf(x - m2);
     m = m2;
@@ -141,7 +149,7 @@ __global__ void __launch_bounds__(kThreads) causal_colmax_kernel(const T* __rest
     const float2* mb = ml + (b * H + h) * T_;
     float mx = 0.f;
     for (int64_t j = i + warp; j < n; j += kWarps) {
-      mx = fmaxf(mx, row_prob(warp_dot(ks, qb + j * D, D) * scale, mb[j]));
+      mx = fmaxf(mx, row_prob(scaled(warp_dot(ks, qb + j * D, D), scale), mb[j]));
     }
     if (threadIdx.x % 32 == 0) wmax[warp] = mx;
     __syncthreads();
@@ -175,7 +183,7 @@ __global__ void __launch_bounds__(kThreads) causal_rows_kernel(const T* __restri
         const T* ki = k + ((b * (H / G) + h / G) * T_ + i) * D;
         float part = 0.f;
         for (int64_t d = threadIdx.x % 32; d < D; d += 32) part += to_float(qj[d]) * to_float(ki[d]);
-        acc += row_prob(warp_sum(part) * scale, ml[(b * H + h) * T_ + j]);
+        acc += row_prob(scaled(warp_sum(part), scale), ml[(b * H + h) * T_ + j]);
       }
     }
     if (threadIdx.x % 32 == 0) o[i] = acc / static_cast<float>(H);

@@ -17,6 +17,24 @@ import triton.language as tl
 
 from fastrag.kernels import INTERPRETED
 
+# A prefill statistic normalises each row by scores one kernel formed and divides scores another kernel forms by it,
+# so both must round s = q.k * scale the same way. On a GPU Triton fuses a product into the subtraction that
+# follows it (enable_fp_fusion, on by default): `dot * scale - m` became one fma, the exact product less m, against
+# the rounded product the pass that found m compared, and at the largest score p = exp(r - log l) with r up to half a
+# float32 step of s (at |s| ~ 1e6 and a scale that is not a power of two, such as 128 ** -0.5: p up to 1.03).
+# `_scaled` is the multiply rounded to nearest that no compiler fuses (libdevice's __nv_fmul_rn, PTX mul.rn.f32);
+# the interpreter's numpy multiply rounds each product already and has no libdevice.
+if INTERPRETED:
+    @triton.jit
+    def _scaled(x, scale):
+        return x * scale
+else:
+    from triton.language.extra import libdevice
+
+    @triton.jit
+    def _scaled(x, scale):
+        return libdevice.mul_rn(x, scale)
+
 
 @triton.jit(do_not_specialize=["sbt_b", "S", "NB"])
 def _attn_decode_span_kernel(
@@ -109,9 +127,9 @@ def _causal_lse_kernel(
         if UPCAST:
             b_k = b_k.to(tl.float32)
         if IEEE:
-            b_s = tl.dot(b_q, tl.trans(b_k), input_precision="ieee") * scale
+            b_s = _scaled(tl.dot(b_q, tl.trans(b_k), input_precision="ieee"), scale)
         else:
-            b_s = tl.dot(b_q, tl.trans(b_k)) * scale
+            b_s = _scaled(tl.dot(b_q, tl.trans(b_k)), scale)
         ok = (o_n[None, :] <= o_m[:, None]) & (o_n[None, :] < n)
         b_s = tl.where(ok, b_s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(b_s, axis=1))
@@ -149,9 +167,9 @@ def _causal_colmax_kernel(
                 b_q = b_q.to(tl.float32)
             b_lse = tl.load(lse_ptr + (i_b * H + h) * T + o_m, mask=o_m < n, other=0.0)
             if IEEE:
-                b_s = tl.dot(b_q, tl.trans(b_k), input_precision="ieee") * scale
+                b_s = _scaled(tl.dot(b_q, tl.trans(b_k), input_precision="ieee"), scale)
             else:
-                b_s = tl.dot(b_q, tl.trans(b_k)) * scale
+                b_s = _scaled(tl.dot(b_q, tl.trans(b_k)), scale)
             ok = (o_n[None, :] <= o_m[:, None]) & (o_m[:, None] < n) & (o_n[None, :] < n)
             b_p = tl.where(ok, tl.exp(b_s - b_lse[:, None]), 0.0)
             b_cm = tl.maximum(b_cm, tl.max(b_p, axis=0))
@@ -188,7 +206,7 @@ def _causal_row_lse_kernel(
         ok = (o_n <= j_last) & (o_n < n)
         b_k = tl.load(k_ptr + i_b * sk_b + (h // G) * sk_h + o_n[:, None] * sk_t + o_d[None, :],
                       mask=ok[:, None] & m_d[None, :], other=0.0).to(tl.float32)
-        s = tl.where(ok, tl.sum(b_k * b_q[None, :], axis=1) * scale, float("-inf"))
+        s = tl.where(ok, _scaled(tl.sum(b_k * b_q[None, :], axis=1), scale), float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=0))
         l_i = l_i * tl.exp(m_i - m_new) + tl.sum(tl.exp(s - m_new), axis=0)
         m_i = m_new
@@ -221,7 +239,7 @@ def _causal_rows_kernel(
                       mask=ok[:, None] & m_d[None, :], other=0.0).to(tl.float32)
         m = tl.load(ml_ptr + (i_br * H + h) * 2)  # (the row's own m and log(l), _causal_row_lse_kernel)
         log_l = tl.load(ml_ptr + (i_br * H + h) * 2 + 1)
-        acc += tl.where(ok, tl.exp((tl.sum(b_k * b_q[None, :], axis=1) * scale - m) - log_l), 0.0)
+        acc += tl.where(ok, tl.exp((_scaled(tl.sum(b_k * b_q[None, :], axis=1), scale) - m) - log_l), 0.0)
     tl.store(out_ptr + i_br * T + o_n, acc / H, mask=o_n < T)
 
 

@@ -807,3 +807,18 @@ def test_bench_host_launch_beside_threads_stops_when_a_contender_fails(monkeypat
     with pytest.raises(RuntimeError, match="'Python loop' contender thread stopped before its first loop"):
         mod.launch_beside_threads(2, rounds=1)
     assert sys.getswitchinterval() == old
+
+
+def test_score_rounding_emulation_separates_the_fused_product(tmp_path):
+    """benchmarks/emulate_score_rounding.py: with head dim 64 (scale 1/8, an exact product) the fused and the rounded
+    product give the same rows; with 128 at large scores only the fused one leaves the rows off 1, which is what
+    the prefill statistics kernels' explicit rounding is for (tests/test_triton_sm90.py, test_kernels_build.py)."""
+    emu = load("emulate_score_rounding")
+    std64, fused64, rounded64 = emu.worst_deviation(64, 1e3, rows=20, keys=40, seed=1)
+    assert fused64 == rounded64 < 1e-6 and std64 > 1e5
+    std128, fused128, rounded128 = emu.worst_deviation(128, 1e3, rows=20, keys=40, seed=1)
+    assert std128 > 1e5 and rounded128 < 1e-6 < 1e-2 < fused128
+    out = tmp_path / "t.md"
+    assert emu.main(["--rows", "5", "--out", str(out)]) == 0
+    rows = [line for line in out.read_text().splitlines() if line.startswith("| 1")]
+    assert len(rows) == 3 and all(line.split("|")[1].strip() == "128" for line in rows)

@@ -558,20 +558,25 @@ def test_causal_attn_stats_vs_reference(backend, device, dtype, B, H, Hkv, D, T)
 
 @pytest.mark.parametrize("backend,device", KERNEL_BACKENDS)
 @pytest.mark.parametrize("fixed_seed", [None, 32126980], ids=["fresh", "near_tie"])
-def test_causal_attn_rows_large_scores_stay_normalised(backend, device, fixed_seed):
+@pytest.mark.parametrize("D", [64, 128])
+def test_causal_attn_rows_large_scores_stay_normalised(backend, device, fixed_seed, D):
     """Scores of size ~64 and ~1e4 (fp32 inputs): each selected row is a distribution (sums to 1, no p > 1) and
     matches the reference to float32 rounding: the probabilities must be normalised by the scores they are made
     of (Triton once divided by the log-sum-exp of differently rounded scores: rows summed to 1.2 at q, k ~ 1e3).
     Fresh inputs, and the inputs of seed 32126980, where a head's row at q, k ~ 1e3 holds a second key 10 below its
     largest score: Triton normalised by m + log(l) in float32, which drops log(l) = 4.5e-5 next to m ~ 1e6, and the
     row summed to 1 + 4.5e-5 (CI, 2026-11-27). The CUDA prefill kernels had the same m + log(l) and keep the two
-    apart since 2026-11-28 (first run here on a GPU: see benchmarks/gpu/NOTES.md)."""
+    apart since 2026-11-28 (first run here on a GPU: see benchmarks/gpu/NOTES.md). Head dims 64 and 128: at 128 the
+    scale 128 ** -0.5 is not a power of two, so a product by it is rounded, and a GPU compiler that fuses the product
+    into the subtraction after it normalises by other scores than it divides (a float32 emulation: rows off by 0.13
+    at |s| ~ 1e6; tests/test_triton_sm90.py and tests/test_kernels_build.py check the compiled code for it, this
+    test checks the result on a GPU)."""
     g, seed = _gen()
     if fixed_seed is not None:
         g, seed = torch.Generator().manual_seed(fixed_seed), fixed_seed
     be = get_backend(backend)
     for mag, tol in ((8.0, 1e-5), (1e3, None)):
-        B, H, Hkv, T, D = 2, 4, 2, 40, 64
+        B, H, Hkv, T = 2, 4, 2, 40
         q = torch.randn(B, H, T, D, generator=g) * mag
         k = torch.randn(B, Hkv, T, D, generator=g) * mag
         n = torch.tensor([T, 23])

@@ -69,6 +69,35 @@ def test_cuda_sources_compile_for_sm90(nvcc, inc, tmp_path):
         assert (tmp_path / (src.stem + ".o")).stat().st_size > 0
 
 
+@pytest.mark.skipif(not NVCCS, reason="no nvcc on this machine (PATH, $FASTRAG_NVCC, /usr/local/cuda/bin)")
+@pytest.mark.parametrize("nvcc,inc", NVCCS, ids=[str(n) for n, _ in NVCCS])
+def test_prefill_statistics_round_their_scores_alike(nvcc, inc, tmp_path):
+    """csrc/attn_stats.cu's prefill kernels (lse, colmax, rows) read the softmax scale only in `mul.rn.f32`, which no
+    compiler contracts: each forms s = q.k * scale rounded, as the lse kernel that normalises the row did. With a
+    plain `dot * scale`, ptxas made `dot * scale - m` one FFMA in the rows kernel (the exact product less m), and a
+    row's largest p came out exp(r - log l), r up to half a float32 step of s: with head dim 128 (scale 128 ** -0.5)
+    a float32 emulation finds rows off by 1.3e-5 at scores ~62 and by 0.13 at ~1e6
+    (benchmarks/results/score_rounding_emulation.md). What this test reads is the PTX: ptxas may still contract a
+    `mul.f32`, never a `mul.rn.f32`."""
+    import ptx_scan
+
+    ptx = tmp_path / "attn_stats.ptx"
+    cmd = [str(nvcc), "-ptx", str(CSRC / "attn_stats.cu"), "-o", str(ptx), ARCH, "-std=c++17", "-O3",
+           *[f"-I{d}" for d in inc]]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, f"{' '.join(cmd)}\n{run.stdout[-2000:]}{run.stderr[-2000:]}"
+    kernels = {n: b for n, b in ptx_scan.entries(ptx.read_text()).items() if "causal_" in n}
+    # lse, colmax and rows, each for float, bf16 and fp16
+    assert len(kernels) == 9, sorted(kernels)
+    for name, body in kernels.items():
+        uses = ptx_scan.f32_param_uses(body)
+        assert len(uses) == 1, f"{name}: expected one f32 parameter (the scale), got {sorted(uses)}"
+        (param, lines), = uses.items()
+        assert lines, f"{name}: the scale is never read"
+        other = [line for line in lines if not line.startswith("mul.rn.")]
+        assert not other, f"{name}: the scale is read by instructions a compiler may contract: {other}"
+
+
 def test_cuda_glue_syntax(tmp_path):
     """glue_cuda.cpp + bindings.cpp with FASTRAG_WITH_CUDA, against the installed torch's headers. A CPU torch
     wheel lacks one generated CUDA header (c10/cuda/impl/cuda_cmake_macros.h, only macros for Windows DLL

@@ -6,7 +6,9 @@ instead of 0: a positive log-probability, and in the nucleus kernel an infinite 
 H200 run of tests/test_kernels.py::test_decode_signals_at_the_smallest_temperature failed so on 2026-11-25; the
 interpreter, which never contracts, cannot show it. Here every launch that `token_signals` makes is recorded
 (kernels stubbed), compiled with the options it was launched with, and its PTX searched for `fma.rn.f32`; the
-same kernel compiled with contraction on must contain one, so the search can fail.
+same kernel compiled with contraction on must contain one, so the search can fail. The prefill attention
+statistics have the same check in tests/test_triton_sm90.py (Triton) and tests/test_kernels_build.py (CUDA): their
+scale is read only by a multiply rounded to nearest.
 """
 
 from __future__ import annotations

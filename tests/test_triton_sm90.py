@@ -50,6 +50,17 @@ def test_every_kernel_compiles_for_sm90():
         if label.startswith(("paged_prefill._paged_prefill_kernel(", "fused_decode._prefix_flash_partial_kernel(")) \
                 and "IEEE=False" in label and res:
             assert res["stack"] == 0, f"{label} spills {res['stack']} bytes a thread ({res['registers']} registers)"
+    # the prefill statistics form s = q.k * scale in several kernels and normalise one kernel's scores by another's
+    # log-sum-exp: the scale must be read only by a multiply rounded to nearest that no compiler fuses (mul.rn).
+    # With a plain `* scale`, Triton made `dot * scale - m` one fma.rn.f32 in the rows kernel: a row's largest p
+    # came out exp(r - log l), r up to half a float32 step of s (tests/ptx_scan.py; kernels/attn_stats.py `_scaled`)
+    stats = {label: uses for label, uses in report["scalars"].items() if label.startswith(
+        ("attn_stats._causal_lse_kernel(", "attn_stats._causal_colmax_kernel(", "attn_stats._causal_row_lse_kernel(",
+         "attn_stats._causal_rows_kernel("))}
+    assert len({label.split("(")[0] for label in stats}) == 4, sorted(stats)
+    for label, uses in stats.items():
+        assert list(uses) and all(ops and all(op.startswith("mul.rn.") for op in ops) for ops in uses.values()), \
+            f"{label}: its scale is read by {uses}, which a compiler may contract with the subtraction after it"
     # both dtypes of the model's attention kernels (bf16 on tensor cores, fp32 in IEEE precision)
     for k in ("paged_prefill._paged_prefill_kernel", "paged_attention._paged_decode_partial_kernel"):
         assert {c for c in report["compiled"] if c.startswith(k + "(") and "IEEE=True" in c} \

@@ -7,7 +7,7 @@ but compiled, ahead of time, through Triton's whole pipeline down to a cubin (`t
 `GPUTarget("cuda", 90, 32)`, ptxas from the Triton wheel), with the argument types and constants that launch had.
 The outputs stay unwritten: nothing reads them here.
 
-    python tests/triton_sm90.py            # prints one JSON object: {"compiled": [...], "failed": {...}, "usage"}
+    python tests/triton_sm90.py            # prints one JSON object: {"compiled", "failed", "usage", "scalars"}
     python tests/triton_sm90.py --markdown benchmarks/results/triton_sm90_resources.md   # also the usage table
     python tests/triton_sm90.py --keys     # the launches' specialisations at varying sizes, nothing compiled
 
@@ -31,6 +31,8 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
+import ptx_scan  # noqa: E402  (tests/, this script's folder)
+
 TARGET = GPUTarget("cuda", 90, 32)
 _PTR = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.float64: "*fp64",
         torch.int64: "*i64", torch.int32: "*i32", torch.int16: "*i16", torch.int8: "*i8", torch.uint8: "*u8",
@@ -40,6 +42,7 @@ _OPTIONS = ("num_warps", "num_stages", "num_ctas", "enable_fp_fusion", "maxnreg"
 compiled: list[str] = []
 failed: dict[str, str] = {}
 usage: dict[str, dict] = {}  # label -> {"registers": n, "stack": bytes} (cuobjdump -res-usage of the cubin)
+scalars: dict[str, dict] = {}  # label -> {f32 parameter: the PTX opcodes that read it} (tests/ptx_scan.py)
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 _seen: set[str] = set()
 
@@ -85,6 +88,8 @@ def _compile_instead(self: JITFunction, *args, grid, warmup, **kwargs):
             raise RuntimeError("no cubin came out")
         compiled.append(label)
         usage[label] = _resources(kernel.asm["cubin"])
+        scalars[label] = {param: ptx_scan.opcodes(lines) for body in ptx_scan.entries(kernel.asm["ptx"]).values()
+                          for param, lines in ptx_scan.f32_param_uses(body).items()}
     except Exception as e:  # noqa: BLE001  (reported, the other kernels go on)
         failed[label] = f"{type(e).__name__}: {str(e)[:2000]}\n{traceback.format_exc(limit=3)}"
     return None
@@ -284,7 +289,7 @@ def main() -> int:
         failed["<launchers>"] = traceback.format_exc()
     if "--markdown" in sys.argv:
         _markdown(sys.argv[sys.argv.index("--markdown") + 1])
-    print(json.dumps({"compiled": compiled, "failed": failed, "usage": usage}))
+    print(json.dumps({"compiled": compiled, "failed": failed, "usage": usage, "scalars": scalars}))
     return 0
 
 
