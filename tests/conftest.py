@@ -5,6 +5,13 @@ the machine's cores for torch's and OpenMP's threads, and passes that share on t
 text workers, Ray's workers) through OMP_NUM_THREADS: two workers of two threads each on two cores would spend their
 time waiting on each other. A run without xdist keeps torch's own default; an OMP_NUM_THREADS given by the user is
 kept either way.
+
+Without a CUDA device, Triton's kernels run under its interpreter (TRITON_INTERPRET=1), which Triton reads when it is
+first imported. The test modules that run kernels on CPU tensors set it before they import anything, but the first
+module to import triton decides for all: `pytest tests/test_triton_sm90.py tests/test_kernels.py` (that order; the
+first imports triton to compile for sm_90 in a subprocess) failed 294 kernel tests with "Cannot call @triton.jit'd
+outside of the scope of a kernel". So it is set here, before any test module is imported; a value the user gave
+is kept.
 """
 from __future__ import annotations
 
@@ -22,4 +29,12 @@ def _share_the_cores() -> None:
     torch.set_num_threads(threads)
 
 
+def _interpret_triton_without_a_gpu() -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
 _share_the_cores()
+_interpret_triton_without_a_gpu()

@@ -1,4 +1,5 @@
-"""tests/conftest.py shares the cores among pytest-xdist's workers (the README's test command runs one per core)."""
+"""tests/conftest.py shares the cores among pytest-xdist's workers (the README's test command runs one per core), and
+without a GPU sets TRITON_INTERPRET=1 before any test module imports triton."""
 from __future__ import annotations
 
 import json
@@ -51,3 +52,33 @@ def test_a_plain_run_and_a_users_omp_setting_are_left_alone(tmp_path):
     given = _probe(tmp_path, ["-n", "2"], OMP_NUM_THREADS="3")
     assert given and all(seen == {"torch": _torch_default(OMP_NUM_THREADS="3"), "omp": "3"}
                          for seen in given.values()), given
+
+
+IMPORTS_TRITON = "import triton  # (as test_triton_sm90.py does, to compile for sm_90)\ndef test_a():\n    pass\n"
+RUNS_KERNELS = """
+import json, os, torch
+from fastrag.kernels import INTERPRETED
+def test_b():
+    with open(os.path.join(os.environ["PROBE_OUT"], "b.json"), "w") as f:
+        json.dump({"interpreted": INTERPRETED, "cuda": torch.cuda.is_available()}, f)
+"""
+
+
+def _triton_probe(tmp_path: Path, **env: str) -> dict:
+    shutil.copy(Path(__file__).with_name("conftest.py"), tmp_path / "conftest.py")
+    (tmp_path / "test_a_imports_triton.py").write_text(IMPORTS_TRITON)
+    (tmp_path / "test_b_runs_kernels.py").write_text(RUNS_KERNELS)
+    out = Path(tempfile.mkdtemp(dir=tmp_path))
+    e = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "PYTEST_XDIST_WORKER",
+                                                          "PYTEST_XDIST_WORKER_COUNT", "PYTEST_ADDOPTS")}
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_a_imports_triton.py",
+                        "test_b_runs_kernels.py"], cwd=tmp_path, env={**e, "PROBE_OUT": str(out), **env},
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return json.loads((out / "b.json").read_text())
+
+
+def test_triton_is_interpreted_without_a_gpu_whichever_module_imports_it_first(tmp_path):
+    got = _triton_probe(tmp_path)
+    assert got["interpreted"] == (not got["cuda"]), got
+    assert _triton_probe(tmp_path, TRITON_INTERPRET="0")["interpreted"] is False  # the user's own value is kept
