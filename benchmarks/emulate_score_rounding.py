@@ -23,6 +23,11 @@ import numpy as np
 F32 = np.float32
 
 
+def _off_a_distribution(p: np.ndarray) -> float:
+    """|sum(p) - 1| or max(p) - 1, whichever is larger."""
+    return max(abs(float(p.astype(np.float64).sum()) - 1.0), float(p.max()) - 1.0)
+
+
 def worst_deviation(D: int, mag: float, rows: int, keys: int, seed: int) -> tuple[float, float, float]:
     """(score std, worst deviation with the fused product, worst with the rounded product) over `rows` rows."""
     rng = np.random.default_rng(seed)
@@ -40,12 +45,8 @@ def worst_deviation(D: int, mag: float, rows: int, keys: int, seed: int) -> tupl
         log_l = F32(np.log(np.exp(s - m, dtype=F32).sum(dtype=F32)))
         fused = np.exp((exact - np.float64(m)).astype(F32) - log_l, dtype=F32)  # fma(dot, scale, -m), rounded once
         rounded = np.exp((s - m) - log_l, dtype=F32)
-        for p, name in ((fused, "fused"), (rounded, "rounded")):
-            dev = max(abs(float(p.astype(np.float64).sum()) - 1.0), float(p.max()) - 1.0)
-            if name == "fused":
-                worst_fused = max(worst_fused, dev)
-            else:
-                worst_rounded = max(worst_rounded, dev)
+        worst_fused = max(worst_fused, _off_a_distribution(fused))
+        worst_rounded = max(worst_rounded, _off_a_distribution(rounded))
     return float(np.median(stds)), worst_fused, worst_rounded
 
 

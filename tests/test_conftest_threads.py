@@ -19,16 +19,25 @@ def test_probe():
 '''
 
 
-def _probe(tmp_path: Path, args: list[str], **env: str) -> dict:
+def _pytest_beside_the_conftest(tmp_path: Path, files: dict[str, str], args: list[str], drop: str,
+                                **env: str) -> Path:
+    """pytest run in a subprocess on `files` (name: source) next to a copy of tests/conftest.py, with the outer
+    run's `drop` variable and xdist's own taken out of its environment; the folder the probes write to."""
     shutil.copy(Path(__file__).with_name("conftest.py"), tmp_path / "conftest.py")
-    (tmp_path / "test_probe.py").write_text(PROBE)
+    for name, source in files.items():
+        (tmp_path / name).write_text(source)
     out = Path(tempfile.mkdtemp(dir=tmp_path))  # (a folder of its own for each probe)
-    e = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "PYTEST_XDIST_WORKER",
-                                                          "PYTEST_XDIST_WORKER_COUNT", "PYTEST_ADDOPTS")}
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args, "test_probe.py"],
+    e = {k: v for k, v in os.environ.items() if k not in (drop, "PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT",
+                                                          "PYTEST_ADDOPTS")}
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args, *files],
                        cwd=tmp_path, env={**e, "PROBE_OUT": str(out), **env}, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
+    return out
+
+
+def _probe(tmp_path: Path, args: list[str], **env: str) -> dict:
+    out = _pytest_beside_the_conftest(tmp_path, {"test_probe.py": PROBE}, args, "OMP_NUM_THREADS", **env)
     return {p.stem: json.loads(p.read_text()) for p in out.glob("*.json")}
 
 
@@ -65,16 +74,8 @@ def test_b():
 
 
 def _triton_probe(tmp_path: Path, **env: str) -> dict:
-    shutil.copy(Path(__file__).with_name("conftest.py"), tmp_path / "conftest.py")
-    (tmp_path / "test_a_imports_triton.py").write_text(IMPORTS_TRITON)
-    (tmp_path / "test_b_runs_kernels.py").write_text(RUNS_KERNELS)
-    out = Path(tempfile.mkdtemp(dir=tmp_path))
-    e = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "PYTEST_XDIST_WORKER",
-                                                          "PYTEST_XDIST_WORKER_COUNT", "PYTEST_ADDOPTS")}
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_a_imports_triton.py",
-                        "test_b_runs_kernels.py"], cwd=tmp_path, env={**e, "PROBE_OUT": str(out), **env},
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout + r.stderr
+    files = {"test_a_imports_triton.py": IMPORTS_TRITON, "test_b_runs_kernels.py": RUNS_KERNELS}  # (in this order)
+    out = _pytest_beside_the_conftest(tmp_path, files, [], "TRITON_INTERPRET", **env)
     return json.loads((out / "b.json").read_text())
 
 
