@@ -656,3 +656,51 @@ def test_dragin_qfs_hit_flags_line_up_with_the_written_words(tok):
     oracle.last_layer_attention = lambda x: rows[None].expand(2, -1, -1)
     oq = oracle.qfs(q, text, kept, curr, hits)
     assert "Paris" not in oq and "Louvre" in oq, oq
+
+
+def _policy(method, tok, **over):
+    """`method`'s policy on its 2WikiMultihopQA defaults, with `over` applied to the fields its config has."""
+    import dataclasses
+
+    from fastrag.methods.registry import get_method
+
+    spec = get_method(method)
+    cfg = spec.make_config("2wikimultihopqa", None)
+    names = {f.name for f in dataclasses.fields(cfg)}
+    return spec.make_policy(dataclasses.replace(cfg, **{k: v for k, v in over.items() if k in names}), tok)
+
+
+@pytest.mark.parametrize("method", ["beamsearchqa", "dragin", "dragin-streaming", "fl-rag", "flare", "flare-explicit",
+                                    "flare-instruct", "fs-rag", "sr-rag", "token-rag", "wo-rag"])
+def test_every_method_refuses_a_blank_question_before_any_request(tok, method):
+    """A question of whitespace only is that question's error ("empty question"), raised before the policy asks the
+    engine or the retriever for anything; the next question is answered."""
+    eng, ret, out = ScriptEngine(tok, lambda p: ANSWER), Retriever(), []
+    Scheduler(eng, ret, _policy(method, tok), max_inflight=1).run([Ex("blank", " \t\n ")], out.append)
+    assert [r.qid for r in out] == ["blank"]
+    assert out[0].error is not None and "empty question" in out[0].error, out[0].error
+    assert eng.prompts == [] and ret.queries == []
+
+
+@pytest.mark.parametrize("method", ["beamsearchqa", "dragin", "dragin-streaming", "fl-rag", "flare", "flare-explicit",
+                                    "flare-instruct", "fs-rag", "sr-rag", "token-rag", "wo-rag"])
+def test_every_prompt_starts_with_the_shared_prefix(tok, method):
+    """The KV contract of methods/common.py: every prompt a policy sends starts with its `shared_prefix` (computed
+    once a run: the demos, flare-instruct's whole head, BeamSearchQA's chat header), and the record keeps the
+    question as given, trailing spaces included; so do the few-shot methods' prompts."""
+    from fastrag.data.exemplars import demo_text
+    from fastrag.methods.common import FewShotMethod
+
+    policy = _policy(method, tok, fewshot=2, generate_max_length=24)
+    if method != "beamsearchqa":
+        demos = demo_text("2wikimultihopqa", 2)
+        assert isinstance(policy, FewShotMethod) and demos.count("Question:") == 2 and demos in policy.shared_prefix
+    world = (lambda p: continuation(p, ANSWER)) if method != "beamsearchqa" else (lambda p: ANSWER)
+    eng, out = ScriptEngine(tok, world), []
+    Scheduler(eng, Retriever(), policy, max_inflight=1).run([Ex("1", "Where is Paris?  ")], out.append)
+    assert out[0].error is None, out[0].error
+    assert out[0].question == "Where is Paris?  "
+    assert eng.prompts and all(p.startswith(policy.shared_prefix) for p, _ in eng.prompts), \
+        [p[:120] for p, _ in eng.prompts if not p.startswith(policy.shared_prefix)]
+    asked = "Where is Paris?\n" if method == "beamsearchqa" else "Where is Paris?  "  # its template strips it
+    assert all(asked in p for p, _ in eng.prompts), [p[-160:] for p, _ in eng.prompts if asked not in p]

@@ -9,30 +9,18 @@ L-token generation. All of them stop by the DRAGIN stop rule and finish with the
 from __future__ import annotations
 
 from fastrag.config import BaselineConfig, method_config
-from fastrag.data.exemplars import case_text, demo_text
-from fastrag.methods.common import finish_answer, generate, join, rag_prompt, search, sentences, stop, truncate_query
+from fastrag.methods.common import (FewShotMethod, finish_answer, generate, join, rag_prompt, search, sentences, stop,
+                                    truncate_query)
 from fastrag.methods.registry import MethodSpec, register
-from fastrag.trace import QuestionResult, Round
+from fastrag.trace import Round
 
 
-class _Baseline:
-    name = ""
-
-    def __init__(self, cfg: BaselineConfig, tokenizer):
-        self.cfg, self.tok = cfg, tokenizer
-        self.demos = demo_text(cfg.dataset, cfg.fewshot)
-
-    @property
-    def shared_prefix(self) -> str:
-        return self.demos
+class _Baseline(FewShotMethod):
+    cfg: BaselineConfig
 
     def __call__(self, ex):
-        q = ex.question
-        if not q.strip():
-            raise ValueError("empty question")
-        res = QuestionResult(qid=ex.qid, question=ex.question, gold=list(ex.answers))
-        case = case_text(q, self.cfg.dataset)
-        text = yield from self.answer(res, q, case)
+        res, case = self.open(ex)
+        text = yield from self.answer(res, ex.question, case)
         return (yield from finish_answer(res, self.tok, self.demos, case, text))
 
     def retrieve(self, res, query: str, trigger: str | None = None):

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from fastrag.data.datasets import DataError, canonical_dataset
+from fastrag.methods.common import open_result
 from fastrag.scheduler import Generate, Parallel, Search
 from fastrag.trace import BeamNode, QuestionResult, Round
 
@@ -432,9 +433,7 @@ class BeamSearchQA:
     def run(self, ex):
         cfg, P = self.cfg, self.prompts
         q = ex.question
-        if not q.strip():
-            raise ValueError("empty question")
-        res = QuestionResult(qid=ex.qid, question=q, gold=list(ex.answers))
+        res = open_result(ex)
         lanes = _Lanes()
 
         # beam initialisation (Algorithm 1, lines 1-8): the direct answer, and the answer with evidence for q

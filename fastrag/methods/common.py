@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import time
 
+from fastrag.data.exemplars import case_text, demo_text
 from fastrag.data.metrics import ANSWER_MAX_TOKENS, answer_prompt, complete_answer, needs_answer_generation
 from fastrag.scheduler import Generate, RealWords, Search, Sentences
 from fastrag.trace import QuestionResult
@@ -20,6 +21,34 @@ from fastrag.trace import QuestionResult
 STOP_PHRASE = "the answer is"
 INSTRUCTION = "Answer in the same format as before.\n"
 INSTRUCTION_TYPO = "Answer in t he same format as before.\n"  # the paper-era FL/FS-RAG prompt
+
+
+def open_result(ex) -> QuestionResult:
+    """The result record of question `ex`, which is used as given (trailing spaces included, as the published code
+    and the oracles use it). A question that is empty or only whitespace raises ValueError("empty question"): the
+    run records it as that question's error and answers the others."""
+    if not ex.question.strip():
+        raise ValueError("empty question")
+    return QuestionResult(qid=ex.qid, question=ex.question, gold=list(ex.answers))
+
+
+class FewShotMethod:
+    """Base of the policies whose prompts start with their dataset's few-shot demonstrations (`demos`), which are
+    the run's shared prefix: computed once and read once a decode step for the whole batch."""
+
+    name = ""
+
+    def __init__(self, cfg, tokenizer):
+        self.cfg, self.tok = cfg, tokenizer
+        self.demos = demo_text(cfg.dataset, cfg.fewshot)
+
+    @property
+    def shared_prefix(self) -> str:
+        return self.demos
+
+    def open(self, ex) -> tuple[QuestionResult, str]:
+        """(`open_result(ex)`, the question's case text: what follows the demos in every prompt)."""
+        return open_result(ex), case_text(ex.question, self.cfg.dataset)
 
 
 def join(*parts: str) -> str:

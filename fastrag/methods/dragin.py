@@ -12,13 +12,13 @@ import math
 import torch
 
 from fastrag.config import DraginConfig
-from fastrag.data.exemplars import case_text, demo_text
 from fastrag.data.metrics import ANSWER_MAX_TOKENS, answer_prompt, complete_answer, needs_answer_generation
-from fastrag.methods.common import first_sentence, generate, join, real_words, search, sentences, truncate_query
+from fastrag.methods.common import (FewShotMethod, first_sentence, generate, join, real_words, search, sentences,
+                                    truncate_query)
 from fastrag.scheduler import AttnColmax, AttnRows, Parallel, RealWords, Sentences
 from fastrag.text.realwords import matches_real_word
 from fastrag.text.words import assign_words_to_sentences, sentence_word_ranges, word_boundaries
-from fastrag.trace import QuestionResult, Round
+from fastrag.trace import Round
 
 
 # KV sequences of one question: plain-round prompts (demos + case + text) extend each other, so their branch keeps
@@ -30,19 +30,15 @@ from fastrag.trace import QuestionResult, Round
 PLAIN, RAG = 0, None
 
 
-class DraginReference:
+class DraginReference(FewShotMethod):
     """Policy factory: `policy(example, seq)` returns the generator the scheduler drives."""
 
     name = "dragin"
+    cfg: DraginConfig
 
     def __init__(self, cfg: DraginConfig, tokenizer):
-        self.cfg, self.tok = cfg, tokenizer
+        super().__init__(cfg, tokenizer)
         self.words = word_boundaries(tokenizer)
-        self.demos = demo_text(cfg.dataset, cfg.fewshot)
-
-    @property
-    def shared_prefix(self) -> str:
-        return self.demos
 
     def __call__(self, ex):
         return self.run(ex)
@@ -50,11 +46,8 @@ class DraginReference:
     # ------------------------------------------------------------------ one question
     def run(self, ex):
         cfg, tok = self.cfg, self.tok
-        q = ex.question  # used as given (trailing spaces included), as the published code and the oracle do
-        if not q.strip():
-            raise ValueError("empty question")
-        res = QuestionResult(qid=ex.qid, question=ex.question, gold=list(ex.answers))
-        case = case_text(q, cfg.dataset)
+        q = ex.question
+        res, case = self.open(ex)
         text = ""
         while True:
             old_len = len(text)

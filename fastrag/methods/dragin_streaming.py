@@ -23,7 +23,6 @@ from __future__ import annotations
 
 from fastrag.config import (ConfigError, DraginStreamingConfig, dragin_config, load_dragin_config,
                             read_json_object)
-from fastrag.data.exemplars import case_text as make_case
 from fastrag.methods.common import (STOP_PHRASE, finish_answer, first_sentence, generate, join, real_words, search,
                                     sentences, token_char_ends)
 from fastrag.methods.dragin import DraginReference
@@ -32,7 +31,7 @@ from fastrag.methods.token_rag import token_spans
 from fastrag.scheduler import AttnColmax, AttnRows, Parallel, RealWords
 from fastrag.text.realwords import matches_real_word
 from fastrag.text.words import assign_words_to_sentences, sentence_word_ranges
-from fastrag.trace import QuestionResult, Round
+from fastrag.trace import Round
 
 PLAIN, RAG = 0, 1
 
@@ -67,15 +66,12 @@ class DraginStreaming(DraginReference):
     def run(self, ex):
         cfg, tok = self.cfg, self.tok
         q = ex.question
-        if not q.strip():
-            raise ValueError("empty question")
-        res = QuestionResult(qid=ex.qid, question=ex.question, gold=list(ex.answers))
-        case = case_text = make_case(q, cfg.dataset)
+        res, case = self.open(ex)
         L, chunk = cfg.generate_max_length, cfg.stream_chunk_tokens
         text = ""
         while True:
             old_len = len(text)
-            base = self.demos + join(case_text, text)
+            base = self.demos + join(case, text)
             ids, ent = [], []  # the round's generated tokens and their entropies
             judged, ended, trig, stop_here = 0, False, None, False
             in_context = cfg.stream_attention == "in-context"
@@ -129,7 +125,7 @@ class DraginStreaming(DraginReference):
                                         query=query, doc_ids=[str(d.id) for d in docs]))
                 ctx = "".join(f"[{i}] {d.text}\n" for i, d in enumerate(docs, 1))
                 rag_base = (self.demos + "Context:\n" + ctx + "Answer in the same format as before.\n"
-                            + join(case_text, text, kept))
+                            + join(case, text, kept))
                 rids: list[int] = []
                 while True:  # decode until the first sentence is complete
                     g = yield from generate(res, rag_base, min(chunk, L - len(rids)), RAG, suffix_ids=tuple(rids))

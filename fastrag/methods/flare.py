@@ -15,11 +15,10 @@ after it, the query is retrieved, and generation resumes from a prompt with the 
 from __future__ import annotations
 
 from fastrag.config import FlareConfig, method_config
-from fastrag.data.exemplars import case_text, demo_text
-from fastrag.methods.common import (finish_answer, generate, join, probs, rag_prompt, search, sentences, stop,
-                                    token_char_ends, tokens_before, truncate_query)
+from fastrag.methods.common import (FewShotMethod, finish_answer, generate, join, probs, rag_prompt, search,
+                                    sentences, stop, token_char_ends, tokens_before, truncate_query)
 from fastrag.methods.registry import MethodSpec, register
-from fastrag.trace import QuestionResult, Round
+from fastrag.trace import Round
 
 MAIN, QGEN = 0, 2  # KV branches: the answer prompts; the explicit-query question prompts
 
@@ -59,16 +58,9 @@ def interleave(lists, k: int) -> list:
     return out[:k]
 
 
-class FlareDirect:
+class FlareDirect(FewShotMethod):
     name = "flare"
-
-    def __init__(self, cfg: FlareConfig, tokenizer):
-        self.cfg, self.tok = cfg, tokenizer
-        self.demos = demo_text(cfg.dataset, cfg.fewshot)
-
-    @property
-    def shared_prefix(self) -> str:
-        return self.demos
+    cfg: FlareConfig
 
     def look_ahead(self, g):
         """`sent, n = yield from self.look_ahead(g)`: (first sentence text, its token count) of a look-ahead
@@ -84,10 +76,7 @@ class FlareDirect:
     def __call__(self, ex):
         cfg, tok = self.cfg, self.tok
         q = ex.question
-        if not q.strip():
-            raise ValueError("empty question")
-        res = QuestionResult(qid=ex.qid, question=ex.question, gold=list(ex.answers))
-        case = case_text(q, cfg.dataset)
+        res, case = self.open(ex)
         text, docs = "", []
         if cfg.retrieve_first:
             query = truncate_query(tok, q, cfg.max_query_tokens)
@@ -219,12 +208,14 @@ def strip_search_calls(text: str) -> str:
     return " ".join(" ".join(out).split())
 
 
-class FlareInstruct:
+class FlareInstruct(FewShotMethod):
+    """The shared prefix is the search-skill exemplars, the demos and the combining instruction."""
+
     name = "flare-instruct"
+    cfg: FlareConfig
 
     def __init__(self, cfg: FlareConfig, tokenizer):
-        self.cfg, self.tok = cfg, tokenizer
-        self.demos = demo_text(cfg.dataset, cfg.fewshot)
+        super().__init__(cfg, tokenizer)
         self.head = SEARCH_SKILL + self.demos + COMBINE
 
     @property
@@ -234,10 +225,7 @@ class FlareInstruct:
     def __call__(self, ex):
         cfg, tok = self.cfg, self.tok
         q = ex.question
-        if not q.strip():
-            raise ValueError("empty question")
-        res = QuestionResult(qid=ex.qid, question=ex.question, gold=list(ex.answers))
-        case = case_text(q, cfg.dataset)
+        res, case = self.open(ex)
         text, docs, served = "", [], 0
         while True:
             old_len = len(text)

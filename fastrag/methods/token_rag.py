@@ -11,11 +11,10 @@ FLARE.json ("method": "token") load as this method.
 from __future__ import annotations
 
 from fastrag.config import TokenRagConfig, method_config
-from fastrag.data.exemplars import case_text, demo_text
-from fastrag.methods.common import (finish_answer, generate, join, probs, rag_prompt, search, sentences, stop,
-                                    token_char_ends, truncate_query)
+from fastrag.methods.common import (FewShotMethod, finish_answer, generate, join, probs, rag_prompt, search,
+                                    sentences, stop, token_char_ends, truncate_query)
 from fastrag.methods.registry import MethodSpec, register
-from fastrag.trace import QuestionResult, Round
+from fastrag.trace import Round
 
 # the plain prompts' KV branch; retrieval prompts run on one-shot sequences (branch None), as in methods/dragin.py
 PLAIN, RAG = 0, None
@@ -46,16 +45,9 @@ def masked_text(tok, ids, keep: list[bool]) -> str:
     return " ".join(tok.decode([t for t, k in zip(ids, keep) if k], skip_special_tokens=True).split())
 
 
-class TokenRag:
+class TokenRag(FewShotMethod):
     name = "token-rag"
-
-    def __init__(self, cfg: TokenRagConfig, tokenizer):
-        self.cfg, self.tok = cfg, tokenizer
-        self.demos = demo_text(cfg.dataset, cfg.fewshot)
-
-    @property
-    def shared_prefix(self) -> str:
-        return self.demos
+    cfg: TokenRagConfig
 
     def judge(self, ids, logprob, new_text):
         """`trig = yield from self.judge(...)`: (sentences, index of the trigger sentence, its token range) or
@@ -73,11 +65,7 @@ class TokenRag:
 
     def __call__(self, ex):
         cfg, tok = self.cfg, self.tok
-        q = ex.question
-        if not q.strip():
-            raise ValueError("empty question")
-        res = QuestionResult(qid=ex.qid, question=ex.question, gold=list(ex.answers))
-        case = case_text(q, cfg.dataset)
+        res, case = self.open(ex)
         text = ""
         while True:
             old_len = len(text)

@@ -213,51 +213,35 @@ def _torch_decode(logits, temperature, rng_keys, chosen, nonstop, out, *, top_p=
             o.copy_(r)
 
 
+# The kernel entry points a backend module defines under these names, each with the contract of SignalBackend's
+# field of the same name and `_fn`.
+_ENTRY_POINTS = ("token_signals", "causal_attn_colmax", "causal_attn_mean_rows", "decode_signals",
+                 "attn_decode_update", "causal_attn_rows")
+
+
+def _of_module(name: str, devices, module) -> SignalBackend:
+    return SignalBackend(name=name, devices=frozenset(devices),
+                         **{f"{entry}_fn": getattr(module, entry) for entry in _ENTRY_POINTS})
+
+
 def _make_cpp() -> SignalBackend:
     from fastrag.signals import cpp_backend as cb
 
     cb.load_extension()  # fail at construction, not at the first decode step
-    return SignalBackend(
-        name="cpp",
-        devices=frozenset({"cpu"}),
-        token_signals_fn=cb.token_signals,
-        causal_attn_colmax_fn=cb.causal_attn_colmax,
-        causal_attn_mean_rows_fn=cb.causal_attn_mean_rows,
-        decode_signals_fn=cb.decode_signals,
-        attn_decode_update_fn=cb.attn_decode_update,
-        causal_attn_rows_fn=cb.causal_attn_rows,
-    )
+    return _of_module("cpp", {"cpu"}, cb)
 
 
 def _make_triton() -> SignalBackend:
     from fastrag.signals import triton_backend as trb
 
-    return SignalBackend(
-        name="triton",
-        devices=trb.devices(),  # raises RuntimeError when neither a GPU nor TRITON_INTERPRET=1 is there
-        token_signals_fn=trb.token_signals,
-        causal_attn_colmax_fn=trb.causal_attn_colmax,
-        causal_attn_mean_rows_fn=trb.causal_attn_mean_rows,
-        decode_signals_fn=trb.decode_signals,
-        attn_decode_update_fn=trb.attn_decode_update,
-        causal_attn_rows_fn=trb.causal_attn_rows,
-    )
+    return _of_module("triton", trb.devices(), trb)  # devices() raises RuntimeError without a GPU or the interpreter
 
 
 def _make_cuda() -> SignalBackend:
     from fastrag.signals import cuda_backend as cu
 
     cu.load_cuda_extension()  # raises ImportError/RuntimeError without a CUDA build of fastrag._C or a GPU
-    return SignalBackend(
-        name="cuda",
-        devices=frozenset({"cuda"}),
-        token_signals_fn=cu.token_signals,
-        causal_attn_colmax_fn=cu.causal_attn_colmax,
-        causal_attn_mean_rows_fn=cu.causal_attn_mean_rows,
-        decode_signals_fn=cu.decode_signals,
-        attn_decode_update_fn=cu.attn_decode_update,
-        causal_attn_rows_fn=cu.causal_attn_rows,
-    )
+    return _of_module("cuda", {"cuda"}, cu)
 
 
 # Preference order of the "auto" backend for CUDA tensors (issue 3: cuda > triton > torch).

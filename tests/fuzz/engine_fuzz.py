@@ -432,7 +432,6 @@ def run_workload(wl: Workload, ec: EngineCfg, check_every_step=True, verbose=Fal
     passes = []  # (kind, ids, result)
     step = 0
     active = {}  # id(seq) -> q
-    finished_seen = set()
     pr = random.Random(wl.seed * 7 + 1)  # attention-pass contents: same in every config
 
     def start_next(q: Q):
