@@ -704,3 +704,25 @@ def test_every_prompt_starts_with_the_shared_prefix(tok, method):
         [p[:120] for p, _ in eng.prompts if not p.startswith(policy.shared_prefix)]
     asked = "Where is Paris?\n" if method == "beamsearchqa" else "Where is Paris?  "  # its template strips it
     assert all(asked in p for p, _ in eng.prompts), [p[-160:] for p, _ in eng.prompts if asked not in p]
+
+
+@pytest.mark.parametrize("method", ["dragin", "dragin-streaming"])
+def test_dragin_retrieval_with_no_document_keeps_the_context_header(tok, method):
+    """DRAGIN's retrieval prompt is the published one whatever comes back: with no passage it still holds the
+    `Context:` line and the instruction (engine and oracle alike, docs/dragin-reference.md), where the other
+    methods leave the block out (test_short_or_empty_retrieval_is_defined)."""
+    from fastrag.oracle.dragin import DraginOracle
+
+    answer = [(" Paris", LOW, 5.0), (" is in France.", LOW, 5.0), (" So the answer is France.", HIGH, 0.1), None]
+    policy = _policy(method, tok, fewshot=0, generate_max_length=24, hallucination_threshold=0.0)
+    eng, ret, out = ScriptEngine(tok, lambda p: continuation(p, answer)), Retriever(n=0), []
+    Scheduler(eng, ret, policy, max_inflight=1).run([Ex("1", "Where is Paris?")], out.append)
+    assert out[0].error is None, out[0].error
+    assert ret.queries, "the script never triggered a retrieval"
+    header = "Context:\nAnswer in the same format as before.\n"
+    rag = [p for p, _ in eng.prompts if "Context:" in p]
+    assert rag and all(header in p for p in rag), [p[-200:] for p in rag]
+    oracle = DraginOracle.__new__(DraginOracle)
+    oracle.demos, oracle.config = policy.demos, policy.cfg
+    case = "Question: Where is Paris?\nAnswer:"
+    assert oracle.retrieval_prompt("Where is Paris?", "", "", []) == policy.demos + header + case
