@@ -658,6 +658,17 @@ def test_dragin_qfs_hit_flags_line_up_with_the_written_words(tok):
     assert "Paris" not in oq and "Louvre" in oq, oq
 
 
+EVERY_METHOD = ("beamsearchqa", "dragin", "dragin-streaming", "fl-rag", "flare", "flare-explicit", "flare-instruct",
+                "fs-rag", "sr-rag", "token-rag", "wo-rag")
+
+
+def test_every_method_is_every_registered_method():
+    """The rules below cover a method registered later too: the list is the registry."""
+    from fastrag.methods.registry import available
+
+    assert sorted(EVERY_METHOD) == available()
+
+
 def _policy(method, tok, **over):
     """`method`'s policy on its 2WikiMultihopQA defaults, with `over` applied to the fields its config has."""
     import dataclasses
@@ -670,11 +681,10 @@ def _policy(method, tok, **over):
     return spec.make_policy(dataclasses.replace(cfg, **{k: v for k, v in over.items() if k in names}), tok)
 
 
-@pytest.mark.parametrize("method", ["beamsearchqa", "dragin", "dragin-streaming", "fl-rag", "flare", "flare-explicit",
-                                    "flare-instruct", "fs-rag", "sr-rag", "token-rag", "wo-rag"])
+@pytest.mark.parametrize("method", EVERY_METHOD)
 def test_every_method_refuses_a_blank_question_before_any_request(tok, method):
     """A question of whitespace only is that question's error ("empty question"), raised before the policy asks the
-    engine or the retriever for anything; the next question is answered."""
+    engine or the retriever for anything."""
     eng, ret, out = ScriptEngine(tok, lambda p: ANSWER), Retriever(), []
     Scheduler(eng, ret, _policy(method, tok), max_inflight=1).run([Ex("blank", " \t\n ")], out.append)
     assert [r.qid for r in out] == ["blank"]
@@ -682,8 +692,7 @@ def test_every_method_refuses_a_blank_question_before_any_request(tok, method):
     assert eng.prompts == [] and ret.queries == []
 
 
-@pytest.mark.parametrize("method", ["beamsearchqa", "dragin", "dragin-streaming", "fl-rag", "flare", "flare-explicit",
-                                    "flare-instruct", "fs-rag", "sr-rag", "token-rag", "wo-rag"])
+@pytest.mark.parametrize("method", EVERY_METHOD)
 def test_every_prompt_starts_with_the_shared_prefix(tok, method):
     """The KV contract of methods/common.py: every prompt a policy sends starts with its `shared_prefix` (computed
     once a run: the demos, flare-instruct's whole head, BeamSearchQA's chat header), and the record keeps the
