@@ -25,6 +25,7 @@ from fastrag.jsonkeys import RepeatedKey, unique_keys
 
 MODES = ("reference", "streaming")
 QUERY_FORMULATIONS = ("real_words",)
+STREAM_ATTENTION = ("in-context", "pass")  # dragin-streaming: where a_i comes from
 # `method` values of the published code that select DRAGIN (AttnWeightRAG) with entropy-weighted words: configs say
 # "attn_entropy", later main.py revisions also accept "dragin". ("attn_prob", which weights words by -log p instead,
 # is not implemented: refused by name.)
@@ -77,27 +78,45 @@ class DraginConfig:
         _int(self, "retrieve_topk", 1)
         _fewshot(self)
         _int(self, "max_query_tokens", 1)
-        t = self.hallucination_threshold
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t):
-            raise ConfigError(f"hallucination_threshold must be a finite number, got {t!r}")
-        self.hallucination_threshold = float(t)
-        for name in ("check_real_words", "stop_case_insensitive", "qfs_skip_first"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
-        if self.mode not in MODES:
-            raise ConfigError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
-        if self.query_formulation not in QUERY_FORMULATIONS:
-            raise ConfigError(
-                f"query_formulation must be one of {', '.join(QUERY_FORMULATIONS)}, got {self.query_formulation!r}"
-            )
+        _number(self, "hallucination_threshold")
+        _bools(self, "check_real_words", "stop_case_insensitive", "qfs_skip_first")
+        _choice(self, "mode", MODES)
+        _choice(self, "query_formulation", QUERY_FORMULATIONS)
         if not isinstance(self.extra, dict):
             raise ConfigError(f"extra must be a dict, got {type(self.extra).__name__}")
 
 
-def _int(cfg: DraginConfig, name: str, minimum: int) -> None:
+def _int(cfg, name: str, minimum: int) -> None:
     v = getattr(cfg, name)
     if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
         raise ConfigError(f"{name} must be an int >= {minimum}, got {v!r}")
+
+
+def _number(cfg, name: str) -> None:
+    """A finite JSON number (true/false refused), stored as a float."""
+    v = getattr(cfg, name)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise ConfigError(f"{name} must be a finite number, got {v!r}")
+    setattr(cfg, name, float(v))
+
+
+def _unit(cfg, name: str) -> None:
+    v = getattr(cfg, name)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not 0.0 <= v <= 1.0:
+        raise ConfigError(f"{name} must be a number in [0, 1], got {v!r}")
+    setattr(cfg, name, float(v))
+
+
+def _bools(cfg, *names: str) -> None:
+    for name in names:
+        if not isinstance(getattr(cfg, name), bool):
+            raise ConfigError(f"{name} must be true or false, got {getattr(cfg, name)!r}")
+
+
+def _choice(cfg, name: str, choices: tuple[str, ...]) -> None:
+    v = getattr(cfg, name)
+    if v not in choices:
+        raise ConfigError(f"{name} must be one of {', '.join(repr(c) for c in choices)}, got {v!r}")
 
 
 def _fewshot(cfg) -> None:
@@ -265,17 +284,6 @@ SENTENCE_SOLVERS = ("avg", "max", "min")
 FLARE_QUERIES = ("implicit", "explicit")
 
 
-def _unit(cfg, name: str) -> None:
-    v = getattr(cfg, name)
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not 0.0 <= v <= 1.0:
-        raise ConfigError(f"{name} must be a number in [0, 1], got {v!r}")
-    setattr(cfg, name, float(v))
-
-
-def _bools(cfg, *names: str) -> None:
-    for name in names:
-        if not isinstance(getattr(cfg, name), bool):
-            raise ConfigError(f"{name} must be true or false, got {getattr(cfg, name)!r}")
 
 
 @dataclass(slots=True)
@@ -327,9 +335,7 @@ class TokenRagConfig(RagConfig):
     def __post_init__(self) -> None:
         RagConfig.__post_init__(self)
         _unit(self, "hallucination_threshold")
-        if self.sentence_solver not in SENTENCE_SOLVERS:
-            raise ConfigError(f"sentence_solver must be one of {', '.join(SENTENCE_SOLVERS)}, "
-                              f"got {self.sentence_solver!r}")
+        _choice(self, "sentence_solver", SENTENCE_SOLVERS)
 
 
 @dataclass(slots=True)
@@ -352,9 +358,7 @@ class FlareConfig(RagConfig):
         _int(self, "question_max_tokens", 1)
         _int(self, "max_searches", 0)
         _bools(self, "retrieve_first")
-        if self.query_formulation not in FLARE_QUERIES:
-            raise ConfigError(f"query_formulation must be one of {', '.join(FLARE_QUERIES)}, "
-                              f"got {self.query_formulation!r}")
+        _choice(self, "query_formulation", FLARE_QUERIES)
 
 
 @dataclass(slots=True)
@@ -370,8 +374,7 @@ class DraginStreamingConfig(DraginConfig):
     def __post_init__(self) -> None:
         DraginConfig.__post_init__(self)
         _int(self, "stream_chunk_tokens", 1)
-        if self.stream_attention not in ("in-context", "pass"):
-            raise ConfigError(f"stream_attention must be 'in-context' or 'pass', got {self.stream_attention!r}")
+        _choice(self, "stream_attention", STREAM_ATTENTION)
         if self.mode != "streaming":
             raise ConfigError(f"mode must be 'streaming' for dragin-streaming, got {self.mode!r}")
 

@@ -108,6 +108,11 @@ def test_load_2wiki_config_and_missing_keys_fall_back(tmp_path):
     ({"retrieve_keep_top_k": 0}, r"c\.json: retrieve_keep_top_k"),
     ({"dataset": "squad"}, r"c\.json: field 'dataset'"),
     ({"check_real_words": "true"}, r"c\.json: check_real_words"),
+    ({"qfs_skip_first": 0}, r"c\.json: qfs_skip_first must be true or false, got 0"),
+    ({"mode": "stream"}, r"c\.json: mode must be one of 'reference', 'streaming', got 'stream'"),
+    ({"query_formulation": "current_wo_wrong"}, r"c\.json: query_formulation must be one of 'real_words'"),
+    ({"hallucination_threshold": True}, r"c\.json: hallucination_threshold must be a finite number, got True"),
+    ({"hallucination_threshold": "1.2"}, r"c\.json: hallucination_threshold must be a finite number, got '1\.2'"),
 ])
 def test_load_errors_name_file_and_field(tmp_path, patch, pattern):
     p = tmp_path / "c.json"

@@ -178,6 +178,14 @@ def test_fs_rag_retrieves_every_sentence_with_the_last_sentence(tok):
     assert all(n == 64 for _, n in eng.prompts)  # L = 64 for 2Wiki, one sentence kept per generation
 
 
+def test_fs_rag_stops_when_a_generation_has_no_sentence(tok):
+    """A generation that ends at once keeps no sentence: FS-RAG answers with what it has instead of retrieving
+    again with an empty query."""
+    r, eng, ret = run("fs-rag", tok, lambda p: [None])
+    assert r.error is None and ret.queries == ["Where is Paris?"]
+    assert r.text == "" and r.retrievals == 1
+
+
 def test_fl_rag_typo_switch(tok):
     r, eng, _ = run("fl-rag", tok, lambda p: continuation(p, ANSWER), flrag_typo=True)
     assert "Answer in t he same format as before.\n" in eng.prompts[0][0]
@@ -374,7 +382,10 @@ def test_published_flare_config_is_token_rag(tmp_path):
     ("fl-rag", {"fix_length": "32"}, "fix_length must be an int"),
     ("fl-rag", {"fix_length": 0}, "fix_length must be an int >= 1"),
     ("token-rag", {"hallucination_threshold": 1.2}, "hallucination_threshold must be a number in"),
-    ("token-rag", {"sentence_solver": "median"}, "sentence_solver must be one of"),
+    ("token-rag", {"sentence_solver": "median"}, "sentence_solver must be one of 'avg', 'max', 'min', got 'median'"),
+    ("flare", {"query_formulation": "real_words"}, "query_formulation must be one of 'implicit', 'explicit'"),
+    ("flare", {"retrieve_first": 1}, "retrieve_first must be true or false, got 1"),
+    ("flare", {"theta": True}, r"theta must be a number in \[0, 1\], got True"),
     ("wo-rag", {"fewshot": 99}, "fewshot is 99 but hotpotqa has only 8 exemplars"),
     ("sr-rag", {"generate_max_length": None}, "generate_max_length"),
     ("flare-instruct", {"max_searches": -1}, "max_searches"),
@@ -384,7 +395,7 @@ def test_bad_config_values_name_the_field(method, over, msg):
         method_config(method, "hotpotqa", overrides=over)
 
 
-@pytest.mark.parametrize("over, msg", [({"stream_attention": "decode"}, "stream_attention must be 'in-context' or"),
+@pytest.mark.parametrize("over, msg", [({"stream_attention": "decode"}, "stream_attention must be one of 'in-context', 'pass', got 'decode'"),
                                        ({"stream_chunk_tokens": 0}, "stream_chunk_tokens")])
 def test_bad_streaming_options_name_the_field(tmp_path, over, msg):
     import json

@@ -51,40 +51,56 @@ class SrRag(_Baseline):
         return self.decode(g).strip()
 
 
-class FlRag(_Baseline):
+class _RetrieveEachPiece(_Baseline):
+    """Retrieve, generate, keep a piece of the generation, and repeat with that piece as the next query (the first
+    query is the question) until the DRAGIN stop rule holds. `piece` says which piece, `piece_tokens` how many
+    tokens each generation may take."""
+
+    piece_tokens: int
+
+    def piece(self, g):
+        """The part of generation `g` the answer keeps (a generator, as it may ask for sentences), or None to
+        stop with the answer so far."""
+        raise NotImplementedError
+
+    def answer(self, res, q, case):
+        cfg, text, query = self.cfg, "", q
+        while True:
+            old_len = len(text)
+            docs = yield from self.retrieve(res, query)
+            g = yield from generate(res, rag_prompt(self.demos, docs, case, text, typo=cfg.flrag_typo),
+                                    self.piece_tokens)
+            piece = yield from self.piece(g)
+            if piece is None:
+                return text
+            text = join(text, piece)
+            query = piece
+            if stop(text, old_len, len(self.tok.encode(text)), cfg.generate_max_length, cfg.stop_case_insensitive):
+                return text
+
+
+class FlRag(_RetrieveEachPiece):
     """Retrieve, generate n tokens, repeat with the chunk just generated as the next query."""
 
-    def answer(self, res, q, case):
-        cfg, text, query = self.cfg, "", q
-        while True:
-            old_len = len(text)
-            docs = yield from self.retrieve(res, query)
-            g = yield from generate(res, rag_prompt(self.demos, docs, case, text, typo=cfg.flrag_typo),
-                                    cfg.fix_length)
-            chunk = self.decode(g).strip()
-            text = join(text, chunk)
-            query = chunk
-            if stop(text, old_len, len(self.tok.encode(text)), cfg.generate_max_length, cfg.stop_case_insensitive):
-                return text
+    @property
+    def piece_tokens(self) -> int:
+        return self.cfg.fix_length
+
+    def piece(self, g):
+        yield from ()
+        return self.decode(g).strip()
 
 
-class FsRag(_Baseline):
+class FsRag(_RetrieveEachPiece):
     """Retrieve, generate L tokens and keep the first sentence, repeat with that sentence as the next query."""
 
-    def answer(self, res, q, case):
-        cfg, text, query = self.cfg, "", q
-        while True:
-            old_len = len(text)
-            docs = yield from self.retrieve(res, query)
-            g = yield from generate(res, rag_prompt(self.demos, docs, case, text, typo=cfg.flrag_typo),
-                                    cfg.generate_max_length)
-            sents = yield from sentences(self.decode(g))
-            if not sents:
-                return text
-            text = join(text, sents[0].text)
-            query = sents[0].text
-            if stop(text, old_len, len(self.tok.encode(text)), cfg.generate_max_length, cfg.stop_case_insensitive):
-                return text
+    @property
+    def piece_tokens(self) -> int:
+        return self.cfg.generate_max_length
+
+    def piece(self, g):
+        sents = yield from sentences(self.decode(g))
+        return sents[0].text if sents else None
 
 
 def _spec(name: str, cls, description: str) -> MethodSpec:
