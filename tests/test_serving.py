@@ -259,6 +259,29 @@ def test_malformed_json_is_a_4xx(server):
     assert r.status_code == 422 and "json" in r.json()["error"]["message"].lower()
 
 
+def test_a_body_sent_as_a_form_says_to_send_json(server):
+    """`curl -d` labels its body application/x-www-form-urlencoded, which the framework does not read as JSON: the
+    error names the Content-Type to send instead of blaming the body's shape; so does a body with no Content-Type
+    (the framework reads neither as JSON)."""
+    url, _ = server
+    body = json.dumps({"prompt": "Where is Paris?", "max_tokens": 1}).encode()
+    r = httpx.post(url + "/v1/completions", content=body, timeout=60,
+                   headers={"content-type": "application/x-www-form-urlencoded"})
+    assert r.status_code == 422, r.text
+    assert r.json()["error"]["message"] == ("body: not read as JSON, its Content-Type is "
+                                            "'application/x-www-form-urlencoded': send Content-Type: application/json")
+    r = httpx.post(url + "/v1/completions", content=b"5", timeout=60,
+                   headers={"content-type": "application/json; charset=utf-8"})
+    assert r.status_code == 422 and "Content-Type" not in r.json()["error"]["message"], r.text
+    r = httpx.post(url + "/v1/completions", content=body, timeout=60)
+    assert r.status_code == 422, r.text
+    assert r.json()["error"]["message"] == ("body: not read as JSON, it has no Content-Type: send Content-Type: "
+                                            "application/json")
+    r = httpx.post(url + "/v1/completions", content=body, timeout=60,
+                   headers={"content-type": "application/vnd.api+json"})
+    assert r.status_code == 200, r.text
+
+
 def test_errors_of_the_web_framework_have_the_error_shape(server):
     """A path not served, a method a path does not take and a body that is not UTF-8 answer `{"error": {...}}` as
     every other error does (they answered `{"detail": ...}`), and the last one says where the body stops being

@@ -215,6 +215,10 @@ def create_app(engine: AsyncEngine, timeout_s: float = 600.0, max_question_chars
             raise ValueError(f"{what} holds the model's control token {hit[0]!r} at character {hit[1]}: it would "
                              "be read as that token, not as text")
 
+    def _json_media_type(content_type: str) -> bool:
+        kind = content_type.split(";", 1)[0].strip().lower()
+        return kind == "application/json" or (kind.startswith("application/") and kind.endswith("+json"))
+
     app = FastAPI(title="fastrag", version="0.1.0")
     app.state.engine = engine
 
@@ -228,6 +232,13 @@ def create_app(engine: AsyncEngine, timeout_s: float = 600.0, max_question_chars
                 errs.append(f"body: not valid JSON at character {at}" + (f" ({why})" if why else ""))
                 continue
             loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body") or "body"
+            kind = request.headers.get("content-type")
+            if loc == "body" and not _json_media_type(kind or ""):
+                # the framework reads a body as JSON only under a JSON media type: curl -d sends
+                # application/x-www-form-urlencoded, and the framework's own message blames the body's shape
+                had = f"its Content-Type is {kind!r}" if kind else "it has no Content-Type"
+                errs.append(f"body: not read as JSON, {had}: send Content-Type: application/json")
+                continue
             errs.append(f"{loc}: {e.get('msg')}")
         return JSONResponse(status_code=422, content={"error": {"type": "invalid_request_error",
                                                                 "message": "; ".join(errs), "fields": errs}})
