@@ -284,8 +284,6 @@ SENTENCE_SOLVERS = ("avg", "max", "min")
 FLARE_QUERIES = ("implicit", "explicit")
 
 
-
-
 @dataclass(slots=True)
 class RagConfig:
     """Fields every method shares: the answer-length stop rule, exemplars, documents per retrieval."""
