@@ -92,17 +92,23 @@ def _int(cfg, name: str, minimum: int) -> None:
         raise ConfigError(f"{name} must be an int >= {minimum}, got {v!r}")
 
 
+def _finite(v) -> bool:
+    """A finite JSON number: an int or a float, not true/false."""
+    return not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
+
+
 def _number(cfg, name: str) -> None:
-    """A finite JSON number (true/false refused), stored as a float."""
+    """A finite number, stored as a float."""
     v = getattr(cfg, name)
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+    if not _finite(v):
         raise ConfigError(f"{name} must be a finite number, got {v!r}")
     setattr(cfg, name, float(v))
 
 
 def _unit(cfg, name: str) -> None:
+    """A number in [0, 1], stored as a float."""
     v = getattr(cfg, name)
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not 0.0 <= v <= 1.0:
+    if not (_finite(v) and 0.0 <= v <= 1.0):
         raise ConfigError(f"{name} must be a number in [0, 1], got {v!r}")
     setattr(cfg, name, float(v))
 

@@ -395,8 +395,10 @@ def test_bad_config_values_name_the_field(method, over, msg):
         method_config(method, "hotpotqa", overrides=over)
 
 
-@pytest.mark.parametrize("over, msg", [({"stream_attention": "decode"}, "stream_attention must be one of 'in-context', 'pass', got 'decode'"),
-                                       ({"stream_chunk_tokens": 0}, "stream_chunk_tokens")])
+@pytest.mark.parametrize("over, msg", [
+    ({"stream_attention": "decode"}, "stream_attention must be one of 'in-context', 'pass', got 'decode'"),
+    ({"stream_chunk_tokens": 0}, "stream_chunk_tokens"),
+])
 def test_bad_streaming_options_name_the_field(tmp_path, over, msg):
     import json
 
