@@ -651,8 +651,8 @@ class Scheduler:
 
     def _collect_texts(self, now: bool) -> bool:
         """Hand the finished text requests to their questions: `now` at once (a question may then ask for more),
-        else through _result; a group only once all its texts are back, in the order the groups went. Returns
-        whether any had finished."""
+        else through _result; a group only once all its texts are back (a group back is not held for one sent
+        before it; those back together go in the order they were sent). Returns whether any had finished."""
         groups = [x for x in self._text_groups if x[0].done()]
         if groups:
             ids = {id(x) for x in groups}
