@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -191,6 +192,27 @@ def test_parity_on_a_random_model_of_another_shape(tmp_path, small_config, tiny_
     assert rep["n"] == 3 and rep["agreement"] == 1.0, rep
     assert rep["environment"]["torch"] == torch.__version__ and rep["environment"]["device"], rep["environment"]
     assert sum(1 for r in recs for rd in r["rounds"] if rd["query"]) > 0, "no retrieval happened: a weak check"
+
+
+def test_parity_on_questions_written_outside_the_datasets(tmp_path, small_config):
+    """The project's own questions (benchmarks/data/questions_outside_shared.jsonl): Devanagari, a tab, a newline
+    and quotes inside the question, German, an emoji. The real SmolLM2 and bm25s make the same DRAGIN decisions on
+    both sides, and each question reaches the results exactly as the file wrote it."""
+    src = Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "questions_outside_shared.jsonl"
+    wanted = {"own-15", "own-17", "own-20", "own-22"}
+    lines = [x for x in src.read_text(encoding="utf-8").splitlines() if json.loads(x)["id"] in wanted]
+    assert len(lines) == len(wanted), f"{src} lacks some of {sorted(wanted)}"
+    data = tmp_path / "own.jsonl"
+    data.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    cli("parity", "--method", "dragin", "--dataset", "hotpotqa", "--data", data, "--corpus", CORPUS, "--config",
+        small_config, "--batch-size", 4, "--output", tmp_path / "p", "--no-progress")
+    rep = json.loads((tmp_path / "p" / "parity.json").read_text())
+    assert rep["n"] == len(wanted) and rep["n_errored"] == 0 and rep["agreement"] == 1.0, rep
+    asked = {json.loads(x)["id"]: json.loads(x)["question"] for x in lines}
+    for side in ("engine", "oracle"):
+        recs = [json.loads(x) for x in (tmp_path / "p" / side / "results.jsonl").read_text().splitlines()]
+        assert {r["qid"]: r["question"] for r in recs} == asked, side
+    assert any(rd["query"] for r in recs for rd in r["rounds"]), "no retrieval happened: a weak check"
 
 
 def test_oracle_times_the_questions_asked_and_records_where(tmp_path, small_config, tiny_model):
