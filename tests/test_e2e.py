@@ -200,15 +200,15 @@ def test_parity_on_questions_written_outside_the_datasets(tmp_path, small_config
     both sides, and each question reaches the results exactly as the file wrote it."""
     src = Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "questions_outside_shared.jsonl"
     wanted = {"own-15", "own-17", "own-20", "own-22"}
-    lines = [x for x in src.read_text(encoding="utf-8").splitlines() if json.loads(x)["id"] in wanted]
-    assert len(lines) == len(wanted), f"{src} lacks some of {sorted(wanted)}"
+    picked = [r for r in map(json.loads, src.read_text(encoding="utf-8").splitlines()) if r["id"] in wanted]
+    assert len(picked) == len(wanted), f"{src} lacks some of {sorted(wanted)}"
     data = tmp_path / "own.jsonl"
-    data.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    data.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in picked), encoding="utf-8")
     cli("parity", "--method", "dragin", "--dataset", "hotpotqa", "--data", data, "--corpus", CORPUS, "--config",
         small_config, "--batch-size", 4, "--output", tmp_path / "p", "--no-progress")
     rep = json.loads((tmp_path / "p" / "parity.json").read_text())
     assert rep["n"] == len(wanted) and rep["n_errored"] == 0 and rep["agreement"] == 1.0, rep
-    asked = {json.loads(x)["id"]: json.loads(x)["question"] for x in lines}
+    asked = {r["id"]: r["question"] for r in picked}
     for side in ("engine", "oracle"):
         recs = [json.loads(x) for x in (tmp_path / "p" / side / "results.jsonl").read_text().splitlines()]
         assert {r["qid"]: r["question"] for r in recs} == asked, side
