@@ -209,9 +209,13 @@ def test_parity_on_questions_written_outside_the_datasets(tmp_path, small_config
     rep = json.loads((tmp_path / "p" / "parity.json").read_text())
     assert rep["n"] == len(wanted) and rep["n_errored"] == 0 and rep["agreement"] == 1.0, rep
     asked = {r["id"]: r["question"] for r in picked}
+    by_side = {}
     for side in ("engine", "oracle"):
         recs = [json.loads(x) for x in (tmp_path / "p" / side / "results.jsonl").read_text().splitlines()]
         assert {r["qid"]: r["question"] for r in recs} == asked, side
+        by_side[side] = {r["qid"]: (r["decode_tokens"], r["llm_calls"]) for r in recs}
+    # the same generations, so the same decoded tokens (a final EOS counted on neither side) and generate calls
+    assert by_side["engine"] == by_side["oracle"]
     assert any(rd["query"] for r in recs for rd in r["rounds"]), "no retrieval happened: a weak check"
 
 

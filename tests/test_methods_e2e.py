@@ -1,16 +1,20 @@
-"""A new method end to end through the CLI on the real SmolLM2 (short): `fastrag run --method flare`; and the
-CLI's errors for an unknown method and a bad method option."""
+"""A new method end to end through the CLI on the real SmolLM2 (short): `fastrag run --method flare`, FLARE parity
+against its per-question oracle, and the CLI's errors for an unknown method and a bad method option."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
 
 from fastrag.eval import BUNDLED
 
 DATA = BUNDLED / "hotpotqa_dev20.jsonl"
 CORPUS = BUNDLED / "wiki_passages.jsonl"
+OWN = Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "questions_outside_shared.jsonl"
 
 
 def cli(*args):
@@ -46,6 +50,29 @@ def test_flare_runs_end_to_end_with_counters(tmp_path):
         and min(st.values()) >= 0
     assert st["engine"] >= m["engine"]["prefill_s"] + m["engine"]["decode_s"] > 0
     assert st["methods_and_other"] > 0 and sum(st.values()) <= m["wall_s"] * 1.01
+
+
+@pytest.mark.parametrize("method", ["flare", "flare-explicit"])
+def test_flare_parity_with_the_real_model_counts_the_same_work_on_both_sides(tmp_path, method):
+    """`fastrag parity` for FLARE on the real SmolLM2 and bm25s, over the first two of the project's own questions
+    (benchmarks/data/questions_outside_shared.jsonl): the engine and the per-question oracle make the same
+    decisions, and each question's record on both sides counts the same generate calls, decoded tokens and
+    retrievals (the same generations; a final EOS counted on neither side)."""
+    cfg = tmp_path / "flare.json"
+    cfg.write_text(json.dumps({"generate_max_length": 16, "look_ahead_tokens": 12, "theta": 0.9}))
+    out = tmp_path / "p"
+    p = cli("parity", "--method", method, "--dataset", "hotpotqa", "--data", OWN, "--corpus", CORPUS, "--config",
+            cfg, "--limit", 2, "--batch-size", 2, "--kv-cache-gb", 0.25, "--output", out, "--no-progress")
+    assert p.returncode == 0, p.stderr[-3000:]
+    rep = json.loads((out / "parity.json").read_text())
+    assert rep["n"] == 2 and rep["n_errored"] == 0 and rep["agreement"] == 1.0, rep
+    work = {}
+    for side in ("engine", "oracle"):
+        recs = [json.loads(x) for x in (out / side / "results.jsonl").read_text().splitlines()]
+        work[side] = {r["qid"]: (r["llm_calls"], r["decode_tokens"], r["retrievals"]) for r in recs}
+    assert work["engine"] == work["oracle"] and len(work["engine"]) == 2
+    # a retrieval beyond the first (the question's own): a confidence test failed and a query was formed
+    assert any(retrievals >= 2 for _, _, retrievals in work["oracle"].values()), "no trigger: a weak check"
 
 
 def test_unknown_method_and_bad_option_are_clear_errors(tmp_path):

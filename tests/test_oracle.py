@@ -220,6 +220,53 @@ def test_the_oracles_refuse_a_prompt_past_the_model_context_as_the_engine_does(w
     assert calls == [32 - limit_new]
 
 
+
+@pytest.mark.parametrize("which", ["dragin", "flare", "beamsearchqa"])
+@pytest.mark.parametrize("ends_at_eos", [True, False])
+def test_the_oracles_count_a_generation_as_the_engine_does(which, ends_at_eos):
+    """The engine counts a generation's decoded tokens without a final EOS (fastrag.methods.common counts the ids
+    its generation returns), and so does each oracle: the same generation, the same decode_tokens in both records.
+    The DRAGIN and FLARE oracles used to count the EOS, one token more for each generation ending there (17 more
+    than the engine on own-14 of benchmarks/data/questions_outside_shared.jsonl, DRAGIN), and the FLARE oracle's
+    records said llm_calls 0."""
+    from types import SimpleNamespace
+
+    from fastrag.oracle.beamsearchqa import BeamSearchQAOracle
+    from fastrag.oracle.dragin import DraginOracle
+    from fastrag.oracle.flare import FlareOracle
+
+    eos, prompt_ids = 0, [5, 6, 7]
+    body = [int(t) for t in torch.randint(1, 50, (int(torch.randint(1, 9, ())),))]
+    new = body + [eos] if ends_at_eos else body
+
+    class Model:
+        config = SimpleNamespace(max_position_embeddings=4096)
+        device = torch.device("cpu")
+
+        def generate(self, input_ids, max_new_tokens, **kw):
+            assert len(new) <= max_new_tokens
+            seq = torch.tensor([prompt_ids + new])
+            if not kw.get("return_dict_in_generate"):
+                return seq
+            return SimpleNamespace(sequences=seq, scores=tuple(torch.randn(1, 50) for _ in new))
+
+    cls = {"dragin": DraginOracle, "flare": FlareOracle, "beamsearchqa": BeamSearchQAOracle}[which]
+    oracle = cls.__new__(cls)  # (only what the generation reads)
+    oracle.model = Model()
+    oracle.tokenizer = SimpleNamespace(encode=lambda text: list(prompt_ids),
+                                       decode=lambda ids, skip_special_tokens=True: " ".join(map(str, ids)))
+    oracle._pad_id = oracle._pad = eos
+    oracle.eos_ids = {eos}
+    oracle._prefill = oracle._decode = oracle._calls = 0
+    oracle.calls = oracle.prefill = oracle.decode = 0
+    out = oracle.generate("a prompt", 16)
+    counted = (oracle.decode, oracle.calls) if which == "beamsearchqa" else (oracle._decode, oracle._calls)
+    assert counted == (len(body), 1), (which, new)  # (and the call counted: the record's llm_calls)
+    if which == "dragin":
+        assert out.ids == body and len(out.entropy) == len(body)
+    elif which == "flare":
+        assert out[0] == body and len(out[1]) == len(body)
+
 def _hotpot_questions(n: int):
     with HOTPOT.open() as f:
         for _, line in zip(range(n), f):

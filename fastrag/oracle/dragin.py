@@ -127,11 +127,12 @@ class DraginOracle:
         new = out.sequences[0, len(ids):].tolist()  # [N]
         entropy = D.token_entropy(torch.stack([s[0] for s in out.scores]).cpu()) if scores and new else torch.zeros(0)
         self._prefill += len(ids)
-        self._decode += len(new)
         self._calls += 1
-        # A final EOS belongs to neither the text nor the signals.
+        # A final EOS belongs to neither the text nor the signals, nor to the decoded tokens counted (the engine
+        # and the BeamSearchQA oracle count a generation without it too: the same generation, the same count).
         if new and new[-1] in self.eos_ids:
             new, entropy = new[:-1], entropy[: len(new) - 1]
+        self._decode += len(new)
         text = self.tokenizer.decode(new, skip_special_tokens=True)
         return Generation(ids=new, text=text, entropy=entropy)
 

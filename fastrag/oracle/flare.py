@@ -39,6 +39,7 @@ class FlareOracle:
         self.eos_ids = eos
         self._pad = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else min(eos)
         self._prefill = self._decode = 0
+        self._calls = 0  # generate calls of the current question (the record's llm_calls, as the engine counts)
 
     @torch.no_grad()
     def generate(self, prompt: str, n: int) -> tuple[list[int], list[float]]:
@@ -53,9 +54,10 @@ class FlareOracle:
         for t, s in zip(new, out.scores):
             p.append(float(torch.log_softmax(s[0].float(), -1)[t].exp()))
         self._prefill += len(ids)
-        self._decode += len(new)
+        self._calls += 1
         if new and new[-1] in self.eos_ids:
             new, p = new[:-1], p[:-1]
+        self._decode += len(new)  # (a final EOS not counted, as the engine counts a generation)
         return new, p
 
     def text(self, ids) -> str:
@@ -130,7 +132,7 @@ class FlareOracle:
     def run(self, qid: str, question: str, gold) -> QuestionResult:
         cfg = self.config
         t0 = time.perf_counter()
-        self._prefill = self._decode = 0
+        self._prefill = self._decode = self._calls = 0
         if not question.strip():
             raise ValueError("empty question")
         case = case_text(question, cfg.dataset)
@@ -169,4 +171,4 @@ class FlareOracle:
             prediction = complete_answer(text, self.text(gen))
         return QuestionResult(qid=qid, question=question, gold=list(gold), text=text, prediction=prediction,
                               rounds=rounds, prefill_tokens=self._prefill, decode_tokens=self._decode,
-                              wall_s=time.perf_counter() - t0)
+                              llm_calls=self._calls, wall_s=time.perf_counter() - t0)
