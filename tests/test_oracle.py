@@ -220,7 +220,6 @@ def test_the_oracles_refuse_a_prompt_past_the_model_context_as_the_engine_does(w
     assert calls == [32 - limit_new]
 
 
-
 @pytest.mark.parametrize("which", ["dragin", "flare", "beamsearchqa"])
 @pytest.mark.parametrize("ends_at_eos", [True, False])
 def test_the_oracles_count_a_generation_as_the_engine_does(which, ends_at_eos):
