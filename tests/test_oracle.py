@@ -266,6 +266,7 @@ def test_the_oracles_count_a_generation_as_the_engine_does(which, ends_at_eos):
     elif which == "flare":
         assert out[0] == body and len(out[1]) == len(body)
 
+
 def _hotpot_questions(n: int):
     with HOTPOT.open() as f:
         for _, line in zip(range(n), f):
