@@ -280,6 +280,18 @@ def test_prompts_of_one_question_share_their_stem():
     assert child.startswith(stem[: stem.index("Evidence 1") + len("Evidence 1: A is a painter.")])
 
 
+def test_the_summary_prompt_cuts_each_document_at_max_doc_chars():
+    """A retrieved passage enters the summary prompt cut to max_doc_chars characters, after its title."""
+    import dataclasses
+
+    from fastrag.methods.beamsearchqa import Prompts
+    from fastrag.retrieval.base import Doc
+
+    P = Prompts(TextTok(), dataclasses.replace(beamsearchqa_config("nq"), max_doc_chars=10))
+    p = P.summary(Q, [Doc("a", "Title", "0123456789ABCDEF"), Doc("b", "", "short")])
+    assert "[1] Title: 0123456789\n[2] short\n" in p and "A" not in p.split("[1] Title: ")[1].split("\n")[0]
+
+
 # ------------------------------------------------------------------------------------------------ records, parity
 
 def test_records_round_trip_and_old_records_still_load():

@@ -219,6 +219,10 @@ def test_nq_open_ids_are_generated_and_unique(tmp_path):
     p = _jsonl(tmp_path / "nq.jsonl", [{"question": "q", "answer": ["a"]}] * 3)
     ex = load_examples("nq", p)
     assert [e.qid for e in ex] == ["nq-0", "nq-1", "nq-2"]
+    assert load_examples("nq", p, limit=0) == []  # (no question asked for: none given, not an error)
+    p = _jsonl(tmp_path / "nq_ids.jsonl", [{"id": "x1", "qid": "y1", "question": "q", "answer": ["a"]},
+                                           {"qid": "y2", "question": "q", "answer": ["a"]}])
+    assert [e.qid for e in load_examples("nq", p)] == ["x1", "y2"]  # "id" wins over "qid"
 
 
 def test_webq(tmp_path):

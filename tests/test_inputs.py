@@ -165,13 +165,19 @@ def test_records_of_other_data_are_refused(setup):
 
 
 def test_metrics_count_each_selected_question_once(setup):
+    """A question with two records (two runs into one folder, by older versions) counts once, by its last record,
+    and the resume leaves the file with that record alone."""
     go, tmp, _, _ = setup
     go(limit=4)
     res = tmp / "o" / "results.jsonl"
     lines = res.read_text().split("\n")
-    res.write_text("\n".join(lines[:1] + lines))  # a record written twice (two runs into one folder)
+    older = json.loads(lines[0]) | {"text": "an older answer"}
+    res.write_text("\n".join([json.dumps(older)] + lines))
     m = go(limit=2)
     assert m["n"] == 2 and m["computed_this_run"] == 0
+    recs = records(res)
+    assert [r["qid"] for r in recs] == [f"nq-{i}" for i in range(4)]
+    assert recs[0]["text"] == json.loads(lines[0])["text"] != older["text"]
     m = go(limit=4)
     assert m["n"] == 4 and m["computed_this_run"] == 0
 
@@ -181,10 +187,25 @@ def test_a_last_record_without_its_newline_is_kept_apart(setup):
     go(limit=2)
     res = tmp / "o" / "results.jsonl"
     res.write_bytes(res.read_bytes().rstrip(b"\n"))  # e.g. an editor that strips the final newline
-    go(limit=4)
+    assert go(limit=4)["computed_this_run"] == 2  # (the record without its newline is kept, not computed again)
     recs = records(res)  # every line one record
     assert [r["qid"] for r in recs] == [f"nq-{i}" for i in range(4)]
     assert go(limit=4)["computed_this_run"] == 0
+
+
+def test_a_broken_line_inside_the_results_is_named_and_nothing_is_cut(setup):
+    """Only a last line can be a record torn by a kill: a line that is no record before others is named, and the
+    file is left as it is (cutting there would lose every record after it)."""
+    go, tmp, _, _ = setup
+    go(limit=3)
+    res = tmp / "o" / "results.jsonl"
+    lines = res.read_text().split("\n")
+    for bad in ("{\"qid\": \"nq-1\", \"quest", "", "[1, 2]"):
+        body = "\n".join(lines[:1] + [bad] + lines[1:])
+        res.write_text(body)
+        with pytest.raises(ValueError, match=r"results\.jsonl: line 2 is not a result record"):
+            go(limit=3)
+        assert res.read_text() == body
 
 
 def test_failed_questions_are_computed_again_on_a_rerun(setup):

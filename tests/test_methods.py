@@ -149,6 +149,7 @@ def test_wo_rag_one_generation_no_retrieval(tok):
     assert r.error is None and ret.queries == []
     assert len(eng.prompts) == 1 and r.text == "Paris is in France. So the answer is France."
     assert r.prediction == r.text  # "the answer is" present: no extra answer generation
+    assert len(r.rounds) == 1 and r.retrievals == 0  # one round, without a query
 
 
 def test_sr_rag_retrieves_once_with_the_question(tok):
@@ -156,6 +157,8 @@ def test_sr_rag_retrieves_once_with_the_question(tok):
     assert ret.queries == ["Where is Paris?"]
     assert eng.prompts[0][0].startswith("Context:\n[1] doc 0 about Where is Paris?\n")
     assert "Answer in the same format as before.\nQuestion: Where is Paris?\nAnswer:" in eng.prompts[0][0]
+    _, _, ret = run("sr-rag", tok, lambda p: continuation(p, ANSWER), max_query_tokens=3)
+    assert ret.queries == ["is Paris?"]  # the question's last 3 tokens: " is", " Paris", "?"
 
 
 def test_fl_rag_retrieves_every_n_tokens_with_the_last_chunk(tok):
@@ -169,6 +172,23 @@ def test_fl_rag_retrieves_every_n_tokens_with_the_last_chunk(tok):
     assert all(m == n for _, m in eng.prompts)  # every generation is one chunk of n tokens
     assert r.text == " ".join(chunks)
     assert r.retrievals == len(chunks)
+
+
+def test_fl_rag_stops_once_the_answer_is_longer_than_l_tokens(tok):
+    """No "the answer is" and no end: the whole answer's length stops FL-RAG, at the first chunk that takes it past
+    L tokens (each chunk alone stays under L)."""
+    pieces = [(" Alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho.", HIGH, 0.1),
+              None]
+    n, limit = 5, 12
+
+    def world(p):  # (then the evaluator's answer generation)
+        return [(" rho.", HIGH, 0.1), None] if p.endswith(" So the answer is ") else continuation(p, pieces)
+
+    r, _, _ = run("fl-rag", tok, world, fix_length=n, generate_max_length=limit)
+    full = tok.encode(pieces[0][0])
+    chunks = [tok.decode(full[i:i + n]).strip() for i in range(0, len(full), n)]
+    m = next(m for m in range(1, len(chunks) + 1) if len(tok.encode(" ".join(chunks[:m]))) > limit)
+    assert m < len(chunks) and r.retrievals == m and r.text == " ".join(chunks[:m])
 
 
 def test_fs_rag_retrieves_every_sentence_with_the_last_sentence(tok):
@@ -212,6 +232,45 @@ def test_token_rag_triggers_on_the_uncertain_sentence(tok):
     rag = [p for p, _ in eng.prompts if "Context:" in p]
     assert len(rag) == 1 and rag[0].endswith("Answer: Paris is in France.")  # kept text before the trigger
     assert r.text == "Paris is in France. It has 2 million people. So the answer is France."
+
+
+def test_token_rag_scores_a_sentence_by_the_mean_uncertainty_of_its_tokens(tok):
+    """One uncertain token (1 - p = 0.2) among ten at 0.05: the mean, (10 * 0.05 + 0.2) / 11 = 0.064, stays under
+    2WikiMultihopQA's 0.08, so the default solver (avg) does not retrieve; with the solver max it does."""
+    answer = [(" Paris is in the north of France and", 0.95, 0.1), (" old", 0.8, 0.1), (" today.", 0.95, 0.1),
+              (" So the answer is France.", 0.95, 0.1), None]
+
+    sure = [(t, 0.95, h) for t, _, h in answer[:-1]] + [None]
+
+    def world(p):  # (with documents, every token is sure)
+        return continuation(p, sure if "Context:" in p else answer)
+
+    assert len(tok.encode(" Paris is in the north of France and old today.")) == 11
+    r, _, ret = run("token-rag", tok, world)
+    assert ret.queries == [] and r.text == "Paris is in the north of France and old today. So the answer is France."
+    r, _, ret = run("token-rag", tok, world, sentence_solver="max")
+    assert r.rounds[0].trigger_sentence == "Paris is in the north of France and old today." and ret.queries
+
+
+def test_the_stop_rule():
+    """The published rule shared by FLARE, token-rag and the baselines: stop when the answer has more than L
+    tokens, when a round added no text, or when it says "the answer is" (lowercase unless asked otherwise)."""
+    from fastrag.methods.common import stop
+
+    assert not stop("Paris is big.", 5, 64, 64) and stop("Paris is big.", 5, 65, 64)
+    assert stop("Paris is big.", 13, 3, 64) and stop("Paris is big.", 20, 3, 64)  # no text added
+    assert stop("So the answer is Paris.", 0, 3, 64)
+    assert not stop("So The Answer Is Paris.", 0, 3, 64) and stop("So The Answer Is Paris.", 0, 3, 64, True)
+
+
+def test_the_explicit_query_prompt():
+    """FLARE's explicit queries ask for a question whose answer is the uncertain span (docs/methods.md); the engine
+    and the oracle share this helper, so only a test of the text itself can tell it changed."""
+    from fastrag.methods.flare import explicit_question_prompt
+
+    assert explicit_question_prompt("Question: Where is Paris?\nAnswer:", "Paris is a city.", "It is in France.",
+                                    "France") == ('Question: Where is Paris?\nAnswer: Paris is a city. It is in France.'
+                                                  '\n\nAsk a question to which the answer is "France".\nQuestion:')
 
 
 # ---------------------------------------------------------------------------------------------- FLARE
@@ -669,6 +728,53 @@ def test_dragin_qfs_hit_flags_line_up_with_the_written_words(tok):
     oracle.last_layer_attention = lambda x: rows[None].expand(2, -1, -1)
     oq = oracle.qfs(q, text, kept, curr, hits)
     assert "Paris" not in oq and "Louvre" in oq, oq
+
+
+def test_dragin_reference_round_by_hand(tok):
+    """One DRAGIN round worked out by hand. The scripted engine's attention is uniform: a word's attention a_w is
+    its token count, and in QFS every word row attends alike, so a candidate's score is its token count.
+
+    RIND (threshold 0.6): "The Louvre museum holds the Mona Lisa." has 7 words and 10 tokens; " Louvre" is 2
+    tokens of entropy 0.3, so its score is 2/10 * 0.3 (the mean of its tokens' entropy) * 7 = 0.42: no hit (the
+    sum of its entropies would make it 0.84). "It was painted by the Quattrocento master Leonardo." has 8 words and
+    13 tokens; " the" (1 token) and " Leonardo." (2) have entropy 2.0: 1/13 * 2 * 8 = 1.23 and 2.46 (without the
+    word count, 0.15 and 0.31: no hit). "the" is no real word (a determiner), so "Leonardo." is the one hit word.
+    QFS (keep the top 2) over "question + kept sentence + the sentence's words": the candidates with most tokens
+    are "Quattrocento" (5) and the question's "Gioconda" (3); the query lists them in text order. After the
+    retrieval only the first sentence of the new generation is kept; the next round is confident and says "the
+    answer is", which ends the question."""
+    from fastrag.oracle.dragin import DraginOracle
+
+    question, kept = "Where does the Gioconda hang?", "The Louvre museum holds the Mona Lisa."
+    round1 = [(" The", HIGH, 0.01), (" Louvre", HIGH, 0.3), (" museum holds the Mona Lisa.", HIGH, 0.01),
+              (" It was painted by", HIGH, 0.01), (" the", HIGH, 2.0), (" Quattrocento master", HIGH, 0.01),
+              (" Leonardo.", HIGH, 2.0), None]
+
+    def world(prompt):
+        if "Context:" in prompt:
+            return [(" He painted it in Florence.", HIGH, 0.01), (" It is famous.", HIGH, 0.01), None]
+        tail = prompt[prompt.rindex("Answer:") + len("Answer:"):]
+        return [(" So the answer is the Louvre.", HIGH, 0.01), None] if tail else round1
+
+    policy = _policy("dragin", tok, fewshot=0, hallucination_threshold=0.6, retrieve_keep_top_k=2)
+    eng, ret, out = ScriptEngine(tok, world), Retriever(), []
+    Scheduler(eng, ret, policy, max_inflight=1).run([Ex("1", question)], out.append)
+    res = out[0]
+    assert res.error is None, res.error
+    first, second = res.rounds
+    assert (first.trigger_sentence, first.hit_words, first.query) == \
+        ("It was painted by the Quattrocento master Leonardo.", ["Leonardo."], "Gioconda Quattrocento")
+    assert ret.queries == ["Gioconda Quattrocento"] and len(first.doc_ids) == 3
+    assert (second.trigger_sentence, second.query) == (None, None)
+    case = f"Question: {question}\nAnswer:"
+    docs = "".join(f"[{i + 1}] doc {i} about Gioconda Quattrocento\n" for i in range(3))
+    rag = "Context:\n" + docs + "Answer in the same format as before.\n" + case + " " + kept
+    assert [p for p, _ in eng.prompts] == [case, rag, case + " " + kept + " He painted it in Florence."]
+    assert res.text == res.prediction == kept + " He painted it in Florence. So the answer is the Louvre."
+    oracle = DraginOracle.__new__(DraginOracle)  # the oracle writes the same retrieval prompt
+    oracle.demos, oracle.config = policy.demos, policy.cfg
+    found = [Doc(id="", title="", text=f"doc {i} about Gioconda Quattrocento") for i in range(3)]
+    assert oracle.retrieval_prompt(question, "", kept, found) == rag
 
 
 EVERY_METHOD = ("beamsearchqa", "dragin", "dragin-streaming", "fl-rag", "flare", "flare-explicit", "flare-instruct",

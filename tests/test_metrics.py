@@ -44,10 +44,13 @@ def test_f1_by_hand():
     assert f1_score("the cat sat", ["cat sat down"]) == pytest.approx(0.8)
     # multiset overlap: [x, x, y] vs [x, y, y] share one x and one y: P = R = 2/3, F1 = 2/3
     assert f1_score("x x y", ["x y y"]) == pytest.approx(2 / 3)
+    assert f1_score("x x", ["x x"]) == 1.0  # (a set overlap, 1, would make it P = R = 1/2)
     # max over aliases: vs "york" P=1/3 R=1 F1=0.5; vs "new york" P=2/3 R=1 F1=0.8
     f1, p, r = f1_precision_recall("new york city", ["york", "new york"])
     assert (f1, p, r) == pytest.approx((0.8, 2 / 3, 1.0))
     assert f1_score("completely different", ["nothing shared"]) == 0.0
+    # precision and recall each maxed on their own: vs "x" P=1/2 R=1; vs "x y z w" P=1 R=1/2 (F1 2/3 both)
+    assert f1_precision_recall("x y", ["x", "x y z w"]) == pytest.approx((2 / 3, 1.0, 1.0))
 
 
 def test_f1_yes_no_rule():
@@ -55,11 +58,14 @@ def test_f1_yes_no_rule():
     assert f1_score("no way", ["no"]) == 0.0  # gold is yes/no and differs
     assert f1_score("No.", ["no"]) == 1.0
     assert f1_score("yes", ["no", "yes"]) == 1.0  # max over aliases still applies
+    assert f1_score("noanswer x", ["noanswer"]) == 0.0  # "noanswer" gets no partial credit either (else 2/3)
 
 
 def test_clean_and_extract():
     assert clean_prediction("abc Note: more") == "abc "
     assert clean_prediction("Question: kept at position 0") == "Question: kept at position 0"
+    assert clean_prediction("a #10000000 b") == "a "
+    assert clean_prediction("a Note: b Question: c") == "a "  # each split word in turn ("Question:" first)
     assert extract_answer("Thus X. So the answer is Paris.") == "Paris"
     assert extract_answer("So the answer is 1,000.</s>") == "1,000"
     assert extract_answer("so the answer is Rome.\nQuestion: What is next? So the answer is Milan.") == "Rome"
@@ -78,11 +84,13 @@ def test_extra_generation_rule():
         "D\nQuestion: q\nAnswer: He was born in 1950.  So the answer is ")
     assert complete_answer("He was born in 1950.", "  1950.\nQuestion: next") == "He was born in 1950. So the answer is 1950.\n"
     assert extract_answer(complete_answer("He was born in 1950.", " 1950.\nQuestion: next")) == "1950"
+    assert complete_answer("Note: x", "y") == ""  # (the cleaning keeps a split word at 0; this cut does not)
 
 
 def test_strategyqa():
     assert strategyqa_label("Thus no. So the answer is Yes, because") == "yes"
     assert strategyqa_label("So the answer is maybe.") == "no"  # anything not starting with "yes" is "no"
+    assert strategyqa_label("So the answer is no, not yes") == "no"
     assert strategyqa_label("I think yes") == ""  # a chain of thought without the trigger is never right
     assert strategyqa_label(" Yes. ") == "yes"  # a bare answer
     assert strategyqa_accuracy("So the answer is yes.", True) == 1.0
@@ -104,6 +112,10 @@ def test_score():
     assert (s["em"], s["f1"]) == (0.0, 0.0)
     s = score(_ex("2wikimultihopqa", ["Scott Glenn"]), "Scott Glenn.")  # 2wiki scores the whole text
     assert s["em"] == 1.0
+    s = score(_ex("2wikimultihopqa", ["Scott Glenn"]), "Scott Glenn. Question: Who else?")  # cleaned first
+    assert (s["answer"], s["em"]) == ("Scott Glenn.", 1.0)
+    for dataset in ("nq", "webq"):  # so do NQ and WebQuestions
+        assert score(_ex(dataset, ["Paris"]), " Paris.")["em"] == 1.0
     s = score(_ex("iirc", ["15 people"]), "So the answer is 15.")  # P = 1, R = 1/2 -> F1 = 2/3
     assert (s["em"], s["f1"], s["precision"], s["recall"]) == pytest.approx((0.0, 2 / 3, 1.0, 0.5))
     s = score(_ex("strategyqa", ["no"]), "Pears float. So the answer is no.")
@@ -119,3 +131,5 @@ def test_aggregate():
     agg = aggregate([{"em": 1.0, "accuracy": 1.0}, {"em": 0.0, "accuracy": 0.0}, {"em": 0.0, "accuracy": 0.0}])
     assert agg["accuracy"] == pytest.approx(1 / 3) and agg["n"] == 3
     assert aggregate([]) == {"n": 0}
+    agg = aggregate([{"em": 1.0, "ok": True}, {"em": float("nan"), "ok": False}, {"em": 0.0, "ok": True}])
+    assert agg["em"] == 0.5 and agg["n"] == 3 and "ok" not in agg  # a NaN is skipped; a bool is no figure

@@ -197,8 +197,9 @@ def test_index_persisted_next_to_corpus_and_reloaded(corpus):
     r2 = BM25Retriever(corpus, show_progress=False)
     assert not r2.built and manifest.stat().st_mtime_ns == m1
     assert r2.search(QUERIES, 5) == r1.search(QUERIES, 5)
-    # a different k1 is a different index
-    assert BM25Retriever(corpus, k1=0.9, show_progress=False).built
+    # a different b, then a different k1, is a different index
+    assert BM25Retriever(corpus, b=0.5, show_progress=False).built
+    assert BM25Retriever(corpus, b=0.5, k1=0.9, show_progress=False).built
 
 
 @pytest.mark.parametrize("damaged", ["text/data.csc.index.npy", "docs.bin", "docs_offsets.npy"])
@@ -355,9 +356,11 @@ def test_a_damaged_index_in_a_read_only_folder_is_replaced_from_the_cache(tmp_pa
 def test_contents_format(tmp_path):
     p = tmp_path / "f.jsonl"
     p.write_text(json.dumps({"id": "1", "contents": "Title One\nBody of one."}) + "\n\n"
-                 + json.dumps({"id": 2, "contents": '"Quoted Title"\nBody two\nsecond line'}) + "\n")
+                 + json.dumps({"id": 2, "contents": '"Quoted Title"\nBody two\nsecond line'}) + "\n"
+                 + json.dumps({"id": 3, "contents": '"Heroes" (album)\nAn album.'}) + "\n")
     assert list(iter_corpus(p)) == [("1", "Title One", "Body of one."),
-                                    ("2", "Quoted Title", "Body two\nsecond line")]
+                                    ("2", "Quoted Title", "Body two\nsecond line"),
+                                    ("3", '"Heroes" (album)', "An album.")]  # (quotes that do not wrap it stay)
     r = BM25Retriever(p, show_progress=False)
     assert r.search(["quoted"], 1)[0][0] == Doc("2", "Quoted Title", "Body two\nsecond line",
                                                 r.search(["quoted"], 1)[0][0].score)
