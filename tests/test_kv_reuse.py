@@ -140,6 +140,25 @@ def test_prefix_blocks_are_one_physical_copy_shared_by_every_sequence(model):
     assert eng.stats["prefix_hit_tokens"] == 3 * pre.length
 
 
+def test_a_prompt_that_is_exactly_the_shared_prefix_runs_as_without_it(model):
+    """A prompt no longer than the shared prefix leaves no token of its own to prefill: it must not start from the
+    prefix (its last position's logits are what it samples from) and generates what it does with no prefix."""
+    tok = WordTok()
+    ids = tok.encode("".join(WORDS[:16]))
+    outs = []
+    for with_prefix in (False, True):
+        eng = engine(model, prefix_caching=False)
+        n = len(ids) // eng.pool.block_size * eng.pool.block_size
+        if with_prefix:
+            assert eng.set_prefix(tok.decode(ids[:n])).length == n > 0
+        s = eng.new_sequence()
+        eng.start(s, ids[:n], 5)
+        finish(eng)
+        assert s.out.prefilled == n
+        outs.append(s.out.ids)
+    assert outs[0] == outs[1] and len(outs[0]) == 5
+
+
 # ---------------------------------------------------------------------------------------------- rebuild == scratch
 
 

@@ -180,8 +180,16 @@ def test_retrieval_batches_in_flight_are_bounded_by_search_concurrency():
         eng, ret = FakeEngine(steps=1), SlowRetriever()
         out = []
         sched = Scheduler(eng, ret, staggered, max_inflight=16, search_concurrency=n)
+        in_flight, submit = [], sched._submit_search
+
+        def counted():  # batches handed to the search threads and not yet collected (those queued there too)
+            submit()
+            in_flight.append(len(sched._searches))
+
+        sched._submit_search = counted
         sched.run(exs, out.append)
         assert len(out) == 16 and all(r.error is None for r in out)
+        assert 1 <= max(in_flight) <= n
         assert sum(ret.batches) == 16 and sorted(sched.search_batches) == sorted(ret.batches)
         got[n] = (_docs_by_question(out), ret.peak, len(ret.batches))
     assert got[1][1] == 1 and got[3][1] > 1 and got[3][1] <= 3

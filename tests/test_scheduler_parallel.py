@@ -257,11 +257,13 @@ def test_identical_one_shot_greedy_generations_of_a_question_run_once():
 def test_sampled_one_shot_generations_are_never_reused():
     from fastrag.engine import SamplingParams
 
+    keys = []
+
     class Sampling(FakeEngine):
         sampling = SamplingParams(temperature=0.7, seed=1)
 
         def start(self, s, ids, n, **kw):
-            assert "sample_key" in kw
+            keys.append(kw["sample_key"])
             super().start(s, ids, n)
 
     eng, out = Sampling(), []
@@ -269,6 +271,7 @@ def test_sampled_one_shot_generations_are_never_reused():
     sched.run([Ex("0", "q")], out.append)
     assert out[0].error is None, out[0].error
     assert len(eng.seqs) == 7 and sched.reused_generations == 0
+    assert len(set(keys)) == 7  # each generation draws its own noise (repeats of one prompt included)
     assert eval(out[0].text)[1] == [False] * 7  # noqa: S307
 
 
