@@ -40,6 +40,22 @@ class Seq:
     out: Generation | None = None
 
 
+def scripted(tok, pieces, n):
+    """(ids, p, H, ended by EOS) of the first n tokens of a script's pieces (each piece's p and H on its tokens)."""
+    gen, p, h = [], [], []
+    eos = False
+    for piece in pieces:
+        if piece is None:
+            eos = True
+            break
+        t, prob, ent = piece
+        pid = tok.encode(t)
+        gen += pid
+        p += [prob] * len(pid)
+        h += [ent] * len(pid)
+    return gen[:n], p[:n], h[:n], eos and len(gen) <= n
+
+
 class ScriptEngine:
     """Generations from `world(prompt) -> [(text piece, p, H), ...]` (None ends with EOS); LCP accounting as the
     real engine does it (a restarted sequence prefills only what differs from its own cached tokens, >= 1)."""
@@ -58,19 +74,7 @@ class ScriptEngine:
     def start(self, s, ids, n, track_from=None):
         prompt = self.tok.decode(ids)
         self.prompts.append((prompt, n))
-        gen, p, h = [], [], []
-        eos = False
-        for piece in self.world(prompt):
-            if piece is None:
-                eos = True
-                break
-            t, prob, ent = piece
-            pid = self.tok.encode(t)
-            gen += pid
-            p += [prob] * len(pid)
-            h += [ent] * len(pid)
-        eos = eos and len(gen) <= n
-        gen, p, h = gen[:n], p[:n], h[:n]
+        gen, p, h, eos = scripted(self.tok, self.world(prompt), n)
         lcp = 0
         while lcp < min(len(s.tokens), len(ids) - 1) and s.tokens[lcp] == ids[lcp]:
             lcp += 1
@@ -730,6 +734,25 @@ def test_dragin_qfs_hit_flags_line_up_with_the_written_words(tok):
     assert "Paris" not in oq and "Louvre" in oq, oq
 
 
+def _scripted_dragin_oracle(tok, policy, world):
+    """The per-question DRAGIN oracle with `policy`'s config, its generations from `world` and a uniform
+    last-layer attention (as ScriptEngine's)."""
+    from fastrag.oracle.dragin import DraginOracle, Generation as OracleGeneration
+
+    oracle = DraginOracle.__new__(DraginOracle)
+    oracle.tokenizer, oracle.config, oracle.words, oracle.demos = tok, policy.cfg, policy.words, policy.demos
+    oracle.retriever, oracle._prefill, oracle._decode, oracle._calls = Retriever(), 0, 0, 0
+
+    def generate(prompt, n, scores=True):
+        ids, _, h, _ = scripted(tok, world(prompt), n)
+        return OracleGeneration(ids=ids, text=tok.decode(ids, skip_special_tokens=True),
+                                entropy=torch.tensor(h, dtype=torch.float64))
+
+    oracle.generate = generate
+    oracle.last_layer_attention = lambda ids: torch.full((2, len(ids), len(ids)), 1.0 / len(ids), dtype=torch.float64)
+    return oracle
+
+
 def test_dragin_reference_round_by_hand(tok):
     """One DRAGIN round worked out by hand. The scripted engine's attention is uniform: a word's attention a_w is
     its token count, and in QFS every word row attends alike, so a candidate's score is its token count.
@@ -742,9 +765,7 @@ def test_dragin_reference_round_by_hand(tok):
     QFS (keep the top 2) over "question + kept sentence + the sentence's words": the candidates with most tokens
     are "Quattrocento" (5) and the question's "Gioconda" (3); the query lists them in text order. After the
     retrieval only the first sentence of the new generation is kept; the next round is confident and says "the
-    answer is", which ends the question."""
-    from fastrag.oracle.dragin import DraginOracle
-
+    answer is", which ends the question. The per-question oracle, on the same script, decides the same."""
     question, kept = "Where does the Gioconda hang?", "The Louvre museum holds the Mona Lisa."
     round1 = [(" The", HIGH, 0.01), (" Louvre", HIGH, 0.3), (" museum holds the Mona Lisa.", HIGH, 0.01),
               (" It was painted by", HIGH, 0.01), (" the", HIGH, 2.0), (" Quattrocento master", HIGH, 0.01),
@@ -771,10 +792,35 @@ def test_dragin_reference_round_by_hand(tok):
     rag = "Context:\n" + docs + "Answer in the same format as before.\n" + case + " " + kept
     assert [p for p, _ in eng.prompts] == [case, rag, case + " " + kept + " He painted it in Florence."]
     assert res.text == res.prediction == kept + " He painted it in Florence. So the answer is the Louvre."
-    oracle = DraginOracle.__new__(DraginOracle)  # the oracle writes the same retrieval prompt
-    oracle.demos, oracle.config = policy.demos, policy.cfg
+    oracle = _scripted_dragin_oracle(tok, policy, world)  # on the same script, the same decisions
+    rec = oracle.run("1", question, ["Louvre"])
+    assert [(r.trigger_sentence, r.hit_words, r.query) for r in rec.rounds] == \
+        [(r.trigger_sentence, r.hit_words, r.query) for r in res.rounds]
+    assert rec.text == res.text and oracle.retriever.queries == ret.queries
     found = [Doc(id="", title="", text=f"doc {i} about Gioconda Quattrocento") for i in range(3)]
     assert oracle.retrieval_prompt(question, "", kept, found) == rag
+
+
+def test_dragin_stops_past_l_tokens_not_at_l(tok):
+    """DRAGIN's stop rule counts the answer's tokens: at exactly L it goes on (engine and oracle alike). With L = 5,
+    "Paris is in France." (5 tokens) takes a second round, cut at 5 tokens: "So the answer is France"."""
+    first = "Paris is in France."
+
+    def world(prompt):
+        if prompt.endswith(" So the answer is "):  # (the evaluator's answer generation, were it asked for)
+            return [(" France.", HIGH, 0.01), None]
+        tail = prompt[prompt.rindex("Answer:") + len("Answer:"):]
+        return [(" So the answer is France.", HIGH, 0.01), None] if tail else [(" " + first, HIGH, 0.01), None]
+
+    L = len(tok.encode(first))
+    assert L == len(tok.encode(" " + first)) == 5
+    policy = _policy("dragin", tok, fewshot=0, generate_max_length=L)
+    out = []
+    Scheduler(ScriptEngine(tok, world), Retriever(), policy, max_inflight=1).run([Ex("1", "Where is Paris?")],
+                                                                                 out.append)
+    rec = _scripted_dragin_oracle(tok, policy, world).run("1", "Where is Paris?", ["France"])
+    for r in (out[0], rec):
+        assert r.error is None and r.text == first + " So the answer is France" and len(r.rounds) == 2, r.text
 
 
 EVERY_METHOD = ("beamsearchqa", "dragin", "dragin-streaming", "fl-rag", "flare", "flare-explicit", "flare-instruct",
