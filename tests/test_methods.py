@@ -357,18 +357,19 @@ def test_flare_instruct_pauses_at_search_call(tok):
     assert r.prediction == "The capital is Paris. So the answer is Paris."
 
 
-@pytest.mark.parametrize("n_docs", [0, 1])
+@pytest.mark.parametrize("n_docs", [0, 1, 2])
 def test_short_or_empty_retrieval_is_defined(tok, n_docs):
+    """Fewer documents than the k = 3 asked for: every search counts as short, and the prompt lists those found."""
     answer = [(" Paris", LOW, 2.0), (" is in France.", HIGH, 0.1), (" So the answer is France.", HIGH, 0.1), None]
     for method in ("flare", "sr-rag", "fs-rag", "token-rag"):
         r, eng, ret = run(method, tok, lambda p: continuation(p, answer), ret=Retriever(n=n_docs))
         assert r.error is None, (method, r.error)
-        assert r.counters["short_retrievals"] >= 1
+        assert r.counters["short_retrievals"] == r.counters["searches"] >= 1
         ctx = [p for p, _ in eng.prompts if "Context:" in p]
         if n_docs == 0:
             assert ctx == []  # no documents: the prompt carries no context block
         else:
-            assert ctx and all("[1] doc 0" in p and "[2]" not in p for p in ctx)
+            assert ctx and all(f"[{n_docs}] doc {n_docs - 1}" in p and f"[{n_docs + 1}]" not in p for p in ctx)
 
 
 # ---------------------------------------------------------------------------------------------- DRAGIN streaming
