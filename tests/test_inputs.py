@@ -200,7 +200,7 @@ def test_a_broken_line_inside_the_results_is_named_and_nothing_is_cut(setup):
     go(limit=3)
     res = tmp / "o" / "results.jsonl"
     lines = res.read_text().split("\n")
-    for bad in ("{\"qid\": \"nq-1\", \"quest", "", "[1, 2]"):
+    for bad in ('{"qid": "nq-1", "quest', "", "[1, 2]"):
         body = "\n".join(lines[:1] + [bad] + lines[1:])
         res.write_text(body)
         with pytest.raises(ValueError, match=r"results\.jsonl: line 2 is not a result record"):

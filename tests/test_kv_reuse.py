@@ -141,7 +141,7 @@ def test_prefix_blocks_are_one_physical_copy_shared_by_every_sequence(model):
 
 
 def test_a_prompt_that_is_exactly_the_shared_prefix_runs_as_without_it(model):
-    """A prompt no longer than the shared prefix leaves no token of its own to prefill: it must not start from the
+    """A prompt exactly as long as the shared prefix leaves no token of its own to prefill: it must not start from the
     prefix (its last position's logits are what it samples from) and generates what it does with no prefix."""
     tok = WordTok()
     ids = tok.encode("".join(WORDS[:16]))

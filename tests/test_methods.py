@@ -243,7 +243,6 @@ def test_token_rag_scores_a_sentence_by_the_mean_uncertainty_of_its_tokens(tok):
     2WikiMultihopQA's 0.08, so the default solver (avg) does not retrieve; with the solver max it does."""
     answer = [(" Paris is in the north of France and", 0.95, 0.1), (" old", 0.8, 0.1), (" today.", 0.95, 0.1),
               (" So the answer is France.", 0.95, 0.1), None]
-
     sure = [(t, 0.95, h) for t, _, h in answer[:-1]] + [None]
 
     def world(p):  # (with documents, every token is sure)
