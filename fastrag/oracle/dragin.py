@@ -231,7 +231,7 @@ class DraginOracle:
         """One question, the contract's loop. Each round appends a `Round` (empty when RIND did not trigger).
 
         prefill_tokens = sum of the prompt lengths given to `generate` plus the lengths of the RIND and QFS
-        attention forwards; decode_tokens = tokens `generate` produced (a final EOS included).
+        attention forwards; decode_tokens = tokens `generate` produced (a final EOS left out, as the engine counts).
         """
         if not question.strip():  # (as the engine's policy and the FLARE and BeamSearchQA oracles refuse it)
             raise ValueError("empty question")
