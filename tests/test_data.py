@@ -353,6 +353,10 @@ def test_dpr_question_answers_tsv(tmp_path):
     assert all(e.meta["format"] == "dpr_qas" for e in ex) and ex[3].meta["column_3"] == "src-7"
     assert not [str(w.message) for w in caught if "regular expression" in str(w.message)]
     assert [e.qid for e in load_examples("nq", p, limit=2)] == ["nq-0", "nq-1"]
+    # only a first line is a header: the same words further down are a question
+    (tmp_path / "h.tsv").write_text("q1\t['b']\nquestion\tanswers\n", encoding="utf-8")
+    assert [(e.question, e.answers) for e in load_examples("nq", tmp_path / "h.tsv")] == \
+        [("q1", ["b"]), ("question", ["answers"])]
     for text, pattern in (
         ("q1\t['a']\n\nq2 without a tab\n", r"x\.tsv:3: expected question<TAB>answers"),
         ("q1\t['a']\nq2\t['b', \n", r"x\.tsv:2: the answers column starts a list but is not one"),
@@ -584,3 +588,5 @@ def test_demo_and_case_text():
         "Following the examples above, answer the question by reasoning step-by-step.\n\nQuestion: Who?\nAnswer:")
     assert case_text("Who?", "hotpotqa") == (
         "Answer the following question by reasoning step-by-step, following the example above.\nQuestion: Who?\nAnswer:")
+    # a config's spelling of the name (case, surrounding spaces) selects the same instruction
+    assert case_text("Who?", " StrategyQA ") == case_text("Who?", "strategyqa")

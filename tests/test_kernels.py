@@ -10,6 +10,7 @@ rel (fp32 products) and 1e-4 rel where Triton's tl.dot multiplies bf16/fp16 tile
 
 from __future__ import annotations
 
+import math
 import os
 import random
 
@@ -438,6 +439,23 @@ def test_top_p_nucleus_reference_matches_transformers_warper():
     freq = torch.bincount(res.chosen, minlength=6).double() / 4000
     assert (freq[~keep[0]] == 0).all(), f"drawn outside the nucleus: {freq.tolist()}"
     assert (freq - p).abs().max() < 0.035, f"frequencies {freq.tolist()} vs nucleus probabilities {p.tolist()}"
+
+
+def test_top_p_nucleus_reference_at_an_exact_boundary():
+    """softmax([ln 2, 0, 0, -inf]) is exactly (1/2, 1/4, 1/4, 0). With top_p = 1/2 the first token's mass reaches
+    top_p: the nucleus is that token alone (the two 1/4 tokens have exactly top_p above them) and the row sits on
+    the boundary (margin 0), as HF's warper decides; with top_p = 3/4 the tied pair is kept whole; -inf never."""
+    from transformers.generation.logits_process import TopPLogitsWarper
+
+    from fastrag.signals.reference import top_p_nucleus_ref
+
+    y = torch.tensor([[math.log(2.0), 0.0, 0.0, float("-inf")]], dtype=torch.float64)
+    assert torch.softmax(y, -1).tolist() == [[0.5, 0.25, 0.25, 0.0]]
+    keep, margin = top_p_nucleus_ref(y, 0.5)
+    assert keep.tolist() == [[True, False, False, False]] and margin.tolist() == [0.0]
+    assert torch.equal(keep, torch.isfinite(TopPLogitsWarper(top_p=0.5)(None, y.clone())))
+    keep, margin = top_p_nucleus_ref(y, 0.75)
+    assert keep.tolist() == [[True, True, True, False]] and margin.tolist() == [0.25]
 
 
 def test_triton_split_rows_merge():

@@ -255,6 +255,25 @@ def test_token_rag_scores_a_sentence_by_the_mean_uncertainty_of_its_tokens(tok):
     assert r.rounds[0].trigger_sentence == "Paris is in the north of France and old today." and ret.queries
 
 
+def test_token_rag_whitespace_between_sentences_counts_with_the_earlier_one(tok):
+    """A whitespace-only token between two sentences is scored with the sentence before it (the published code
+    takes the token after a sentence's last one into its probabilities too). Here the newline (1 - p = 0.7) after
+    five sure tokens lifts "Paris is in France." to (5 * 0.05 + 0.7) / 6 = 0.16 > 0.08; with the next sentence it
+    would lift "It has 9 million people." instead. The query leaves the newline out (1 - p > threshold); the new
+    prompt carries the documents under the instruction without the paper-era typo."""
+    answer = [(" Paris is in France.", HIGH, 0.1), ("\n", LOW, 2.0), ("It has 9 million people.", HIGH, 0.1),
+              (" So the answer is France.", HIGH, 0.1), None]
+    after = [(" Paris is in France. So the answer is France.", HIGH, 0.1), None]
+    assert len(tok.encode(" Paris is in France.")) == 5 and len(tok.encode("\n")) == 1
+
+    r, eng, ret = run("token-rag", tok, lambda p: after if "Context:" in p else continuation(p, answer))
+    assert r.rounds[0].trigger_sentence == "Paris is in France." and ret.queries == ["Paris is in France."]
+    rag = [p for p, _ in eng.prompts if "Context:" in p]
+    docs = "".join(f"[{i + 1}] doc {i} about Paris is in France.\n" for i in range(3))
+    assert len(rag) == 1 and "Context:\n" + docs + "Answer in the same format as before.\n" in rag[0]
+    assert r.text == "Paris is in France. So the answer is France."
+
+
 def test_the_stop_rule():
     """The published rule shared by FLARE, token-rag and the baselines: stop when the answer has more than L
     tokens, when a round added no text, or when it says "the answer is" (lowercase unless asked otherwise)."""
@@ -699,6 +718,43 @@ def test_flare_masked_runs_keep_the_pieces_apart(tok):
     policy = FlareDirect(cfg, tok)
     assert policy.implicit_query(ids, p) == oracle.implicit(ids, p) == "Hyp ite big"
     assert policy.implicit_query(ids, [LOW] * 5) == oracle.implicit(ids, [LOW] * 5) == ""
+
+
+@pytest.mark.parametrize("formulation", ["implicit", "explicit"])
+def test_flare_theta_and_beta_bounds_are_inclusive(tok, formulation):
+    """A token at p = theta exactly triggers (the rule is p <= theta) and one at p = beta exactly is masked or, for
+    explicit queries, joins a low span (p <= beta). " is in" (2 tokens) has p = 0.25 (exact through exp(log p)),
+    the only tokens under 0.5: with theta = beta = 0.25 they trigger, the implicit query is "Paris France." and the
+    explicit one the question asked about "is in"; with theta = 0.2499 nothing triggers. Engine policy and oracle
+    alike."""
+    from fastrag.data.exemplars import demo_text
+    from fastrag.oracle.flare import FlareOracle
+
+    answer = [(" Paris", 0.5, 0.1), (" is in", 0.25, 0.1), (" France.", HIGH, 0.1),
+              (" So the answer is France.", HIGH, 0.1), None]
+
+    def world(prompt):
+        if "Ask a question to which the answer is" in prompt:
+            return [(' What does "is in" mean?', HIGH, 0.1), None] if prompt.endswith('"is in".\nQuestion:') else [None]
+        return continuation(prompt, answer)
+
+    for theta, query in ((0.25, "Paris France." if formulation == "implicit" else 'What does "is in" mean?'),
+                         (0.2499, None)):
+        over = {"fewshot": 0, "retrieve_first": False, "theta": theta, "beta": 0.25,
+                "query_formulation": formulation}
+        r, _, ret = run("flare", tok, world, **over)
+        assert r.error is None, r.error
+        assert r.rounds[0].query == query and ret.queries == ([query] if query else [])
+        assert r.rounds[0].trigger_sentence == ("Paris is in France." if query else None)
+        oracle = FlareOracle.__new__(FlareOracle)
+        oracle.tokenizer, oracle.retriever = tok, Retriever()
+        oracle.config = method_config("flare", "2wikimultihopqa", overrides=over)
+        oracle.demos = demo_text("2wikimultihopqa", 0)
+        oracle.generate = lambda prompt, n: scripted(tok, world(prompt), n)[:2]
+        rec = oracle.run("1", "Where is Paris?", ["France"])
+        assert [(x.trigger_sentence, x.query) for x in rec.rounds] == [(x.trigger_sentence, x.query) for x in r.rounds]
+        assert oracle.retriever.queries == ret.queries
+        assert rec.text == r.text == "Paris is in France. So the answer is France."
 
 
 def test_dragin_qfs_hit_flags_line_up_with_the_written_words(tok):
