@@ -723,10 +723,10 @@ def test_flare_masked_runs_keep_the_pieces_apart(tok):
 @pytest.mark.parametrize("formulation", ["implicit", "explicit"])
 def test_flare_theta_and_beta_bounds_are_inclusive(tok, formulation):
     """A token at p = theta exactly triggers (the rule is p <= theta) and one at p = beta exactly is masked or, for
-    explicit queries, joins a low span (p <= beta). " is in" (2 tokens) has p = 0.25 (exact through exp(log p)),
-    the only tokens under 0.5: with theta = beta = 0.25 they trigger, the implicit query is "Paris France." and the
-    explicit one the question asked about "is in"; with theta = 0.2499 nothing triggers. Engine policy and oracle
-    alike."""
+    explicit queries, joins a low span (p <= beta). The two tokens of " is in" have p = 0.25 (exact through
+    exp(log p)), every other token more: with theta = beta = 0.25 they trigger, the implicit query is "Paris
+    France." and the explicit one the question asked about "is in"; with theta = 0.2499 nothing triggers. Engine
+    policy and oracle alike."""
     from fastrag.data.exemplars import demo_text
     from fastrag.oracle.flare import FlareOracle
 
