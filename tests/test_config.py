@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from fastrag.config import DRAGIN_DEFAULTS, ConfigError, DraginConfig, dragin_config, load_dragin_config
+from fastrag.config import DRAGIN_DEFAULTS, ConfigError, DraginConfig, dragin_config, load_dragin_config, method_config
 
 # the contents of oneal2000/DRAGIN config/Llama2-13b-chat/HotpotQA/DRAGIN.json
 PUBLISHED_HOTPOTQA = {
@@ -65,8 +65,21 @@ def test_validation_names_the_field(field, value):
         dragin_config("hotpotqa", {field: value})
 
 
-def test_fewshot_zero_is_valid():
+def test_fewshot_zero_and_every_exemplar_are_valid_one_more_is_not():
     assert DraginConfig("iirc", 128, 1.25, 25, 0).fewshot == 0
+    assert dragin_config("hotpotqa", {"fewshot": 8}).fewshot == 8  # (HotpotQA has 8 exemplars)
+    with pytest.raises(ConfigError, match="fewshot is 9 but hotpotqa has only 8 exemplars"):
+        dragin_config("hotpotqa", {"fewshot": 9})
+
+
+def test_probability_bounds_are_closed():
+    """FLARE's theta and beta are probabilities: 0 and 1 are valid (beta 0 masks nothing), past them is not."""
+    for field_ in ("theta", "beta"):
+        for v in (0, 1):
+            assert getattr(method_config("flare", "hotpotqa", overrides={field_: v}), field_) == float(v)
+        for v in (-1e-9, 1 + 1e-9):
+            with pytest.raises(ConfigError, match=f"{field_} must be a number in \\[0, 1\\]"):
+                method_config("flare", "hotpotqa", overrides={field_: v})
 
 
 def test_load_published_config(tmp_path):
@@ -104,6 +117,8 @@ def test_load_2wiki_config_and_missing_keys_fall_back(tmp_path):
 
 @pytest.mark.parametrize("patch,pattern", [
     ({"method": "flare"}, r"c\.json: field 'method'"),
+    ({"method": "token"}, r"c\.json: field 'method' is 'token', which is not DRAGIN"),
+    ({"attention_solver": "mean"}, r"c\.json: attention_solver 'mean': only 'max'"),
     ({"generate_max_length": "100"}, r"c\.json: generate_max_length"),
     ({"retrieve_keep_top_k": 0}, r"c\.json: retrieve_keep_top_k"),
     ({"dataset": "squad"}, r"c\.json: field 'dataset'"),

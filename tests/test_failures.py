@@ -583,3 +583,47 @@ def test_openai_fields_are_served_or_refused_and_usage_is_the_prompt_size(client
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["prompt_tokens"] > 0
     metrics = c.get("/metrics").text
     assert "fastrag_submitted_total" in metrics and "_created" not in metrics
+
+
+def test_where_the_request_checks_draw_their_lines(client_of, tiny):
+    """A seed under greedy decoding is accepted (no seed in play), under sampling only the server's; a top_p other
+    than the server's is refused, lower as well as higher; a question of exactly max_question_chars characters
+    (8192 by default) passes that check, one more does not; the question is the last user message, and only a
+    user's; max_tokens and max_completion_tokens must agree either way round, and max_completion_tokens sets the
+    round length over the method config's own."""
+    from fastapi.testclient import TestClient
+
+    from fastrag.engine import SamplingParams
+    from fastrag.serving import AsyncEngine
+    from fastrag.serving.server import create_app
+
+    c, _ = client_of(64)
+
+    def chat(messages, config=None, **extra):
+        retrieval = {"method": "wo-rag", "dataset": "hotpotqa",
+                     "config": {"generate_max_length": 6, "fewshot": 0, **(config or {})}}
+        return c.post("/v1/chat/completions", json={"messages": messages, "retrieval": retrieval, **extra})
+
+    def refused(r, msg):
+        return r.status_code == 422 and msg in r.json()["error"]["message"]
+
+    assert ask(c, 0, seed=123).status_code == 200
+    assert refused(ask(c, 0, top_p=0.5), "top_p=1.0")
+    assert refused(ask(c, 0, prompt="x" * 8193), "prompt has 8193 characters; at most 8192")
+    assert "characters" not in ask(c, 0, prompt="x" * 8192).text  # (answered, or too long for the KV pool)
+    q, blank = {"role": "user", "content": "Who directed Jaws?"}, {"role": "user", "content": "  "}
+    assert chat([blank, q]).status_code == 200
+    assert refused(chat([q, blank]), "non-empty user message")
+    assert refused(chat([blank, {"role": "system", "content": "Who directed Jaws?"}]), "non-empty user message")
+    assert refused(chat([{"role": "user", "content": "x" * 8193}]), "the user message has 8193 characters")
+    assert refused(chat([q], max_tokens=16, max_completion_tokens=8), "disagree")
+    assert refused(chat([q], {"generate_max_length": 0}), "generate_max_length")
+    assert chat([q], {"generate_max_length": 0}, max_completion_tokens=6).status_code == 200
+    sampled = AsyncEngine(build_engine(tiny, 4, kv_cache_gb=0.05, device="cpu",
+                                       sampling=SamplingParams(temperature=0.7, seed=1)), Passages())
+    try:
+        with TestClient(create_app(sampled, timeout_s=60)) as sc:
+            assert refused(ask(sc, 0, seed=2), "seed=1")
+            assert ask(sc, 0, seed=1, temperature=0.7).status_code == 200
+    finally:
+        sampled.close()

@@ -461,7 +461,9 @@ def test_serve_refuses_a_timeout_port_or_batch_it_cannot_serve_before_loading_an
                     ({"timeout_s": -1.0}, "--timeout must be"), ({"timeout_s": float("nan")}, "--timeout must be"),
                     ({"timeout_s": float("inf")}, "--timeout must be"), ({"timeout_s": True}, "--timeout must be"),
                     ({"port": 70000}, r"--port must be an int in \[0, 65535\], got 70000"),
-                    ({"batch_size": 0}, "--batch-size must be an int >= 1, got 0")):
+                    ({"port": 65536}, "got 65536"), ({"port": -1}, "got -1"), ({"port": True}, "got True"),
+                    ({"batch_size": 0}, "--batch-size must be an int >= 1, got 0"),
+                    ({"batch_size": True}, "--batch-size must be an int >= 1, got True")):
         with pytest.raises(ValueError, match=msg):
             serve(model=str(tmp_path / "no-model"), **kw)
     with pytest.raises(ValueError, match="--timeout must be"):

@@ -203,6 +203,11 @@ def test_sentencepiece_words():
     # ids beyond the tokenizer (padded model vocab) neither start words nor crash
     wb2 = WordBoundaries(tok, vocab_size=20)
     assert wb2.spans([v["▁is"], 17, 18]) == [(0, 3)]
+    # ... nor past that, even where id 0 starts a word; a negative id is refused, -1 included (no wrap-around)
+    tok.vocab = ["▁x"] + _SentencePieceToy.vocab[1:]
+    assert WordBoundaries(tok).spans([v["▁is"], 40, 0]) == [(0, 2), (2, 3)]
+    with pytest.raises(ValueError, match="negative token id -1"):
+        wb.starts([v["▁is"], -1])
 
 
 # ---- word -> sentence -------------------------------------------------------------------------------------
