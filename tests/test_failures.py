@@ -590,7 +590,7 @@ def test_where_the_request_checks_draw_their_lines(client_of, tiny):
     than the server's is refused, lower as well as higher; a question of exactly max_question_chars characters
     (8192 by default) passes that check, one more does not; the question is the last user message, and only a
     user's; max_tokens and max_completion_tokens must agree either way round, and max_completion_tokens sets the
-    round length over the method config's own."""
+    round length over the method config's own. A retriever that fails is the server's error, not the request's."""
     from fastapi.testclient import TestClient
 
     from fastrag.engine import SamplingParams
@@ -619,6 +619,9 @@ def test_where_the_request_checks_draw_their_lines(client_of, tiny):
     assert refused(chat([q], max_tokens=16, max_completion_tokens=8), "disagree")
     assert refused(chat([q], {"generate_max_length": 0}), "generate_max_length")
     assert chat([q], {"generate_max_length": 0}, max_completion_tokens=6).status_code == 200
+    broken, _ = client_of(64, retriever=Flaky("Jaws"))  # a failure of the server's own is a 500 of its own type
+    r = ask(broken, 0, method="sr-rag")
+    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error", r.text
     sampled = AsyncEngine(build_engine(tiny, 4, kv_cache_gb=0.05, device="cpu",
                                        sampling=SamplingParams(temperature=0.7, seed=1)), Passages())
     try:
