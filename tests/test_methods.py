@@ -111,6 +111,11 @@ class Retriever:
         return [[Doc(id=f"{q[:12]}#{i}", title="", text=f"doc {i} about {q}") for i in range(n)] for q in queries]
 
 
+def listed(query, n=3):
+    """The passages Retriever finds for `query` as a prompt's context lists them ("[1] ...\n" each)."""
+    return "".join(f"[{i + 1}] doc {i} about {query}\n" for i in range(n))
+
+
 def continuation(prompt, pieces):
     """The script after what the prompt already holds past its last 'Answer:' (a piece may be cut part-way)."""
     tail = prompt[prompt.rindex("Answer:") + len("Answer:"):]
@@ -269,8 +274,8 @@ def test_token_rag_whitespace_between_sentences_counts_with_the_earlier_one(tok)
     r, eng, ret = run("token-rag", tok, lambda p: after if "Context:" in p else continuation(p, answer))
     assert r.rounds[0].trigger_sentence == "Paris is in France." and ret.queries == ["Paris is in France."]
     rag = [p for p, _ in eng.prompts if "Context:" in p]
-    docs = "".join(f"[{i + 1}] doc {i} about Paris is in France.\n" for i in range(3))
-    assert len(rag) == 1 and "Context:\n" + docs + "Answer in the same format as before.\n" in rag[0]
+    assert len(rag) == 1
+    assert "Context:\n" + listed("Paris is in France.") + "Answer in the same format as before.\n" in rag[0]
     assert r.text == "Paris is in France. So the answer is France."
 
 
@@ -844,8 +849,7 @@ def test_dragin_reference_round_by_hand(tok):
     assert ret.queries == ["Gioconda Quattrocento"] and len(first.doc_ids) == 3
     assert (second.trigger_sentence, second.query) == (None, None)
     case = f"Question: {question}\nAnswer:"
-    docs = "".join(f"[{i + 1}] doc {i} about Gioconda Quattrocento\n" for i in range(3))
-    rag = "Context:\n" + docs + "Answer in the same format as before.\n" + case + " " + kept
+    rag = "Context:\n" + listed("Gioconda Quattrocento") + "Answer in the same format as before.\n" + case + " " + kept
     assert [p for p, _ in eng.prompts] == [case, rag, case + " " + kept + " He painted it in Florence."]
     assert res.text == res.prediction == kept + " He painted it in Florence. So the answer is the Louvre."
     oracle = _scripted_dragin_oracle(tok, policy, world)  # on the same script, the same decisions
