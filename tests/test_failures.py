@@ -585,6 +585,68 @@ def test_openai_fields_are_served_or_refused_and_usage_is_the_prompt_size(client
     assert "fastrag_submitted_total" in metrics and "_created" not in metrics
 
 
+class Stalled:
+    """An engine whose questions never finish, as one whose search hangs (no event at all) or one decoding faster
+    than the server reads its events (100,000 progress events queued at once: the next is always there); it counts
+    the questions cancelled."""
+
+    alive = True
+
+    def __init__(self, progress: bool):
+        self.progress = progress
+        self.cancelled = 0
+
+    async def submit(self, question, method, dataset, config):
+        import asyncio
+
+        from fastrag.serving.async_engine import Event, EventStream
+
+        out = asyncio.Queue()
+        for _ in range(100_000 if self.progress else 0):
+            out.put_nowait(Event("token", {"text": "x"}))
+
+        def cancel(_handle):
+            self.cancelled += 1
+
+        return EventStream(out, {}, cancel)
+
+    def metrics(self):
+        return {}
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize("progress", [False, True], ids=["silent", "decoding"])
+def test_a_question_past_the_timeout_gets_504_and_is_cancelled(progress):
+    """create_app(timeout_s=T): a question still running T seconds after it came is answered 504 (streaming: an
+    error event, then [DONE]) and cancelled, whether it sends progress events or none. The deadline is looked at
+    every 0.25 s, so the answer comes between T and about T + 0.25 s; the message gives T as it was set."""
+    import time
+
+    from fastapi.testclient import TestClient
+
+    from fastrag.serving.server import create_app
+
+    eng = Stalled(progress)
+    want = {"message": "the question did not finish within 0.5s"}
+    with TestClient(create_app(eng, timeout_s=0.5)) as c:
+        t0 = time.perf_counter()
+        r = c.post("/v1/completions", json={"prompt": "Who directed Jaws?"})
+        took = time.perf_counter() - t0
+        assert r.status_code == 504 and r.json()["error"] == {"type": "server_error"} | want, r.text
+        assert 0.5 <= took < 1.4, took
+        assert eng.cancelled == 1
+        t0 = time.perf_counter()
+        with c.stream("POST", "/v1/completions", json={"prompt": "Who directed Jaws?", "stream": True}) as s:
+            lines = [x for x in s.iter_lines() if x]
+        took = time.perf_counter() - t0
+        assert s.status_code == 200 and lines[-1] == "data: [DONE]", lines[-3:]
+        last = json.loads(lines[-2].removeprefix("data: "))
+        assert last["object"] == "error" and last["error"] == want and 0.5 <= took < 1.4, (last, took)
+        assert eng.cancelled == 2
+
+
 def test_where_the_request_checks_draw_their_lines(client_of, tiny):
     """A seed under greedy decoding is accepted (no seed in play), under sampling only the server's; a top_p other
     than the server's is refused, lower as well as higher; a question of exactly max_question_chars characters

@@ -71,6 +71,11 @@ class EventStream:
             self._cancel.detach()  # (it has ended: nothing to cancel)
         return ev
 
+    def ready(self) -> bool:
+        """Whether the next `__anext__` returns (or ends the stream) without waiting: an event is queued, or the
+        stream has ended."""
+        return self._ended or not self._out.empty()
+
     async def aclose(self) -> None:
         """End the stream; a question still running is cancelled."""
         self._ended = True

@@ -307,7 +307,7 @@ def create_app(engine: AsyncEngine, timeout_s: float = 600.0, max_question_chars
             nonlocal look
             look = loop.time() + 0.25
             if loop.time() >= deadline:
-                return _error(504, f"the question did not finish within {timeout_s:.0f}s")
+                return _error(504, f"the question did not finish within {timeout_s:g}s")
             if await request.is_disconnected():
                 return _error(499, "the client closed the request")
             return None
@@ -380,24 +380,38 @@ def create_app(engine: AsyncEngine, timeout_s: float = 600.0, max_question_chars
             yield "data: " + json.dumps({"id": rid, "object": obj, "created": created, "model": model_name,
                                          "choices": [{"index": 0, "delta": {"role": "assistant"},
                                                       "finish_reason": None}]}) + "\n\n"
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        it = events.__aiter__()
         try:
-            async with asyncio.timeout(timeout_s):
-                async for ev in events:
-                    if ev.kind in ("token", "search", "documents", "generate"):
-                        yield chunk(None, extra={"fastrag": {"event": ev.kind, **ev.data}})
-                    elif ev.kind == "answer":
-                        r = ev.data["result"]
-                        yield chunk(r.get("prediction", ""), "stop", {"retrieval": r})
-                        if include_usage:  # (OpenAI's stream_options.include_usage: a last chunk, no choices)
-                            yield "data: " + json.dumps({"id": rid, "object": obj, "created": created,
-                                                         "model": model_name, "choices": [],
-                                                         "usage": _usage(r)}) + "\n\n"
-                    elif ev.kind == "error":
-                        yield "data: " + json.dumps({"id": rid, "object": "error",
-                                                     "error": {"message": ev.data["message"]}}) + "\n\n"
-        except TimeoutError:
+            while True:
+                # the deadline is looked at before each event and bounds each wait for one. (One timeout around the
+                # whole loop fired wherever this generator was suspended, at a `yield` too: it then cancelled the
+                # sending of a chunk instead of a wait here, and the client got a stream cut short, without the
+                # error event or [DONE].) An event already queued is taken without a timer (wait_for costs tens
+                # of microseconds, about the cost of sending the chunk)
+                left = deadline - loop.time()
+                if left <= 0:
+                    raise asyncio.TimeoutError
+                try:
+                    ev = await (it.__anext__() if events.ready() else asyncio.wait_for(it.__anext__(), left))
+                except StopAsyncIteration:
+                    break
+                if ev.kind in ("token", "search", "documents", "generate"):
+                    yield chunk(None, extra={"fastrag": {"event": ev.kind, **ev.data}})
+                elif ev.kind == "answer":
+                    r = ev.data["result"]
+                    yield chunk(r.get("prediction", ""), "stop", {"retrieval": r})
+                    if include_usage:  # (OpenAI's stream_options.include_usage: a last chunk, no choices)
+                        yield "data: " + json.dumps({"id": rid, "object": obj, "created": created,
+                                                     "model": model_name, "choices": [],
+                                                     "usage": _usage(r)}) + "\n\n"
+                elif ev.kind == "error":
+                    yield "data: " + json.dumps({"id": rid, "object": "error",
+                                                 "error": {"message": ev.data["message"]}}) + "\n\n"
+        except asyncio.TimeoutError:  # (TimeoutError itself from Python 3.11)
             yield "data: " + json.dumps({"id": rid, "object": "error", "error": {
-                "message": f"the question did not finish within {timeout_s:.0f}s"}}) + "\n\n"
+                "message": f"the question did not finish within {timeout_s:g}s"}}) + "\n\n"
         finally:
             await events.aclose()  # a disconnected client lands here too: its question is cancelled
         yield "data: [DONE]\n\n"
