@@ -2,13 +2,13 @@
 
 `DIR/results.jsonl` gets one line per finished question (flushed and fsynced as it finishes), so a killed run loses
 at most the questions in flight; a rerun reads the file, skips every question already answered there and computes
-the rest (questions whose record is an error are computed again, the error record replaced). `DIR/run.json` names what the answers depend on
-(method, config, model, retriever, corpus, decoding): a rerun of anything else into the folder is refused, and a
-record whose question differs from the data's question of that id too. `DIR/metrics.json` is rewritten at the end
-from all records (a rerun that computes nothing keeps the throughput and engine figures of the run before it:
-MEASURED_FIELDS). `DIR/runs.jsonl` keeps each run's questions computed, answered (without an error) and seconds (a
-killed run's too, from `DIR/progress.json`), so `all_runs` in metrics.json is the rate of answered questions over
-every run that produced the results, not only the last one.
+the rest (questions whose record is an error are computed again, the error record replaced). `DIR/run.json` names
+what the answers depend on (method, config, model, retriever, corpus, decoding): a rerun of anything else into the
+folder is refused, and a record whose question differs from the data's question of that id too. `DIR/metrics.json`
+is rewritten at the end from all records (a rerun that computes nothing keeps the throughput and engine figures of
+the run before it: MEASURED_FIELDS). `DIR/runs.jsonl` keeps each run's questions computed, answered (without an
+error) and seconds (a killed run's too, from `DIR/progress.json`), so `all_runs` in metrics.json is the rate of
+answered questions over every run that produced the results, not only the last one.
 """
 
 from __future__ import annotations
@@ -512,23 +512,40 @@ def _close_progress(out: Path) -> dict:
         try:
             rec = json.loads(prog.read_text())
             if rec.get("computed", 0) > 0:
+                # (a line torn by a full disk must not swallow this one: it starts a line of its own)
+                torn = hist.exists() and hist.stat().st_size > 0 and not hist.read_bytes().endswith(b"\n")
                 with hist.open("a") as f:
-                    f.write(json.dumps(rec) + "\n")
+                    f.write("\n" * torn + json.dumps(rec) + "\n")
         except (json.JSONDecodeError, OSError):
             pass  # a torn progress file: that run's time is lost, its results are not
         prog.unlink(missing_ok=True)
     recs = []
     if hist.exists():
-        for line in hist.read_text().splitlines():
+        for n, line in enumerate(hist.read_text().splitlines(), 1):
             try:
-                recs.append(json.loads(line))
+                rec = json.loads(line)
             except json.JSONDecodeError:
-                continue
+                rec = None
+            if _is_run_record(rec):
+                recs.append(rec)
+            elif line.strip():
+                warnings.warn(f"{hist}: line {n} is not a run record ({line[:60]!r}); its run is left out of "
+                              "all_runs", RuntimeWarning, stacklevel=2)
     computed = sum(r["computed"] for r in recs)
     answered = sum(r.get("answered", r["computed"]) for r in recs)
     wall = sum(r["wall_s"] for r in recs)
     return {"runs": len(recs), "computed": computed, "answered": answered, "wall_s": wall,
             "questions_per_s": answered / wall if wall > 0 else None}
+
+
+def _is_run_record(rec) -> bool:
+    """A line of runs.jsonl as _close_progress writes it: numbers for computed and wall_s (and answered, which lines
+    written before it was recorded lack)."""
+    def number(v) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+
+    return isinstance(rec, dict) and number(rec.get("computed")) and number(rec.get("wall_s")) \
+        and number(rec.get("answered", 0))
 
 
 def run(opts: RunOptions, engine=None, retriever=None) -> dict:
@@ -748,7 +765,8 @@ def _run_many(runs: list[RunOptions], engine=None, retriever=None) -> list[dict]
         if len(runs) > 1:
             metrics["joint"] = {"runs": [f"{x.method}/{x.dataset}" for x in runs], "wall_s": wall,
                                 "computed_this_run": computed,
-                                "questions_per_s": computed / wall if wall > 0 else None,
+                                # (answered ones, as each run's questions_per_s: a failed question is no throughput)
+                                "questions_per_s": sum(answered) / wall if wall > 0 else None,
                                 "tokens_per_s": tokens / wall if wall > 0 else None}
         sp = engine.sampling if engine is not None else sampling_of(o)  # what really decoded (a caller's engine)
         metrics["sampling"] = {"temperature": sp.temperature, "top_p": sp.top_p, "top_k": sp.top_k, "seed": sp.seed}

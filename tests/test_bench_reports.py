@@ -290,6 +290,17 @@ def test_bench_e2e_oracle_rate_without_its_answer_generations():
     assert be.rate_without_answer_generation([]) is None
 
 
+def test_bench_e2e_engine_rate_counts_answered_questions():
+    """The headline's engine questions/s counts what the oracles' rates count: answered questions. Failed ones were
+    computed but are no throughput; a rerun that computed nothing carries its earlier count with its earlier wall;
+    metrics from before questions_measured fall back to the questions computed."""
+    be = load("bench_e2e")
+    ms = [{"computed_this_run": 6, "questions_measured": 4}, {"computed_this_run": 0, "questions_measured": 3},
+          {"computed_this_run": 5}]
+    assert be.engine_rate(ms, 4.0) == 12 / 4.0
+    assert be.engine_rate(ms[:1], 0.0) is None
+
+
 def test_bench_e2e_says_where_its_cuda_graphs_were_captured():
     be = load("bench_e2e")
     g = {"replays": 800, "captures": 40, "eager_steps": 2, "captured_ahead": 33, "capture_ahead_s": 2.5,

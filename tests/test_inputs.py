@@ -222,6 +222,23 @@ def test_failed_questions_are_computed_again_on_a_rerun(setup):
     assert go(limit=3)["computed_this_run"] == 0
 
 
+def test_the_joint_rate_of_runs_whose_questions_all_failed_is_zero(setup, tiny):
+    """run_many's joint questions/s counts answered questions, as each run's questions_per_s does: questions whose
+    retrieval failed were computed (computed_this_run) but are no throughput."""
+    from fastrag.eval import run_many
+
+    _, tmp, cfg, data = setup
+    opts = [RunOptions(method="sr-rag", dataset="nq", data=str(data), corpus=str(CORPUS), output=str(tmp / out),
+                       model=tiny, config=str(cfg), batch_size=4, progress=False, limit=2) for out in ("j1", "j2")]
+    with pytest.warns(RuntimeWarning, match="retrieval failed"):
+        ms = run_many(opts, engine=build_engine(tiny, 4, kv_cache_gb=0.05, device="cpu"),
+                      retriever=Passages(down=True))
+    for m in ms:
+        assert m["errors"] == 2 and m["questions_per_s"] == 0 and m["questions_measured"] == 0
+        assert m["joint"]["computed_this_run"] == 4 and m["joint"]["wall_s"] > 0
+        assert m["joint"]["questions_per_s"] == 0
+
+
 def test_an_empty_question_fails_alone_and_is_computed_once_filled_in(setup):
     """A question left empty in the data is an error record that each rerun computes again (replacing the record,
     not adding one); once the data file fills it in, the rerun computes it and keeps the other answers (its error
@@ -290,6 +307,27 @@ def test_a_rerun_that_computes_nothing_keeps_the_measured_figures(setup):
     p = subprocess.run([sys.executable, "-m", "fastrag.perf", str(tmp / "bare")], capture_output=True, text=True,
                        timeout=600)
     assert p.returncode != 0 and "fastrag.perf: error:" in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+
+def test_what_a_rerun_carries_over_from_the_metrics_file(tmp_path):
+    """measured_fields: the measured figures of a metrics.json whose run computed something (or carried them from one
+    that did), marked as such; nothing from a file that is missing, torn, not UTF-8 or no JSON object, or whose run
+    computed nothing and carried nothing. Never the derived fields: those are recomputed from the records."""
+    from fastrag.eval import measured_fields
+
+    p = tmp_path / "metrics.json"
+    assert measured_fields(p) == {}
+    for bad in (b'{"computed_this_run": 3, "questions_per_s": 1', b"[1, 2]", b'"x"', b"\xff\xfe{}"):
+        p.write_bytes(bad)
+        assert measured_fields(p) == {}, bad
+    fig = {"questions_per_s": 2.0, "wall_s": 1.5, "engine": {"decode_steps": 7}}
+    p.write_text(json.dumps({"computed_this_run": 3, "em": 0.5, "n": 3} | fig))
+    assert measured_fields(p) == fig | {"measured_in_an_earlier_run": True}
+    assert measured_fields(p, extra=("em",)) == fig | {"em": 0.5, "measured_in_an_earlier_run": True}
+    p.write_text(json.dumps({"computed_this_run": 0, "measured_in_an_earlier_run": True} | fig))
+    assert measured_fields(p) == fig | {"measured_in_an_earlier_run": True}
+    p.write_text(json.dumps({"computed_this_run": 0} | fig))
+    assert measured_fields(p) == {}
 
 
 def test_reading_results_never_changes_the_file(tmp_path):
@@ -468,6 +506,26 @@ def test_cli_errors_for_odd_arguments(tmp_path):
                                          r".*nq\.jsonl: \['nope'\]"):  # (ended as a success with nothing computed)
         run(RunOptions(**{**kw, "qids": ("nope",), "limit": 1}))
     assert not (tmp_path / "x" / "results.jsonl").exists()
+
+
+def test_a_qids_selection_keeps_the_file_order_and_each_question_once():
+    """qids picks questions out of the loaded file: each once however often it is named (a question named twice
+    computed twice would be written twice), in the file's order; missing ids are counted and the first three,
+    sorted, named, with what was searched (the first LIMIT questions or all) and the word the caller chose."""
+    from types import SimpleNamespace
+
+    from fastrag.eval import select_qids
+
+    ex = [SimpleNamespace(qid=q) for q in ("d", "a", "c", "b")]
+    opts = SimpleNamespace(qids=None, limit=None, data="q.jsonl")
+    assert select_qids(ex, opts) is ex
+    picked = select_qids(ex, SimpleNamespace(**{**vars(opts), "qids": ("b", "d", "b")}))
+    assert [e.qid for e in picked] == ["d", "b"] and all(e is ex[0 if e.qid == "d" else 3] for e in picked)
+    for limit, among in ((None, "the questions"), (4, "the first 4 questions")):
+        with pytest.raises(ValueError, match=rf"^4 oracle question id\(s\) of qids are not among {among} of q\.jsonl: "
+                                             r"\['w', 'x', 'y'\]$"):
+            select_qids(ex, SimpleNamespace(qids=("z", "a", "y", "x", "w"), limit=limit, data="q.jsonl"),
+                        "oracle question")
 
 
 def test_a_numpy_integer_seed_is_taken_as_an_int(tmp_path):

@@ -131,6 +131,58 @@ def test_run_history_totals(tmp_path):
     assert _close_progress(tmp_path)["questions_per_s"] == 24 / 110.0
 
 
+def test_run_history_leaves_out_a_torn_or_foreign_line(tmp_path):
+    """A line of runs.jsonl torn by a full disk (no newline at its end) is left out with a warning naming the file and
+    line, and the next run's line still counts: it starts a line of its own. A line that parses but is no run record
+    (hand-edited: text for a number, NaN or infinity, a negative count, a field missing) is left out the same way; a
+    blank line is skipped without a word."""
+    from fastrag.eval import _close_progress, _write_progress
+
+    hist = tmp_path / "runs.jsonl"
+    hist.write_text(json.dumps({"computed": 2, "answered": 2, "wall_s": 10.0}) + '\n{"computed": 3, "wa')
+    _write_progress(tmp_path, 4, 3, 30.0)
+    with pytest.warns(RuntimeWarning, match=r"runs\.jsonl: line 2 is not a run record \('\{\"computed\": 3, \"wa'\)"):
+        got = _close_progress(tmp_path)
+    assert got == {"runs": 2, "computed": 6, "answered": 5, "wall_s": 40.0, "questions_per_s": 5 / 40.0}
+    foreign = ["[1]", '{"computed": "3", "wall_s": 1.0}', '{"computed": 1, "wall_s": NaN}', '{"wall_s": 1.0}',
+               '{"computed": 1, "wall_s": Infinity}',
+               '{"computed": -1, "wall_s": 1.0}', '{"computed": 1, "wall_s": 1.0, "answered": true}', "null"]
+    with hist.open("a") as f:
+        f.write("\n".join(foreign) + "\n\n")
+    with pytest.warns(RuntimeWarning) as caught:
+        assert _close_progress(tmp_path) == got
+    assert [str(w.message).split(": line ")[1].split(" ")[0] for w in caught] == ["2"] + [str(n) for n in
+                                                                                        range(4, 4 + len(foreign))]
+
+
+def test_summary_averages_over_the_answered_questions():
+    """metrics.json's figures, worked by hand: a failed question counts in n and errors only. Its retrievals,
+    tokens and counters would move every per-question mean here; a counter only it carries is not reported; the
+    rates count answered questions and exist only when this run computed something in a positive time."""
+    from fastrag.eval import summarize
+    from fastrag.trace import QuestionResult, Round
+
+    def rec(qid, metrics, queries, prefill, decode, counters, error=None):
+        return QuestionResult(qid, "q", ["a"], metrics=metrics, rounds=[Round(query=q) for q in queries],
+                              prefill_tokens=prefill, decode_tokens=decode, counters=counters, error=error)
+
+    a = rec("a", {"em": 1.0, "f1": 1.0}, ["x", None], 100, 20, {"searches": 1, "short_retrievals": 1})
+    b = rec("b", {"em": 0.0, "f1": 0.5}, ["y", "z"], 300, 40, {"searches": 2})
+    bad = rec("c", {}, ["w"] * 5, 1000, 1000, {"searches": 9, "short_retrievals": 9, "generate_calls": 7}, "boom")
+    assert summarize("dragin", "hotpotqa", [a, bad, b], 4.0, 3, 2000, 2) == {
+        "method": "dragin", "dataset": "hotpotqa", "n": 3, "errors": 1, "em": 0.5, "f1": 0.75, "accuracy": None,
+        "questions_per_s": 0.5, "tokens_per_s": 500.0, "retrievals_per_question": 1.5,
+        "prefill_tokens_per_question": 200.0, "decode_tokens_per_question": 30.0, "wall_s": 4.0,
+        "computed_this_run": 3, "questions_measured": 2, "searches_per_question": 1.5,
+        "short_retrievals_per_question": 0.5}
+    for wall, computed in ((4.0, 0), (0.0, 3)):  # nothing computed now, or no time measured: no rate
+        got = summarize("dragin", "hotpotqa", [a, b], wall, computed, 2000, 2)
+        assert got["questions_per_s"] is None and got["tokens_per_s"] is None and got["f1"] == 0.75
+    only_failed = summarize("dragin", "hotpotqa", [bad], 4.0, 1, 2000, 0)
+    assert only_failed["errors"] == 1 and only_failed["questions_per_s"] == 0 and only_failed["em"] is None
+    assert only_failed["retrievals_per_question"] is None and "searches_per_question" not in only_failed
+
+
 def test_a_small_kv_pool_evicts_and_fails_only_what_cannot_fit(tmp_path, short_cfg):
     """DRAGIN with a KV pool far too small for its batch: sequences wait for blocks, idle ones are evicted and
     prefilled again, and the decisions equal a roomy pool's. With a pool that cannot hold one question's retrieval
