@@ -144,15 +144,15 @@ def test_run_history_leaves_out_a_torn_or_foreign_line(tmp_path):
     with pytest.warns(RuntimeWarning, match=r"runs\.jsonl: line 2 is not a run record \('\{\"computed\": 3, \"wa'\)"):
         got = _close_progress(tmp_path)
     assert got == {"runs": 2, "computed": 6, "answered": 5, "wall_s": 40.0, "questions_per_s": 5 / 40.0}
-    foreign = ["[1]", '{"computed": "3", "wall_s": 1.0}', '{"computed": 1, "wall_s": NaN}', '{"wall_s": 1.0}',
-               '{"computed": 1, "wall_s": Infinity}',
-               '{"computed": -1, "wall_s": 1.0}', '{"computed": 1, "wall_s": 1.0, "answered": true}', "null"]
+    foreign = ["[1]", "null", '{"wall_s": 1.0}', '{"computed": "3", "wall_s": 1.0}', '{"computed": 1, "wall_s": NaN}',
+               '{"computed": 1, "wall_s": Infinity}', '{"computed": -1, "wall_s": 1.0}',
+               '{"computed": 1, "wall_s": 1.0, "answered": true}']
     with hist.open("a") as f:
         f.write("\n".join(foreign) + "\n\n")
     with pytest.warns(RuntimeWarning) as caught:
         assert _close_progress(tmp_path) == got
-    assert [str(w.message).split(": line ")[1].split(" ")[0] for w in caught] == ["2"] + [str(n) for n in
-                                                                                        range(4, 4 + len(foreign))]
+    named = [int(str(w.message).split(": line ")[1].split()[0]) for w in caught]
+    assert named == [2, *range(4, 4 + len(foreign))]
 
 
 def test_summary_averages_over_the_answered_questions():
