@@ -508,29 +508,30 @@ def _close_progress(out: Path) -> dict:
     computed ones). A killed run counts up to its last finished question (the work in flight when it died is not
     counted, and neither is its lost time)."""
     prog, hist = out / "progress.json", out / "runs.jsonl"
+    text = hist.read_text() if hist.exists() else ""
     if prog.exists():
         try:
             rec = json.loads(prog.read_text())
             if rec.get("computed", 0) > 0:
                 # (a line torn by a full disk must not swallow this one: it starts a line of its own)
-                torn = hist.exists() and hist.stat().st_size > 0 and not hist.read_bytes().endswith(b"\n")
+                row = "\n" * (text[-1:] not in ("", "\n")) + json.dumps(rec) + "\n"
                 with hist.open("a") as f:
-                    f.write("\n" * torn + json.dumps(rec) + "\n")
+                    f.write(row)
+                text += row
         except (json.JSONDecodeError, OSError):
             pass  # a torn progress file: that run's time is lost, its results are not
         prog.unlink(missing_ok=True)
     recs = []
-    if hist.exists():
-        for n, line in enumerate(hist.read_text().splitlines(), 1):
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                rec = None
-            if _is_run_record(rec):
-                recs.append(rec)
-            elif line.strip():
-                warnings.warn(f"{hist}: line {n} is not a run record ({line[:60]!r}); its run is left out of "
-                              "all_runs", RuntimeWarning, stacklevel=2)
+    for n, line in enumerate(text.splitlines(), 1):
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            rec = None
+        if _is_run_record(rec):
+            recs.append(rec)
+        elif line.strip():
+            warnings.warn(f"{hist}: line {n} is not a run record ({line[:60]!r}); its run is left out of all_runs",
+                          RuntimeWarning, stacklevel=2)
     computed = sum(r["computed"] for r in recs)
     answered = sum(r.get("answered", r["computed"]) for r in recs)
     wall = sum(r["wall_s"] for r in recs)
