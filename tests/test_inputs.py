@@ -765,9 +765,9 @@ def test_an_unsupported_corpus_suffix_leaves_no_index_folder(tmp_path):
 def test_parity_of_a_method_without_oracle_is_refused_before_any_work(tmp_path):
     from fastrag.parity import parity
 
-    opts = RunOptions(method="sr-rag", dataset="hotpotqa", data=str(BUNDLED / "hotpotqa_dev20.jsonl"),
+    opts = RunOptions(method="flare-instruct", dataset="hotpotqa", data=str(BUNDLED / "hotpotqa_dev20.jsonl"),
                       corpus=str(CORPUS), output=str(tmp_path / "p"), limit=1, progress=False)
-    with pytest.raises(ValueError, match="'sr-rag' has no per-question oracle"):
+    with pytest.raises(ValueError, match="'flare-instruct' has no per-question oracle"):
         parity(opts)
     assert not (tmp_path / "p").exists()  # no engine run was made first
 

@@ -52,14 +52,12 @@ def test_flare_runs_end_to_end_with_counters(tmp_path):
     assert st["methods_and_other"] > 0 and sum(st.values()) <= m["wall_s"] * 1.01
 
 
-@pytest.mark.parametrize("method", ["flare", "flare-explicit"])
-def test_flare_parity_with_the_real_model_counts_the_same_work_on_both_sides(tmp_path, method):
-    """`fastrag parity` for FLARE on the real SmolLM2 and bm25s, over the first two of the project's own questions
-    (benchmarks/data/questions_outside_shared.jsonl): the engine and the per-question oracle make the same
-    decisions, and each question's record on both sides counts the same generate calls, decoded tokens and
-    retrievals (the same generations; a final EOS counted on neither side)."""
-    cfg = tmp_path / "flare.json"
-    cfg.write_text(json.dumps({"generate_max_length": 16, "look_ahead_tokens": 12, "theta": 0.9}))
+def _parity_on_own_questions(tmp_path, method: str, config: dict) -> tuple[dict, dict]:
+    """`fastrag parity` on the real SmolLM2 and bm25s over the first two of the project's own questions
+    (benchmarks/data/questions_outside_shared.jsonl): (parity.json, per side {qid: (llm_calls, decode_tokens,
+    retrievals)}), once both sides answered both questions and agreed on every decision."""
+    cfg = tmp_path / "method.json"
+    cfg.write_text(json.dumps(config))
     out = tmp_path / "p"
     p = cli("parity", "--method", method, "--dataset", "hotpotqa", "--data", OWN, "--corpus", CORPUS, "--config",
             cfg, "--limit", 2, "--batch-size", 2, "--kv-cache-gb", 0.25, "--output", out, "--no-progress")
@@ -70,9 +68,37 @@ def test_flare_parity_with_the_real_model_counts_the_same_work_on_both_sides(tmp
     for side in ("engine", "oracle"):
         recs = [json.loads(x) for x in (out / side / "results.jsonl").read_text().splitlines()]
         work[side] = {r["qid"]: (r["llm_calls"], r["decode_tokens"], r["retrievals"]) for r in recs}
+    return rep, work
+
+
+@pytest.mark.parametrize("method", ["flare", "flare-explicit"])
+def test_flare_parity_with_the_real_model_counts_the_same_work_on_both_sides(tmp_path, method):
+    """FLARE's engine and per-question oracle make the same decisions, and each question's record on both sides
+    counts the same generate calls, decoded tokens and retrievals (the same generations; a final EOS counted on
+    neither side)."""
+    _, work = _parity_on_own_questions(tmp_path, method, {"generate_max_length": 16, "look_ahead_tokens": 12,
+                                                          "theta": 0.9})
     assert work["engine"] == work["oracle"] and len(work["engine"]) == 2
     # a retrieval beyond the first (the question's own): a confidence test failed and a query was formed
     assert any(retrievals >= 2 for _, _, retrievals in work["oracle"].values()), "no trigger: a weak check"
+
+
+@pytest.mark.parametrize("method, config, retrievals", [
+    ("wo-rag", {"generate_max_length": 16}, 0),
+    ("sr-rag", {"generate_max_length": 16}, 1),
+    ("fl-rag", {"generate_max_length": 16, "fix_length": 6}, 2),
+    ("fs-rag", {"generate_max_length": 16}, 2),
+    ("token-rag", {"generate_max_length": 16}, 1),
+])
+def test_baseline_parity_with_the_real_model_counts_the_same_work_on_both_sides(tmp_path, method, config,
+                                                                                 retrievals):
+    """Each DRAGIN-paper baseline's engine policy and its per-question oracle (fastrag.oracle.baselines) make the
+    same decisions (the rounds' triggers and queries, the answer) and count the same work on the real model. The
+    configs are short enough for CI and still make every retrieving baseline retrieve (`retrievals`: the least a
+    question must have done on both sides; token-rag retrieves only for a sentence its rule found uncertain)."""
+    _, work = _parity_on_own_questions(tmp_path, method, config)
+    assert work["engine"] == work["oracle"] and len(work["engine"]) == 2
+    assert min(r for _, _, r in work["oracle"].values()) >= retrievals, work
 
 
 def test_unknown_method_and_bad_option_are_clear_errors(tmp_path):

@@ -170,13 +170,14 @@ def test_an_empty_question_is_refused_as_the_engine_refuses_it():
             oracle.run("q", q, ["x"])
 
 
-@pytest.mark.parametrize("which", ["dragin", "dragin-attention", "flare", "beamsearchqa"])
+@pytest.mark.parametrize("which", ["dragin", "dragin-attention", "flare", "baselines", "beamsearchqa"])
 def test_the_oracles_refuse_a_prompt_past_the_model_context_as_the_engine_does(which):
     """transformers runs past max_position_embeddings with at most a warning; the engine refuses such a prompt, so
     the oracle wrote an answer for a question the engine failed (a parity report leaves it out, but the oracle's
     results.jsonl held the answer). The check comes before the model is used."""
     from types import SimpleNamespace
 
+    from fastrag.oracle.baselines import BaselineOracle
     from fastrag.oracle.beamsearchqa import BeamSearchQAOracle
     from fastrag.oracle.dragin import DraginOracle
     from fastrag.oracle.flare import FlareOracle
@@ -199,7 +200,7 @@ def test_the_oracles_refuse_a_prompt_past_the_model_context_as_the_engine_does(w
         pass
 
     cls = {"dragin": DraginOracle, "dragin-attention": DraginOracle, "flare": FlareOracle,
-           "beamsearchqa": BeamSearchQAOracle}[which]
+           "baselines": BaselineOracle, "beamsearchqa": BeamSearchQAOracle}[which]
     oracle = cls.__new__(cls)  # (only what the generation reads)
     oracle.model = Model()
     oracle.tokenizer = SimpleNamespace(encode=lambda text: list(range(1, len(text.split()) + 1)))
@@ -220,7 +221,7 @@ def test_the_oracles_refuse_a_prompt_past_the_model_context_as_the_engine_does(w
     assert calls == [32 - limit_new]
 
 
-@pytest.mark.parametrize("which", ["dragin", "flare", "beamsearchqa"])
+@pytest.mark.parametrize("which", ["dragin", "flare", "baselines", "beamsearchqa"])
 @pytest.mark.parametrize("ends_at_eos", [True, False])
 def test_the_oracles_count_a_generation_as_the_engine_does(which, ends_at_eos):
     """The engine counts a generation's decoded tokens without a final EOS (fastrag.methods.common counts the ids
@@ -230,6 +231,7 @@ def test_the_oracles_count_a_generation_as_the_engine_does(which, ends_at_eos):
     records said llm_calls 0."""
     from types import SimpleNamespace
 
+    from fastrag.oracle.baselines import BaselineOracle
     from fastrag.oracle.beamsearchqa import BeamSearchQAOracle
     from fastrag.oracle.dragin import DraginOracle
     from fastrag.oracle.flare import FlareOracle
@@ -249,7 +251,8 @@ def test_the_oracles_count_a_generation_as_the_engine_does(which, ends_at_eos):
                 return seq
             return SimpleNamespace(sequences=seq, scores=tuple(torch.randn(1, 50) for _ in new))
 
-    cls = {"dragin": DraginOracle, "flare": FlareOracle, "beamsearchqa": BeamSearchQAOracle}[which]
+    cls = {"dragin": DraginOracle, "flare": FlareOracle, "baselines": BaselineOracle,
+           "beamsearchqa": BeamSearchQAOracle}[which]
     oracle = cls.__new__(cls)  # (only what the generation reads)
     oracle.model = Model()
     oracle.tokenizer = SimpleNamespace(encode=lambda text: list(prompt_ids),
@@ -263,7 +266,7 @@ def test_the_oracles_count_a_generation_as_the_engine_does(which, ends_at_eos):
     assert counted == (len(body), 1), (which, new)  # (and the call counted: the record's llm_calls)
     if which == "dragin":
         assert out.ids == body and len(out.entropy) == len(body)
-    elif which == "flare":
+    elif which in ("flare", "baselines"):
         assert out[0] == body and len(out[1]) == len(body)
 
 
@@ -386,6 +389,53 @@ def test_tuned_oracle_reads_the_same_last_layer_attention_as_eager():
     torch.testing.assert_close(tuned.last_layer_attention(gen.ids), published.last_layer_attention(gen.ids),
                                atol=1e-5, rtol=1e-4)
     assert tuned.rind(gen) == published.rind(gen)
+
+
+@pytest.mark.parametrize("method", ["wo-rag", "sr-rag", "fl-rag", "fs-rag", "token-rag"])
+def test_the_baseline_oracle_refuses_an_empty_question_as_the_engine_does(method):
+    from fastrag.config import method_config
+    from fastrag.oracle.baselines import BaselineOracle
+
+    oracle = BaselineOracle.__new__(BaselineOracle)  # (no model: nothing may be generated or searched)
+    oracle.config, oracle.method = method_config(method, "nq", None), method
+    oracle.generate = lambda *a, **k: pytest.fail("the oracle generated for an empty question")
+    oracle.retrieve = lambda *a, **k: pytest.fail("the oracle searched for an empty question")
+    for q in ("", "   \n"):
+        with pytest.raises(ValueError, match="^empty question$"):
+            oracle.run("q", q, ["x"])
+    with pytest.raises(ValueError, match="no baseline oracle for method 'flare'"):
+        BaselineOracle(None, None, None, oracle.config, "flare")
+
+
+def test_token_rag_oracle_gives_each_token_the_sentence_the_engine_gives_it():
+    """token-rag judges a sentence by the probabilities of its tokens: the oracle's reading of which sentence a
+    token is in (the last one that starts before the token's text ends) equals the engine policy's `token_spans`,
+    on random tokens and sentence starts, among them starts exactly at a token's end (the boundary: that token is
+    the earlier sentence's) and whitespace tokens between sentences."""
+    import random
+    from types import SimpleNamespace
+
+    from fastrag.methods.common import token_char_ends
+    from fastrag.methods.token_rag import token_spans
+    from fastrag.oracle.baselines import BaselineOracle
+    from fastrag.text.sentences import Sentence
+
+    pieces = ["The", " cat", ".", " ", "\n", " It", " sat", "!", "x", " 1990", ")."]
+    tok = SimpleNamespace(decode=lambda ids, skip_special_tokens=True: "".join(pieces[i] for i in ids))
+    oracle = SimpleNamespace(text=lambda ids: tok.decode(ids))
+    rng = random.Random(int.from_bytes(os.urandom(4), "little"))
+    boundary = 0
+    for _ in range(300):
+        ids = [rng.randrange(len(pieces)) for _ in range(rng.randrange(1, 14))]
+        ends = token_char_ends(tok, ids)
+        starts = sorted(set([0] + rng.sample(range(ends[-1] + 1), min(ends[-1] + 1, rng.randrange(0, 4)))
+                            + rng.sample(ends, rng.randrange(0, min(3, len(ends)) + 1))))
+        sents = [Sentence(text="s", start=a, end=a + 1) for a in starts]
+        boundary += any(a in ends for a in starts[1:])
+        owner = BaselineOracle.token_sentences(oracle, ids, sents)
+        spans = token_spans(ends, sents)
+        assert [si for si, (l, r) in enumerate(spans) for _ in range(l, r)] == owner, (ids, starts)
+    assert boundary > 50  # (the boundary case came up often)
 
 
 def test_query_truncation_counts_the_query_tokens_only_under_a_bos_adding_tokenizer():

@@ -103,10 +103,20 @@ class FsRag(_RetrieveEachPiece):
         return sents[0].text if sents else None
 
 
+def baseline_oracle(name: str):
+    """The MethodSpec.make_oracle of baseline `name`: its per-question oracle (fastrag.oracle.baselines)."""
+    def make(hf_model, tokenizer, retriever, cfg):
+        from fastrag.oracle.baselines import BaselineOracle
+
+        return BaselineOracle(hf_model, tokenizer, retriever, cfg, name)
+
+    return make
+
+
 def _spec(name: str, cls, description: str) -> MethodSpec:
     return register(MethodSpec(name=name, description=description,
                                make_config=lambda dataset, path: method_config(name, dataset, path),
-                               make_policy=cls))
+                               make_policy=cls, make_oracle=baseline_oracle(name)))
 
 
 _spec("wo-rag", WoRag, "no retrieval: one generation from the few-shot prompt")

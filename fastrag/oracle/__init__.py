@@ -4,7 +4,7 @@ Exports are resolved lazily so that `fastrag.oracle.decisions` (the pure rules) 
 datasets or the retrievers.
 """
 
-__all__ = ["DraginOracle", "FlareOracle", "run_oracle"]
+__all__ = ["BaselineOracle", "DraginOracle", "FlareOracle", "run_oracle"]
 
 
 def __getattr__(name: str):
@@ -12,6 +12,10 @@ def __getattr__(name: str):
         from fastrag.oracle.flare import FlareOracle
 
         return FlareOracle
+    if name == "BaselineOracle":
+        from fastrag.oracle.baselines import BaselineOracle
+
+        return BaselineOracle
     if name in __all__:
         from fastrag.oracle import dragin
 

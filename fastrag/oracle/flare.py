@@ -11,57 +11,16 @@ from __future__ import annotations
 
 import time
 
-import torch
-
-from fastrag.data.exemplars import case_text, demo_text
-from fastrag.data.metrics import ANSWER_MAX_TOKENS, answer_prompt, complete_answer, needs_answer_generation
-from fastrag.methods.common import STOP_PHRASE, join, rag_prompt
+from fastrag.data.exemplars import case_text
+from fastrag.methods.common import join, rag_prompt
 from fastrag.methods.flare import explicit_question_prompt
-from fastrag.oracle.context import check_context
+from fastrag.oracle.greedy import GreedyOracle
 from fastrag.text.sentences import split_sentences
 from fastrag.trace import QuestionResult, Round
 
 
-class FlareOracle:
+class FlareOracle(GreedyOracle):
     """`run(qid, question, gold) -> QuestionResult`; config: fastrag.config.FlareConfig."""
-
-    def __init__(self, model, tokenizer, retriever, config):
-        self.model, self.tokenizer, self.retriever, self.config = model, tokenizer, retriever, config
-        self.demos = demo_text(config.dataset, config.fewshot)
-        eos = set()
-        for src in (tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):
-            if isinstance(src, int):
-                eos.add(src)
-            elif src is not None:
-                eos.update(int(i) for i in src)
-        if not eos:
-            raise ValueError("the tokenizer and the model's generation config name no EOS token")
-        self.eos_ids = eos
-        self._pad = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else min(eos)
-        self._prefill = self._decode = 0
-        self._calls = 0  # generate calls of the current question (the record's llm_calls, as the engine counts)
-
-    @torch.no_grad()
-    def generate(self, prompt: str, n: int) -> tuple[list[int], list[float]]:
-        """Greedy continuation of `prompt`: (token ids, their probabilities), a final EOS dropped."""
-        ids = self.tokenizer.encode(prompt)
-        check_context(self.model, len(ids), n)
-        x = torch.tensor([ids], device=self.model.device)
-        out = self.model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
-                                  output_scores=True, return_dict_in_generate=True, pad_token_id=self._pad)
-        new = out.sequences[0, len(ids):].tolist()
-        p = []
-        for t, s in zip(new, out.scores):
-            p.append(float(torch.log_softmax(s[0].float(), -1)[t].exp()))
-        self._prefill += len(ids)
-        self._calls += 1
-        if new and new[-1] in self.eos_ids:
-            new, p = new[:-1], p[:-1]
-        self._decode += len(new)  # (a final EOS not counted, as the engine counts a generation)
-        return new, p
-
-    def text(self, ids) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def first_sentence_tokens(self, ids) -> tuple[str, int]:
         """The first sentence of decode(ids) and how many tokens it takes: a token belongs to it when the text
@@ -74,12 +33,6 @@ class FlareOracle:
         while n < len(ids) and len(self.text(ids[:n])) < sents[0].end:
             n += 1
         return sents[0].text, n
-
-    def retrieve(self, query: str) -> list:
-        ids = self.tokenizer.encode(query, add_special_tokens=False)  # (a BOS is no query token)
-        if len(ids) > self.config.max_query_tokens:
-            query = self.tokenizer.decode(ids[-self.config.max_query_tokens:], skip_special_tokens=True).strip()
-        return query, self.retriever.search([query], k=self.config.retrieve_topk)[0]
 
     def implicit(self, ids, p) -> str:
         """The tokens of p > beta, a space for each masked run; "" when every token is masked."""
@@ -162,13 +115,9 @@ class FlareOracle:
             else:
                 rounds.append(Round())
             text = join(text, sent)
-            has = STOP_PHRASE in (text.lower() if cfg.stop_case_insensitive else text)
-            if len(self.tokenizer.encode(text)) > cfg.generate_max_length or len(text) <= old_len or has:
+            if self.stop(text, old_len):
                 break
-        prediction = text
-        if needs_answer_generation(text):
-            gen, _ = self.generate(answer_prompt(self.demos, case, text), ANSWER_MAX_TOKENS)
-            prediction = complete_answer(text, self.text(gen))
+        prediction = self.answer(case, text)
         return QuestionResult(qid=qid, question=question, gold=list(gold), text=text, prediction=prediction,
                               rounds=rounds, prefill_tokens=self._prefill, decode_tokens=self._decode,
                               llm_calls=self._calls, wall_s=time.perf_counter() - t0)

@@ -1,0 +1,80 @@
+"""What the FLARE and baseline oracles share: greedy `model.generate` over a whole prompt, one question at a time.
+
+Every call re-prefills its prompt (no prefix reuse), batch 1, no stop strings, and ends at EOS, as the published
+per-question code runs; it returns each generated token's probability, which the confidence rules read. The
+retriever's query is cut as the published retriever cuts it, and the DRAGIN stop rule and the evaluator's answer
+generation are written here once for both oracles.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fastrag.data.exemplars import demo_text
+from fastrag.data.metrics import ANSWER_MAX_TOKENS, answer_prompt, complete_answer, needs_answer_generation
+from fastrag.methods.common import STOP_PHRASE
+from fastrag.oracle.context import check_context
+
+
+class GreedyOracle:
+    """The model calls of a per-question oracle; config: a fastrag.config.RagConfig (dataset, fewshot,
+    generate_max_length, retrieve_topk, max_query_tokens, stop_case_insensitive)."""
+
+    def __init__(self, model, tokenizer, retriever, config):
+        self.model, self.tokenizer, self.retriever, self.config = model, tokenizer, retriever, config
+        self.demos = demo_text(config.dataset, config.fewshot)
+        eos = set()
+        for src in (tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):
+            if isinstance(src, int):
+                eos.add(src)
+            elif src is not None:
+                eos.update(int(i) for i in src)
+        if not eos:
+            raise ValueError("the tokenizer and the model's generation config name no EOS token")
+        self.eos_ids = eos
+        self._pad = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else min(eos)
+        self._prefill = self._decode = 0
+        self._calls = 0  # generate calls of the current question (the record's llm_calls, as the engine counts)
+
+    @torch.no_grad()
+    def generate(self, prompt: str, n: int) -> tuple[list[int], list[float]]:
+        """Greedy continuation of `prompt`: (token ids, their probabilities), a final EOS dropped."""
+        ids = self.tokenizer.encode(prompt)
+        check_context(self.model, len(ids), n)
+        x = torch.tensor([ids], device=self.model.device)
+        out = self.model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
+                                  output_scores=True, return_dict_in_generate=True, pad_token_id=self._pad)
+        new = out.sequences[0, len(ids):].tolist()
+        p = []
+        for t, s in zip(new, out.scores):
+            p.append(float(torch.log_softmax(s[0].float(), -1)[t].exp()))
+        self._prefill += len(ids)
+        self._calls += 1
+        if new and new[-1] in self.eos_ids:
+            new, p = new[:-1], p[:-1]
+        self._decode += len(new)  # (a final EOS not counted, as the engine counts a generation)
+        return new, p
+
+    def text(self, ids) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def retrieve(self, query: str) -> tuple[str, list]:
+        """(the query as searched, its documents): the query cut to its last max_query_tokens tokens."""
+        ids = self.tokenizer.encode(query, add_special_tokens=False)  # (a BOS is no query token)
+        if len(ids) > self.config.max_query_tokens:
+            query = self.tokenizer.decode(ids[-self.config.max_query_tokens:], skip_special_tokens=True).strip()
+        return query, self.retriever.search([query], k=self.config.retrieve_topk)[0]
+
+    def stop(self, text: str, old_len: int) -> bool:
+        """The DRAGIN stop rule: the text is past L tokens, did not grow, or says "the answer is"."""
+        cfg = self.config
+        has = STOP_PHRASE in (text.lower() if cfg.stop_case_insensitive else text)
+        return len(self.tokenizer.encode(text)) > cfg.generate_max_length or len(text) <= old_len or has
+
+    def answer(self, case: str, text: str) -> str:
+        """The text scored: `text`, completed by the evaluator's short answer generation when it lacks "the
+        answer is"."""
+        if not needs_answer_generation(text):
+            return text
+        gen, _ = self.generate(answer_prompt(self.demos, case, text), ANSWER_MAX_TOKENS)
+        return complete_answer(text, self.text(gen))
