@@ -1,5 +1,6 @@
-"""A new method end to end through the CLI on the real SmolLM2 (short): `fastrag run --method flare`, FLARE parity
-against its per-question oracle, and the CLI's errors for an unknown method and a bad method option."""
+"""Methods end to end through the CLI on the real SmolLM2 (short): `fastrag run --method flare`, the parity of FLARE
+and of each DRAGIN-paper baseline with its per-question oracle, and the CLI's errors for an unknown method and a bad
+method option."""
 
 from __future__ import annotations
 
@@ -52,10 +53,11 @@ def test_flare_runs_end_to_end_with_counters(tmp_path):
     assert st["methods_and_other"] > 0 and sum(st.values()) <= m["wall_s"] * 1.01
 
 
-def _parity_on_own_questions(tmp_path, method: str, config: dict) -> tuple[dict, dict]:
+def _parity_on_own_questions(tmp_path, method: str, config: dict) -> dict:
     """`fastrag parity` on the real SmolLM2 and bm25s over the first two of the project's own questions
-    (benchmarks/data/questions_outside_shared.jsonl): (parity.json, per side {qid: (llm_calls, decode_tokens,
-    retrievals)}), once both sides answered both questions and agreed on every decision."""
+    (benchmarks/data/questions_outside_shared.jsonl), checked: both sides answered both questions, made the same
+    decisions and count the same work in each question's record (generate calls, decoded tokens, retrievals: the
+    same generations, a final EOS counted on neither side). Returns that work, {qid: (calls, decoded, retrievals)}."""
     cfg = tmp_path / "method.json"
     cfg.write_text(json.dumps(config))
     out = tmp_path / "p"
@@ -68,19 +70,17 @@ def _parity_on_own_questions(tmp_path, method: str, config: dict) -> tuple[dict,
     for side in ("engine", "oracle"):
         recs = [json.loads(x) for x in (out / side / "results.jsonl").read_text().splitlines()]
         work[side] = {r["qid"]: (r["llm_calls"], r["decode_tokens"], r["retrievals"]) for r in recs}
-    return rep, work
+    assert work["engine"] == work["oracle"] and len(work["engine"]) == 2
+    return work["oracle"]
 
 
 @pytest.mark.parametrize("method", ["flare", "flare-explicit"])
 def test_flare_parity_with_the_real_model_counts_the_same_work_on_both_sides(tmp_path, method):
-    """FLARE's engine and per-question oracle make the same decisions, and each question's record on both sides
-    counts the same generate calls, decoded tokens and retrievals (the same generations; a final EOS counted on
-    neither side)."""
-    _, work = _parity_on_own_questions(tmp_path, method, {"generate_max_length": 16, "look_ahead_tokens": 12,
-                                                          "theta": 0.9})
-    assert work["engine"] == work["oracle"] and len(work["engine"]) == 2
+    """FLARE's engine and per-question oracle make the same decisions and count the same work."""
+    work = _parity_on_own_questions(tmp_path, method, {"generate_max_length": 16, "look_ahead_tokens": 12,
+                                                       "theta": 0.9})
     # a retrieval beyond the first (the question's own): a confidence test failed and a query was formed
-    assert any(retrievals >= 2 for _, _, retrievals in work["oracle"].values()), "no trigger: a weak check"
+    assert any(retrievals >= 2 for _, _, retrievals in work.values()), "no trigger: a weak check"
 
 
 @pytest.mark.parametrize("method, config, retrievals", [
@@ -96,9 +96,8 @@ def test_baseline_parity_with_the_real_model_counts_the_same_work_on_both_sides(
     same decisions (the rounds' triggers and queries, the answer) and count the same work on the real model. The
     configs are short enough for CI and still make every retrieving baseline retrieve (`retrievals`: the least a
     question must have done on both sides; token-rag retrieves only for a sentence its rule found uncertain)."""
-    _, work = _parity_on_own_questions(tmp_path, method, config)
-    assert work["engine"] == work["oracle"] and len(work["engine"]) == 2
-    assert min(r for _, _, r in work["oracle"].values()) >= retrievals, work
+    work = _parity_on_own_questions(tmp_path, method, config)
+    assert min(r for _, _, r in work.values()) >= retrievals, work
 
 
 def test_unknown_method_and_bad_option_are_clear_errors(tmp_path):

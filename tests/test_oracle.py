@@ -270,6 +270,24 @@ def test_the_oracles_count_a_generation_as_the_engine_does(which, ends_at_eos):
         assert out[0] == body and len(out[1]) == len(body)
 
 
+def test_the_oracles_end_a_generation_at_the_engines_eos_ids():
+    """The engine ends a generation at the EOS ids of the tokenizer, the model's config and its generation config
+    (fastrag.engine, fastrag.model.llama): every oracle reads the same three, each an id, a list or missing."""
+    from types import SimpleNamespace
+
+    from fastrag.oracle.context import eos_ids
+
+    def model(config_eos, generation_eos):
+        return SimpleNamespace(config=SimpleNamespace(eos_token_id=config_eos),
+                               generation_config=SimpleNamespace(eos_token_id=generation_eos))
+
+    assert eos_ids(SimpleNamespace(eos_token_id=2), model(7, [8, 9])) == {2, 7, 8, 9}
+    assert eos_ids(SimpleNamespace(eos_token_id=None), model([7], None)) == {7}
+    assert eos_ids(SimpleNamespace(eos_token_id=None), model(None, 8)) == {8}
+    with pytest.raises(ValueError, match="name no EOS token"):
+        eos_ids(SimpleNamespace(eos_token_id=None), model(None, None))
+
+
 def _hotpot_questions(n: int):
     with HOTPOT.open() as f:
         for _, line in zip(range(n), f):

@@ -26,7 +26,7 @@ from fastrag.methods.beamsearchqa import (
     prune,
     reached,
 )
-from fastrag.oracle.context import check_context
+from fastrag.oracle.context import check_context, eos_ids
 from fastrag.trace import BeamNode, QuestionResult, Round
 
 
@@ -40,25 +40,13 @@ class BeamSearchQAOracle:
     def __init__(self, model, tokenizer, retriever, config: BeamSearchQAConfig):
         self.model, self.tokenizer, self.retriever, self.cfg = model, tokenizer, retriever, config
         self.prompts = Prompts(tokenizer, config)
-        self.eos_ids = self._eos_ids()
+        self.eos_ids = eos_ids(tokenizer, model)
         self._pad_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else min(self.eos_ids)
         self._reset()
 
     def _reset(self):
         self.calls = self.prefill = self.decode = 0
         self.rounds: list[Round] = []
-
-    def _eos_ids(self) -> set[int]:
-        ids: set[int] = set()
-        for src in (self.tokenizer.eos_token_id, getattr(self.model.generation_config, "eos_token_id", None),
-                    getattr(self.model.config, "eos_token_id", None)):
-            if isinstance(src, int):
-                ids.add(src)
-            elif src is not None:
-                ids.update(int(i) for i in src)
-        if not ids:
-            raise ValueError("the tokenizer and the model's configs name no EOS token")
-        return ids
 
     @torch.no_grad()
     def generate(self, prompt: str, max_new_tokens: int) -> str:

@@ -21,7 +21,7 @@ import torch
 from fastrag.data.exemplars import case_text, demo_text
 from fastrag.data.metrics import ANSWER_MAX_TOKENS, answer_prompt, complete_answer, needs_answer_generation
 from fastrag.oracle import decisions as D
-from fastrag.oracle.context import check_context
+from fastrag.oracle.context import check_context, eos_ids
 from fastrag.text.realwords import matches_real_word, real_words
 from fastrag.text.sentences import first_sentence, split_sentences
 from fastrag.text.words import WordBoundaries, assign_words_to_sentences, sentence_word_ranges
@@ -82,7 +82,7 @@ class DraginOracle:
         self.tokenizer = tokenizer
         self.retriever = retriever
         self.config = config
-        self.eos_ids = self._eos_ids()
+        self.eos_ids = eos_ids(tokenizer, model)
         self.words = WordBoundaries(tokenizer, eos_ids=self.eos_ids)
         self.demos = demo_text(config.dataset, config.fewshot)
         self._pad_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else min(self.eos_ids)
@@ -91,17 +91,6 @@ class DraginOracle:
         self._calls = 0  # generate calls of the current question (the record's llm_calls)
 
     # ------------------------------------------------------------------ model calls
-
-    def _eos_ids(self) -> set[int]:
-        ids = set()
-        for src in (self.tokenizer.eos_token_id, getattr(self.model.generation_config, "eos_token_id", None)):
-            if isinstance(src, int):
-                ids.add(src)
-            elif src is not None:
-                ids.update(int(i) for i in src)
-        if not ids:
-            raise ValueError("the tokenizer and the model's generation config name no EOS token")
-        return ids
 
     def encode(self, text: str) -> list[int]:
         """The contract's `encode`: `tokenizer.encode` with the tokenizer's own special-token behaviour."""

@@ -13,7 +13,7 @@ import torch
 from fastrag.data.exemplars import demo_text
 from fastrag.data.metrics import ANSWER_MAX_TOKENS, answer_prompt, complete_answer, needs_answer_generation
 from fastrag.methods.common import STOP_PHRASE
-from fastrag.oracle.context import check_context
+from fastrag.oracle.context import check_context, eos_ids
 
 
 class GreedyOracle:
@@ -23,16 +23,8 @@ class GreedyOracle:
     def __init__(self, model, tokenizer, retriever, config):
         self.model, self.tokenizer, self.retriever, self.config = model, tokenizer, retriever, config
         self.demos = demo_text(config.dataset, config.fewshot)
-        eos = set()
-        for src in (tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):
-            if isinstance(src, int):
-                eos.add(src)
-            elif src is not None:
-                eos.update(int(i) for i in src)
-        if not eos:
-            raise ValueError("the tokenizer and the model's generation config name no EOS token")
-        self.eos_ids = eos
-        self._pad = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else min(eos)
+        self.eos_ids = eos_ids(tokenizer, model)
+        self._pad = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else min(self.eos_ids)
         self._prefill = self._decode = 0
         self._calls = 0  # generate calls of the current question (the record's llm_calls, as the engine counts)
 
