@@ -91,6 +91,8 @@ def test_a_reader_that_fails_fails_what_waits_instead_of_hanging(monkeypatch):
             p.submit("sentences", "One. Two.").result(timeout=60)
         with pytest.raises(BrokenProcessPool):
             p.compute_texts([("sentences", "One."), ("real_words", "Two.")])
+        with pytest.raises(BrokenProcessPool, match="reader failed"):  # (a text handed to it as it died)
+            p._workers[0].submit(99, "sentences", "Three.", 26)
     finally:
         p.shutdown()
 
@@ -283,9 +285,9 @@ def test_closing_with_texts_at_the_workers(model, groups):
 # ---------------------------------------------------------------------------------------------- a step's texts together
 
 
-def test_texts_computed_together_equal_the_calls_one_by_one():
+def test_texts_computed_together_equal_the_calls_one_by_one(monkeypatch):
     """compute_texts: each kind's texts in one nlp.pipe pass give what one call each gives, blank texts included,
-    and a text spaCy rejects fails alone (the pass is done again text by text)."""
+    and a text spaCy rejects fails alone (the pass is done again text by text), whatever the pass raised."""
     from fastrag.text.nlp import get_nlp
     from fastrag.text.pool import compute_text, compute_texts
 
@@ -300,6 +302,15 @@ def test_texts_computed_together_equal_the_calls_one_by_one():
         else:
             assert v == compute_text(k, t), (k, t)
     assert compute_texts([]) == []
+
+    import fastrag.text.sentences
+
+    def broken_pass(texts):
+        raise RuntimeError("a pass that fails in another way")
+
+    monkeypatch.setattr(fastrag.text.sentences, "split_sentences_batch", broken_pass)
+    some = [("sentences", t) for t in texts[:4]] + [("real_words", texts[0])]
+    assert compute_texts(some) == [compute_text(k, t) for k, t in some]
 
 
 def test_a_step_s_texts_go_through_one_pass_and_decide_the_same(model, monkeypatch):
@@ -471,7 +482,7 @@ def test_the_pool_sends_a_group_without_waiting_and_settles_it_whole(pool):
     from concurrent.futures import Future
 
     from fastrag.text.nlp import get_nlp
-    from fastrag.text.pool import _Worker, compute_texts
+    from fastrag.text.pool import BrokenProcessPool, _Worker, compute_texts
 
     _wait_ready(pool)
     texts = _real_texts(11, seed=int.from_bytes(os.urandom(2), "little"))
@@ -515,6 +526,19 @@ def test_the_pool_sends_a_group_without_waiting_and_settles_it_whole(pool):
     for (k, t), g, w in zip(items, got, want):
         assert (is_failure(g) and is_failure(w)) if t is huge else g == w, (k, t)
     assert [w.backlog() for w in pool._workers] == [0, 0]  # (every answered share's cost is off its worker)
+    # a share lost otherwise than by its worker's death (cancelled) loses the group as a dead worker does: the
+    # scheduler computes such a group itself on BrokenProcessPool
+    _Worker.submit = submit
+    try:
+        fut = pool.submit_texts(items)
+    finally:
+        _Worker.submit = real_submit
+    while len(held) < 2:
+        assert time.monotonic() - t0 < 240
+        time.sleep(0.01)
+    held[1][0].cancel()
+    with pytest.raises(BrokenProcessPool, match="a share of the texts was lost"):
+        fut.result(timeout=60)
 
 
 def test_balanced_shares_end_together_and_keep_every_item_once():
