@@ -19,12 +19,23 @@ from fastrag.eval import (ResultWriter, RunError, RunOptions, _close_progress, _
                           latest_records, measured_fields, method_config, output_lock, read_metrics, resume,
                           run_identity, summarize, write_json)
 from fastrag.provenance import environment, source_commit
+from fastrag.text.pool import usable_cpus
 
 
 def cpus_a_gpu(resources: dict) -> int:
     """The CPUs a GPU shard counts its auto text workers from (RunOptions.text_worker_cpus): the cluster's CPUs over
     its GPUs, so that the shards on one node share its cores instead of each starting workers for all of them."""
     return max(1, int(resources.get("CPU", 1)) // max(1, int(resources.get("GPU", 0))))
+
+
+def cpu_shard_threads(shards: int, cpus: int | None = None) -> int:
+    """The torch threads each of `shards` CPU shards on one machine runs with, when --threads does not say: an even
+    share of the CPUs this process may run on (`usable_cpus`: its affinity mask, which a batch scheduler's allocation
+    or `taskset` narrows, not the machine's count), at least one. Shares that add up to more than the allowed CPUs
+    are the costly case: each shard's OpenMP threads spin waiting for work on cores the other shards need. On the
+    2-core CI CPU two engines of two threads each decoded 40 tokens/s together, 0.48x one engine alone, and two of
+    one thread each 118 tokens/s, 1.41x (docs/performance.md, "Several processes on one CPU")."""
+    return max(1, (usable_cpus() if cpus is None else int(cpus)) // max(1, shards))
 
 
 def _shard_worker(opts: RunOptions, device: str | None) -> dict:
@@ -76,11 +87,11 @@ def _run_ray(opts: RunOptions, num_workers: int, max_retries: int, ray_address: 
             if ray_address:
                 ray.init(address=ray_address, ignore_reinit_error=True, log_to_driver=False)
             else:
-                ray.init(num_cpus=max(n, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False,
+                ray.init(num_cpus=max(n, usable_cpus()), include_dashboard=False, log_to_driver=False,
                          ignore_reinit_error=True)
         gpus = int(ray.cluster_resources().get("GPU", 0))
         per_gpu = gpus >= n
-        threads = opts.threads or max(1, (os.cpu_count() or 1) // n)
+        threads = opts.threads or cpu_shard_threads(n)
         task = ray.remote(num_gpus=1 if per_gpu else 0, num_cpus=0 if per_gpu else 1, max_retries=0)(_shard_worker)
         cpus_per_gpu = cpus_a_gpu(ray.cluster_resources()) if per_gpu else None
         shard_opts = [replace(opts, output=str(out / "shards" / str(i)), qids=shards[i], limit=opts.limit,

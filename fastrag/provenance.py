@@ -40,7 +40,11 @@ def device_name(device: torch.device | str | None = None) -> str:
     dev = torch.device(device) if device is not None else torch.device("cpu")
     if dev.type == "cuda":
         return torch.cuda.get_device_name(dev)
-    return f"{cpu_name()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads"
+    from fastrag.text.pool import usable_cpus
+
+    total, usable = os.cpu_count(), usable_cpus()  # (an affinity mask, e.g. a batch job's allocation, narrows it)
+    cores = f"{total} cores" if usable == total else f"{usable} of {total} cores"
+    return f"{cpu_name()}, {cores}, {torch.get_num_threads()} torch threads"
 
 
 def _version(name: str) -> str | None:

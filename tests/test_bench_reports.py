@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -833,3 +834,20 @@ def test_score_rounding_emulation_separates_the_fused_product(tmp_path):
     assert emu.main(["--rows", "5", "--out", str(out)]) == 0
     dims = [line.split("|")[1].strip() for line in out.read_text().splitlines() if line.startswith("| ")]
     assert dims[1:] == ["64"] * 3 + ["128"] * 3, dims  # (after the header row)
+
+
+def test_bench_cpu_processes_times_its_cases_and_refuses_a_bad_one(tmp_path):
+    """bench_cpu_processes.py on the real SmolLM2: one case of one process and one of two, each row its own, the
+    one-process row's tokens/s its batch over its step; a malformed case is refused by name before any model loads."""
+    script = BENCH / "bench_cpu_processes.py"
+    bad = subprocess.run([sys.executable, str(script), "--cases", "2:0"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "a case is PROCESSES:THREADS or PROCESSES:THREADS:passive, got '2:0'" in bad.stderr
+    p = subprocess.run([sys.executable, str(script), "--cases", "1:1", "2:1:passive", "--batch", "2", "--reps", "2",
+                        "--rounds", "1", "--results", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = json.loads((tmp_path / "cpu_processes.json").read_text())["rows"]
+    assert [(r["processes"], r["threads"], r["passive"]) for r in rows] == [(1, 1, False), (2, 1, True)]
+    one = rows[0]
+    assert one["step_ms"] > 0 and one["tokens_per_s"] == pytest.approx(2 * 1e3 / one["step_ms"])
+    md = (tmp_path / "cpu_processes.md").read_text()
+    assert "| 2 | 1 | PASSIVE |" in md and "`python benchmarks/bench_cpu_processes.py --cases 1:1 2:1:passive" in md

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import torch
 
 import fastrag
 from fastrag import provenance
+from fastrag.text.pool import usable_cpus
 
 
 def test_environment_names_the_time_the_device_and_the_versions():
@@ -25,15 +27,27 @@ def test_environment_names_the_time_the_device_and_the_versions():
     assert env["torch"] == torch.__version__ and env["python"] == platform.python_version()
     assert env["transformers"] == metadata.version("transformers")
     assert env["fastrag"] == metadata.version("fastrag")
-    # the CPU's model, its cores and the torch threads the run used
-    assert env["device"] == f"{provenance.cpu_name()}, {__import__('os').cpu_count()} cores, " \
+    # the CPU's model, its cores (the affinity mask's share of them when it narrows them: the test below) and the
+    # torch threads the run used
+    cores, total = usable_cpus(), os.cpu_count()
+    assert env["device"] == f"{provenance.cpu_name()}, {cores if cores == total else f'{cores} of {total}'} cores, " \
                             f"{torch.get_num_threads()} torch threads"
     assert env["command"] and json.loads(json.dumps(env)) == env  # plain JSON
 
 
+def test_the_device_names_the_cpus_an_affinity_mask_leaves_to_the_run(monkeypatch):
+    """A run pinned to some of the machine's cores (a batch scheduler's allocation, taskset) says how many it had."""
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3, 5, 7, 9}, raising=False)
+    assert provenance.device_name("cpu") == f"{provenance.cpu_name()}, 4 of 64 cores, " \
+                                            f"{torch.get_num_threads()} torch threads"
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
+    assert provenance.device_name("cpu").startswith(f"{provenance.cpu_name()}, 64 cores, ")
+
+
 def test_environment_records_the_engine_switches_set(monkeypatch):
     """The FASTRAG_* variables in force (how two runs of one command differ), not the cache folder."""
-    for k in [k for k in __import__("os").environ if k.startswith("FASTRAG_")]:
+    for k in [k for k in os.environ if k.startswith("FASTRAG_")]:
         monkeypatch.delenv(k)
     assert provenance.environment()["settings"] == {}
     monkeypatch.setenv("FASTRAG_PREFILL_HOLD", "3")

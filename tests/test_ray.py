@@ -219,3 +219,17 @@ def test_gpu_shards_count_their_text_workers_from_their_share_of_the_cores():
     assert auto_text_workers("cuda", cpus=cpus_a_gpu({"CPU": 16.0, "GPU": 2.0})) == 6
     assert cpus_a_gpu({"CPU": 64.0, "GPU": 8.0}) == 8 and cpus_a_gpu({"CPU": 3.0, "GPU": 4.0}) == 1
     assert cpus_a_gpu({"CPU": 16.0}) == 16 and cpus_a_gpu({}) == 1
+
+
+def test_cpu_shards_share_the_cpus_the_affinity_mask_allows(monkeypatch):
+    """CPU shards get an even share of the CPUs this process may run on, not of the machine's: on a 64-core node
+    whose job holds 8 of them, 4 shards of 16 threads each would put 64 spinning OpenMP threads on 8 cores."""
+    import os
+
+    from fastrag.distributed import cpu_shard_threads
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8, 16)), raising=False)
+    assert cpu_shard_threads(4) == 2 and cpu_shard_threads(1) == 8 and cpu_shard_threads(3) == 2
+    assert cpu_shard_threads(9) == 1 and cpu_shard_threads(16) == 1  # (more shards than CPUs: one thread each)
+    assert cpu_shard_threads(4, cpus=64) == 16  # (the CPUs given: a count, not the mask)
