@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from bench_args import positive_int  # noqa: E402  (the script's folder is on sys.path)
+from fastrag.text.pool import usable_cpus
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -71,8 +72,8 @@ def worker(batch: int, reps: int, threads: int) -> None:
     print(json.dumps(times), flush=True)
 
 
-def run_case(procs: int, threads: int, passive: bool, batch: int, reps: int) -> tuple[list[float], list[str]]:
-    """The median step seconds of each of the case's processes, and the token counts their 'ready' lines gave."""
+def run_case(procs: int, threads: int, passive: bool, batch: int, reps: int) -> tuple[list[float], tuple[int, int]]:
+    """The median step seconds of each of the case's processes, and (prefix, own) tokens of a sequence."""
     env = dict(os.environ)
     if passive:
         env["OMP_WAIT_POLICY"] = "PASSIVE"
@@ -80,13 +81,12 @@ def run_case(procs: int, threads: int, passive: bool, batch: int, reps: int) -> 
     ps = [subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
           for _ in range(procs)]
     try:
-        shapes = []
         for p in ps:
             words = p.stdout.readline().split()
-            shapes.append(" ".join(words[1:]))
             if words[:1] != ["ready"]:
                 raise SystemExit(f"bench_cpu_processes: a worker of case {procs}:{threads} failed to start "
                                  f"(exit {p.wait()})")
+            shape = (int(words[1]), int(words[2]))
         for p in ps:  # (all loaded: they start timing together)
             p.stdin.write("go\n")
             p.stdin.flush()
@@ -97,13 +97,18 @@ def run_case(procs: int, threads: int, passive: bool, batch: int, reps: int) -> 
         for p in ps:  # (a failed case leaves no worker waiting on its stdin)
             if p.poll() is None:
                 p.kill()
-    return [statistics.median(t) for t in out], shapes
+    return [statistics.median(t) for t in out], shape
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cases", type=case, nargs="+", default=[case(c) for c in ("1:2", "1:1", "2:2", "2:1",
-                                                                             "2:2:passive")])
+    # default cases: one process with a thread for every CPU or for half of them; two with every CPU each
+    # (oversubscribed, as two runs with torch's default thread count), plainly and with a passive wait; two sharing
+    cpus = usable_cpus()
+    half = max(1, cpus // 2)
+    defaults = (f"1:{cpus}", f"1:{half}", f"2:{cpus}", f"2:{half}", f"2:{cpus}:passive")
+    ap.add_argument("--cases", type=case, nargs="+", default=[case(c) for c in defaults],
+                    help=f"PROCESSES:THREADS[:passive] each (default here: {' '.join(defaults)})")
     ap.add_argument("--batch", type=positive_int, default=8)
     ap.add_argument("--reps", type=positive_int, default=30)
     ap.add_argument("--rounds", type=positive_int, default=2)
@@ -113,22 +118,20 @@ def main() -> None:
     args = ap.parse_args()
     if args.worker:
         return worker(args.batch, args.reps, args.threads)
+    args.cases = list(dict.fromkeys(args.cases))  # (a case named twice, or defaults that meet on one CPU, runs once)
     import torch
 
     from fastrag.provenance import cpu_name
-    from fastrag.text.pool import usable_cpus
 
     steps = {c: [] for c in args.cases}  # case -> per round, the median over its processes
     rates = {c: [] for c in args.cases}  # case -> per round, decode tokens/s of its processes together
     for r in range(args.rounds):
         for c in args.cases:
-            per, shapes = run_case(*c, args.batch, args.reps)
+            per, (prefix_n, own_n) = run_case(*c, args.batch, args.reps)
             steps[c].append(statistics.median(per))
             rates[c].append(sum(args.batch / s for s in per))
             print(f"round {r + 1}: {c[0]} x {c[1]} threads{' passive' if c[2] else ''}: "
                   f"{[round(1e3 * s, 1) for s in per]} ms a step", flush=True)
-    cpus = usable_cpus()
-    prefix_n, own_n = shapes[0].split()
     rows = []
     for c in args.cases:
         procs, threads, passive = c
