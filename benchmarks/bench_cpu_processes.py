@@ -102,8 +102,9 @@ def run_case(procs: int, threads: int, passive: bool, batch: int, reps: int) -> 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    # default cases: one process with a thread for every CPU or for half of them; two with every CPU each
-    # (oversubscribed, as two runs with torch's default thread count), plainly and with a passive wait; two sharing
+    # default cases: one process with a thread for every CPU, then for half of them; two processes with a thread for
+    # every CPU each (oversubscribed, as two runs at torch's default), two that share the CPUs, and the
+    # oversubscribed pair again under a passive wait policy
     cpus = usable_cpus()
     half = max(1, cpus // 2)
     defaults = (f"1:{cpus}", f"1:{half}", f"2:{cpus}", f"2:{half}", f"2:{cpus}:passive")
