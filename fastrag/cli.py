@@ -13,9 +13,10 @@ from fastrag.data.datasets import DATASETS
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--method", required=True, help="dynamic-RAG method (see `fastrag methods`)")
     p.add_argument("--dataset", required=True, choices=DATASETS)
-    p.add_argument("--data", help="dataset file (formats: see fastrag.data.datasets); "
+    p.add_argument("--data", help="dataset file (formats: see fastrag.data.datasets; may be .gz/.bz2/.xz); "
                    "default for hotpotqa: the 20 bundled dev questions")
-    p.add_argument("--corpus", help="passage corpus: jsonl {id,title,text} / {id,contents} or DPR tsv; "
+    p.add_argument("--corpus", help="passage corpus: jsonl {id,title,text} / {id,contents} or DPR tsv, "
+                   "plain or .gz/.bz2/.xz; "
                    "default: the bundled 13.5k-passage Wikipedia corpus")
     p.add_argument("--retriever", default="bm25", choices=["bm25", "dense", "elasticsearch"],
                    help="bm25 (bm25s, title/text best_fields), dense (faiss + all-MiniLM-L6-v2; fastrag[dense]) "
@@ -71,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     _common(pp)
     sub.add_parser("methods", help="list the available methods")
     ip = sub.add_parser("index", help="build and save the retrieval indexes of a corpus (reused by later runs)")
-    ip.add_argument("--corpus", required=True, help="jsonl {id,title,text} / {id,contents} or DPR tsv")
+    ip.add_argument("--corpus", required=True,
+                    help="jsonl {id,title,text} / {id,contents} or DPR tsv, plain or .gz/.bz2/.xz")
     ip.add_argument("--kind", nargs="+", default=["bm25"], choices=["bm25", "dense", "elasticsearch"],
                     help="indexes to build (elasticsearch: into $FASTRAG_ES_URL, index $FASTRAG_ES_INDEX)")
     ip.add_argument("--encoder", default="all-minilm-l6-v2", help="dense: sentence-transformers folder or the "

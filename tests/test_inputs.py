@@ -639,10 +639,10 @@ def test_data_files_with_a_bom_or_raw_line_separators(tmp_path):
 
 
 def test_unreadable_data_files_say_why(tmp_path):
-    gz = tmp_path / "d.jsonl"
-    gz.write_bytes(gzip.compress(b'{"question": "q?", "answer": ["a"]}\n'))
-    with pytest.raises(DataError, match="gzip-compressed"):
-        load_examples("nq", gz)
+    zst = tmp_path / "d.jsonl"  # (zstd's frame magic: not a format the standard library reads)
+    zst.write_bytes(b"\x28\xb5\x2f\xfd" + gzip.compress(b'{"question": "q?", "answer": ["a"]}\n'))
+    with pytest.raises(DataError, match=r"d\.jsonl: is zstd-compressed.*zstd -d d\.jsonl"):
+        load_examples("nq", zst)
     latin = tmp_path / "l.jsonl"
     latin.write_bytes(b'{"question": "q?", "answer": ["a"]}\n{"question": "caf\xe9?", "answer": ["b"]}\n')
     with pytest.raises(DataError, match=r"l\.jsonl:2: not UTF-8"):

@@ -27,6 +27,9 @@ required field, an unknown format) raises `DataError` naming the file and the 1-
 record index (json). Per-question problems do not: an empty question loads as `""` and the engine records an
 error for that question alone. Duplicate ids are made unique (`id`, `id#2`, ...; the original is kept in
 `meta["source_qid"]`) so a run's outputs can be keyed by qid.
+
+Any of these files may be gzip, bzip2 or xz compressed (DPR ships its question files as `.json.gz`): the first bytes
+tell, the file is read decompressed, and an error's line counts the decompressed text.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fastrag import compressed
 from fastrag.data.metrics import normalize_answer
 from fastrag.jsonkeys import RepeatedKey, unique_keys
 
@@ -327,8 +331,8 @@ def _check_dataset(name: str, fmt: str, rec: _Rec) -> None:
 
 
 def read_text_file(path: Path, error: type[Exception]) -> str:
-    """A UTF-8 text file's contents (a byte-order mark dropped); `error` naming the file, and the line of a byte that
-    is not UTF-8, otherwise."""
+    """A UTF-8 text file's contents (a byte-order mark dropped; a gzip, bzip2 or xz file decompressed, its lines
+    counted in the decompressed text); `error` naming the file, and the line of a byte that is not UTF-8, otherwise."""
     try:
         raw = path.read_bytes()
     except FileNotFoundError:
@@ -337,8 +341,7 @@ def read_text_file(path: Path, error: type[Exception]) -> str:
         raise error(f"{path}: is a directory, expected a file") from None
     except OSError as e:
         raise error(f"{path}: cannot read: {e}") from None
-    if raw[:2] == b"\x1f\x8b":
-        raise error(f"{path}: is gzip-compressed; decompress it first (gunzip -k)")
+    raw = compressed.decompress(path, raw, error)  # (gzip, bzip2 and xz files are read as they are)
     try:
         return raw.decode("utf-8-sig")
     except UnicodeDecodeError as e:

@@ -9,7 +9,8 @@ All formats yield `(id, title, text)` string triples in file order (the corpus o
 - DPR tsv (`psgs_w100.tsv`): a header line `id\\ttext\\ttitle`, then one passage per line (columns in header order);
   csv-quoted fields are unquoted, any other quote is text.
 Passage ids must be unique (results, traces and FLARE's merge name passages by id): a repeated one is an error that
-names both lines.
+names both lines. Any of them may be gzip, bzip2 or xz compressed (`psgs_w100.tsv.gz`): the first bytes tell, and the
+format comes from the suffix before the compression's.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import re
 from pathlib import Path
 from typing import Iterator
 
+from fastrag import compressed
 from fastrag.jsonkeys import RepeatedKey, unique_keys
 
 
@@ -51,26 +53,35 @@ def _split_contents(contents: str) -> tuple[str, str]:
 
 def _lines(path: Path) -> Iterator[tuple[int, str]]:
     """(1-based line number, line) pairs, each line with its ending as written ("\n", "\r\n", or a lone "\r",
-    which ends a line as it does for csv readers); a decoding error names the line that holds the bad byte."""
+    which ends a line as it does for csv readers); a decoding error names the line that holds the bad byte. A gzip,
+    bzip2 or xz file is read decompressed (`fastrag.compressed`); line numbers count the decompressed text."""
+    lineno, kind = 0, None
     try:
-        with open(path, encoding="utf-8-sig", newline="") as f:  # (a byte-order mark is dropped)
+        kind = compressed.compression(path, CorpusError)
+        with compressed.open_text(path, kind, encoding="utf-8-sig", newline="") as f:  # (a byte-order mark is dropped)
             for lineno, line in enumerate(f, 1):
                 yield lineno, line
     except UnicodeDecodeError as e:
         # (the text reader decodes blocks of 8 KiB ahead of the lines it has handed out: the line after the last
         # good one can be hundreds of lines before the bad byte, so find it in the bytes)
-        lineno, byte = _bad_utf8_line(path)
+        if kind is not None:  # (damaged compressed data decodes to bytes that are not UTF-8 long before its CRC)
+            compressed.check_stream(path, kind, CorpusError)
+        lineno, byte = _bad_utf8_line(path, kind)
         raise CorpusError(f"{path}:{lineno}: not valid UTF-8 ({e.reason}, byte 0x{byte:02x}); convert the file "
                           "to UTF-8") from e
-    except OSError as e:
-        raise CorpusError(f"{path}: cannot read corpus file ({e.strerror})") from e
+    except compressed.STREAM_ERRORS as e:
+        if kind is None and isinstance(e, OSError):
+            raise CorpusError(f"{path}: cannot read corpus file ({e.strerror or e})") from e
+        where = f"after line {lineno}" if lineno else "before its first line"
+        raise CorpusError(f"{path}: the {kind} stream is damaged or cut short {where} "
+                          f"({compressed.damage(e)}); fetch or compress the corpus again") from e
 
 
-def _bad_utf8_line(path: Path) -> tuple[int, int]:
+def _bad_utf8_line(path: Path, kind: str | None = None) -> tuple[int, int]:
     """(1-based line, value) of the first byte of `path` that is not UTF-8, lines counted as the text reader of
     `_lines` counts them (at "\n", "\r\n" and a lone "\r"; none of these bytes is part of a multi-byte character)."""
     lineno = 0
-    with open(path, "rb") as f:
+    with compressed.open_binary(path, kind) as f:
         for raw in f:  # (split at b"\n")
             for part in raw.splitlines() or [raw]:
                 lineno += 1
@@ -211,14 +222,16 @@ def iter_corpus(path: str | os.PathLike) -> Iterator[tuple[str, str, str]]:
 
 
 def corpus_format(path: str | os.PathLike) -> str:
-    """"tsv" or "jsonl", from the file's suffix; CorpusError for any other (checked before an index folder is made)."""
+    """"tsv" or "jsonl", from the file's suffix (a compression suffix after it dropped); CorpusError for any other
+    (checked before an index folder is made)."""
     p = Path(path)
-    suffix = p.suffix.lower()
+    suffix = compressed.format_suffix(p)
     if suffix in (".tsv", ".tab"):
         return "tsv"
     if suffix in (".jsonl", ".json", ".ndjson"):
         return "jsonl"
-    raise CorpusError(f"unsupported corpus format {p.suffix!r} for {p}: expected .jsonl or .tsv")
+    raise CorpusError(f"unsupported corpus format {suffix!r} for {p}: expected .jsonl or .tsv (either may be "
+                      "compressed: .jsonl.gz, .tsv.bz2, .tsv.xz)")
 
 
 def corpus_fingerprint(path: str | os.PathLike, whole_below: int = 64 << 20, blocks: int = 64,
