@@ -126,6 +126,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("causal_attn_rows", &g::causal_attn_rows, "head-mean causal attention of selected query rows, CPU",
         py::arg("q"), py::arg("k"), py::arg("lengths"), py::arg("rows"), py::arg("scale"),
         py::arg("out") = py::none());
+  m.def("bm25_best_fields", &g::bm25_best_fields,
+        "BM25 best_fields top-k over two fields' CSC score matrices, work proportional to the postings read, CPU",
+        py::arg("data"), py::arg("indices"), py::arg("indptr"), py::arg("terms"), py::arg("offsets"),
+        py::arg("scratch"), py::arg("mark"), py::arg("tie_breaker"), py::arg("k"));
 #ifdef FASTRAG_WITH_CUDA
   m.attr("with_cuda") = true;
   m.def("decode_signals_cuda", &g::decode_signals_cuda, "fused decode-step signals, CUDA", py::arg("logits"),

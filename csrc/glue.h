@@ -5,6 +5,8 @@
 #include <torch/extension.h>
 
 #include <optional>
+#include <tuple>
+#include <vector>
 
 namespace fastrag::glue {
 
@@ -22,6 +24,15 @@ void attn_decode_update(torch::Tensor q, torch::Tensor k_cache, torch::Tensor bl
 // [B, R, T] f32 head-mean causal attention of the query rows `rows` [B, R].
 torch::Tensor causal_attn_rows(torch::Tensor q, torch::Tensor k, torch::Tensor lengths, torch::Tensor rows,
                                double scale, std::optional<torch::Tensor> out);
+
+// BM25 best_fields top-k of Q queries over two fields' CSC score matrices (csrc/bm25_cpu.cpp): (ids [Q, k] i64, -1
+// past the passages that match; scores [Q, k] f64). scratch [2, N] f32 and mark [N] u8 are all zero and left so.
+std::tuple<torch::Tensor, torch::Tensor> bm25_best_fields(std::vector<torch::Tensor> data,
+                                                           std::vector<torch::Tensor> indices,
+                                                           std::vector<torch::Tensor> indptr,
+                                                           std::vector<torch::Tensor> terms,
+                                                           std::vector<torch::Tensor> offsets, torch::Tensor scratch,
+                                                           torch::Tensor mark, double tie_breaker, int64_t k);
 
 #ifdef FASTRAG_WITH_CUDA
 void decode_signals_cuda(torch::Tensor logits, double temperature, std::optional<torch::Tensor> rng_keys,

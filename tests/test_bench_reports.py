@@ -658,7 +658,7 @@ def test_bench_e2e_data_file_replaces_a_datasets_file(tmp_path):
 
 @pytest.mark.parametrize("script", ["bench_kernels", "bench_host", "bench_paged_attention", "bench_cpu_decode_step",
                                     "bench_prefill_attention", "bench_prefill", "bench_decode", "bench_text_modes",
-                                    "bench_pass_padding", "bench_text_groups"])
+                                    "bench_pass_padding", "bench_text_groups", "bench_bm25_scale"])
 def test_every_table_writing_benchmark_takes_a_results_folder(script):
     """Each script that writes tables has --results (they wrote into benchmarks/results/ whatever the caller
     wanted, so a trial run overwrote the committed tables)."""
@@ -851,3 +851,25 @@ def test_bench_cpu_processes_times_its_cases_and_refuses_a_bad_one(tmp_path):
     assert one["step_ms"] > 0 and one["tokens_per_s"] == pytest.approx(2 * 1e3 / one["step_ms"])
     md = (tmp_path / "cpu_processes.md").read_text()
     assert "| 2 | 1 | PASSIVE |" in md and "`python benchmarks/bench_cpu_processes.py --cases 1:1 2:1:passive" in md
+
+
+def test_bench_bm25_scale_builds_and_searches_each_size_and_refuses_a_bad_share(tmp_path):
+    """bench_bm25_scale.py on two small generated corpora: a row each, in size order, with the build's and the
+    searches' figures, the postings-driven search's answers checked against the numpy path's inside the script
+    (it fails on a disagreement); a rare-word share outside [0, 1) is refused by name before any corpus is made."""
+    script = BENCH / "bench_bm25_scale.py"
+    bad = subprocess.run([sys.executable, str(script), "--rare", "1.5", "--results", str(tmp_path / "bad")],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--rare must lie in [0, 1), got 1.5" in bad.stderr
+    assert not (tmp_path / "bad").exists()
+    p = subprocess.run([sys.executable, str(script), "--sizes", "3000", "1500", "--reps", "1", "--queries", "24",
+                        "--results", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = json.loads((tmp_path / "bm25_scale_cpu.json").read_text())["rows"]
+    assert [r["passages"] for r in rows] == [1500, 3000] and all(r["n_docs"] == r["passages"] for r in rows)
+    for r in rows:
+        assert r["native"] and r["build_s"] > 0 and r["search_ms"] > 0 and r["numpy_ms"] > 0
+        assert r["docs_returned"] > 2 and r["terms_per_query"] > 3  # (real queries: most match 3 passages)
+    assert rows[1]["index_mib"] > rows[0]["index_mib"] and rows[1]["corpus_mib"] > 1.5 * rows[0]["corpus_mib"]
+    md = (tmp_path / "bm25_scale_cpu.md").read_text()
+    assert "| 1,500 |" in md and "| 3,000 |" in md and "Extrapolated to DPR's 21,015,324 passages" in md

@@ -42,10 +42,14 @@ import numpy as np
 from fastrag.retrieval.base import Doc, Retriever
 from fastrag.retrieval.corpus import (READER_VERSION, CorpusError, corpus_format, corpus_fingerprint,
                                      iter_corpus)
+from fastrag.switches import env_setting
 
 log = logging.getLogger(__name__)
 
 FIELDS = ("title", "text")
+# $FASTRAG_BM25_NATIVE=0 searches with numpy (dense score vectors a query) instead of fastrag._C's postings-driven
+# search; the two give the same passages, scores and order (tests/test_retrieval.py)
+NATIVE_ENV = "FASTRAG_BM25_NATIVE"
 _EMPTY = "EMPTY"  # marks a field's index folder when no passage has a term in that field
 _FORMAT = 2  # 2: Han ideographs and hiragana are single-character terms
 # Han ideographs (with extension A and the compatibility block) and hiragana: written without spaces, so each
@@ -250,7 +254,8 @@ class BM25Retriever(Retriever):
         self.show_progress = show_progress
         self._bm25s = bm25s
         self._stemmer = Stemmer.Stemmer(_STEMMER)
-        self._lock = threading.Lock()  # one search at a time (the stemmer is not thread-safe)
+        self._lock = threading.Lock()  # one search at a time (the stemmer is not thread-safe; the native scratch)
+        self._native_setting = env_setting(NATIVE_ENV)  # (read first: a bad value is not an unreadable index)
 
         manifest = self._manifest()
         candidates = [Path(index_dir)] if index_dir is not None else self._default_dirs()
@@ -265,6 +270,35 @@ class BM25Retriever(Retriever):
         }
         self._store = _DocStore(found)
         self.n_docs = len(self._store)
+        self._native = self._native_search()
+
+    def _native_search(self):
+        """The postings-driven search of fastrag._C (`bm25_best_fields`) with its operands, or None: the numpy path
+        then (no extension built, $FASTRAG_BM25_NATIVE=0, or a bm25s index scored with a non-occurrence term,
+        which every passage gets and the postings do not hold; fastrag's own are Lucene BM25, which has none)."""
+        if self._native_setting is False:
+            return None
+        try:
+            import torch
+
+            from fastrag import _C
+        except ImportError:
+            return None
+        if not hasattr(_C, "bm25_best_fields") or len(FIELDS) != 2:
+            return None
+        parts = {"data": [], "indices": [], "indptr": []}
+        for model in self._fields.values():
+            if model is not None and getattr(model, "nonoccurrence_array", None) is not None:
+                return None
+            for key, empty in (("data", np.float32), ("indices", np.int32), ("indptr", np.int64)):
+                arr = np.zeros(1 if key == "indptr" else 0, dtype=empty) if model is None else model.scores[key]
+                with warnings.catch_warnings():  # (the index's arrays are read-only maps: nothing writes to them)
+                    warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+                    parts[key].append(torch.from_numpy(np.ascontiguousarray(arr)))
+        # (np.zeros leaves the pages unmapped until written: a query makes resident only the pages it touches)
+        scratch = torch.from_numpy(np.zeros((2, self.n_docs), dtype=np.float32))
+        mark = torch.from_numpy(np.zeros(self.n_docs, dtype=np.uint8))
+        return _C.bm25_best_fields, parts, scratch, mark
 
     # ---- index management -------------------------------------------------------------------------------
 
@@ -349,11 +383,33 @@ class BM25Retriever(Retriever):
             return self._search(queries, k)
 
     def _search(self, queries: list[str], k: int) -> list[list[Doc]]:
-        # Exact scores from full per-field vectors: bm25s' own retrieve() also builds a dense [N] vector per
-        # query, so a top-(k*20) candidate union per field would cost those two dense passes *plus* a re-score,
-        # and would need a bound check to stay exact. One O(N) pass of max/min/add per query is the cheapest
-        # exact path (about 0.1 ms at N = 13.5k; ~50 ms at the 21M-passage Wikipedia scale).
-        return [self._search_one(toks, k) for toks in self.analyze(queries)]
+        # Exact scores, every passage that holds a query term scored: fastrag._C's bm25_best_fields adds the
+        # postings into a scratch and combines the fields in one pass (over the passages touched, or a sweep when
+        # they are many); without it, numpy builds dense [N] vectors per field and per step of the combination.
+        # The two agree to the bit; benchmarks/results/bm25_scale_cpu.md times both against the corpus size.
+        analysed = self.analyze(queries)
+        if self._native is not None:
+            return self._search_native(analysed, k)
+        return [self._search_one(toks, k) for toks in analysed]
+
+    def _search_native(self, analysed: list[list[str]], k: int) -> list[list[Doc]]:
+        """`_search_one` of every query in one call of fastrag._C.bm25_best_fields: the same passages, scores and
+        order (csrc/bm25_cpu.cpp adds each field's postings in the same order, in the same dtypes), in time that
+        follows the postings the queries read rather than the corpus size, without the GIL."""
+        import torch
+
+        fn, parts, scratch, mark = self._native
+        terms, offsets = [], []
+        for model in self._fields.values():
+            ids = [model.get_tokens_ids(toks) if model is not None and toks else [] for toks in analysed]
+            terms.append(torch.tensor([t for q in ids for t in q], dtype=torch.long))
+            offsets.append(torch.tensor(np.cumsum([0] + [len(q) for q in ids]), dtype=torch.long))
+        got_ids, got_scores = fn(parts["data"], parts["indices"], parts["indptr"], terms, offsets, scratch, mark,
+                                 self.tie_breaker, k)
+        out = []
+        for row_ids, row_scores in zip(got_ids.tolist(), got_scores.tolist()):
+            out.append([self._store.get(i, s) for i, s in zip(row_ids, row_scores) if i >= 0])
+        return out
 
     def _search_one(self, toks: list[str], k: int) -> list[Doc]:
         if not toks:
