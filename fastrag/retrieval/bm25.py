@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 
 FIELDS = ("title", "text")
 # $FASTRAG_BM25_NATIVE=0 searches with numpy (dense score vectors a query) instead of fastrag._C's postings-driven
-# search; the two give the same passages, scores and order (tests/test_retrieval.py)
+# search; the two give the same passages, scores and order (tests/test_bm25_native.py)
 NATIVE_ENV = "FASTRAG_BM25_NATIVE"
 _EMPTY = "EMPTY"  # marks a field's index folder when no passage has a term in that field
 _FORMAT = 2  # 2: Han ideographs and hiragana are single-character terms
@@ -292,10 +292,13 @@ class BM25Retriever(Retriever):
                 return None
             for key, empty in (("data", np.float32), ("indices", np.int32), ("indptr", np.int64)):
                 arr = np.zeros(1 if key == "indptr" else 0, dtype=empty) if model is None else model.scores[key]
+                if arr.dtype not in ((np.float32,) if key == "data" else (np.int32, np.int64)):
+                    return None  # (an index saved with other dtypes: the kernel reads these)
                 with warnings.catch_warnings():  # (the index's arrays are read-only maps: nothing writes to them)
                     warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
                     parts[key].append(torch.from_numpy(np.ascontiguousarray(arr)))
-        # (np.zeros leaves the pages unmapped until written: a query makes resident only the pages it touches)
+        # 9 bytes a passage (np.zeros leaves the pages unmapped until written: resident as queries touch them, all of
+        # it after the first query that sweeps)
         scratch = torch.from_numpy(np.zeros((2, self.n_docs), dtype=np.float32))
         mark = torch.from_numpy(np.zeros(self.n_docs, dtype=np.uint8))
         return _C.bm25_best_fields, parts, scratch, mark
@@ -394,8 +397,8 @@ class BM25Retriever(Retriever):
 
     def _search_native(self, analysed: list[list[str]], k: int) -> list[list[Doc]]:
         """`_search_one` of every query in one call of fastrag._C.bm25_best_fields: the same passages, scores and
-        order (csrc/bm25_cpu.cpp adds each field's postings in the same order, in the same dtypes), in time that
-        follows the postings the queries read rather than the corpus size, without the GIL."""
+        order (csrc/bm25_cpu.cpp adds each field's postings in the same order, in the same dtypes), with one pass
+        to combine the fields instead of about ten dense ones, without the GIL."""
         import torch
 
         fn, parts, scratch, mark = self._native
