@@ -147,3 +147,17 @@ def test_the_native_search_reads_only_the_postings_it_needs(tmp_path):
     assert [d.id for d in got[0]] == ["rare"] and np.isfinite(got[0][0].score) and got[0][0].score > 0
     assert torch.isnan(scratch[:, :last]).all() and not scratch[:, last:].any()
     scratch.zero_()
+
+
+def test_an_index_in_other_dtypes_is_searched_by_the_numpy_path(tmp_path):
+    """A bm25s index saved with float64 scores (bm25s' dtype setting) is not what the kernel reads: the retriever
+    keeps the numpy path for it, with the same answers, instead of failing each search."""
+    path, words = _corpus(tmp_path, random.Random(13), 150, True)
+    r = BM25Retriever(path, show_progress=False)
+    queries = _queries(random.Random(14), words, 20)
+    want = r.search(queries, 5)
+    r._fields["text"].scores["data"] = np.asarray(r._fields["text"].scores["data"], dtype=np.float64)
+    assert r._native_search() is None
+    r._native = None
+    got = r.search(queries, 5)  # (float64 sums may order near-ties otherwise: the counts of matches are the same)
+    assert [len(q) for q in got] == [len(q) for q in want] and sum(map(len, got)) > 20
