@@ -23,7 +23,6 @@ import collections
 import datetime as dt
 import json
 import os
-import re
 import resource
 import shlex
 import shutil
@@ -200,8 +199,6 @@ def main() -> None:
     if not 0 <= args.rare < 1:
         ap.error(f"--rare must lie in [0, 1), got {args.rare}")
     sizes = sorted(set(args.sizes))
-    import torch  # noqa: F401  (provenance only)
-
     from fastrag.provenance import cpu_name, versions
     from fastrag.text.pool import usable_cpus
 

@@ -46,11 +46,16 @@ def compression(path: Path, error: type[Exception]) -> str | None:
     format that cannot be read here."""
     with open(path, "rb") as f:
         head = f.read(10)
+    _refuse(path, head, error)
+    return sniff(head)
+
+
+def _refuse(path: Path, head: bytes, error: type[Exception]) -> None:
+    """`error` when `head`, the file's first bytes, opens a compression that is not read here."""
     for magic, name, command in _REFUSED:
         if head.startswith(magic):
             raise error(f"{path}: is {name}-compressed, which is not read here (gzip, bzip2 and xz are); "
                         f"unpack it first ({command.replace('FILE', path.name)})")
-    return sniff(head)
 
 
 def open_binary(path: Path, kind: str | None) -> BinaryIO:
@@ -74,30 +79,26 @@ def check_stream(path: Path, kind: str, error: type[Exception]) -> None:
             while f.read(1 << 20):
                 pass
     except STREAM_ERRORS as e:
-        raise error(f"{path}: the {kind} stream is damaged or cut short ({damage(e)}); fetch or compress the file "
-                    "again") from None
+        raise error(damaged(path, kind, e)) from None
 
 
 def decompress(path: Path, raw: bytes, error: type[Exception]) -> bytes:
     """`raw`, the whole file at `path`, decompressed when it is a compressed stream; `error` naming the file when it
     is damaged or in a compression that is not read here."""
-    for magic, name, command in _REFUSED:
-        if raw.startswith(magic):
-            raise error(f"{path}: is {name}-compressed, which is not read here (gzip, bzip2 and xz are); "
-                        f"unpack it first ({command.replace('FILE', path.name)})")
+    _refuse(path, raw[:10], error)
     kind = sniff(raw[:10])
     if kind is None:
         return raw
     try:
         return _DECOMPRESS[kind](raw)
     except (*STREAM_ERRORS, ValueError) as e:  # (bz2.decompress: ValueError for a stream cut short)
-        raise error(f"{path}: the {kind} stream is damaged or cut short ({damage(e)}); fetch or compress the file "
-                    "again") from None
+        raise error(damaged(path, kind, e)) from None
 
 
-def damage(e: BaseException) -> str:
-    """A short account of a stream error (OSError's str is empty for some)."""
-    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+def damaged(path: Path, kind: str, e: BaseException, where: str = "") -> str:
+    """The message for a `kind` stream that raised `e` while read (`where`: ' after line N', or '')."""
+    account = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__  # (OSError's str is empty for some)
+    return f"{path}: the {kind} stream is damaged or cut short{where} ({account}); fetch or compress the file again"
 
 
 def format_suffix(path: Path) -> str:

@@ -23,7 +23,8 @@ def _vocab(rng: random.Random, n: int) -> list[str]:
     return ["".join(rng.choices("abcdefghijklmnoprstuvy", k=rng.randint(3, 8))) for _ in range(n)]
 
 
-def _corpus(tmp_path: Path, rng: random.Random, n: int, titles: bool, name: str = "c.jsonl") -> Path:
+def _corpus(tmp_path: Path, rng: random.Random, n: int, titles: bool,
+            name: str = "c.jsonl") -> tuple[Path, list[str]]:
     words = _vocab(rng, 150)
     zipf = [1.0 / (i + 1) for i in range(len(words))]  # (frequent and rare terms, long and short postings)
     rows = []

@@ -72,9 +72,8 @@ def _lines(path: Path) -> Iterator[tuple[int, str]]:
     except compressed.STREAM_ERRORS as e:
         if kind is None and isinstance(e, OSError):
             raise CorpusError(f"{path}: cannot read corpus file ({e.strerror or e})") from e
-        where = f"after line {lineno}" if lineno else "before its first line"
-        raise CorpusError(f"{path}: the {kind} stream is damaged or cut short {where} "
-                          f"({compressed.damage(e)}); fetch or compress the corpus again") from e
+        where = f" after line {lineno}" if lineno else " before its first line"
+        raise CorpusError(compressed.damaged(path, kind, e, where)) from e
 
 
 def _bad_utf8_line(path: Path, kind: str | None = None) -> tuple[int, int]:
