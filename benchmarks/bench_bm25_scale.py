@@ -103,16 +103,87 @@ def _rss_gib() -> float:
     return float("nan")
 
 
+class AnonPeak:
+    """The largest RssAnon of this process (allocated memory: resident pages less file maps and shared memory),
+    sampled every 20 ms by a thread while the block runs; ru_maxrss also counts the pages of mapped files, which
+    the kernel can write back and drop."""
+
+    def __enter__(self):
+        import threading
+
+        self.peak_kib, self._stop = 0, threading.Event()
+
+        def sample():
+            while not self._stop.wait(0.02):
+                self.peak_kib = max(self.peak_kib, _status_kib("RssAnon:"))
+
+        self._thread = threading.Thread(target=sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_):
+        self._stop.set()
+        self._thread.join()
+        self.peak_kib = max(self.peak_kib, _status_kib("RssAnon:"))
+
+    @property
+    def gib(self) -> float:
+        return self.peak_kib / 2**20
+
+
+def _status_kib(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key):
+                return int(line.split()[1])
+    return 0
+
+
 def child_build(corpus: Path, index: Path) -> dict:
     from fastrag.retrieval import BM25Retriever
 
     t = time.perf_counter()
-    r = BM25Retriever(corpus, index_dir=index, show_progress=False)
+    with AnonPeak() as anon:
+        r = BM25Retriever(corpus, index_dir=index, show_progress=False)
     build_s = time.perf_counter() - t
     assert r.built and r.n_docs > 0
     size = sum(f.stat().st_size for f in index.rglob("*") if f.is_file())
-    return {"build_s": build_s, "build_peak_rss_gib": _peak_rss_gib(), "index_mib": size / 2**20,
-            "n_docs": r.n_docs}
+    workers = r.index_workers or bm25_build_workers(r.n_docs)
+    return {"build_s": build_s, "build_peak_rss_gib": _peak_rss_gib(), "build_peak_anon_gib": anon.gib,
+            "index_mib": size / 2**20,
+            "n_docs": r.n_docs, "build_workers": workers,
+            "worker_peak_rss_gib": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20}
+
+
+def bm25_build_workers(n_docs: int) -> int:
+    """The analysis processes an automatic build used: one per usable CPU up to 8 when the corpus is more than two
+    chunks (fastrag.retrieval.bm25_build), else 1."""
+    from fastrag.retrieval import bm25_build
+
+    return bm25_build._auto_workers() if n_docs > 2 * bm25_build.CHUNK and bm25_build._can_fork() else 1
+
+
+def child_build_bm25s(corpus: Path, index: Path) -> dict:
+    """The build fastrag had before its chunked one, the baseline: every passage's title and text in lists, then
+    bm25s's in-memory tokenize, index and save per field."""
+    import bm25s
+
+    from fastrag.retrieval import bm25_build
+    from fastrag.retrieval.corpus import iter_corpus
+
+    t = time.perf_counter()
+    with AnonPeak() as anon:
+        titles, texts = [], []
+        for _, title, text in iter_corpus(corpus):
+            titles.append(title)
+            texts.append(text)
+        for name, field in (("title", titles), ("text", texts)):
+            model = bm25s.BM25(k1=1.2, b=0.75, method="lucene")
+            model.index(bm25_build.analyse(field, show_progress=False), show_progress=False)
+            model.save(index / name, show_progress=False)
+            del model
+    return {"bm25s_build_s": time.perf_counter() - t, "bm25s_build_peak_rss_gib": _peak_rss_gib(),
+            "bm25s_build_peak_anon_gib": anon.gib}
 
 
 def child_search(corpus: Path, index: Path, n_queries: int, reps: int) -> dict:
@@ -189,11 +260,15 @@ def main() -> None:
     ap.add_argument("--work", help="folder for the generated corpora and indexes (default: a temporary one, "
                     "removed at the end)")
     ap.add_argument("--results", default=str(ROOT / "benchmarks" / "results"), help="folder of the result tables")
-    ap.add_argument("--child", choices=["build", "search"], help=argparse.SUPPRESS)
+    ap.add_argument("--no-baseline", action="store_true", help="skip bm25s's in-memory build (the baseline: at 1M "
+                    "passages it takes 4.5 GiB and minutes)")
+    ap.add_argument("--child", choices=["build", "build-bm25s", "search"], help=argparse.SUPPRESS)
     ap.add_argument("paths", nargs="*", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child == "build":
         return print(json.dumps(child_build(Path(args.paths[0]), Path(args.paths[1]))))
+    if args.child == "build-bm25s":
+        return print(json.dumps(child_build_bm25s(Path(args.paths[0]), Path(args.paths[1]))))
     if args.child == "search":
         return print(json.dumps(child_search(Path(args.paths[0]), Path(args.paths[1]), args.queries, args.reps)))
     if not 0 <= args.rare < 1:
@@ -215,6 +290,11 @@ def main() -> None:
             shutil.rmtree(index, ignore_errors=True)
             row = {"passages": n, "corpus_mib": corpus.stat().st_size / 2**20, "generate_s": gen_s}
             row.update(_child("build", str(corpus), str(index)))
+            if not args.no_baseline:
+                baseline = work / f"psgs_{n}.bm25s-inmemory"
+                shutil.rmtree(baseline, ignore_errors=True)
+                row.update(_child("build-bm25s", str(corpus), str(baseline)))
+                shutil.rmtree(baseline)
             row.update(_child("search", "--queries", str(args.queries), "--reps", str(args.reps), str(corpus),
                               str(index)))
             rows.append(row)
@@ -227,8 +307,10 @@ def main() -> None:
             shutil.rmtree(work, ignore_errors=True)
 
     xs = [float(r["passages"]) for r in rows]
-    keys = ("corpus_mib", "build_s", "build_peak_rss_gib", "index_mib", "load_s", "rss_after_load_gib", "search_ms",
-            "numpy_ms", "field_scores_ms")
+    base = all("bm25s_build_s" in r for r in rows)
+    keys = ("corpus_mib", "build_s", "build_peak_rss_gib", "build_peak_anon_gib", "worker_peak_rss_gib",
+            "index_mib", "load_s", "rss_after_load_gib", "search_ms", "numpy_ms", "field_scores_ms") + (
+            ("bm25s_build_s", "bm25s_build_peak_rss_gib", "bm25s_build_peak_anon_gib") if base else ())
     dpr = {k: fit(xs, [r[k] for r in rows], DPR_PASSAGES) for k in keys}
     mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     command = "python " + shlex.join(["benchmarks/bench_bm25_scale.py", *sys.argv[1:]])
@@ -240,30 +322,52 @@ def main() -> None:
             f"- corpora: generated DPR-shaped tsv, {args.words} words a passage from the bundled sample's word "
             f"frequencies, {args.rare:.0%} rare words (a vocabulary of passages / 4), bundled titles; queries: "
             f"{args.queries} real ones (bundled HotpotQA questions, then 15-word spans of bundled passages)",
-            f"- build: a fresh process, its peak resident memory; search: another process, one query a call, the "
-            f"median (and 90th percentile) over {args.reps} passes after a warm pass, of the retriever's search of an "
-            "analysed query (fastrag._C's postings-driven `bm25_best_fields` when built) and, on the same queries in "
-            "the same pass, of the numpy path (dense per-field score vectors from bm25s, then the combination and "
-            "top-k over every passage; `field scores` is its bm25s part); every query's two answers are checked "
-            "equal; batch: all the queries in one `search` call, their analysis (tokens, stopwords, stemmer; "
-            "`analysis` alone) included", "",
-            "| passages | corpus MiB | build s | build peak RSS GiB | index MiB | load s | RSS after load GiB | "
-            "search ms/query (p90) | numpy ms/query (p90) | of it field scores ms | numpy / search | "
-            "batch ms/query | of it analysis | terms/query |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    body = [f"| {r['passages']:,} | {r['corpus_mib']:.0f} | {r['build_s']:.1f} | {r['build_peak_rss_gib']:.2f} | "
-            f"{r['index_mib']:.0f} | {r['load_s']:.2f} | {r['rss_after_load_gib']:.2f} | {r['search_ms']:.2f} "
-            f"({r['search_p90_ms']:.2f}) | {r['numpy_ms']:.1f} ({r['numpy_p90_ms']:.1f}) | "
-            f"{r['field_scores_ms']:.1f} | {r['numpy_ms'] / r['search_ms']:.1f} | {r['batch_ms_per_query']:.2f} | "
-            f"{r['analyse_ms_per_query']:.2f} | "
-            f"{r['terms_per_query']:.1f} |" for r in rows]
+            "- build: fastrag's chunked build (fastrag.retrieval.bm25_build; its analysis processes as chosen "
+            "automatically) in a fresh process: seconds, the peak resident memory of the building process (RSS, "
+            "`ru_maxrss`, which counts the pages of the files it maps, and anon, its allocated memory alone: "
+            "RssAnon sampled every 20 ms) and of its largest analysis process (RSS; a forked one shares the "
+            "builder's pages until written), the index's size"
+            + ("; beside it, in another fresh process, the baseline: bm25s's in-memory build of the same passages "
+               "(every title and text in lists, then bm25s tokenize, index and save per field), as fastrag built "
+               "before" if base else ""),
+            f"- search: another process, one query a call, the median (and 90th percentile) over {args.reps} passes "
+            "after a warm pass, of the retriever's search of an analysed query (fastrag._C's postings-driven "
+            "`bm25_best_fields` when built) and, on the same queries in the same pass, of the numpy path (dense "
+            "per-field score vectors from bm25s, then the combination and top-k over every passage; `field scores` "
+            "is its bm25s part); every query's two answers are checked equal; batch: all the queries in one "
+            "`search` call, their analysis (tokens, stopwords, stemmer; `analysis` alone) included", "",
+            "| passages | corpus MiB | build s | processes | build peak RSS GiB | of it anon GiB | largest worker GiB |"
+            " index MiB |" + (" bm25s build s | bm25s peak RSS GiB | of it anon GiB | bm25s / build, time | "
+                              "bm25s / build, RSS | bm25s / build, anon |" if base else ""),
+            "|---|---|---|---|---|---|---|---|" + ("---|---|---|---|---|---|" if base else "")]
+    body = [f"| {r['passages']:,} | {r['corpus_mib']:.0f} | {r['build_s']:.1f} | {r['build_workers']} | "
+            f"{r['build_peak_rss_gib']:.2f} | {r['build_peak_anon_gib']:.2f} | {r['worker_peak_rss_gib']:.2f} | "
+            f"{r['index_mib']:.0f} |"
+            + (f" {r['bm25s_build_s']:.1f} | {r['bm25s_build_peak_rss_gib']:.2f} | "
+               f"{r['bm25s_build_peak_anon_gib']:.2f} | {r['bm25s_build_s'] / r['build_s']:.2f} | "
+               f"{r['bm25s_build_peak_rss_gib'] / r['build_peak_rss_gib']:.1f} | "
+               f"{r['bm25s_build_peak_anon_gib'] / r['build_peak_anon_gib']:.1f} |" if base else "") for r in rows]
+    search = ["", "| passages | load s | RSS after load GiB | search ms/query (p90) | numpy ms/query (p90) | "
+              "of it field scores ms | numpy / search | batch ms/query | of it analysis | terms/query |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    search += [f"| {r['passages']:,} | {r['load_s']:.2f} | {r['rss_after_load_gib']:.2f} | {r['search_ms']:.2f} "
+               f"({r['search_p90_ms']:.2f}) | {r['numpy_ms']:.1f} ({r['numpy_p90_ms']:.1f}) | "
+               f"{r['field_scores_ms']:.1f} | {r['numpy_ms'] / r['search_ms']:.1f} | {r['batch_ms_per_query']:.2f} | "
+               f"{r['analyse_ms_per_query']:.2f} | {r['terms_per_query']:.1f} |" for r in rows]
     tail = ["", f"Extrapolated to DPR's {DPR_PASSAGES:,} passages (a least-squares line through the rows above; "
             "not measured): corpus "
-            f"{dpr['corpus_mib'] / 1024:.1f} GiB, build {dpr['build_s'] / 60:.0f} min at peak "
-            f"{dpr['build_peak_rss_gib']:.0f} GiB resident (this machine has {mem_gib:.0f} GiB), index "
+            f"{dpr['corpus_mib'] / 1024:.1f} GiB, build {dpr['build_s'] / 60:.0f} min with "
+            f"{rows[-1]['build_workers']} processes, the builder at peak {dpr['build_peak_rss_gib']:.1f} GiB resident "
+            f"({dpr['build_peak_anon_gib']:.1f} GiB of it allocated) and its largest worker "
+            f"{dpr['worker_peak_rss_gib']:.1f} GiB"
+            + (f" (bm25s's in-memory build: {dpr['bm25s_build_s'] / 60:.0f} min at peak "
+               f"{dpr['bm25s_build_peak_rss_gib']:.0f} GiB, {dpr['bm25s_build_peak_anon_gib']:.0f} GiB allocated)"
+               if base else "")
+            + f"; this machine has {mem_gib:.0f} GiB; index "
             f"{dpr['index_mib'] / 1024:.1f} GiB, load {dpr['load_s']:.1f} s, {dpr['rss_after_load_gib']:.1f} GiB "
             f"after the load, search {dpr['search_ms']:.1f} ms a query (the numpy path {dpr['numpy_ms']:.0f} ms, of it "
             f"field scores {dpr['field_scores_ms']:.0f})."]
+    body = body + search
     out = Path(args.results)
     out.mkdir(parents=True, exist_ok=True)
     tag = "cpu"

@@ -19,7 +19,10 @@ them out of its field statistics); it only matters for corpora with empty titles
 Index layout (`index_dir`, default `<corpus>.bm25s/`, else `$FASTRAG_CACHE/indexes/<hash>/` when the corpus
 folder is read-only): `title/` and `text/` (bm25s indexes, loaded with mmap), `docs.bin` + `docs_offsets.npy`
 (UTF-8 id/title/text of each passage, mmapped, so loading costs no time for any corpus size) and
-`manifest.json` (written last, so a half-built index is never trusted).
+`manifest.json` (written last, so a half-built index is never trusted). The build (`fastrag.retrieval.bm25_build`)
+reads the corpus once, a chunk of passages at a time, analysed in worker processes on a big corpus
+($FASTRAG_INDEX_WORKERS, `index_workers`), and writes bm25s's files with bm25s's scores to the bit in memory that
+does not grow with the postings.
 """
 
 from __future__ import annotations
@@ -30,7 +33,6 @@ import json
 import logging
 import mmap
 import os
-import re
 import shutil
 import sys
 import threading
@@ -39,6 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fastrag.retrieval import bm25_build
 from fastrag.retrieval.base import Doc, Retriever
 from fastrag.retrieval.corpus import (READER_VERSION, CorpusError, corpus_format, corpus_fingerprint,
                                      iter_corpus)
@@ -52,14 +55,6 @@ FIELDS = ("title", "text")
 NATIVE_ENV = "FASTRAG_BM25_NATIVE"
 _EMPTY = "EMPTY"  # marks a field's index folder when no passage has a term in that field
 _FORMAT = 2  # 2: Han ideographs and hiragana are single-character terms
-# Han ideographs (with extension A and the compatibility block) and hiragana: written without spaces, so each
-# character is a term, as Elasticsearch's standard tokenizer makes them (a `\w\w+` token would be a whole clause)
-_CJK = "\u3040-\u309f\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff"
-_CJK_CHAR = re.compile(f"[{_CJK}]")
-_TOKEN_PATTERN = f"(?u)\\b\\w\\w+\\b|[{_CJK}]"
-_STOPWORDS = "en"
-_STEMMER = "english"
-
 
 def _cache_root() -> Path:
     return Path(os.environ.get("FASTRAG_CACHE", Path.home() / ".cache" / "fastrag"))
@@ -195,30 +190,69 @@ class _DocStore:
 
     @staticmethod
     def write(directory: Path, rows) -> tuple[list[str], list[str]]:
-        """Write the store from (id, title, text) rows; return the titles and texts to index. The files are new
-        ones, not the old ones rewritten in place: a retriever that maps the store of an earlier build (a server,
-        a run in progress) goes on reading that build's passages instead of the new build's bytes at its old
-        offsets."""
+        """Write the store from (id, title, text) rows; return the titles and texts (to index them)."""
+        titles, texts = [], []
+        with _DocStoreWriter(directory) as w:
+            for row in rows:
+                w.add((row,))
+                titles.append(row[1])
+                texts.append(row[2])
+        return titles, texts
+
+
+class _DocStoreWriter:
+    """Writes a `_DocStore` from batches of (id, title, text) rows (`add`) without keeping them: the offsets go
+    to a scratch file and become `docs_offsets.npy` on a clean exit. The files are new ones, not the old ones
+    rewritten in place: a retriever that maps the store of an earlier build (a server, a run in progress) goes on
+    reading that build's passages instead of the new build's bytes at its old offsets."""
+
+    def __init__(self, directory: Path):
+        self.directory = directory
         for name in ("docs.bin", "docs_offsets.npy"):
             (directory / name).unlink(missing_ok=True)
-        titles, texts, offsets, pos = [], [], [0], 0
-        with open(directory / "docs.bin", "wb") as out:
-            for doc_id, title, text in rows:
-                for s in (doc_id, title, text):
-                    b = s.encode("utf-8")
-                    out.write(b)
-                    pos += len(b)
-                    offsets.append(pos)
-                titles.append(title)
-                texts.append(text)
-        np.save(directory / "docs_offsets.npy", np.asarray(offsets, dtype=np.int64))
-        return titles, texts
+        self._blob = open(directory / "docs.bin", "wb")
+        self._offsets = open(directory / "docs_offsets.i64.tmp", "wb")
+        self.pos = 0
+        self.n = 0
+
+    def add(self, rows) -> None:
+        offsets = []
+        for fields in rows:
+            for s in fields:
+                b = s.encode("utf-8")
+                self._blob.write(b)
+                self.pos += len(b)
+                offsets.append(self.pos)
+            self.n += 1
+        np.asarray(offsets, dtype=np.int64).tofile(self._offsets)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, *_) -> None:
+        self._blob.close()
+        self._offsets.close()
+        raw = self.directory / "docs_offsets.i64.tmp"
+        try:
+            if kind is None:
+                body = np.fromfile(raw, dtype=np.int64, count=0) if not self.n else np.memmap(raw, np.int64, "r")
+                out = np.lib.format.open_memmap(self.directory / "docs_offsets.npy", mode="w+", dtype=np.int64,
+                                                shape=(3 * self.n + 1,))
+                out[0] = 0
+                for i in range(0, len(body), 1 << 24):  # (copied in slices: no copy of it all in memory)
+                    out[1 + i : 1 + i + (1 << 24)] = body[i : i + (1 << 24)]
+                out.flush()
+                del out, body
+        finally:
+            raw.unlink(missing_ok=True)
 
 
 class BM25Retriever(Retriever):
     """BM25 over a jsonl/tsv corpus with `best_fields` combination of title and text (see module docstring).
 
     `self.built` is True when this construction (re)indexed the corpus, False when it reloaded a saved index.
+    A build reads the corpus once, a chunk at a time, in memory that does not grow with the postings
+    (`fastrag.retrieval.bm25_build`); `index_workers` processes analyse the chunks.
     """
 
     def __init__(
@@ -229,6 +263,7 @@ class BM25Retriever(Retriever):
         b: float = 0.75,
         tie_breaker: float = 0.5,
         show_progress: bool = True,
+        index_workers: int | None = None,
     ):
         # bm25s probes JAX at import (a top-k on a tiny array) when JAX is installed. On a GPU machine that probe
         # would start XLA there, and XLA takes 75% of the GPU's memory up front, leaving the engine's KV cache none.
@@ -246,6 +281,12 @@ class BM25Retriever(Retriever):
             raise ValueError(f"b must lie in [0, 1], got {b}")
         if not 0 <= tie_breaker <= 1:
             raise ValueError(f"tie_breaker must lie in [0, 1], got {tie_breaker}")
+        if index_workers is not None and (isinstance(index_workers, bool) or not isinstance(index_workers, int)
+                                          or index_workers < 1):
+            raise ValueError(f"index_workers must be a number of processes >= 1, got {index_workers!r}")
+        # processes that analyse passages when the index is built (None: $FASTRAG_INDEX_WORKERS, else one per usable
+        # CPU up to 8 for a corpus of more than two chunks; read now: a bad value fails before any work)
+        self.index_workers = index_workers if index_workers is not None else bm25_build.workers_setting()
         self.corpus_path = Path(corpus_path).resolve()
         if not self.corpus_path.is_file():
             raise CorpusError(f"corpus file not found: {self.corpus_path}")
@@ -253,7 +294,7 @@ class BM25Retriever(Retriever):
         self.k1, self.b, self.tie_breaker = float(k1), float(b), float(tie_breaker)
         self.show_progress = show_progress
         self._bm25s = bm25s
-        self._stemmer = Stemmer.Stemmer(_STEMMER)
+        self._stemmer = Stemmer.Stemmer(bm25_build.STEMMER)
         self._lock = threading.Lock()  # one search at a time (the stemmer is not thread-safe; the native scratch)
         self._native_setting = env_setting(NATIVE_ENV)  # (read first: a bad value is not an unreadable index)
 
@@ -318,8 +359,8 @@ class BM25Retriever(Retriever):
             "k1": self.k1,
             "b": self.b,
             "method": "lucene",
-            "stopwords": _STOPWORDS,
-            "stemmer": _STEMMER,
+            "stopwords": bm25_build.STOPWORDS,
+            "stemmer": bm25_build.STEMMER,
             "fields": list(FIELDS),
         }  # tie_breaker is applied at query time, so it is not part of the index
 
@@ -335,21 +376,21 @@ class BM25Retriever(Retriever):
 
     def _index(self, d: Path, manifest: dict) -> None:
         log.info("indexing %s into %s", self.corpus_path, d)
-        titles, texts = _DocStore.write(d, iter_corpus(self.corpus_path))
-        if not titles:
-            raise CorpusError(f"{self.corpus_path}: the corpus holds no passages")
-        for name, field in zip(FIELDS, (titles, texts)):
-            tokens = self._tokenize(field, show_progress=self.show_progress)
+        for name in FIELDS:
             if (d / name).exists():
                 shutil.rmtree(d / name)
-            if not tokens.vocab:  # no passage has a term in this field (e.g. a corpus without titles): it scores 0
-                (d / name).mkdir(parents=True)
+        with _DocStoreWriter(d) as store:  # (the passages stored as they are read, a chunk at a time)
+            n_docs, found = bm25_build.build_fields(iter_corpus(self.corpus_path), d, FIELDS, self.k1, self.b,
+                                                    sink=store.add, workers=self.index_workers,
+                                                    progress=self.show_progress,
+                                                    desc=f"indexing {self.corpus_path.name}")
+        if not n_docs:
+            raise CorpusError(f"{self.corpus_path}: the corpus holds no passages")
+        for name in FIELDS:
+            if not found[name]:  # no passage has a term in this field (e.g. a corpus without titles): it scores 0
+                (d / name).mkdir(parents=True, exist_ok=True)
                 (d / name / _EMPTY).write_text("no indexable term in this field\n")
-                continue
-            model = self._bm25s.BM25(k1=self.k1, b=self.b, method="lucene")
-            model.index(tokens, show_progress=self.show_progress)
-            model.save(d / name, show_progress=False)
-        write_manifest(d, manifest, len(titles))
+        write_manifest(d, manifest, n_docs)
 
     # ---- search -------------------------------------------------------------------------------------------
 
@@ -366,9 +407,7 @@ class BM25Retriever(Retriever):
 
     def _tokenize(self, texts: list[str], **kw):
         """bm25s analysis of passages or queries (module docstring), CJK characters one term each."""
-        texts = [_CJK_CHAR.sub(r" \g<0> ", t) if _CJK_CHAR.search(t) else t for t in texts]
-        return self._bm25s.tokenize(texts, token_pattern=_TOKEN_PATTERN, stopwords=_STOPWORDS,
-                                    stemmer=self._stemmer, **kw)
+        return bm25_build.analyse(texts, stemmer=self._stemmer, **kw)
 
     def analyze(self, queries: list[str]) -> list[list[str]]:
         """Analysed query terms (lowercase, stopwords removed, stemmed), one list per query."""
