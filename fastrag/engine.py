@@ -22,7 +22,7 @@ from fastrag.cache.kv import (BlockTable, KVPool, OutOfBlocks, SharedPrefix, blo
 from fastrag.cuda_graphs import DecodeGraphs, PassGraphs, PrefillGraphs
 from fastrag.model.llama import AttnBatch, LlamaModel, PrefixGroup
 from fastrag.signals import get_backend
-from fastrag.switches import env_setting
+from fastrag.switches import env_int, env_setting
 from fastrag.transfer import tensor_on, to_device
 
 
@@ -49,12 +49,8 @@ ASYNC_PREFILL_ENV = "FASTRAG_ASYNC_PREFILL"  # 1: a prefill's first tokens reach
 
 def _env_int(name: str, default: int) -> int:
     """$name as an integer >= 0 (unset or blank: default); anything else is an error naming the variable."""
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
-    if not raw.isdigit():
-        raise ValueError(f"${name}={os.environ[name]!r}: expected an integer >= 0")
-    return int(raw)
+    v = env_int(name, 0)
+    return default if v is None else v
 
 
 def prefill_graph_tokens() -> int:

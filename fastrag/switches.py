@@ -37,6 +37,17 @@ def env_setting(name: str) -> bool | None:
 SWITCH_INTERVAL_ENV = "FASTRAG_SWITCH_INTERVAL"
 
 
+def env_int(name: str, least: int = 0, what: str = "an integer") -> int | None:
+    """$name as a whole number >= least (digits only); None when unset or blank. Anything else is an error naming
+    the variable and `what` it should be."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    if not raw.isdigit() or int(raw) < least:
+        raise ValueError(f"${name}={os.environ[name]!r}: expected {what} >= {least}")
+    return int(raw)
+
+
 def env_seconds(name: str, lo: float, hi: float) -> float | None:
     """$name as seconds in [lo, hi]; None when unset or blank. Anything else is an error naming the variable."""
     raw = os.environ.get(name, "").strip()

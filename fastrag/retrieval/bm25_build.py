@@ -41,6 +41,8 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
+from fastrag.switches import env_int
+
 # ---- analysis (shared with the queries: fastrag.retrieval.bm25 imports it) -----------------------------------------
 
 # Han ideographs (with extension A and the compatibility block) and hiragana: written without spaces, so each
@@ -208,16 +210,7 @@ class FieldBuilder:
 def workers_setting() -> int | None:
     """$FASTRAG_INDEX_WORKERS: processes that analyse passages during a BM25 build (1: the building process
     alone); None when unset (one per usable CPU, up to 8, once the corpus is bigger than two chunks)."""
-    raw = os.environ.get(WORKERS_ENV, "").strip()
-    if not raw:
-        return None
-    try:
-        n = int(raw)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise ValueError(f"${WORKERS_ENV}={os.environ[WORKERS_ENV]!r}: expected a number of processes >= 1")
-    return n
+    return env_int(WORKERS_ENV, 1, "a number of processes")
 
 
 def _auto_workers() -> int:
