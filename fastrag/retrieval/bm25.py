@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import json
 import logging
 import mmap
@@ -193,10 +194,11 @@ class _DocStore:
         """Write the store from (id, title, text) rows; return the titles and texts (to index them)."""
         titles, texts = [], []
         with _DocStoreWriter(directory) as w:
-            for row in rows:
-                w.add((row,))
-                titles.append(row[1])
-                texts.append(row[2])
+            it = iter(rows)
+            while batch := list(itertools.islice(it, 10_000)):
+                w.add(batch)
+                titles.extend(r[1] for r in batch)
+                texts.extend(r[2] for r in batch)
         return titles, texts
 
 
