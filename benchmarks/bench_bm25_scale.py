@@ -140,7 +140,7 @@ def _status_kib(key: str) -> int:
 
 
 def child_build(corpus: Path, index: Path) -> dict:
-    from fastrag.retrieval import BM25Retriever
+    from fastrag.retrieval import BM25Retriever, bm25_build
 
     t = time.perf_counter()
     with AnonPeak() as anon:
@@ -148,19 +148,11 @@ def child_build(corpus: Path, index: Path) -> dict:
     build_s = time.perf_counter() - t
     assert r.built and r.n_docs > 0
     size = sum(f.stat().st_size for f in index.rglob("*") if f.is_file())
-    workers = r.index_workers or bm25_build_workers(r.n_docs)
+    workers = bm25_build.pool_size(-(-r.n_docs // bm25_build.CHUNK), r.index_workers or bm25_build._auto_workers())
     return {"build_s": build_s, "build_peak_rss_gib": _peak_rss_gib(), "build_peak_anon_gib": anon.gib,
             "index_mib": size / 2**20,
             "n_docs": r.n_docs, "build_workers": workers,
             "worker_peak_rss_gib": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20}
-
-
-def bm25_build_workers(n_docs: int) -> int:
-    """The analysis processes an automatic build used: one per usable CPU up to 8 when the corpus is more than two
-    chunks (fastrag.retrieval.bm25_build), else 1."""
-    from fastrag.retrieval import bm25_build
-
-    return bm25_build._auto_workers() if n_docs > 2 * bm25_build.CHUNK and bm25_build._can_fork() else 1
 
 
 def child_build_bm25s(corpus: Path, index: Path) -> dict:

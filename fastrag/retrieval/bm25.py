@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import itertools
 import json
 import logging
 import mmap
@@ -194,8 +193,7 @@ class _DocStore:
         """Write the store from (id, title, text) rows; return the titles and texts (to index them)."""
         titles, texts = [], []
         with _DocStoreWriter(directory) as w:
-            it = iter(rows)
-            while batch := list(itertools.islice(it, 10_000)):
+            for batch in bm25_build.chunks(rows, 10_000):
                 w.add(batch)
                 titles.extend(r[1] for r in batch)
                 texts.extend(r[2] for r in batch)

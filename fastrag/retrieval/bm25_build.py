@@ -219,7 +219,14 @@ def _auto_workers() -> int:
     return max(1, min(8, usable_cpus()))
 
 
-def _chunks(rows: Iterable[tuple[str, ...]], size: int) -> Iterator[list[tuple[str, ...]]]:
+def pool_size(n_chunks: int, workers: int) -> int:
+    """Analysis processes a build of `n_chunks` chunks runs with `workers` asked for: a pool from the third chunk on
+    where processes can be forked, else 1 (the builder alone)."""
+    return workers if n_chunks > 2 and workers > 1 and _can_fork() else 1
+
+
+def chunks(rows: Iterable[tuple[str, ...]], size: int) -> Iterator[list[tuple[str, ...]]]:
+    """Lists of `size` rows (the last one shorter), read from `rows` one list at a time."""
     it = iter(rows)
     while batch := list(itertools.islice(it, size)):
         yield batch
@@ -254,12 +261,12 @@ def build_fields(rows: Iterable[tuple[str, str, str]], out: Path, fields: tuple[
                 bar.update(len(parts[0][2]))
 
         try:
-            for i, batch in enumerate(_chunks(rows, chunk)):
+            for i, batch in enumerate(chunks(rows, chunk)):
                 if sink is not None:
                     sink(batch)
                 texts = (tuple(r[1] for r in batch), tuple(r[2] for r in batch))
                 n += len(batch)
-                if pool is None and i == 2 and nproc > 1 and _can_fork():
+                if pool is None and pool_size(i + 1, nproc) > 1:
                     # (a corpus of more than two chunks: worth the processes; smaller ones stay in this one)
                     pool = multiprocessing.get_context("fork").Pool(nproc)
                 if pool is None:

@@ -113,14 +113,15 @@ class _UniqueIds:
     def add(self, doc_id: str, lineno: int) -> None:
         first = self.block.setdefault(doc_id, lineno)
         if first != lineno:
-            self._check_levels()  # (a repeat of an earlier block at an earlier line is the first error)
+            self._check_levels(*self._hashed())  # (a repeat of an earlier block at an earlier line comes first)
             raise self._repeat(doc_id, lineno, first)
         self.n += 1
         if len(self.block) >= self.BLOCK:
             self._flush()
 
     def finish(self) -> None:
-        self._check_levels()
+        if self.levels:  # (a corpus of one block was checked whole by its dict)
+            self._check_levels(*self._hashed())
         self.block, self.levels = {}, []
 
     def _repeat(self, doc_id: str, lineno: int, first: int) -> CorpusError:
@@ -133,10 +134,8 @@ class _UniqueIds:
         lines = np.fromiter(self.block.values(), dtype=np.int64, count=len(ids))
         return ids, h, lines
 
-    def _check_levels(self) -> None:
-        if not self.block or not self.levels:
-            return
-        ids, h, lines = self._hashed()
+    def _check_levels(self, ids: list[str], h: np.ndarray, lines: np.ndarray) -> None:
+        """Raise the first repeat, in file order, of an id of the block (its ids, hashes and lines) in the levels."""
         found = []  # (line, id, earlier line) of each id an earlier block had
         for lh, ll in self.levels:
             pos = np.searchsorted(lh, h)
@@ -151,8 +150,8 @@ class _UniqueIds:
             raise self._repeat(doc_id, lineno, first)
 
     def _flush(self) -> None:
-        self._check_levels()
-        _, h, lines = self._hashed()
+        ids, h, lines = self._hashed()
+        self._check_levels(ids, h, lines)
         order = np.argsort(h, kind="stable")
         level = (h[order], lines[order])
         while self.levels and len(self.levels[-1][0]) <= len(level[0]):
@@ -164,20 +163,22 @@ class _UniqueIds:
         self.block = {}
 
 
-def _jsonl_id_at(path: Path, lineno: int) -> str:
-    """The passage id on line `lineno` of a jsonl corpus already read through it (so the line is a valid record)."""
+def _line_at(path: Path, lineno: int) -> str:
+    """Line `lineno` of a corpus already read through it."""
     for n, line in _lines(path):
         if n == lineno:
-            rec = json.loads(line)
-            return str(rec["id"] if "id" in rec else rec["_id"])
+            return line
     raise CorpusError(f"{path}: line {lineno} is gone: the file changed while it was read")
+
+
+def _jsonl_id_at(path: Path, lineno: int) -> str:
+    """The passage id on line `lineno` of a jsonl corpus already read through it (so the line is a valid record)."""
+    rec = json.loads(_line_at(path, lineno))
+    return str(rec["id"] if "id" in rec else rec["_id"])
 
 
 def _tsv_id_at(path: Path, lineno: int, i_id: int) -> str:
-    for n, line in _lines(path):
-        if n == lineno:
-            return _tsv_fields(line.rstrip("\r\n"))[i_id]
-    raise CorpusError(f"{path}: line {lineno} is gone: the file changed while it was read")
+    return _tsv_fields(_line_at(path, lineno).rstrip("\r\n"))[i_id]
 
 
 def _lone_cr(line: str) -> bool:
