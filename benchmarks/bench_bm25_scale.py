@@ -10,7 +10,10 @@ peak resident memory is the build's alone: `ru_maxrss`) and then searches it in 
 memory after the load, and per query (one query a call, `--reps` passes over the queries, the median) the
 milliseconds of the retriever's search (fastrag._C's postings-driven one when the extension is built) and of the
 numpy path beside it on the same queries (dense per-field score vectors, then a pass over every passage), whose
-answers must agree. Writes benchmarks/results/bm25_scale_cpu.md (+ .json).
+answers must agree. Beside each build, the same build in another fresh process with $FASTRAG_BM25_NATIVE=0 (the
+passages' tokens found by Python's regex engine instead of fastrag._C's scan; `--no-python-scan` skips it), and
+bm25s's own in-memory build, the baseline (`--no-baseline` skips it). Writes benchmarks/results/bm25_scale_cpu.md
+(+ .json).
 
     python benchmarks/bench_bm25_scale.py                          # 100k, 300k and 1M passages
     python benchmarks/bench_bm25_scale.py --sizes 50000 200000 --results /tmp/r
@@ -149,8 +152,9 @@ def child_build(corpus: Path, index: Path) -> dict:
     assert r.built and r.n_docs > 0
     size = sum(f.stat().st_size for f in index.rglob("*") if f.is_file())
     workers = bm25_build.pool_size(-(-r.n_docs // bm25_build.CHUNK), r.index_workers or bm25_build._auto_workers())
+    native = r._native_setting is not False and bm25_build.native_tokens() is not None
     return {"build_s": build_s, "build_peak_rss_gib": _peak_rss_gib(), "build_peak_anon_gib": anon.gib,
-            "index_mib": size / 2**20,
+            "index_mib": size / 2**20, "native_scan": native,
             "n_docs": r.n_docs, "build_workers": workers,
             "worker_peak_rss_gib": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20}
 
@@ -226,8 +230,9 @@ def child_search(corpus: Path, index: Path, n_queries: int, reps: int) -> dict:
             "terms_per_query": statistics.mean(len(t) for t in toks), "docs_returned": hits / len(qs)}
 
 
-def _child(kind: str, *args: str) -> dict:
-    p = subprocess.run([sys.executable, __file__, "--child", kind, *args], capture_output=True, text=True)
+def _child(kind: str, *args: str, env: dict | None = None) -> dict:
+    p = subprocess.run([sys.executable, __file__, "--child", kind, *args], capture_output=True, text=True,
+                       env=None if env is None else {**os.environ, **env})
     if p.returncode != 0:
         sys.exit(f"bench_bm25_scale.py: the {kind} process failed:\n{p.stderr[-3000:]}")
     return json.loads(p.stdout.strip().splitlines()[-1])
@@ -254,6 +259,8 @@ def main() -> None:
     ap.add_argument("--results", default=str(ROOT / "benchmarks" / "results"), help="folder of the result tables")
     ap.add_argument("--no-baseline", action="store_true", help="skip bm25s's in-memory build (the baseline: at 1M "
                     "passages it takes 4.5 GiB and minutes)")
+    ap.add_argument("--no-python-scan", action="store_true", help="skip the second chunked build with "
+                    "$FASTRAG_BM25_NATIVE=0 (the passages' tokens found by Python's regex engine, not fastrag._C)")
     ap.add_argument("--child", choices=["build", "build-bm25s", "search"], help=argparse.SUPPRESS)
     ap.add_argument("paths", nargs="*", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -282,6 +289,13 @@ def main() -> None:
             shutil.rmtree(index, ignore_errors=True)
             row = {"passages": n, "corpus_mib": corpus.stat().st_size / 2**20, "generate_s": gen_s}
             row.update(_child("build", str(corpus), str(index)))
+            if not args.no_python_scan:  # (the same build, the tokens found by the regex: the scan's A/B)
+                other = work / f"psgs_{n}.bm25s-pyscan"
+                shutil.rmtree(other, ignore_errors=True)
+                py = _child("build", str(corpus), str(other), env={"FASTRAG_BM25_NATIVE": "0"})
+                row.update({"pyscan_build_s": py["build_s"], "pyscan_build_peak_anon_gib": py["build_peak_anon_gib"],
+                            "pyscan_native_scan": py["native_scan"]})
+                shutil.rmtree(other)
             if not args.no_baseline:
                 baseline = work / f"psgs_{n}.bm25s-inmemory"
                 shutil.rmtree(baseline, ignore_errors=True)
@@ -300,9 +314,11 @@ def main() -> None:
 
     xs = [float(r["passages"]) for r in rows]
     base = all("bm25s_build_s" in r for r in rows)
+    pyscan = all("pyscan_build_s" in r for r in rows)
     keys = ("corpus_mib", "build_s", "build_peak_rss_gib", "build_peak_anon_gib", "worker_peak_rss_gib",
             "index_mib", "load_s", "rss_after_load_gib", "search_ms", "numpy_ms", "field_scores_ms") + (
-            ("bm25s_build_s", "bm25s_build_peak_rss_gib", "bm25s_build_peak_anon_gib") if base else ())
+            ("bm25s_build_s", "bm25s_build_peak_rss_gib", "bm25s_build_peak_anon_gib") if base else ()) + (
+            ("pyscan_build_s",) if pyscan else ())
     dpr = {k: fit(xs, [r[k] for r in rows], DPR_PASSAGES) for k in keys}
     mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     command = "python " + shlex.join(["benchmarks/bench_bm25_scale.py", *sys.argv[1:]])
@@ -318,7 +334,11 @@ def main() -> None:
             "automatically) in a fresh process: seconds, the peak resident memory of the building process (RSS, "
             "`ru_maxrss`, which counts the pages of the files it maps, and anon, its allocated memory alone: "
             "RssAnon sampled every 20 ms) and of its largest analysis process (RSS; a forked one shares the "
-            "builder's pages until written), the index's size"
+            "builder's pages until written), the index's size; the passages' tokens found by "
+            + ("fastrag._C's scan (`bm25_tokens`)" if all(r["native_scan"] for r in rows) else "Python's regex engine")
+            + ("; `regex scan`: the same build in another fresh process with $FASTRAG_BM25_NATIVE=0, its tokens "
+               "found by Python's regex engine (and no torch imported: the native scan's build seconds include "
+               "torch's import, ~1 s, which the retriever's native search needs anyway)" if pyscan else "")
             + ("; beside it, in another fresh process, the baseline: bm25s's in-memory build of the same passages "
                "(every title and text in lists, then bm25s tokenize, index and save per field), as fastrag built "
                "before" if base else ""),
@@ -329,12 +349,14 @@ def main() -> None:
             "is its bm25s part); every query's two answers are checked equal; batch: all the queries in one "
             "`search` call, their analysis (tokens, stopwords, stemmer; `analysis` alone) included", "",
             "| passages | corpus MiB | build s | processes | build peak RSS GiB | of it anon GiB | largest worker GiB |"
-            " index MiB |" + (" bm25s build s | bm25s peak RSS GiB | of it anon GiB | bm25s / build, time | "
+            " index MiB |" + (" regex scan build s | regex / scan |" if pyscan else "") + (" bm25s build s | bm25s peak RSS GiB | of it anon GiB | bm25s / build, time | "
                               "bm25s / build, RSS | bm25s / build, anon |" if base else ""),
-            "|---|---|---|---|---|---|---|---|" + ("---|---|---|---|---|---|" if base else "")]
+            "|---|---|---|---|---|---|---|---|" + ("---|---|" if pyscan else "")
+            + ("---|---|---|---|---|---|" if base else "")]
     body = [f"| {r['passages']:,} | {r['corpus_mib']:.0f} | {r['build_s']:.1f} | {r['build_workers']} | "
             f"{r['build_peak_rss_gib']:.2f} | {r['build_peak_anon_gib']:.2f} | {r['worker_peak_rss_gib']:.2f} | "
             f"{r['index_mib']:.0f} |"
+            + (f" {r['pyscan_build_s']:.1f} | {r['pyscan_build_s'] / r['build_s']:.2f} |" if pyscan else "")
             + (f" {r['bm25s_build_s']:.1f} | {r['bm25s_build_peak_rss_gib']:.2f} | "
                f"{r['bm25s_build_peak_anon_gib']:.2f} | {r['bm25s_build_s'] / r['build_s']:.2f} | "
                f"{r['bm25s_build_peak_rss_gib'] / r['build_peak_rss_gib']:.1f} | "
@@ -349,7 +371,9 @@ def main() -> None:
     tail = ["", f"Extrapolated to DPR's {DPR_PASSAGES:,} passages (a least-squares line through the rows above; "
             "not measured): corpus "
             f"{dpr['corpus_mib'] / 1024:.1f} GiB, build {dpr['build_s'] / 60:.0f} min with "
-            f"{rows[-1]['build_workers']} processes, the builder at peak {dpr['build_peak_rss_gib']:.1f} GiB resident "
+            f"{rows[-1]['build_workers']} processes"
+            + (f" ({dpr['pyscan_build_s'] / 60:.0f} min with the regex scan)" if pyscan else "")
+            + f", the builder at peak {dpr['build_peak_rss_gib']:.1f} GiB resident "
             f"({dpr['build_peak_anon_gib']:.1f} GiB of it allocated) and its largest worker "
             f"{dpr['worker_peak_rss_gib']:.1f} GiB"
             + (f" (bm25s's in-memory build: {dpr['bm25s_build_s'] / 60:.0f} min at peak "

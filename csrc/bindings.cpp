@@ -130,6 +130,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "BM25 best_fields top-k over two fields' CSC score matrices, work proportional to the postings read, CPU",
         py::arg("data"), py::arg("indices"), py::arg("indptr"), py::arg("terms"), py::arg("offsets"),
         py::arg("scratch"), py::arg("mark"), py::arg("tie_breaker"), py::arg("k"));
+  m.def("bm25_tokens", &g::bm25_tokens,
+        "the \\w\\w+ and Han/hiragana tokens of texts, numbered: (distinct, ids, counts), CPU",
+        py::arg("texts"), py::arg("lower") = true);
 #ifdef FASTRAG_WITH_CUDA
   m.attr("with_cuda") = true;
   m.def("decode_signals_cuda", &g::decode_signals_cuda, "fused decode-step signals, CUDA", py::arg("logits"),

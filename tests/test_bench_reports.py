@@ -869,6 +869,7 @@ def test_bench_bm25_scale_builds_and_searches_each_size_and_refuses_a_bad_share(
     assert [r["passages"] for r in rows] == [1500, 3000] and all(r["n_docs"] == r["passages"] for r in rows)
     for r in rows:
         assert r["native"] and r["build_s"] > 0 and r["search_ms"] > 0 and r["numpy_ms"] > 0
+        assert r["native_scan"] and not r["pyscan_native_scan"] and r["pyscan_build_s"] > 0  # (the scan's A/B)
         assert r["bm25s_build_s"] > 0 and r["bm25s_build_peak_rss_gib"] > 0 and r["build_peak_rss_gib"] > 0
         assert r["build_workers"] == 1  # (a corpus of at most two chunks is analysed by the builder alone)
         assert r["docs_returned"] > 2 and r["terms_per_query"] > 3  # (real queries: most match 3 passages)
@@ -876,3 +877,4 @@ def test_bench_bm25_scale_builds_and_searches_each_size_and_refuses_a_bad_share(
     md = (tmp_path / "bm25_scale_cpu.md").read_text()
     assert "| 1,500 |" in md and "| 3,000 |" in md and "Extrapolated to DPR's 21,015,324 passages" in md
     assert "| bm25s build s |" in md and "(bm25s's in-memory build:" in md
+    assert "| regex scan build s | regex / scan |" in md and "fastrag._C's scan (`bm25_tokens`)" in md

@@ -69,14 +69,16 @@ def _assert_same_postings(ours: Path, theirs: Path) -> None:
         np.testing.assert_array_equal(got[term][1], want[term][1], err_msg=term)
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["scan", "regex"])
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
-def test_chunked_build_writes_bm25s_postings_to_the_bit(tmp_path, monkeypatch, seed):
+def test_chunked_build_writes_bm25s_postings_to_the_bit(tmp_path, monkeypatch, seed, native):
     rng = random.Random(seed)
     rows = _rows(rng, rng.randint(150, 500))
     k1, b = [(1.2, 0.75), (0.9, 0.4), (2.0, 1.0), (1.5, 0.0)][seed]
     monkeypatch.setattr(bm25_build, "SLICE", rng.randint(7, 300))  # (postings placed a few at a time)
     chunk = rng.randint(1, 60)
-    n, found = bm25_build.build_fields(rows, tmp_path / "ours", ("title", "text"), k1, b, workers=1, chunk=chunk)
+    n, found = bm25_build.build_fields(rows, tmp_path / "ours", ("title", "text"), k1, b, workers=1, chunk=chunk,
+                                       native=native)
     assert n == len(rows) and found == {"title": True, "text": True}
     assert not (tmp_path / "ours" / ".build").exists()  # (the scratch files are gone)
     for j, field in enumerate(("title", "text")):
@@ -146,10 +148,10 @@ def test_a_bad_line_after_the_first_chunks_fails_the_build_and_leaves_nothing(tm
     assert multiprocessing.active_children() == before
 
 
-def _failing_analysis(fields):
+def _failing_analysis(fields, *args):
     if any("poison" in t for t in fields[1]):
         raise RuntimeError("analysis failed on a poisoned chunk")
-    return _real_analysis(fields)
+    return _real_analysis(fields, *args)
 
 
 _real_analysis = bm25_build._analyse_chunk

@@ -51,8 +51,9 @@ log = logging.getLogger(__name__)
 
 FIELDS = ("title", "text")
 # $FASTRAG_BM25_NATIVE=0 searches with numpy (dense score vectors a query) instead of fastrag._C's postings-driven
-# search; the two give the same passages, scores and order (tests/test_bm25_native.py)
-NATIVE_ENV = "FASTRAG_BM25_NATIVE"
+# search, and finds a build's tokens with Python's regex engine instead of fastrag._C's scan; the two give the same
+# passages, scores and order (tests/test_bm25_native.py, tests/test_bm25_build.py)
+NATIVE_ENV = bm25_build.NATIVE_ENV
 _EMPTY = "EMPTY"  # marks a field's index folder when no passage has a term in that field
 _FORMAT = 2  # 2: Han ideographs and hiragana are single-character terms
 
@@ -382,6 +383,7 @@ class BM25Retriever(Retriever):
         with _DocStoreWriter(d) as store:  # (the passages stored as they are read, a chunk at a time)
             n_docs, found = bm25_build.build_fields(iter_corpus(self.corpus_path), d, FIELDS, self.k1, self.b,
                                                     sink=store.add, workers=self.index_workers,
+                                                    native=self._native_setting is not False,
                                                     progress=self.show_progress,
                                                     desc=f"indexing {self.corpus_path.name}")
         if not n_docs:

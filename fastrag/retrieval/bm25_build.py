@@ -5,10 +5,12 @@ bm25s builds an index from every passage's token ids held at once as Python list
 bm25_scale_cpu.md), so DPR's 21M would need about 93 GiB. This module builds the same index files in two passes
 whose resident memory does not grow with the postings:
 
-1. The corpus is read once. Each chunk of `CHUNK` passages is analysed by bm25s (`analyse`: the same tokenizer,
-   stopwords and stemmer the queries get), its terms mapped to corpus-wide ids, and its (passage, term, tf)
-   triples appended to scratch files beside the index, with the document frequencies and passage lengths kept.
-   The chunks can be analysed by worker processes (`workers`) while the main process reads the corpus and merges.
+1. The corpus is read once. Each chunk of `CHUNK` passages is analysed into the stems bm25s's tokenizer gives
+   (`analyse_passages`: the tokens, stopwords and stemmer the queries get through bm25s in `analyse`, the tokens
+   found by fastrag._C's scan where it is built) and counted into (passage, term, tf) triples (`chunk_postings`);
+   the main process maps the chunk's terms to corpus-wide ids and appends the triples to scratch files beside the
+   index, keeping the document frequencies and passage lengths. The chunks can be analysed by worker processes
+   (`workers`) while the main process reads the corpus and merges.
 2. With N, avgdl and every document frequency known, each term's postings have a fixed place in the CSC arrays:
    the scratch files are read back in slices and every (passage, term) score is written straight into
    memory-mapped `data`/`indices` files, in passage order within each term.
@@ -66,6 +68,9 @@ def _stemmer():
         import Stemmer
 
         s = _stemmers[STEMMER] = Stemmer.Stemmer(STEMMER)
+        # (PyStemmer's own cache of 10,000 words, emptied as it fills, made stemming a chunk's ~175,000 distinct
+        # tokens 3.5x slower than without it: 0.20 against 0.06 s)
+        s.maxCacheSize = 0
     return s
 
 
@@ -79,19 +84,92 @@ def analyse(texts: list[str], stemmer=None, **kw):
                           stemmer=_stemmer() if stemmer is None else stemmer, **kw)
 
 
-def _analyse_chunk(fields: tuple[list[str], ...]) -> list[tuple[list[str], np.ndarray, np.ndarray]]:
-    """Per field of one chunk: (stems in the chunk's own id order, every passage's term ids end to end [int32],
-    terms per passage [int64]). Runs in a worker process or in the builder's own."""
-    out = []
-    for texts in fields:
-        tok = analyse(texts, show_progress=False)
-        stems = [""] * len(tok.vocab)
-        for stem, i in tok.vocab.items():
-            stems[i] = stem
-        lengths = np.fromiter(map(len, tok.ids), dtype=np.int64, count=len(tok.ids))
-        flat = np.fromiter(itertools.chain.from_iterable(tok.ids), dtype=np.int32, count=int(lengths.sum()))
-        out.append((stems, flat, lengths))
-    return out
+# the same tokens as TOKEN_PATTERN on a text whose Han and hiragana characters stand between spaces (as `analyse`
+# leaves them): a `\w\w+` match runs to the end of its word, so the pattern's word boundaries never cut one;
+# without them Python's regex engine scans passages ~25% faster (tests/test_bm25_tokens.py compares the two)
+_PASSAGE_TOKENS = re.compile(f"\\w\\w+|[{_CJK}]")
+# $FASTRAG_BM25_NATIVE=0: the Python tokenizer (regex) for the passages and numpy's search for the queries, instead
+# of fastrag._C's (the same tokens, passages and scores; tests/test_bm25_tokens.py, tests/test_bm25_native.py)
+NATIVE_ENV = "FASTRAG_BM25_NATIVE"
+_native_scan: list = []
+
+
+def native_tokens():
+    """fastrag._C.bm25_tokens (csrc/bm25_tokens.cpp), or None where the extension is not built."""
+    if not _native_scan:
+        try:
+            import torch  # noqa: F401  (the extension links against torch's libraries)
+
+            from fastrag import _C
+            _native_scan.append(getattr(_C, "bm25_tokens", None))
+        except ImportError:
+            _native_scan.append(None)
+    return _native_scan[0]
+
+
+def analyse_passages(texts: Iterable[str], native: bool = True) -> tuple[list[str], np.ndarray, np.ndarray]:
+    """`analyse` of passages as arrays: (the stems, every passage's stem ids end to end in text order [int32], stems
+    per passage [int64]); the same stems, in the same order, as bm25s's tokenize with `analyse`'s settings.
+
+    bm25s matches the tokens with Python's regex engine, makes a str of each and looks every one up three times in
+    bytecode, then stems the chunk's distinct tokens. Here fastrag._C's scan (`native`, where built) finds and
+    numbers the tokens in one pass over the code points (else the regex and two C-level passes, `dict.fromkeys` and
+    `map`); only the distinct tokens meet the stopwords and the stemmer, and the stopwords are dropped with numpy."""
+    scan = native_tokens() if native else None
+    if scan is not None:  # (the Han and hiragana spaced and each text lowered in the scan)
+        distinct, numbers, per_text = scan(texts if isinstance(texts, (list, tuple)) else list(texts))
+        numbers, per_text = numbers.numpy(), per_text.numpy()
+    else:
+        cjk, find = _CJK_CHAR, _PASSAGE_TOKENS.findall
+        split = [find((cjk.sub(r" \g<0> ", t) if cjk.search(t) else t).lower()) for t in texts]
+        per_text = np.fromiter(map(len, split), dtype=np.int64, count=len(split))
+        tokens = list(itertools.chain.from_iterable(split))
+        del split
+        index = dict(zip(dict.fromkeys(tokens), itertools.count()))  # (distinct tokens, numbered as first seen)
+        distinct = list(index)
+        numbers = np.fromiter(map(index.__getitem__, tokens), dtype=np.int32, count=len(tokens))
+        del tokens, index
+    n = len(per_text)
+    stop = _stopword_set()
+    words = [t for t in distinct if t not in stop]  # (the chunk's distinct tokens less the stopwords)
+    stems = _stemmer().stemWords(words)
+    stem_ids = dict(zip(dict.fromkeys(stems), itertools.count()))  # (the stems numbered as first seen)
+    is_stop = np.fromiter(map(stop.__contains__, distinct), dtype=bool, count=len(distinct))
+    token_stem = np.full(len(distinct), -1, dtype=np.int32)  # (each distinct token's stem id; -1: a stopword)
+    token_stem[~is_stop] = np.fromiter(map(stem_ids.__getitem__, stems), dtype=np.int32, count=len(stems))
+    ids = token_stem[numbers]
+    kept = ids >= 0
+    lengths = np.bincount(np.repeat(np.arange(n, dtype=np.int64), per_text)[kept], minlength=n).astype(np.int64)
+    return list(stem_ids), ids[kept], lengths
+
+
+_stopword_sets: list[frozenset] = []
+
+
+def _stopword_set() -> frozenset:
+    """bm25s's English stopwords (what `analyse`'s `stopwords="en"` removes)."""
+    if not _stopword_sets:
+        from bm25s.stopwords import STOPWORDS_EN
+
+        _stopword_sets.append(frozenset(STOPWORDS_EN))
+    return _stopword_sets[0]
+
+
+def _analyse_chunk(fields: tuple[list[str], ...], native: bool = True) -> list[tuple]:
+    """Per field of one chunk: `chunk_postings(*analyse_passages(texts))`. Runs in a worker process or in the
+    builder's own."""
+    return [chunk_postings(*analyse_passages(texts, native)) for texts in fields]
+
+
+def chunk_postings(stems: list[str], flat: np.ndarray, lengths: np.ndarray) -> tuple:
+    """One chunk's postings from `analyse_passages`: (its stems, each posting's term in the chunk's numbering
+    [int32] and its term frequency [int32], postings per passage [int32], terms per passage with repeats [int32]),
+    the postings in passage order (within a passage in term order)."""
+    m = len(lengths)
+    doc = np.repeat(np.arange(m, dtype=np.int64), lengths)
+    key, tf = np.unique((doc << 32) | flat.astype(np.int64), return_counts=True)  # (by passage, then term)
+    return (stems, (key & 0xFFFFFFFF).astype(np.int32), tf.astype(np.int32),
+            np.bincount(key >> 32, minlength=m).astype(np.int32), lengths.astype(np.int32))
 
 
 # ---- one field ---------------------------------------------------------------------------------------------------
@@ -109,28 +187,22 @@ class FieldBuilder:
         self._terms = open(scratch / "terms.i32", "wb")
         self._tfs = open(scratch / "tfs.i32", "wb")
 
-    def add(self, stems: list[str], flat: np.ndarray, lengths: np.ndarray) -> None:
-        m = len(lengths)
-        lut = np.empty(len(stems), dtype=np.int32)
-        new = []
-        for i, s in enumerate(stems):
-            g = self.vocab.get(s)
-            if g is None:
-                new.append(i)
-            else:
-                lut[i] = g
+    def add(self, stems: list[str], terms: np.ndarray, tfs: np.ndarray, pairs: np.ndarray,
+            lengths: np.ndarray) -> None:
+        """One chunk's `chunk_postings`, its terms numbered in this field's vocabulary."""
+        vocab = self.vocab
+        known = list(map(vocab.get, stems))
+        new = [i for i, g in enumerate(known) if g is None]
         for i in sorted(new, key=stems.__getitem__):  # (numbered in sorted order: the same ids on every run)
-            lut[i] = self.vocab[stems[i]] = len(self.vocab)
-        doc = np.repeat(np.arange(m, dtype=np.int64), lengths)
-        key, tf = np.unique((doc << 32) | lut[flat].astype(np.int64), return_counts=True)  # (by passage, then term)
-        terms = (key & 0xFFFFFFFF).astype(np.int32)
-        if len(self.df) < len(self.vocab):
-            self.df = np.concatenate([self.df, np.zeros(len(self.vocab) - len(self.df), dtype=np.int64)])
-        self.df += np.bincount(terms, minlength=len(self.vocab))
-        self.lengths.append(lengths.astype(np.int32))  # (int32: 8 bytes a passage for the two; see finish)
-        self.pairs.append(np.bincount(key >> 32, minlength=m).astype(np.int32))
+            known[i] = vocab[stems[i]] = len(vocab)
+        terms = np.array(known, dtype=np.int32)[terms] if len(stems) else terms
+        if len(self.df) < len(vocab):
+            self.df = np.concatenate([self.df, np.zeros(len(vocab) - len(self.df), dtype=np.int64)])
+        self.df += np.bincount(terms, minlength=len(vocab))
+        self.lengths.append(lengths)  # (int32: 8 bytes a passage for the two; see finish)
+        self.pairs.append(pairs)
         terms.tofile(self._terms)
-        tf.astype(np.int32).tofile(self._tfs)
+        tfs.tofile(self._tfs)
 
     def finish(self, out: Path, k1: float, b: float) -> bool:
         """Write the bm25s index of the field into `out` (made or emptied); False, writing nothing, when no
@@ -188,8 +260,13 @@ class FieldBuilder:
                 # bm25s's Lucene term-frequency part, operation for operation (float64 from the np.float64 avgdl)
                 tfc = tf / (k1 * ((1 - b) + b * l_d / avgdl) + tf)
                 score = (idf[t] * tfc).astype(np.float32)
-                order = np.argsort(t, kind="stable")  # (passage order kept within a term)
-                ts = t[order]
+                # the postings in (term, passage) order: a sort of term << 32 | place in the slice, which numpy does
+                # ~6x faster than a stable argsort of the terms (its SIMD sort of 64-bit values); the place keeps the
+                # passage order within a term and is the argsort
+                key = np.sort((t.astype(np.int64) << 32) | np.arange(len(t), dtype=np.int64))
+                order = key & 0xFFFFFFFF
+                ts = (key >> 32).astype(np.int32)
+                del key
                 starts = np.flatnonzero(np.r_[True, ts[1:] != ts[:-1]])
                 counts = np.diff(np.r_[starts, len(ts)])
                 dest = cursor[ts] + (np.arange(len(ts)) - np.repeat(starts, counts))
@@ -234,10 +311,11 @@ def chunks(rows: Iterable[tuple[str, ...]], size: int) -> Iterator[list[tuple[st
 
 def build_fields(rows: Iterable[tuple[str, str, str]], out: Path, fields: tuple[str, ...], k1: float, b: float,
                  sink=None, workers: int | None = None, progress: bool = False, chunk: int = CHUNK,
-                 desc: str = "indexing") -> tuple[int, dict[str, bool]]:
+                 desc: str = "indexing", native: bool = True) -> tuple[int, dict[str, bool]]:
     """Index `(id, title, text)` rows field by field (`fields` name the title and text, in that order) into
     `out/<field>/` as bm25s indexes; `sink(rows)` gets each chunk first (the passage store). Returns (passages,
     {field: whether any passage has a term in it}); a field without any writes nothing (the caller marks it).
+    `native`: the passages' tokens found by fastrag._C where it is built (`analyse_passages`; the same tokens).
     Scratch files go to `out/.build/`, removed at the end whether the build succeeds or fails."""
     scratch = out / ".build"
     if scratch.exists():
@@ -255,10 +333,10 @@ def build_fields(rows: Iterable[tuple[str, str, str]], out: Path, fields: tuple[
         pending: collections.deque = collections.deque()
 
         def merge(parts):
-            for f, (stems, flat, lengths) in zip(fields, parts):
-                builders[f].add(stems, flat, lengths)
+            for f, postings in zip(fields, parts):
+                builders[f].add(*postings)
             if bar is not None:
-                bar.update(len(parts[0][2]))
+                bar.update(len(parts[0][4]))
 
         try:
             for i, batch in enumerate(chunks(rows, chunk)):
@@ -270,9 +348,9 @@ def build_fields(rows: Iterable[tuple[str, str, str]], out: Path, fields: tuple[
                     # (a corpus of more than two chunks: worth the processes; smaller ones stay in this one)
                     pool = multiprocessing.get_context("fork").Pool(nproc)
                 if pool is None:
-                    merge(_analyse_chunk(texts))
+                    merge(_analyse_chunk(texts, native))
                 else:
-                    pending.append(pool.apply_async(_analyse_chunk, (texts,)))
+                    pending.append(pool.apply_async(_analyse_chunk, (texts, native)))
                     while len(pending) > 2 * nproc:  # (bounded: the corpus is not read ahead whole)
                         merge(pending.popleft().get())
             while pending:

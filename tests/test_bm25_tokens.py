@@ -1,0 +1,99 @@
+"""The passage analysis of the BM25 build (fastrag.retrieval.bm25_build.analyse_passages, with fastrag._C's token
+scan, csrc/bm25_tokens.cpp, and without it) against bm25s's tokenizer with the project's settings (`analyse`, what
+the queries get): the same stems in the same order for every passage, on fresh random text drawn from every Unicode
+plane, with the characters whose handling differs between engines (final sigma, dotted capital I, combining marks
+inside and next to Han and hiragana, digits of other scripts, '_') over-represented; bad input is refused by name."""
+
+from __future__ import annotations
+
+import random
+import re
+
+import numpy as np
+import pytest
+import torch
+from bm25s.tokenization import _infer_stopwords
+
+from fastrag.retrieval import bm25_build
+
+_C = pytest.importorskip("fastrag._C", reason="the C++ extension is not built (scripts/install.sh builds it)")
+
+_TRICKY = ["Σ", "ΑΣ", "σς", "İ", "ı", "ß", "ǅ", "e\u0301", "\u0307", "_", "__", "x_1", "٣٤", "²", "Ⅻ", "ﬁ", "\u200d",
+           "\u00a0", "\u3000", "\u3099", "\u309b", "\u309d", "ゞ", "東京", "ひら", "カタ", "한국", "\U00020000", "\U0001f600",
+           "the", "and", "of", "running", "Connections", "THE", "o'neil", "co-op", "3.14", "a1b2"]
+
+
+def _text(rng: random.Random) -> str:
+    parts = []
+    for _ in range(rng.randrange(0, 40)):
+        r = rng.random()
+        if r < 0.35:
+            parts.append(rng.choice("abcdeXYZ019 ,.-'\"\n\t\r"))
+        elif r < 0.55:
+            parts.append(rng.choice(_TRICKY))
+        elif r < 0.65:
+            parts.append(chr(rng.randrange(0x80, 0x250)))  # (Latin-1 and Latin Extended: one-byte and two-byte strs)
+        elif r < 0.8:
+            parts.append(chr(rng.randrange(0x3000, 0xA000)))  # (hiragana, katakana, Han and their neighbours)
+        elif r < 0.9:
+            parts.append(chr(rng.choice([rng.randrange(0x250, 0xD800), rng.randrange(0xE000, 0x10000)])))
+        else:
+            parts.append(chr(rng.randrange(0x10000, 0x110000)))  # (the astral planes: four-byte strs)
+    return "".join(parts)
+
+
+def _stems_per_passage(stems: list[str], flat: np.ndarray, lengths: np.ndarray) -> list[list[str]]:
+    assert flat.dtype == np.int32 and lengths.dtype == np.int64 and int(lengths.sum()) == len(flat)
+    assert len(set(stems)) == len(stems) and (len(flat) == 0 or 0 <= flat.min() <= flat.max() < len(stems))
+    ends = np.cumsum(lengths)
+    return [[stems[i] for i in flat[e - n:e]] for n, e in zip(lengths.tolist(), ends.tolist())]
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["scan", "regex"])
+def test_passage_analysis_gives_bm25s_stems_on_random_text(native):
+    seed = random.randrange(2**31)
+    rng = random.Random(seed)
+    # (the last two: a capital sigma before a mark that spacing cuts off, final only when lowered after spacing)
+    texts = [_text(rng) for _ in range(4000)] + ["", "   ", "the of and", "a b c", "東", "Σ.", "ΑΣ\u3099Β", "xΣ\u309dy"]
+    want = bm25_build.analyse(texts, show_progress=False, return_ids=False)
+    got = _stems_per_passage(*bm25_build.analyse_passages(texts, native=native))
+    assert sum(map(len, want)) > 10_000  # (the texts hold many terms: the comparison is not vacuous)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g == w, f"seed {seed}, passage {i} {texts[i]!r}"
+    assert len(got) == len(texts)
+
+
+def test_the_scan_finds_the_regex_tokens_and_numbers_them_as_first_seen():
+    seed = random.randrange(2**31)
+    rng = random.Random(seed)
+    spaced = [bm25_build._CJK_CHAR.sub(r" \g<0> ", _text(rng)).lower() for _ in range(3000)]
+    distinct, numbers, counts = _C.bm25_tokens(spaced, lower=False)
+    assert numbers.dtype == torch.int32 and counts.dtype == torch.int64 and len(counts) == len(spaced)
+    flat = [distinct[i] for i in numbers.tolist()]
+    # the project's pattern as bm25s applies it, and the one without word boundaries that the regex path uses
+    for pattern in (bm25_build.TOKEN_PATTERN, bm25_build._PASSAGE_TOKENS.pattern):
+        find = re.compile(pattern).findall
+        want = [find(t) for t in spaced]
+        assert counts.tolist() == list(map(len, want)), f"seed {seed}, {pattern}"
+        assert flat == [tok for w in want for tok in w], f"seed {seed}, {pattern}"
+    assert distinct == list(dict.fromkeys(flat))  # (each token once, in the order first seen)
+    # lowering and spacing in the scan: the same as doing both first
+    raw = [_text(rng) for _ in range(1000)]
+    a, b = _C.bm25_tokens(raw), _C.bm25_tokens([bm25_build._CJK_CHAR.sub(r" \g<0> ", t).lower() for t in raw],
+                                               lower=False)
+    assert a[0] == b[0] and a[1].tolist() == b[1].tolist() and a[2].tolist() == b[2].tolist()
+
+
+def test_the_stopwords_are_bm25s_english_ones():
+    assert bm25_build._stopword_set() == frozenset(_infer_stopwords(bm25_build.STOPWORDS))  # (analyse's stopwords)
+    stems, flat, lengths = bm25_build.analyse_passages(["The running of the connections", "and or but"])
+    assert [stems[i] for i in flat] == ["run", "connect"] and lengths.tolist() == [2, 0]
+
+
+def test_the_scan_refuses_what_is_not_text_by_position():
+    with pytest.raises(RuntimeError, match=r"texts\[1\] must be a str, got bytes"):
+        _C.bm25_tokens(["fine text", b"bytes"])
+    with pytest.raises(RuntimeError, match=r"texts\[0\] must be a str, got NoneType"):
+        _C.bm25_tokens([None])
+    distinct, numbers, counts = _C.bm25_tokens([])
+    assert distinct == [] and numbers.numel() == 0 and counts.numel() == 0
