@@ -132,7 +132,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("scratch"), py::arg("mark"), py::arg("tie_breaker"), py::arg("k"));
   m.def("bm25_tokens", &g::bm25_tokens,
         "the \\w\\w+ and Han/hiragana tokens of texts, numbered: (distinct, ids, counts), CPU",
-        py::arg("texts"), py::arg("lower") = true);
+        py::arg("texts"));
 #ifdef FASTRAG_WITH_CUDA
   m.attr("with_cuda") = true;
   m.def("decode_signals_cuda", &g::decode_signals_cuda, "fused decode-step signals, CUDA", py::arg("logits"),

@@ -10,9 +10,8 @@
 // `\w` is Python's: a code point that str.isalnum() accepts (Py_UNICODE_ISALNUM: alphabetic, decimal, digit or
 // numeric) or '_'. A Han or hiragana code point is a token of its own whatever its class (the pattern's second
 // branch; the spaces put round it end the word before and after). Each text gets those spaces and is then lowered
-// (str.lower(): its final-sigma rule looks at neighbours, so it runs on the spaced text, as bm25s's does), unless
-// the caller did both (`lower=False`).
-// tests/test_bm25_build.py compares the tokens with the regex's on random text drawn from every plane.
+// (str.lower(): its final-sigma rule looks at neighbours, so it runs on the spaced text, as bm25s's does).
+// tests/test_bm25_tokens.py compares the tokens with the regex's on random text drawn from every plane.
 #include <torch/extension.h>
 
 #include <cstdint>
@@ -156,7 +155,7 @@ PyObject* spaced(PyObject* text) {
 
 }  // namespace
 
-py::tuple bm25_tokens(py::sequence texts, bool lower) {
+py::tuple bm25_tokens(py::sequence texts) {
   const Py_ssize_t n = static_cast<Py_ssize_t>(py::len(texts));
   Vocab v;
   std::vector<int32_t> ids;
@@ -165,12 +164,11 @@ py::tuple bm25_tokens(py::sequence texts, bool lower) {
   for (Py_ssize_t t = 0; t < n; ++t) {
     py::object o = texts[t];
     TORCH_CHECK(PyUnicode_Check(o.ptr()), "texts[", t, "] must be a str, got ", Py_TYPE(o.ptr())->tp_name);
-    if (lower) {  // (str.lower of the spaced text, as bm25s lowers what analyse hands it)
-      py::object s = py::reinterpret_steal<py::object>(spaced(o.ptr()));
-      if (!s) throw py::error_already_set();
-      o = py::reinterpret_steal<py::object>(PyObject_CallMethod(s.ptr(), "lower", nullptr));
-      if (!o) throw py::error_already_set();
-    }
+    // (str.lower of the spaced text, as bm25s lowers what analyse hands it)
+    py::object s = py::reinterpret_steal<py::object>(spaced(o.ptr()));
+    if (!s) throw py::error_already_set();
+    o = py::reinterpret_steal<py::object>(PyObject_CallMethod(s.ptr(), "lower", nullptr));
+    if (!o) throw py::error_already_set();
     PyObject* p = o.ptr();
     const Py_ssize_t len = PyUnicode_GET_LENGTH(p);
     const size_t before = ids.size();

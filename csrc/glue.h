@@ -34,10 +34,9 @@ std::tuple<torch::Tensor, torch::Tensor> bm25_best_fields(std::vector<torch::Ten
                                                            std::vector<torch::Tensor> offsets, torch::Tensor scratch,
                                                            torch::Tensor mark, double tie_breaker, int64_t k);
 
-// The tokens of a BM25 build's passages (csrc/bm25_tokens.cpp; `lower`: Han and hiragana spaced and the text lowered
-// first, else the caller did both): (the distinct tokens [list of str, first seen first], every token's number end
-// to end [T] i32, tokens a text [n] i64).
-py::tuple bm25_tokens(py::sequence texts, bool lower);
+// The tokens of a BM25 build's passages (csrc/bm25_tokens.cpp; Han and hiragana spaced, each text lowered): (the
+// distinct tokens [list of str, first seen first], every token's number end to end [T] i32, tokens a text [n] i64).
+py::tuple bm25_tokens(py::sequence texts);
 
 #ifdef FASTRAG_WITH_CUDA
 void decode_signals_cuda(torch::Tensor logits, double temperature, std::optional<torch::Tensor> rng_keys,

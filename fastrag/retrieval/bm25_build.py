@@ -30,6 +30,7 @@ on it. tests/test_bm25_build.py checks every score against bm25s's own build.
 from __future__ import annotations
 
 import collections
+import functools
 import itertools
 import math
 import multiprocessing
@@ -91,20 +92,18 @@ _PASSAGE_TOKENS = re.compile(f"\\w\\w+|[{_CJK}]")
 # $FASTRAG_BM25_NATIVE=0: the Python tokenizer (regex) for the passages and numpy's search for the queries, instead
 # of fastrag._C's (the same tokens, passages and scores; tests/test_bm25_tokens.py, tests/test_bm25_native.py)
 NATIVE_ENV = "FASTRAG_BM25_NATIVE"
-_native_scan: list = []
 
 
+@functools.cache
 def native_tokens():
     """fastrag._C.bm25_tokens (csrc/bm25_tokens.cpp), or None where the extension is not built."""
-    if not _native_scan:
-        try:
-            import torch  # noqa: F401  (the extension links against torch's libraries)
+    try:
+        import torch  # noqa: F401  (the extension links against torch's libraries)
 
-            from fastrag import _C
-            _native_scan.append(getattr(_C, "bm25_tokens", None))
-        except ImportError:
-            _native_scan.append(None)
-    return _native_scan[0]
+        from fastrag import _C
+    except ImportError:
+        return None
+    return getattr(_C, "bm25_tokens", None)
 
 
 def analyse_passages(texts: Iterable[str], native: bool = True) -> tuple[list[str], np.ndarray, np.ndarray]:
@@ -130,11 +129,9 @@ def analyse_passages(texts: Iterable[str], native: bool = True) -> tuple[list[st
         numbers = np.fromiter(map(index.__getitem__, tokens), dtype=np.int32, count=len(tokens))
         del tokens, index
     n = len(per_text)
-    stop = _stopword_set()
-    words = [t for t in distinct if t not in stop]  # (the chunk's distinct tokens less the stopwords)
-    stems = _stemmer().stemWords(words)
+    is_stop = np.fromiter(map(_stopword_set().__contains__, distinct), dtype=bool, count=len(distinct))
+    stems = _stemmer().stemWords(list(itertools.compress(distinct, ~is_stop)))  # (the distinct non-stopwords)
     stem_ids = dict(zip(dict.fromkeys(stems), itertools.count()))  # (the stems numbered as first seen)
-    is_stop = np.fromiter(map(stop.__contains__, distinct), dtype=bool, count=len(distinct))
     token_stem = np.full(len(distinct), -1, dtype=np.int32)  # (each distinct token's stem id; -1: a stopword)
     token_stem[~is_stop] = np.fromiter(map(stem_ids.__getitem__, stems), dtype=np.int32, count=len(stems))
     ids = token_stem[numbers]
@@ -143,16 +140,12 @@ def analyse_passages(texts: Iterable[str], native: bool = True) -> tuple[list[st
     return list(stem_ids), ids[kept], lengths
 
 
-_stopword_sets: list[frozenset] = []
-
-
+@functools.cache
 def _stopword_set() -> frozenset:
     """bm25s's English stopwords (what `analyse`'s `stopwords="en"` removes)."""
-    if not _stopword_sets:
-        from bm25s.stopwords import STOPWORDS_EN
+    from bm25s.stopwords import STOPWORDS_EN
 
-        _stopword_sets.append(frozenset(STOPWORDS_EN))
-    return _stopword_sets[0]
+    return frozenset(STOPWORDS_EN)
 
 
 def _analyse_chunk(fields: tuple[list[str], ...], native: bool = True) -> list[tuple]:
@@ -195,7 +188,7 @@ class FieldBuilder:
         new = [i for i, g in enumerate(known) if g is None]
         for i in sorted(new, key=stems.__getitem__):  # (numbered in sorted order: the same ids on every run)
             known[i] = vocab[stems[i]] = len(vocab)
-        terms = np.array(known, dtype=np.int32)[terms] if len(stems) else terms
+        terms = np.array(known, dtype=np.int32)[terms]
         if len(self.df) < len(vocab):
             self.df = np.concatenate([self.df, np.zeros(len(vocab) - len(self.df), dtype=np.int64)])
         self.df += np.bincount(terms, minlength=len(vocab))
