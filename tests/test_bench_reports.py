@@ -658,7 +658,8 @@ def test_bench_e2e_data_file_replaces_a_datasets_file(tmp_path):
 
 @pytest.mark.parametrize("script", ["bench_kernels", "bench_host", "bench_paged_attention", "bench_cpu_decode_step",
                                     "bench_prefill_attention", "bench_prefill", "bench_decode", "bench_text_modes",
-                                    "bench_pass_padding", "bench_text_groups", "bench_bm25_scale"])
+                                    "bench_pass_padding", "bench_text_groups", "bench_bm25_scale",
+                                    "bench_corpus_read"])
 def test_every_table_writing_benchmark_takes_a_results_folder(script):
     """Each script that writes tables has --results (they wrote into benchmarks/results/ whatever the caller
     wanted, so a trial run overwrote the committed tables)."""
@@ -878,3 +879,27 @@ def test_bench_bm25_scale_builds_and_searches_each_size_and_refuses_a_bad_share(
     assert "| 1,500 |" in md and "| 3,000 |" in md and "Extrapolated to DPR's 21,015,324 passages" in md
     assert "| bm25s build s |" in md and "(bm25s's in-memory build:" in md
     assert "| regex scan build s | regex / scan |" in md and "fastrag._C's scan (`bm25_tokens`)" in md
+
+
+def test_bench_corpus_read_times_every_reader_on_both_formats(tmp_path):
+    """bench_corpus_read.py on a small generated corpus: every reader of both formats read every passage (the
+    floor and the csv readers count the tsv header too), the ratios are to the same run's rows."""
+    p = subprocess.run([sys.executable, str(BENCH / "bench_corpus_read.py"), "--passages", "3000", "--reps", "2",
+                        "--results", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = json.loads((tmp_path / "corpus_read_cpu.json").read_text())["rows"]
+    got = {(r["format"], r["reader"]): r for r in rows}
+    assert sorted(got) == [("jsonl", "fastrag"), ("jsonl", "json.loads a line"), ("jsonl", "json.loads, no hook"),
+                           ("jsonl", "lines"), ("tsv", "csv a line"), ("tsv", "csv stream"), ("tsv", "fastrag"),
+                           ("tsv", "lines")]
+    for (fmt, reader), r in got.items():
+        header = fmt == "tsv" and reader != "fastrag"
+        if reader == "csv stream":  # (a stray quote takes the lines after it: never more rows than lines)
+            assert 0 < r["items"] <= 3001, r["items"]
+        else:
+            assert r["items"] == 3000 + header, (fmt, reader, r["items"])
+        assert len(r["times_s"]) == 2 and r["median_s"] > 0
+        base = got[(fmt, "lines")]["median_s"]
+        assert abs(r["vs_lines"] - r["median_s"] / base) < 1e-9
+    md = (tmp_path / "corpus_read_cpu.md").read_text()
+    assert "| tsv | fastrag | " in md and "bench_corpus_read.py --passages 3000 --reps 2" in md

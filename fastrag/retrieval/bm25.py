@@ -43,8 +43,8 @@ import numpy as np
 
 from fastrag.retrieval import bm25_build
 from fastrag.retrieval.base import Doc, Retriever
-from fastrag.retrieval.corpus import (READER_VERSION, CorpusError, corpus_format, corpus_fingerprint,
-                                     iter_corpus)
+from fastrag.retrieval.corpus import (CorpusError, corpus_format, corpus_fingerprint, iter_corpus,
+                                     reader_version)
 from fastrag.switches import env_setting
 
 log = logging.getLogger(__name__)
@@ -351,7 +351,7 @@ class BM25Retriever(Retriever):
         st = self.corpus_path.stat()
         return {
             "format": _FORMAT,
-            "reader": READER_VERSION,
+            "reader": reader_version(self.corpus_path),
             "bm25s": self._bm25s.__version__,
             "corpus": str(self.corpus_path),
             "size": st.st_size,

@@ -16,7 +16,6 @@ format comes from the suffix before the compression's.
 from __future__ import annotations
 
 import collections
-import csv
 import hashlib
 import json
 import os
@@ -30,10 +29,16 @@ from fastrag import compressed
 from fastrag.jsonkeys import RepeatedKey, unique_keys
 
 
-# How the readers turn a file into passages; saved in every index manifest, so that an index built by a reader that
-# read some file differently (2: tsv quotes that are not csv quoting stay text, `contents` without a line break is
-# text) is built again instead of trusted
-READER_VERSION = 2
+# How the readers turn a file into passages, by format; saved in every index manifest (`reader_version`), so that an
+# index built by a reader that read some file differently is built again instead of trusted. 2: tsv quotes that are
+# not csv quoting stay text, `contents` without a line break is text; 3 (tsv only): a quoted field over 128 KiB,
+# which csv's reader refused and so kept its quotes, is unquoted like any other
+READER_VERSIONS = {"jsonl": 2, "tsv": 3}
+
+
+def reader_version(path: str | os.PathLike) -> int:
+    """The reader version of a corpus file's format (READER_VERSIONS), for index manifests."""
+    return READER_VERSIONS[corpus_format(path)]
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -203,19 +208,23 @@ def _json_array(path: Path, lineno: int) -> CorpusError:
 
 def _iter_jsonl(path: Path) -> Iterator[tuple[str, str, str]]:
     seen = _UniqueIds(path, lambda lineno: _jsonl_id_at(path, lineno))
+    # (one decoder for the file: json.loads with a hook makes a decoder a call, ~2 us of a line's ~15)
+    decode = json.JSONDecoder(object_pairs_hook=unique_keys).decode
     previous = None
     for lineno, line in _lines(path):
         before, previous = previous, line
         if not line.strip():
             continue
         try:
-            rec = json.loads(line, object_pairs_hook=unique_keys)
+            rec = decode(line)
         except RepeatedKey as e:
             raise CorpusError(f"{path}:{lineno}: {e}") from None
         except json.JSONDecodeError as e:
             if not seen.n and line.lstrip().startswith("["):
                 raise _json_array(path, lineno) from e
             hint = _lone_cr_hint(line, before, "in a JSON string, write it as the escape \\r")
+            if line.startswith("\ufeff"):  # (the file's first mark is dropped as it is read: files joined whole?)
+                hint = " (the line starts with a byte-order mark U+FEFF, e.g. files joined with theirs: remove it)"
             raise CorpusError(f"{path}:{lineno}: malformed JSON ({e.msg}){hint}") from e
         if not seen.n and isinstance(rec, list) and rec and all(isinstance(x, dict) for x in rec):
             raise _json_array(path, lineno)
@@ -241,7 +250,9 @@ def _iter_jsonl(path: Path) -> Iterator[tuple[str, str, str]]:
         for name, v in (("title", title), ("text", text)):
             if not isinstance(v, str):
                 raise CorpusError(f"{path}:{lineno}: field {name!r} must be a string, got {type(v).__name__}")
-        for name, v in ((key, doc_id), ("title", title), ("text", text)):
+        # (a lone surrogate can only come from a \u escape: text read as UTF-8 holds none, so a line without one is
+        # not searched)
+        for name, v in ((key, doc_id), ("title", title), ("text", text)) if "\\u" in line else ():
             if (bad := _SURROGATE.search(v)) is not None:  # (a "\ud800" escape: no UTF-8 for the index to store)
                 raise CorpusError(f"{path}:{lineno}: field {name!r} holds a lone surrogate (U+{ord(bad.group()):04X}, "
                                   "e.g. a '\\ud800' escape): not Unicode text")
@@ -251,16 +262,84 @@ def _iter_jsonl(path: Path) -> Iterator[tuple[str, str, str]]:
 
 
 def _tsv_fields(line: str) -> list[str]:
-    """The tab-separated fields of one tsv line. A field in double quotes with "" escapes (how csv writers, and
-    the official DPR file, write a passage holding quotes or tabs) is unquoted; a line whose quotes do not follow
-    that rule (a field that only starts with a quoted phrase, a quote never closed) keeps its text as written,
-    quotes included, so one stray quote can neither eat the lines after it nor drop characters."""
+    """The tab-separated fields of one tsv line (its ending stripped). A field in double quotes with "" escapes (how
+    csv writers, and the official DPR file, write a passage holding quotes or tabs) is unquoted, as Python's csv
+    reader reads it (`excel-tab`, strict) but at any length (the reader refuses a field over 128 KiB); a line whose
+    quotes do not follow that rule (a field that only starts with a quoted phrase, a quote never closed) keeps its
+    text as written, quotes included, so one stray quote can neither eat the lines after it nor drop characters.
+
+    Most of DPR's lines quote their passage; a csv reader made for each line took ~5 us of its ~9 a line to read, so
+    a line whose quoted fields hold no tab is unquoted from its split (`_split_quoted`), and only the rest parsed."""
+    fields = line.split("\t")
     if '"' not in line:
-        return line.split("\t")
-    try:
-        return next(csv.reader([line], delimiter="\t", strict=True))
-    except csv.Error:
-        return line.split("\t")
+        return fields
+    unquoted = _split_quoted(fields)
+    if unquoted is not None:
+        return unquoted
+    parsed = _parse_quoted(line)
+    return fields if parsed is None else parsed
+
+
+def _split_quoted(fields: list[str]) -> list[str] | None:
+    """The fields of a line split at its tabs with each quoted one unquoted, where that is the csv reading: every
+    field with a quote either starts with none (csv keeps its quotes as text) or is one quoted field: it starts and
+    ends with a quote, and every run of quotes between is of even length (its "" escapes). None where some field is
+    neither (a quoted field holding a tab was split; or the line is not csv quoting): `_parse_quoted` decides.
+
+    Why a split piece that passes is the field csv reads: its quotes between the outer two pair up, so the reader
+    takes each pair for one quote and the last quote, followed by the tab or the line's end, closes the field there.
+    A piece that ends inside a quoted field (the tab was the field's text) ends with a quote run one short of even,
+    or does not end with a quote: it never passes."""
+    out = fields
+    for i, f in enumerate(fields):
+        if '"' not in f or f[0] != '"':
+            continue
+        if len(f) < 2 or f[-1] != '"':
+            return None
+        inner = f[1:-1]
+        if '"' in inner:
+            if '"' in inner.replace('""', ""):
+                return None
+            inner = inner.replace('""', '"')
+        if out is fields:
+            out = list(fields)
+        out[i] = inner
+    return out
+
+
+def _parse_quoted(line: str) -> list[str] | None:
+    """The fields of a line as Python's csv reader reads it (`excel-tab`, strict: "" is a quote inside a quoted
+    field, the closing quote must end the field), at any length; None where the reader would refuse the line (a
+    quote inside a quoted field not doubled and not closing it, or a quote never closed)."""
+    fields, i, n = [], 0, len(line)
+    while True:
+        if i < n and line[i] == '"':
+            parts, j = [], i + 1
+            while True:
+                k = line.find('"', j)
+                if k < 0:
+                    return None  # (never closed)
+                parts.append(line[j:k])
+                if k + 1 < n and line[k + 1] == '"':  # (an escaped quote)
+                    parts.append('"')
+                    j = k + 2
+                    continue
+                if k + 1 < n and line[k + 1] != "\t":
+                    return None  # (text after the closing quote)
+                break
+            fields.append("".join(parts))
+            i = k + 1
+        else:
+            k = line.find("\t", i)
+            k = n if k < 0 else k
+            fields.append(line[i:k])
+            i = k
+        if i >= n:
+            return fields
+        i += 1  # (past the tab)
+        if i == n:  # (a line that ends with a tab: an empty last field)
+            fields.append("")
+            return fields
 
 
 def _iter_tsv_rows(path: Path) -> Iterator[tuple[str, str, str]]:

@@ -27,8 +27,8 @@ import numpy as np
 
 from fastrag.retrieval.base import Doc, Retriever
 from fastrag.retrieval.bm25 import _cache_root, _DocStore, build_in_first_writable, open_index, write_manifest
-from fastrag.retrieval.corpus import (READER_VERSION, CorpusError, corpus_format, corpus_fingerprint,
-                                     iter_corpus)
+from fastrag.retrieval.corpus import (CorpusError, corpus_format, corpus_fingerprint, iter_corpus,
+                                     reader_version)
 
 log = logging.getLogger(__name__)
 
@@ -133,9 +133,9 @@ class DenseRetriever(Retriever):
 
     def _manifest(self) -> dict:
         st = self.corpus_path.stat()
-        return {"format": _FORMAT, "reader": READER_VERSION, "kind": "dense-flat-ip", "corpus": str(self.corpus_path),
-                "size": st.st_size, "mtime_ns": st.st_mtime_ns, "fingerprint": corpus_fingerprint(self.corpus_path),
-                "encoder": str(self.encoder_path), "dim": self.dim,
+        return {"format": _FORMAT, "reader": reader_version(self.corpus_path), "kind": "dense-flat-ip",
+                "corpus": str(self.corpus_path), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+                "fingerprint": corpus_fingerprint(self.corpus_path), "encoder": str(self.encoder_path), "dim": self.dim,
                 "encoder_fingerprint": encoder_fingerprint(self.encoder_path)}
 
     def _default_dirs(self) -> list[Path]:
