@@ -100,9 +100,9 @@ def main() -> None:
                     f.write(json.dumps({"id": doc_id, "title": title, "text": text}, ensure_ascii=False) + "\n")
         quoted = sum('"' in line for _, line in corpus._lines(tsv)) - 1  # (the header has none)
         readers = {
-            tsv: {"lines": lambda p: corpus._lines(p), "fastrag": corpus.iter_corpus,
+            tsv: {"lines": corpus._lines, "fastrag": corpus.iter_corpus,
                   "csv a line": _csv_a_line, "csv stream": _csv_stream},
-            jsonl: {"lines": lambda p: corpus._lines(p), "fastrag": corpus.iter_corpus,
+            jsonl: {"lines": corpus._lines, "fastrag": corpus.iter_corpus,
                     "json.loads a line": lambda p: _json_a_line(p, True),
                     "json.loads, no hook": lambda p: _json_a_line(p, False)},
         }

@@ -292,7 +292,7 @@ def _split_quoted(fields: list[str]) -> list[str] | None:
     or does not end with a quote: it never passes."""
     out = fields
     for i, f in enumerate(fields):
-        if '"' not in f or f[0] != '"':
+        if not f.startswith('"'):
             continue
         if len(f) < 2 or f[-1] != '"':
             return None
