@@ -34,12 +34,13 @@ def cli(*args, check=True, timeout=900, env=None):
 @pytest.fixture(scope="module")
 def small_config(tmp_path_factory):
     path = tmp_path_factory.mktemp("cfg") / "DRAGIN.json"
-    # a published-style config (keys as in the DRAGIN repository) with a short generation for CI
+    # a published-style config (keys as in the DRAGIN repository) with a short generation and 4 exemplars (the
+    # published HotpotQA config has 8) for CI: the per-question oracle prefills the whole prompt at each generate call
     path.write_text(json.dumps({
         "model_name_or_path": "smollm2", "method": "attn_entropy", "dataset": "hotpotqa",
         "generate_max_length": 24, "query_formulation": "real_words", "retrieve_keep_top_k": 35,
         "output_dir": "../result/x", "retriever": "BM25", "retrieve_topk": 3, "hallucination_threshold": 1.2,
-        "fewshot": 8, "sample": 1000, "shuffle": False, "check_real_words": True, "es_index_name": "34051_wiki",
+        "fewshot": 4, "sample": 1000, "shuffle": False, "check_real_words": True, "es_index_name": "34051_wiki",
         "use_counter": True,
     }))
     return path
