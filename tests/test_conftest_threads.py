@@ -1,9 +1,7 @@
-"""tests/conftest.py shares the cores among pytest-xdist's workers (the README's test command runs one per core),
-without a GPU sets TRITON_INTERPRET=1 before any test module imports triton, and sends the slowest test files
-first."""
+"""tests/conftest.py shares the cores among pytest-xdist's workers (the README's test command runs one per core), and
+without a GPU sets TRITON_INTERPRET=1 before any test module imports triton."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -85,44 +83,3 @@ def test_triton_is_interpreted_without_a_gpu_whichever_module_imports_it_first(t
     got = _triton_probe(tmp_path)
     assert got["interpreted"] == (not got["cuda"]), got
     assert _triton_probe(tmp_path, TRITON_INTERPRET="0")["interpreted"] is False  # the user's own value is kept
-
-
-ORDER_PROBE = """
-import os
-def test_{n}_1():
-    open(os.path.join(os.environ["PROBE_OUT"], "order.txt"), "a").write("{f} 1\\n")
-def test_{n}_2():
-    open(os.path.join(os.environ["PROBE_OUT"], "order.txt"), "a").write("{f} 2\\n")
-"""
-
-
-def _file_seconds() -> dict[str, float]:
-    spec = importlib.util.spec_from_file_location("tests_conftest", Path(__file__).with_name("conftest.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.FILE_SECONDS
-
-
-def test_the_files_the_order_names_are_test_files():
-    named = _file_seconds()
-    assert named and all(v > 0 for v in named.values()), named
-    missing = [f for f in named if not Path(__file__).with_name(f).is_file()]
-    assert not missing, f"tests/conftest.py FILE_SECONDS names files that are not in tests/: {missing}"
-
-
-def test_the_slowest_files_run_first_each_in_its_own_order(tmp_path):
-    """Two files the conftest lists (named so that their alphabetical order is the reverse of their seconds) and one
-    it does not, with more tests than either (xdist's own order would send it first): under one xdist worker, which
-    runs the files in the order they are sent, and without xdist, the listed files come slowest first, then the
-    other; within a file its tests keep their order."""
-    named = _file_seconds()
-    pairs = [(a, b) for a in named for b in named if a < b and named[a] < named[b]]
-    assert pairs, "no two listed files whose alphabetical order is the reverse of their seconds"
-    slow, slower = pairs[0]
-    files = {f: ORDER_PROBE.format(n=Path(f).stem[5:], f=f) for f in (slow, slower)}
-    files["test_aaa_unlisted.py"] = ORDER_PROBE.format(n="aaa", f="test_aaa_unlisted.py") + (
-        "def test_aaa_3():\n    pass\n")
-    want = [f"{f} {i}" for f in (slower, slow, "test_aaa_unlisted.py") for i in (1, 2)]
-    for args in ([], ["-n", "1", "--dist", "loadfile"]):
-        out = _pytest_beside_the_conftest(tmp_path, files, args, "OMP_NUM_THREADS")
-        assert (out / "order.txt").read_text().split("\n")[:-1] == want, args

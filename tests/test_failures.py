@@ -587,8 +587,8 @@ def test_openai_fields_are_served_or_refused_and_usage_is_the_prompt_size(client
 
 class Stalled:
     """An engine whose questions never finish, as one whose search hangs (no event at all) or one decoding faster
-    than the server reads its events (100,000 progress events queued at once: the next is always there); it counts
-    the questions cancelled."""
+    than the server reads its events (a progress event put in the queue at each turn of the event loop, up to
+    500,000: the next is always there); it counts the questions cancelled."""
 
     alive = True
 
@@ -602,11 +602,21 @@ class Stalled:
         from fastrag.serving.async_engine import Event, EventStream
 
         out = asyncio.Queue()
-        for _ in range(100_000 if self.progress else 0):
-            out.put_nowait(Event("token", {"text": "x"}))
+
+        async def decode():
+            # made as they are read: 100,000 events queued beforehand took the test's 0.9 s margin on a loaded CPU
+            # (then silent: a server that missed the deadline while events come would answer after them, too late)
+            for _ in range(500_000):
+                if out.qsize() < 8:
+                    out.put_nowait(Event("token", {"text": "x"}))
+                await asyncio.sleep(0)
+
+        task = asyncio.ensure_future(decode()) if self.progress else None
 
         def cancel(_handle):
             self.cancelled += 1
+            if task is not None:
+                task.cancel()
 
         return EventStream(out, {}, cancel)
 
