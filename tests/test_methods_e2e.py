@@ -18,7 +18,8 @@ CORPUS = BUNDLED / "wiki_passages.jsonl"
 OWN = Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "questions_outside_shared.jsonl"
 # exemplars in the parity runs' prompts (HotpotQA's default is 8): both sides build the same prompt from any number,
 # and the per-question oracle prefills the whole prompt again at every generate call, which is most of these tests'
-# time (flare-explicit: 224 s with 8 and the default question length, 115 s with 4 and 8-token questions, 2 cores)
+# time (flare-explicit: 224 s with 8 and the default question length, 115 s with 4 and 8-token questions; one
+# thread each, beside another job, on a 2-core Xeon VM)
 FEWSHOT = 4
 
 
