@@ -33,11 +33,15 @@ def decisions(path):
 def test_joint_run_equals_separate_runs(tmp_path, short_cfg):
     from fastrag.retrieval.bm25 import BM25Retriever
 
+    # 4 exemplars a prompt (8 by default): each of the four runs below prefills both demo prefixes again and every
+    # decode step reads them, while what is tested is which batches the questions share, not how long the demos are
+    cfg = tmp_path / "dragin4.json"
+    cfg.write_text(json.dumps({**json.loads(open(short_cfg).read()), "fewshot": 4}))
     eng = build_engine("smollm2", batch_size=8, kv_cache_gb=1.0, device="cpu")
     ret = BM25Retriever(str(CORPUS))
     # the same questions under two datasets' prompts (different demos: two shared prefixes in one batch)
     mk = lambda ds, out, **kw: RunOptions(method="dragin", dataset=ds, data=str(DATA), corpus=str(CORPUS),  # noqa: E731
-                                          output=str(tmp_path / out), config=short_cfg, limit=3, batch_size=8,
+                                          output=str(tmp_path / out), config=str(cfg), limit=3, batch_size=8,
                                           kv_cache_gb=1.0, progress=False, **kw)
     sep = [run(mk("hotpotqa", "sep_h"), engine=eng, retriever=ret),
            run(mk("2wikimultihopqa", "sep_w"), engine=eng, retriever=ret)]
@@ -48,6 +52,7 @@ def test_joint_run_equals_separate_runs(tmp_path, short_cfg):
     for a, b in (("sep_h", "joint_h"), ("sep_w", "joint_w")):
         da, db = decisions(tmp_path / a), decisions(tmp_path / b)
         assert len(da) == 3 and da == db
+        assert any(query for _, rounds, _ in da.values() for _, query, _ in rounds), f"{a}: nothing retrieved"
     # the two demo sets really differ (else this would test one prefix twice)
     assert eng.prefixes[0].token_ids != eng.prefixes[1].token_ids
     # one clock for both runs; fewer decode steps than the two runs took one after the other
