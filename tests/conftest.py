@@ -38,3 +38,20 @@ def _interpret_triton_without_a_gpu() -> None:
 
 _share_the_cores()
 _interpret_triton_without_a_gpu()
+
+import pytest  # noqa: E402  (after the settings above, which must come before any module that imports torch)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    """benchmarks/make_random_model.py's tiny shape in a folder of its own: random float32 weights, the embedded
+    tokenizer (the random-model parity tests of tests/test_e2e.py and tests/test_methods_e2e.py)."""
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from make_random_model import make
+
+    return make("tiny", tmp_path_factory.mktemp("tiny"), dtype=torch.float32, device="cpu")

@@ -171,16 +171,6 @@ def test_serve_rejects_bad_sampling_before_loading_anything():
     assert p.returncode == 2 and "seed must be an int of 64 bits" in p.stderr, p.stderr
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    """benchmarks/make_random_model.py's tiny shape: random float32 weights, the embedded tokenizer."""
-    sys.path.insert(0, str(BUNDLED.parents[2] / "benchmarks"))
-    import torch
-    from make_random_model import make
-
-    return make("tiny", tmp_path_factory.mktemp("tiny"), dtype=torch.float32, device="cpu")
-
-
 def test_parity_on_a_random_model_of_another_shape(tmp_path, small_config, tiny_model):
     """benchmarks/make_random_model.py writes an HF directory (random weights, the embedded tokenizer) that both
     the engine (`--model DIR`) and the transformers oracle load; DRAGIN parity holds on it too (the GPU benchmarks

@@ -70,13 +70,18 @@ def _parity_on_own_questions(tmp_path, method: str, config: dict) -> dict:
     p = cli("parity", "--method", method, "--dataset", "hotpotqa", "--data", OWN, "--corpus", CORPUS, "--config",
             cfg, "--limit", 2, "--batch-size", 2, "--kv-cache-gb", 0.25, "--output", out, "--no-progress")
     assert p.returncode == 0, p.stderr[-3000:]
-    rep = json.loads((out / "parity.json").read_text())
-    assert rep["n"] == 2 and rep["n_errored"] == 0 and rep["agreement"] == 1.0, rep
+    return _same_work(json.loads((out / "parity.json").read_text()), out, 2)
+
+
+def _same_work(rep: dict, out: Path, n: int) -> dict:
+    """A parity report of n questions that all agree, whose two sides count the same work in each question's record;
+    returns that work, {qid: (calls, decoded, retrievals)}."""
+    assert rep["n"] == n and rep["n_errored"] == 0 and rep["agreement"] == 1.0, rep
     work = {}
     for side in ("engine", "oracle"):
         recs = [json.loads(x) for x in (out / side / "results.jsonl").read_text().splitlines()]
         work[side] = {r["qid"]: (r["llm_calls"], r["decode_tokens"], r["retrievals"]) for r in recs}
-    assert work["engine"] == work["oracle"] and len(work["engine"]) == 2
+    assert work["engine"] == work["oracle"] and len(work["engine"]) == n
     return work["oracle"]
 
 
@@ -115,16 +120,6 @@ def test_baseline_parity_with_the_real_model_counts_the_same_work_on_both_sides(
     assert min(r for _, _, r in work.values()) >= retrievals, work
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    """benchmarks/make_random_model.py's tiny shape: random float32 weights, the embedded tokenizer."""
-    sys.path.insert(0, str(BUNDLED.parents[2] / "benchmarks"))
-    import torch
-    from make_random_model import make
-
-    return make("tiny", tmp_path_factory.mktemp("tiny"), dtype=torch.float32, device="cpu")
-
-
 @pytest.mark.parametrize("method, config, retrievals", [
     ("wo-rag", {}, 0), ("sr-rag", {}, 1), ("fl-rag", {"fix_length": 6}, 4), ("fs-rag", {}, 3),
     ("token-rag", {}, 1),
@@ -146,16 +141,11 @@ def test_parity_on_a_random_model(tmp_path, tiny_model, method, config, retrieva
     rep = parity(RunOptions(method=method, dataset="hotpotqa", data=str(OWN), corpus=str(CORPUS), output=str(out),
                             model=str(tiny_model), config=str(cfg), limit=3, batch_size=3, kv_cache_gb=0.05,
                             progress=False))
-    assert rep["n"] == 3 and rep["n_errored"] == 0 and rep["agreement"] == 1.0, rep
-    work = {}
-    for side in ("engine", "oracle"):
-        recs = [json.loads(x) for x in (out / side / "results.jsonl").read_text().splitlines()]
-        work[side] = {r["qid"]: (r["llm_calls"], r["decode_tokens"], r["retrievals"]) for r in recs}
-    assert work["engine"] == work["oracle"] and len(work["engine"]) == 3
+    work = _same_work(rep, out, 3)
     # the retrievals of the question that made the most: the method's rule fired (FLARE's first is the question's)
-    assert max(r for _, _, r in work["oracle"].values()) >= retrievals, work
+    assert max(r for _, _, r in work.values()) >= retrievals, work
     if method == "wo-rag":
-        assert all(r == 0 for _, _, r in work["oracle"].values()), work
+        assert all(r == 0 for _, _, r in work.values()), work
 
 
 def test_unknown_method_and_bad_option_are_clear_errors(tmp_path):
