@@ -61,11 +61,10 @@ def single(tmp_path_factory, cfg):
     return got
 
 
-def ray_cli(cfg, *args) -> list[str]:
-    """The command line of a 2-worker Ray run of DRAGIN on the first N bundled questions."""
-    return [sys.executable, "-m", "fastrag", "run", "--ray", "--num-workers", "2", "--method", "dragin", "--dataset",
-            "hotpotqa", "--data", str(DATA), "--corpus", str(CORPUS), "--config", str(cfg), "--limit", str(N),
-            *map(str, args), "--no-progress"]
+def ray_args(cfg, *args) -> list[str]:
+    """fastrag's arguments for a 2-worker Ray run of DRAGIN on the first N bundled questions."""
+    return ["run", "--ray", "--num-workers", "2", "--method", "dragin", "--dataset", "hotpotqa", "--data", str(DATA),
+            "--corpus", str(CORPUS), "--config", str(cfg), "--limit", str(N), *map(str, args), "--no-progress"]
 
 
 def test_ray_run_with_a_killed_worker_equals_single_process(tmp_path, cfg, single):
@@ -74,8 +73,8 @@ def test_ray_run_with_a_killed_worker_equals_single_process(tmp_path, cfg, singl
     adds nothing; a third run recomputes two questions whose latest records are errors, with no retry."""
     out = tmp_path / "ray"
     # (batch size 1: shard 0 writes its answers one by one, so the kill lands between two of them)
-    proc = subprocess.Popen(ray_cli(cfg, "--batch-size", 1, "--output", out), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "fastrag", *ray_args(cfg, "--batch-size", 1, "--output", out)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     shard = out / "shards" / "0"
     deadline, killed = time.time() + 600, None
     while time.time() < deadline and proc.poll() is None:
@@ -104,7 +103,7 @@ def test_ray_run_with_a_killed_worker_equals_single_process(tmp_path, cfg, singl
                      for i in range(2)}
     assert m["environment"]["device"] == "; ".join(sorted(shard_devices)), (m["environment"], shard_devices)
     assert m["environment"]["torch"] == torch.__version__
-    again = subprocess.run(ray_cli(cfg, "--output", out), capture_output=True, text=True, timeout=900)
+    again = cli(*ray_args(cfg, "--output", out))
     assert again.returncode == 0 and len(records(out)) == N  # a rerun adds nothing
     kept = json.loads((out / "metrics.json").read_text())
     assert kept["computed_this_run"] == 0 and kept["measured_in_an_earlier_run"] is True
@@ -121,7 +120,7 @@ def test_ray_run_with_a_killed_worker_equals_single_process(tmp_path, cfg, singl
         assert len(errs) == 2
         with open(f, "a") as fh:
             fh.write("".join(json.dumps(r) + "\n" for r in errs))
-    third = subprocess.run(ray_cli(cfg, "--output", out), capture_output=True, text=True, timeout=900)
+    third = cli(*ray_args(cfg, "--output", out))
     assert third.returncode == 0, third.stderr[-3000:]
     m = json.loads((out / "metrics.json").read_text())
     assert m["errors"] == 0 and m["computed_this_run"] == 2, m
@@ -157,10 +156,8 @@ def local_ray():
     import ray
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        yield ray
-    finally:
-        ray.shutdown()
+    yield
+    ray.shutdown()
 
 
 def test_answers_a_killed_run_left_in_a_shard_are_not_counted_as_computed_again(tmp_path, local_ray):
