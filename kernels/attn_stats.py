@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastrag.kernels import INTERPRETED
+from fastrag.kernels import INTERPRETED, device_function
 
 # A prefill statistic normalises each row by scores one kernel formed and divides scores another kernel forms by it,
 # so both must round s = q.k * scale the same way. On a GPU Triton fuses a product into the subtraction that
@@ -25,13 +25,13 @@ from fastrag.kernels import INTERPRETED
 # `_scaled` is the multiply rounded to nearest that no compiler fuses (libdevice's __nv_fmul_rn, PTX mul.rn.f32);
 # the interpreter's numpy multiply rounds each product already and has no libdevice.
 if INTERPRETED:
-    @triton.jit
+    @device_function
     def _scaled(x, scale):
         return x * scale
 else:
     from triton.language.extra import libdevice
 
-    @triton.jit
+    @device_function
     def _scaled(x, scale):
         return libdevice.mul_rn(x, scale)
 

@@ -19,10 +19,10 @@ import torch
 import triton
 import triton.language as tl
 
-from fastrag.kernels import INTERPRETED
+from fastrag.kernels import INTERPRETED, device_function
 
 
-@triton.jit
+@device_function
 def online_softmax_tile(b_q, k_rows, v_rows, m_n, visible, m_d, scale, b_m, b_l, b_acc,
                         IEEE: tl.constexpr, UPCAST: tl.constexpr):
     """One tile of keys in a flash-attention loop: load the keys and values at pointers k_rows / v_rows

@@ -18,9 +18,10 @@ import torch
 import triton
 import triton.language as tl
 
+from fastrag.kernels import device_function
 
 
-@triton.jit
+@device_function
 def _mix32(x):
     # lowbias32 finaliser on uint32 (wrapping multiplies); must match reference.mix32 bit for bit.
     x = x ^ (x >> 16)
@@ -31,7 +32,7 @@ def _mix32(x):
     return x
 
 
-@triton.jit
+@device_function
 def _gumbel_score(b_y, key, o_v):
     # y - ln(-ln u), u = ((hash(key, v) >> 9) + 0.5) * 2^-23: a 23-bit integer + 0.5 is exact in float32, so u is
     # the reference's value and lies in [2^-24, 1 - 2^-24] (never 1.0, whose Gumbel noise would be +inf)
@@ -133,7 +134,7 @@ def _token_signals_combine_kernel(
         tl.store(out_flag_ptr + i_b, tl.load(nonstop_ptr + c))
 
 
-@triton.jit
+@device_function
 def _order_key(y):
     # order-preserving int64 image of float32 y (a < b <=> key(a) < key(b)), in [0, 2^32), -0.0 keyed as +0.0 (one
     # tie group, as in the reference): as csrc order_key

@@ -727,3 +727,50 @@ def test_auto_backend_prefers_kernels_on_cuda_and_torch_elsewhere():
     # dispatch follows the input's device: a CPU call works on any machine
     res = be.decode_signals(torch.randn(2, 50))
     assert res.chosen.device.type == "cpu"
+
+
+# A device function (fastrag.kernels.device_function) and a kernel that calls it REPS times: acc <- 2 acc + 1.
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from fastrag.kernels import INTERPRETED, device_function  # noqa: E402
+
+
+@device_function
+def _twice_plus(x, y):
+    z = x * 2.0  # an assignment: the interpreter's rewrite of it applies here too
+    return z + y
+
+
+@triton.jit
+def _device_function_kernel(x_ptr, out_ptr, N: tl.constexpr, REPS: tl.constexpr):
+    o = tl.arange(0, N)
+    acc = tl.load(x_ptr + o)
+    for _ in range(REPS):
+        acc = _twice_plus(acc, 1.0)
+    tl.store(out_ptr + o, acc)
+
+
+def test_device_function_calls_give_the_jit_result_without_repatching_the_language(monkeypatch):
+    """Compiled, a device function is Triton's own jit function (inlined). Under the interpreter a call from a
+    running kernel goes to the rewritten function directly: triton.language is patched once, at the launch, not
+    again at each of the REPS calls (Triton's own jit call does, a few milliseconds each), and the values are the
+    float32 arithmetic's, as torch computes it."""
+    x = torch.randn(16, generator=torch.Generator().manual_seed(random.randrange(2**31)))
+    want = x.clone()
+    for _ in range(5):
+        want = want * 2.0 + 1.0
+    dev = "cuda" if CUDA else "cpu"
+    out = torch.full((16,), float("nan"), device=dev)
+    if not INTERPRETED:
+        assert isinstance(_twice_plus, triton.runtime.JITFunction)
+        _device_function_kernel[(1,)](x.to(dev), out, N=16, REPS=5)
+    else:
+        import triton.runtime.interpreter as interp
+
+        patched = []
+        real = interp._patch_lang
+        monkeypatch.setattr(interp, "_patch_lang", lambda fn: patched.append(fn.__name__) or real(fn))
+        _device_function_kernel[(1,)](x, out, N=16, REPS=5)
+        assert patched == ["_device_function_kernel"], patched
+    assert torch.equal(out.cpu(), want)
