@@ -10,6 +10,9 @@ Triton decides at decoration time whether a kernel is compiled for the GPU or ru
 
 from __future__ import annotations
 
+import functools
+
+import triton
 from triton import knobs as _knobs
 
 INTERPRETED: bool = bool(_knobs.runtime.interpret)
@@ -23,10 +26,6 @@ def device_function(fn):
     interpreter rewrites it (the same AST rewrite, made once). Triton's own jit functions (tl.sum, tl.max) still
     patch at each call. On a 2-core CPU VM tests/test_signals.py and tests/test_kernels.py took 467 s together
     (541 s before). A Triton without that rewrite method gets the plain jit function."""
-    import functools
-
-    import triton
-
     jitted = triton.jit(fn)
     rewrite = getattr(jitted, "rewrite", None) if INTERPRETED else None
     if rewrite is None:

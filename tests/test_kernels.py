@@ -20,7 +20,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any fastrag.kernels import
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
 from backend_cases import backend_case, one_thread  # noqa: E402,F401 (one_thread: autouse)
+from fastrag.kernels import INTERPRETED, device_function  # noqa: E402
 from fastrag.signals import BackendUnavailableError, get_backend  # noqa: E402
 from fastrag.signals.reference import (  # noqa: E402
     attn_decode_update_ref,
@@ -730,10 +734,7 @@ def test_auto_backend_prefers_kernels_on_cuda_and_torch_elsewhere():
 
 
 # A device function (fastrag.kernels.device_function) and a kernel that calls it REPS times: acc <- 2 acc + 1.
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-
-from fastrag.kernels import INTERPRETED, device_function  # noqa: E402
+REPS = 5
 
 
 @device_function
@@ -743,10 +744,10 @@ def _twice_plus(x, y):
 
 
 @triton.jit
-def _device_function_kernel(x_ptr, out_ptr, N: tl.constexpr, REPS: tl.constexpr):
+def _device_function_kernel(x_ptr, out_ptr, N: tl.constexpr, N_CALLS: tl.constexpr):
     o = tl.arange(0, N)
     acc = tl.load(x_ptr + o)
-    for _ in range(REPS):
+    for _ in range(N_CALLS):
         acc = _twice_plus(acc, 1.0)
     tl.store(out_ptr + o, acc)
 
@@ -758,19 +759,19 @@ def test_device_function_calls_give_the_jit_result_without_repatching_the_langua
     float32 arithmetic's, as torch computes it."""
     x = torch.randn(16, generator=torch.Generator().manual_seed(random.randrange(2**31)))
     want = x.clone()
-    for _ in range(5):
+    for _ in range(REPS):
         want = want * 2.0 + 1.0
     dev = "cuda" if CUDA else "cpu"
     out = torch.full((16,), float("nan"), device=dev)
     if not INTERPRETED:
         assert isinstance(_twice_plus, triton.runtime.JITFunction)
-        _device_function_kernel[(1,)](x.to(dev), out, N=16, REPS=5)
+        _device_function_kernel[(1,)](x.to(dev), out, N=16, N_CALLS=REPS)
     else:
         import triton.runtime.interpreter as interp
 
         patched = []
         real = interp._patch_lang
         monkeypatch.setattr(interp, "_patch_lang", lambda fn: patched.append(fn.__name__) or real(fn))
-        _device_function_kernel[(1,)](x, out, N=16, REPS=5)
+        _device_function_kernel[(1,)](x, out, N=16, N_CALLS=REPS)
         assert patched == ["_device_function_kernel"], patched
     assert torch.equal(out.cpu(), want)
