@@ -101,6 +101,41 @@ def test_silu_mul_equals_torch(dtype, M, I, block):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rows_per_program_change_no_value(dtype):
+    """The row-wise kernels give the same bits at 1, 4, 16 and 64 rows a program (1 is the GPU's launch, larger
+    tiles the interpreter's), on 37 rows: the last program of each tiled launch is part empty. The rotation writes
+    no pool slot but its rows' (slot 0 is never one of them, and a masked row would read slot 0)."""
+    g, seed = _gen()
+    M, H, Hkv, D, N, I = 37, 6, 2, 24, 100, 300
+    x, d = torch.randn(M, N, generator=g).to(dtype), torch.randn(M, N, generator=g).to(dtype)
+    w = (torch.rand(N, generator=g) + 0.5).to(dtype)
+    gate_up = (torch.randn(M, 2 * I, generator=g) * 4).to(dtype)
+    qkv = torch.randn(M, (H + 2 * Hkv) * D, generator=g).to(dtype)
+    cos, sin = torch.randn(M, D, generator=g).to(dtype), torch.randn(M, D, generator=g).to(dtype)
+    slots = 1 + torch.randperm(3 * M, generator=g)[:M]
+    runs = {}
+    for rows in (1, 4, 16, 64):
+        kp = torch.full((Hkv, 3 * M + 1, D), float("nan"), dtype=dtype, device=DEV)
+        vp = kp.clone()
+        q = fd.rope_write_kv(qkv.to(DEV), cos.to(DEV), sin.to(DEV), slots.to(DEV), kp, vp, H, Hkv, rows=rows)
+        runs[rows] = (*fd.add_rms_norm(x.to(DEV), d.to(DEV), w.to(DEV), 1e-5, rows=rows),
+                      fd.add_rms_norm(x.to(DEV), None, w.to(DEV), 1e-5, rows=rows)[1],
+                      fd.silu_mul(gate_up.to(DEV), block=128, rows=rows), q, kp, vp)
+        untouched = torch.ones(3 * M + 1, dtype=torch.bool)
+        untouched[slots] = False
+        assert kp[:, untouched].isnan().all() and vp[:, untouched].isnan().all(), f"rows={rows} (seed={seed})"
+        assert not kp[:, slots].isnan().any() and not vp[:, slots].isnan().any(), f"rows={rows} (seed={seed})"
+    names = ("x + delta", "norm(x + delta)", "norm(x)", "silu_mul", "q", "k_pool", "v_pool")
+    for rows in (4, 16, 64):
+        for name, a, b in zip(names, runs[1], runs[rows]):
+            torch.testing.assert_close(b, a, rtol=0, atol=0, equal_nan=True,
+                                       msg=lambda m: f"{name} at rows={rows} against rows=1: {m} (seed={seed})")
+    want = F.silu(gate_up[:, :I]) * gate_up[:, I:]
+    torch.testing.assert_close(runs[1][3].cpu().float(), want.float(), **_tol(dtype),
+                               msg=lambda m: f"silu_mul against torch: {m} (seed={seed})")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("Hkv,R,P,block", [(1, 1, 1, 1024), (2, 5, 37, 16), (3, 4, 1000, 256), (2, 3, 70, 1024)])
 def test_prefix_softmax_equals_torch(dtype, Hkv, R, P, block):
     g, seed = _gen()
@@ -168,6 +203,10 @@ def test_bad_arguments_name_the_problem():
         fd.add_rms_norm(x.t(), None, torch.ones(2, device=DEV), 1e-5)
     with pytest.raises(ValueError, match="gate_up: width 7 is odd"):
         fd.silu_mul(torch.zeros(2, 7, device=DEV))
+    with pytest.raises(ValueError, match="rows: expected a power of two >= 1 \\(rows per program\\), got 3"):
+        fd.silu_mul(torch.zeros(2, 8, device=DEV), rows=3)
+    with pytest.raises(ValueError, match="rows: expected a power of two"):
+        fd.add_rms_norm(x, None, torch.ones(8, device=DEV), 1e-5, rows=0)
     qkv, cs = torch.zeros(2, 6 * 8, device=DEV), torch.zeros(2, 8, device=DEV)
     pool, slots = torch.zeros(1, 4, 8, device=DEV), torch.zeros(2, dtype=torch.long, device=DEV)
     with pytest.raises(ValueError, match="not \\(H \\+ 2 Hkv\\) x head_dim"):

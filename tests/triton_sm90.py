@@ -237,6 +237,12 @@ def _launches_varying() -> None:
             attn_stats.attn_decode_update(torch.randn(B, H, D, generator=g).to(dt), kp, tab, lens, span,
                                           torch.randn(B, H), bs, D ** -0.5, torch.zeros(B, H, S),
                                           torch.empty(B, width * bs))
+    for M in (1, 3, 16, 17):  # rows of a prefill or an eager decode step
+        x = torch.randn(M, 256, generator=g).to(dt)
+        fused_decode.add_rms_norm(x, torch.randn_like(x), torch.ones(256, dtype=dt), 1e-5)
+        fused_decode.rope_write_kv(torch.randn(M, (H + 2 * Hkv) * D, generator=g).to(dt), torch.randn(M, D).to(dt),
+                                   torch.randn(M, D).to(dt), torch.arange(M), kp, vp, H, Hkv)
+        fused_decode.silu_mul(torch.randn(M, 512, generator=g).to(dt))
     for n in (1, 3, 16, 17):  # sequences sharing one prefix
         e, stat = fused_decode.prefix_softmax(torch.randn(Hkv, n * (H // Hkv), 40, generator=g).to(dt), 0.1, dt)
         num = torch.randn(Hkv, n * (H // Hkv), D, generator=g).to(dt)
