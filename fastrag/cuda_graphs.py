@@ -343,7 +343,7 @@ class _TokenGraphs:
     what = "a packed call"
 
     def __init__(self, device: torch.device, max_tokens: int, max_seqs: int, emulate: bool, block_m: int | None):
-        from fastrag.kernels.paged_prefill import PrefillLayout, default_block_m
+        from fastrag.kernels.paged_prefill import DEFAULT_BLOCK_M, PrefillLayout
 
         for name, v in (("max_tokens", max_tokens), ("max_seqs", max_seqs)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -353,7 +353,7 @@ class _TokenGraphs:
             raise ValueError(f"CUDA graphs need a CUDA model, this one is on {device}; use emulate=True")
         self.buckets = token_buckets(max_tokens)
         self.max_seqs = max_seqs
-        self.block_m = default_block_m(device) if block_m is None else block_m
+        self.block_m = DEFAULT_BLOCK_M if block_m is None else block_m
         self._layout_cls = PrefillLayout
         self.graphs: dict[int, _TokenGraph] = {}
         self.disabled: str | None = None

@@ -56,20 +56,19 @@ def _rope_write_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, slot_ptr, q_ptr, k_ptr, v_p
                           stride_row, stride_cos, stride_sin, stride_qm, stride_qh,
                           stride_kh, stride_ks, stride_vh, stride_vs,
                           H, Hkv, HALF: tl.constexpr, HALF_PAD: tl.constexpr, ROWS: tl.constexpr):
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)[:, None]  # [ROWS, 1]
     rm = rows < M
-    row = rows.to(tl.int64)[:, None]  # [ROWS, 1]
     # 0..H-1: query heads; H..H+Hkv-1: key heads (the program also copies the value head); int64: a head's offset
     # in a pool of more than 2**31 elements
     head = tl.program_id(1).to(tl.int64)
     o = tl.arange(0, HALF_PAD)[None, :]  # [1, HALF_PAD]
-    m = rm[:, None] & (o < HALF)
+    m = rm & (o < HALF)
     D = 2 * HALF
-    c1 = tl.load(cos_ptr + row * stride_cos + o, mask=m, other=0.0).to(tl.float32)
-    c2 = tl.load(cos_ptr + row * stride_cos + HALF + o, mask=m, other=0.0).to(tl.float32)
-    s1 = tl.load(sin_ptr + row * stride_sin + o, mask=m, other=0.0).to(tl.float32)
-    s2 = tl.load(sin_ptr + row * stride_sin + HALF + o, mask=m, other=0.0).to(tl.float32)
-    base = qkv_ptr + row * stride_row + head * D
+    c1 = tl.load(cos_ptr + rows * stride_cos + o, mask=m, other=0.0).to(tl.float32)
+    c2 = tl.load(cos_ptr + rows * stride_cos + HALF + o, mask=m, other=0.0).to(tl.float32)
+    s1 = tl.load(sin_ptr + rows * stride_sin + o, mask=m, other=0.0).to(tl.float32)
+    s2 = tl.load(sin_ptr + rows * stride_sin + HALF + o, mask=m, other=0.0).to(tl.float32)
+    base = qkv_ptr + rows * stride_row + head * D
     x1 = tl.load(base + o, mask=m, other=0.0)
     x2 = tl.load(base + HALF + o, mask=m, other=0.0)
     dt = x1.dtype
@@ -77,16 +76,16 @@ def _rope_write_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, slot_ptr, q_ptr, k_ptr, v_p
     y1 = ((x1.to(tl.float32) * c1).to(dt).to(tl.float32) + (-(x2.to(tl.float32)) * s1).to(dt).to(tl.float32)).to(dt)
     y2 = ((x2.to(tl.float32) * c2).to(dt).to(tl.float32) + (x1.to(tl.float32) * s2).to(dt).to(tl.float32)).to(dt)
     if head < H:
-        dst = q_ptr + row * stride_qm + head * stride_qh
+        dst = q_ptr + rows * stride_qm + head * stride_qh
         tl.store(dst + o, y1, mask=m)
         tl.store(dst + HALF + o, y2, mask=m)
     else:
         kh = head - H
-        slot = tl.load(slot_ptr + row, mask=rm[:, None], other=0).to(tl.int64)
+        slot = tl.load(slot_ptr + rows, mask=rm, other=0).to(tl.int64)
         dst = k_ptr + kh * stride_kh + slot * stride_ks
         tl.store(dst + o, y1, mask=m)
         tl.store(dst + HALF + o, y2, mask=m)
-        vsrc = qkv_ptr + row * stride_row + (H + Hkv + kh) * D
+        vsrc = qkv_ptr + rows * stride_row + (H + Hkv + kh) * D
         vdst = v_ptr + kh * stride_vh + slot * stride_vs
         tl.store(vdst + o, tl.load(vsrc + o, mask=m, other=0.0), mask=m)
         tl.store(vdst + HALF + o, tl.load(vsrc + HALF + o, mask=m, other=0.0), mask=m)

@@ -118,18 +118,17 @@ class PrefillLayout:
         self.block_size, self.n_rows, self.block_m = block_size, n_rows, block_m
 
 
-def default_block_m(device: torch.device) -> int:
-    """Query rows per program: 64, on a GPU (tensor-core tiles) and under the interpreter, whose cost is per program
-    and per key tile rather than per element: padded rows cost it next to nothing, and a tile of 16 rows re-reads
-    the keys 4 times as often. On a 2-core Xeon VM (2026-12-03, float32, 9 query and 3 kv heads of 64) a prefill of
-    150 + 90 new tokens took 5.6 s at 16 x 64 tiles and 1.2 s at 64 x 128 (default_block_n), one of 4 x 8 tokens
-    after 200 own keys each 1.5 to 2.3 s and 0.9 to 1.0 s."""
-    return 64
+# Query rows per program: 64, on a GPU (tensor-core tiles) and under the interpreter, whose cost is per program and
+# per key tile rather than per element: padded rows cost it next to nothing, and a tile of 16 rows re-reads the keys
+# 4 times as often. On a 2-core Xeon VM (2026-12-03, float32, 9 query and 3 kv heads of 64) a prefill of 150 + 90 new
+# tokens took 5.6 s at 16 x 64 tiles and 1.2 s at 64 x 128 (default_block_n), one of 4 x 8 tokens after 200 own
+# keys each 1.5 to 2.3 s and 0.9 to 1.0 s.
+DEFAULT_BLOCK_M = 64
 
 
 def default_block_n() -> int:
     """Keys per tile of the prefill kernel's loop: 64 compiled for a GPU (spill-free 64 x 64 bf16 tiles on sm_90,
-    tests/test_triton_sm90.py); 128 under the interpreter, fewer passes of the loop (default_block_m)."""
+    tests/test_triton_sm90.py); 128 under the interpreter, fewer passes of the loop (DEFAULT_BLOCK_M)."""
     return 128 if INTERPRETED else 64
 
 
@@ -145,7 +144,7 @@ def prefill_layout(q_lens: list[int], ctx_lens: list[int], pre: list[tuple[int, 
                          f"{len(ctx_lens)}, {len(pre)} and {tuple(ctx_blocks.shape)}")
     if not (isinstance(block_size, int) and block_size > 0):
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
-    block_m = default_block_m(ctx_blocks.device) if block_m is None else block_m
+    block_m = DEFAULT_BLOCK_M if block_m is None else block_m
     if block_m < 16 or block_m & (block_m - 1):
         raise ValueError(f"block_m must be a power of two >= 16, got {block_m}")
     max_ctx = ctx_blocks.shape[1] * block_size
