@@ -177,70 +177,94 @@ def _causal_colmax_kernel(
     tl.store(out_ptr + i_b * T + o_n, acc / H, mask=o_n < T)
 
 
-@triton.jit(do_not_specialize=["T", "R"])
+@triton.jit(do_not_specialize=["T", "R", "NR"])
 def _causal_row_lse_kernel(
     q_ptr, sq_b, sq_h, sq_t, k_ptr, sk_b, sk_h, sk_t, len_ptr, rows_ptr, ml_ptr,
-    H, G, T, D, R,
-    scale, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    H, G, T, D, R, NR,
+    scale, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr,
 ):
-    # log-sum-exp of one selected row's scores for one head, the scores computed exactly as _causal_rows_kernel
+    # log-sum-exp of selected rows' scores for one head, the scores computed exactly as _causal_rows_kernel
     # computes them (same tiles, same elementwise products and sums): its probabilities then sum to 1 to float32
     # rounding at any score size (normalising by the tl.dot scores of _causal_lse_kernel did not: two roundings).
     # Stored as its two parts, the row's largest score m and log(l), [.., 2]: m + log(l) in float32 loses log(l)
     # next to a large m (at |m| ~ 1e6 a float32 step is 0.06, so a row of p = 1 - 4.5e-5 and 4.5e-5 came out as
-    # 1 and 4.5e-5); the rows kernel takes exp((s - m) - log(l)), where s - m is exact near the largest score
-    i_br = tl.program_id(0).to(tl.int64)
+    # 1 and 4.5e-5); the rows kernel takes exp((s - m) - log(l)), where s - m is exact near the largest score.
+    # A program takes ROWS of the NR = B * R selected rows (rows_per_program); a row past NR reads row NR - 1 and
+    # writes nothing.
+    i_br = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # [ROWS]
+    i_rd = tl.minimum(i_br, NR - 1)
     h = tl.program_id(1)
-    i_b = i_br // R
+    i_b = i_rd // R
     n = tl.load(len_ptr + i_b)
-    j = tl.load(rows_ptr + i_br)
+    j = tl.load(rows_ptr + i_rd)
     j_last = tl.where((j >= 0) & (j < n), j, -1)
     jj = tl.maximum(j_last, 0)
     o_d = tl.arange(0, BLOCK_D)
     m_d = o_d < D
-    b_q = tl.load(q_ptr + i_b * sq_b + h * sq_h + jj * sq_t + o_d, mask=m_d, other=0.0).to(tl.float32)
-    m_i = float("-inf")
-    l_i = 0.0
-    for n0 in range(0, j_last + 1, BLOCK_N):
+    # (a row's base pointer first, then the tile's int32 offsets: int64 offsets per element cost registers)
+    p_q = q_ptr + i_b * sq_b + h * sq_h + jj * sq_t  # [ROWS]
+    b_q = tl.load(p_q[:, None] + o_d[None, :], mask=m_d[None, :], other=0.0).to(tl.float32)  # [ROWS, BLOCK_D]
+    p_k = (k_ptr + i_b * sk_b + (h // G) * sk_h)[:, None, None]
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    # (a row's tiles past its own last key add exp(-inf) = 0 to l and leave m as it is: bit for bit the row alone)
+    for n0 in range(0, tl.max(j_last, axis=0) + 1, BLOCK_N):
         o_n = n0 + tl.arange(0, BLOCK_N)
-        ok = (o_n <= j_last) & (o_n < n)
-        b_k = tl.load(k_ptr + i_b * sk_b + (h // G) * sk_h + o_n[:, None] * sk_t + o_d[None, :],
-                      mask=ok[:, None] & m_d[None, :], other=0.0).to(tl.float32)
-        s = tl.where(ok, _scaled(tl.sum(b_k * b_q[None, :], axis=1), scale), float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=0))
-        l_i = l_i * tl.exp(m_i - m_new) + tl.sum(tl.exp(s - m_new), axis=0)
+        ok = (o_n[None, :] <= j_last[:, None]) & (o_n[None, :] < n[:, None])  # [ROWS, BLOCK_N]
+        b_k = tl.load(p_k + (o_n[None, :, None] * sk_t + o_d[None, None, :]),
+                      mask=ok[:, :, None] & m_d[None, None, :], other=0.0).to(tl.float32)  # [ROWS, BLOCK_N, BLOCK_D]
+        s = tl.where(ok, _scaled(tl.sum(b_k * b_q[:, None, :], axis=2), scale), float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        l_i = l_i * tl.exp(m_i - m_new) + tl.sum(tl.exp(s - m_new[:, None]), axis=1)
         m_i = m_new
-    tl.store(ml_ptr + (i_br * H + h) * 2, tl.where(j_last >= 0, m_i, 0.0))
-    tl.store(ml_ptr + (i_br * H + h) * 2 + 1, tl.where(j_last >= 0, tl.log(l_i), 0.0))
+    keep = i_br < NR
+    tl.store(ml_ptr + (i_br * H + h) * 2, tl.where(j_last >= 0, m_i, 0.0), mask=keep)
+    tl.store(ml_ptr + (i_br * H + h) * 2 + 1, tl.where(j_last >= 0, tl.log(l_i), 0.0), mask=keep)
 
 
-@triton.jit(do_not_specialize=["T", "R"])
+@triton.jit(do_not_specialize=["T", "R", "NR"])
 def _causal_rows_kernel(
     q_ptr, sq_b, sq_h, sq_t, k_ptr, sk_b, sk_h, sk_t, len_ptr, ml_ptr, rows_ptr, out_ptr,
-    H, G, T, D, R, scale,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    H, G, T, D, R, NR, scale,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr,
 ):
-    i_br = tl.program_id(0).to(tl.int64)
+    i_br = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # [ROWS] (as _causal_row_lse_kernel)
+    i_rd = tl.minimum(i_br, NR - 1)
     i_n = tl.program_id(1)
-    i_b = i_br // R
+    i_b = i_rd // R
     n = tl.load(len_ptr + i_b)
-    j = tl.load(rows_ptr + i_br)
+    j = tl.load(rows_ptr + i_rd)
     j_last = tl.where((j >= 0) & (j < n), j, -1)  # last visible key; -1: the row is outside [0, n), all zeros
     jj = tl.maximum(j_last, 0)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     o_d = tl.arange(0, BLOCK_D)
     m_d = o_d < D
-    ok = (o_n <= j_last) & (o_n < n)
-    acc = tl.zeros([BLOCK_N], tl.float32)
+    ok = (o_n[None, :] <= j_last[:, None]) & (o_n[None, :] < n[:, None])  # [ROWS, BLOCK_N]
+    acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
     for h in range(H):
-        b_q = tl.load(q_ptr + i_b * sq_b + h * sq_h + jj * sq_t + o_d, mask=m_d, other=0.0).to(tl.float32)
-        # k: [BLOCK_N, BLOCK_D]
-        b_k = tl.load(k_ptr + i_b * sk_b + (h // G) * sk_h + o_n[:, None] * sk_t + o_d[None, :],
-                      mask=ok[:, None] & m_d[None, :], other=0.0).to(tl.float32)
-        m = tl.load(ml_ptr + (i_br * H + h) * 2)  # (the row's own m and log(l), _causal_row_lse_kernel)
-        log_l = tl.load(ml_ptr + (i_br * H + h) * 2 + 1)
-        acc += tl.where(ok, tl.exp((_scaled(tl.sum(b_k * b_q[None, :], axis=1), scale) - m) - log_l), 0.0)
-    tl.store(out_ptr + i_br * T + o_n, acc / H, mask=o_n < T)
+        p_q = q_ptr + i_b * sq_b + h * sq_h + jj * sq_t  # [ROWS] (base pointers, then int32 offsets)
+        b_q = tl.load(p_q[:, None] + o_d[None, :], mask=m_d[None, :], other=0.0).to(tl.float32)  # [ROWS, BLOCK_D]
+        # k: [ROWS, BLOCK_N, BLOCK_D]
+        p_k = (k_ptr + i_b * sk_b + (h // G) * sk_h)[:, None, None]
+        b_k = tl.load(p_k + (o_n[None, :, None] * sk_t + o_d[None, None, :]),
+                      mask=ok[:, :, None] & m_d[None, None, :], other=0.0).to(tl.float32)
+        m = tl.load(ml_ptr + (i_rd * H + h) * 2)  # (the row's own m and log(l), _causal_row_lse_kernel)
+        log_l = tl.load(ml_ptr + (i_rd * H + h) * 2 + 1)
+        s = _scaled(tl.sum(b_k * b_q[:, None, :], axis=2), scale)
+        acc += tl.where(ok, tl.exp((s - m[:, None]) - log_l[:, None]), 0.0)
+    tl.store(out_ptr + i_br[:, None] * T + o_n[None, :], acc / H, mask=(i_br[:, None] < NR) & (o_n[None, :] < T))
+
+
+def rows_per_program(n_rows: int) -> int:
+    """Selected rows a program of the rows kernels (_causal_row_lse_kernel, _causal_rows_kernel) takes.
+
+    Compiled for a GPU, 1: a program per row (and head or key block), the launch the GPU sessions measured. Under
+    the interpreter, whose cost is per program and per operation rather than per element, n_rows rounded up to a
+    power of two, at most 64. On a 2-core Xeon VM (2026-12-03) the three interpreted tests of
+    tests/test_signals.py::test_attention_vs_reference at 9 x 37 rows, 9 heads of 64, took 133 s at 1 row a
+    program, 39 s at 16 and 24 s at 64. A row's values do not depend on it: no sum runs across rows
+    (tests/test_kernels.py compares 1, 4, 16 and 64 bit for bit)."""
+    return min(64, triton.next_power_of_2(max(n_rows, 1))) if INTERPRETED else 1
 
 
 def _block_d(D: int) -> int:
@@ -283,9 +307,11 @@ def attn_decode_update(q, k_cache, block_tables, ctx_lens, span_start, lse, bloc
 
 
 def causal_attn_stats(q, k, lengths, scale: float, rows=None, colmax_out=None, rows_out=None,
-                      block: int | None = None):
+                      block: int | None = None, rows_per_prog: int | None = None):
     """Launch on validated inputs (checks.check_attention [+ check_rows]). q [B, H, T, D], k [B, Hkv, T, D],
-    lengths [B] i64. Writes colmax_out [B, T] f32 if given, rows_out [B, R, T] f32 if `rows` [B, R] is given."""
+    lengths [B] i64. Writes colmax_out [B, T] f32 if given, rows_out [B, R, T] f32 if `rows` [B, R] is given.
+    rows_per_prog: selected rows a program of the two rows kernels takes (a power of two; rows_per_program(B * R)
+    by default)."""
     B, H, T, D = q.shape
     if B == 0 or T == 0:
         return
@@ -317,12 +343,15 @@ def causal_attn_stats(q, k, lengths, scale: float, rows=None, colmax_out=None, r
     if rows is not None and rows.shape[1]:
         R = rows.shape[1]
         rows = rows.contiguous()
+        per = rows_per_program(B * R) if rows_per_prog is None else rows_per_prog
+        if per < 1 or per & (per - 1):
+            raise ValueError(f"rows_per_prog: expected a power of two >= 1 (rows per program), got {per}")
         row_ml = torch.empty(B * R, H, 2, dtype=torch.float32, device=q.device)  # (m, log l) a row and head
-        _causal_row_lse_kernel[(B * R, H)](
-            q, *qs, k, *ks, lengths, rows, row_ml, H, G, T, D, R, scale,
-            BLOCK_N=block, BLOCK_D=BD, num_warps=4,
+        _causal_row_lse_kernel[(triton.cdiv(B * R, per), H)](
+            q, *qs, k, *ks, lengths, rows, row_ml, H, G, T, D, R, B * R, scale,
+            BLOCK_N=block, BLOCK_D=BD, ROWS=per, num_warps=4,
         )
-        _causal_rows_kernel[(B * R, triton.cdiv(T, block))](
-            q, *qs, k, *ks, lengths, row_ml, rows, rows_out, H, G, T, D, R, scale,
-            BLOCK_N=block, BLOCK_D=BD, num_warps=4,
+        _causal_rows_kernel[(triton.cdiv(B * R, per), triton.cdiv(T, block))](
+            q, *qs, k, *ks, lengths, row_ml, rows, rows_out, H, G, T, D, R, B * R, scale,
+            BLOCK_N=block, BLOCK_D=BD, ROWS=per, num_warps=4,
         )

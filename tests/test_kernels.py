@@ -630,6 +630,39 @@ def test_causal_attn_stats_empty_shapes(backend, device, B, T, R):
     assert tuple(ref.shape) == (B, R, T) and torch.equal(out.cpu(), ref.float())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_causal_rows_per_program_change_no_value(dtype):
+    """The prefill statistics' rows kernels give the same bits at 1, 4, 16 and 64 selected rows a program (1 is the
+    GPU's launch, more the interpreter's), on 3 x 7 rows (the last program of each tiled launch is part empty)
+    that include rows past a sequence's length and outside [0, T), keys past 64 (two key tiles, rows of one and of
+    two tiles in one program) and a GQA group: the output is NaN-poisoned and every element is written."""
+    from fastrag.kernels import attn_stats
+
+    g, seed = _gen()
+    dev = "cuda" if CUDA else "cpu"
+    B, H, Hkv, D, T, R = 3, 6, 2, 24, 90, 7
+    q = torch.randn(B, H, T, D, generator=g).to(dtype).to(dev)
+    k = torch.randn(B, Hkv, T, D, generator=g).to(dtype).to(dev)
+    lengths = torch.tensor([T, 70, 13], device=dev)
+    rows = torch.randint(-2, T + 3, (B, R), generator=g)
+    rows[0, :3] = torch.tensor([T - 1, 0, 63])  # the last row, the first, the last of the first key tile
+    rows[1, 0], rows[2, 0] = 80, 12  # past its sequence's length: zeros; the last row of a short sequence
+    rows = rows.to(dev)
+    runs = {}
+    for per in (1, 4, 16, 64):
+        out = torch.full((B, R, T), float("nan"), device=dev)
+        attn_stats.causal_attn_stats(q, k, lengths, D ** -0.5, rows=rows, rows_out=out, rows_per_prog=per)
+        assert not out.isnan().any(), f"rows a program {per}: elements left unwritten (seed={seed})"
+        runs[per] = out
+    for per in (4, 16, 64):
+        torch.testing.assert_close(runs[per], runs[1], rtol=0, atol=0,
+                                   msg=lambda m: f"{per} rows a program against 1: {m} (seed={seed})")
+    _close(runs[1], causal_attn_rows_ref(q.cpu(), k.cpu(), lengths.cpu(), D ** -0.5, rows.cpu()), "triton rows",
+           seed, atol=2e-6, rtol=1e-4 if CUDA and dtype != torch.float32 else 1e-5)
+    with pytest.raises(ValueError, match="rows_per_prog: expected a power of two"):
+        attn_stats.causal_attn_stats(q, k, lengths, D ** -0.5, rows=rows, rows_out=runs[1], rows_per_prog=3)
+
+
 # ---------------------------------------------------------------- bad input: clear errors from the launchers
 
 
