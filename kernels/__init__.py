@@ -36,3 +36,25 @@ def device_function(fn):
         return rewrite()(*args, **kwargs)  # cached by Triton after the first call
 
     return call
+
+
+def rows_per_program(n_rows: int) -> int:
+    """Rows a program of the row-tiled kernels takes: fused_decode's row-wise kernels (add_rms_norm, rope_write_kv,
+    silu_mul) and attn_stats' prefill rows kernels (_causal_row_lse_kernel, _causal_rows_kernel).
+
+    Compiled for a GPU, 1: a program per row (and per head, column or key block), the launch every GPU session
+    measured. Under the interpreter, whose cost is per program and per operation rather than per element, n_rows
+    rounded up to a power of two, at most 64. On a 2-core Xeon VM (2026-12-03): rope_write_kv on 150 rows (float32,
+    9 query and 3 kv heads of 64) took 12.9 s at 1 row a program, 0.91 s at 16 and 0.22 s at 64; the three
+    interpreted tests of tests/test_signals.py::test_attention_vs_reference at 9 x 37 rows, 9 heads of 64, took
+    133 s, 39 s and 24 s. No sum runs across rows, so the values do not depend on it (tests/test_fused_decode.py
+    and tests/test_kernels.py compare 1, 4, 16 and 64 bit for bit)."""
+    return min(64, triton.next_power_of_2(max(n_rows, 1))) if INTERPRETED else 1
+
+
+def rows_arg(rows: int | None, n_rows: int, name: str = "rows") -> int:
+    """A launcher's rows-a-program argument: rows_per_program(n_rows) when None, else a checked power of two."""
+    rows = rows_per_program(n_rows) if rows is None else rows
+    if rows < 1 or rows & (rows - 1):
+        raise ValueError(f"{name}: expected a power of two >= 1 (rows per program), got {rows}")
+    return rows

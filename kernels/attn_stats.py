@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastrag.kernels import INTERPRETED, device_function
+from fastrag.kernels import INTERPRETED, device_function, rows_arg
 
 # A prefill statistic normalises each row by scores one kernel formed and divides scores another kernel forms by it,
 # so both must round s = q.k * scale the same way. On a GPU Triton fuses a product into the subtraction that
@@ -189,8 +189,8 @@ def _causal_row_lse_kernel(
     # Stored as its two parts, the row's largest score m and log(l), [.., 2]: m + log(l) in float32 loses log(l)
     # next to a large m (at |m| ~ 1e6 a float32 step is 0.06, so a row of p = 1 - 4.5e-5 and 4.5e-5 came out as
     # 1 and 4.5e-5); the rows kernel takes exp((s - m) - log(l)), where s - m is exact near the largest score.
-    # A program takes ROWS of the NR = B * R selected rows (rows_per_program); a row past NR reads row NR - 1 and
-    # writes nothing.
+    # A program takes ROWS of the NR = B * R selected rows (fastrag.kernels.rows_per_program); a row past NR reads
+    # row NR - 1 and writes nothing.
     i_br = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # [ROWS]
     i_rd = tl.minimum(i_br, NR - 1)
     h = tl.program_id(1)
@@ -255,18 +255,6 @@ def _causal_rows_kernel(
     tl.store(out_ptr + i_br[:, None] * T + o_n[None, :], acc / H, mask=(i_br[:, None] < NR) & (o_n[None, :] < T))
 
 
-def rows_per_program(n_rows: int) -> int:
-    """Selected rows a program of the rows kernels (_causal_row_lse_kernel, _causal_rows_kernel) takes.
-
-    Compiled for a GPU, 1: a program per row (and head or key block), the launch the GPU sessions measured. Under
-    the interpreter, whose cost is per program and per operation rather than per element, n_rows rounded up to a
-    power of two, at most 64. On a 2-core Xeon VM (2026-12-03) the three interpreted tests of
-    tests/test_signals.py::test_attention_vs_reference at 9 x 37 rows, 9 heads of 64, took 133 s at 1 row a
-    program, 39 s at 16 and 24 s at 64. A row's values do not depend on it: no sum runs across rows
-    (tests/test_kernels.py compares 1, 4, 16 and 64 bit for bit)."""
-    return min(64, triton.next_power_of_2(max(n_rows, 1))) if INTERPRETED else 1
-
-
 def _block_d(D: int) -> int:
     return max(16, triton.next_power_of_2(D))
 
@@ -310,8 +298,8 @@ def causal_attn_stats(q, k, lengths, scale: float, rows=None, colmax_out=None, r
                       block: int | None = None, rows_per_prog: int | None = None):
     """Launch on validated inputs (checks.check_attention [+ check_rows]). q [B, H, T, D], k [B, Hkv, T, D],
     lengths [B] i64. Writes colmax_out [B, T] f32 if given, rows_out [B, R, T] f32 if `rows` [B, R] is given.
-    rows_per_prog: selected rows a program of the two rows kernels takes (a power of two; rows_per_program(B * R)
-    by default)."""
+    rows_per_prog: selected rows a program of the two rows kernels takes (a power of two; fastrag.kernels.
+    rows_per_program(B * R) by default)."""
     B, H, T, D = q.shape
     if B == 0 or T == 0:
         return
@@ -343,9 +331,7 @@ def causal_attn_stats(q, k, lengths, scale: float, rows=None, colmax_out=None, r
     if rows is not None and rows.shape[1]:
         R = rows.shape[1]
         rows = rows.contiguous()
-        per = rows_per_program(B * R) if rows_per_prog is None else rows_per_prog
-        if per < 1 or per & (per - 1):
-            raise ValueError(f"rows_per_prog: expected a power of two >= 1 (rows per program), got {per}")
+        per = rows_arg(rows_per_prog, B * R, "rows_per_prog")
         row_ml = torch.empty(B * R, H, 2, dtype=torch.float32, device=q.device)  # (m, log l) a row and head
         _causal_row_lse_kernel[(triton.cdiv(B * R, per), H)](
             q, *qs, k, *ks, lengths, rows, row_ml, H, G, T, D, R, B * R, scale,

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastrag.kernels import INTERPRETED
+from fastrag.kernels import INTERPRETED, rows_arg
 from fastrag.kernels.paged_attention import online_softmax_tile
 
 
@@ -103,24 +103,6 @@ def _silu_mul_kernel(x_ptr, out_ptr, M, I, stride_x, stride_o, BLOCK: tl.constex
     tl.store(out_ptr + rows * stride_o + cols, (s.to(tl.float32) * u.to(tl.float32)).to(g.dtype), mask=m)
 
 
-def rows_per_program(M: int) -> int:
-    """Rows of an M-row input that a program of the row-wise kernels (add_rms_norm, rope_write_kv, silu_mul) takes.
-
-    Compiled for a GPU, 1: the launch every GPU session measured, a program per row (and per head or column block).
-    Under the interpreter, whose cost is per program rather than per element, M rounded up to a power of two, at
-    most 64. On a 2-core Xeon VM (2026-12-03, float32, 150 rows, 9 query and 3 kv heads of 64) rope_write_kv took
-    12.9 s at 1 row a program, 0.91 s at 16 and 0.22 s at 64. No sum runs across rows: the values do not depend on
-    it (tests/test_fused_decode.py compares 1, 4, 16 and 64 bit for bit)."""
-    return min(64, triton.next_power_of_2(max(M, 1))) if INTERPRETED else 1
-
-
-def _rows_arg(rows: int | None, M: int) -> int:
-    rows = rows_per_program(M) if rows is None else rows
-    if rows < 1 or rows & (rows - 1):
-        raise ValueError(f"rows: expected a power of two >= 1 (rows per program), got {rows}")
-    return rows
-
-
 def _rows(x: torch.Tensor, name: str) -> torch.Tensor:
     if x.dim() != 2 or x.stride(-1) != 1:
         raise ValueError(f"{name}: expected a 2-D tensor with contiguous rows, got shape {tuple(x.shape)} "
@@ -141,7 +123,7 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
         raise ValueError(f"delta: expected {tuple(x.shape)} {x.dtype}, got {tuple(delta.shape)} {delta.dtype}")
     res = torch.empty_like(x) if delta is not None else x
     out = torch.empty_like(x)
-    rows = _rows_arg(rows, M)
+    rows = rows_arg(rows, M)
     if M:
         _add_rms_norm_kernel[(triton.cdiv(M, rows),)](
             x, x if delta is None else delta, weight, res, out, M, N, float(eps), x.stride(0),
@@ -175,7 +157,7 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots
                              f"{tuple(p.shape)} {p.dtype}")
     if slots.shape != (M,):
         raise ValueError(f"slots: expected shape ({M},), got {tuple(slots.shape)}")
-    rows = _rows_arg(rows, M)
+    rows = rows_arg(rows, M)
     q = torch.empty(M, H, D, dtype=qkv.dtype, device=qkv.device)
     if M:
         _rope_write_kv_kernel[(triton.cdiv(M, rows), H + Hkv)](
@@ -192,7 +174,7 @@ def silu_mul(gate_up: torch.Tensor, block: int = 1024, *, rows: int | None = Non
     M, W = gate_up.shape
     if W % 2:
         raise ValueError(f"gate_up: width {W} is odd (expected gate and up halves)")
-    rows = _rows_arg(rows, M)
+    rows = rows_arg(rows, M)
     out = torch.empty(M, W // 2, dtype=gate_up.dtype, device=gate_up.device)
     if M:
         _silu_mul_kernel[(triton.cdiv(M, rows), triton.cdiv(W // 2, block))](

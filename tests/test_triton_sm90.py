@@ -62,7 +62,7 @@ def test_every_kernel_compiles_for_sm90():
         assert list(uses) and all(ops and all(op.startswith("mul.rn.") for op in ops) for ops in uses.values()), \
             f"{label}: its scale is read by {uses}, which a compiler may contract with the subtraction after it"
     # the row-wise kernels and the prefill statistics' rows kernels launch one row a program on a GPU, as every GPU
-    # session measured them (rows_per_program in kernels/fused_decode.py and kernels/attn_stats.py: more rows a
+    # session measured them (rows_per_program in kernels/__init__.py, which both use: more rows a
     # program only under the interpreter)
     for k in ("fused_decode._add_rms_norm_kernel", "fused_decode._rope_write_kv_kernel",
               "fused_decode._silu_mul_kernel", "attn_stats._causal_row_lse_kernel", "attn_stats._causal_rows_kernel"):
