@@ -40,7 +40,8 @@ def device_function(fn):
 
 def rows_per_program(n_rows: int) -> int:
     """Rows a program of the row-tiled kernels takes: fused_decode's row-wise kernels (add_rms_norm, rope_write_kv,
-    silu_mul) and attn_stats' prefill rows kernels (_causal_row_lse_kernel, _causal_rows_kernel).
+    silu_mul) and shared-prefix softmax and merge (prefix_softmax, prefix_merge), and attn_stats' prefill rows
+    kernels (_causal_row_lse_kernel, _causal_rows_kernel).
 
     Compiled for a GPU, 1: a program per row (and per head, column or key block), the launch every GPU session
     measured. Under the interpreter, whose cost is per program and per operation rather than per element, n_rows

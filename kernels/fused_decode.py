@@ -187,75 +187,85 @@ def silu_mul(gate_up: torch.Tensor, block: int = 1024, *, rows: int | None = Non
 # per step), torch.matmul in the model. Between and after them, these two kernels do the softmax and the
 # log-sum-exp merge with each sequence's own-context attention that torch runs as some 25 small kernels.
 
-@triton.jit
-def _prefix_softmax_kernel(s_ptr, e_ptr, stat_ptr, P, scale, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)  # one row of scores [P] (a kv head x a query head of a sequence)
-    o = tl.arange(0, BLOCK)
-    mx = tl.full([BLOCK], float("-inf"), tl.float32)
+@triton.jit(do_not_specialize=["NR"])
+def _prefix_softmax_kernel(s_ptr, e_ptr, stat_ptr, NR, P, scale, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    # a program takes ROWS of the NR rows of scores [P] (a kv head x a query head of a sequence each); a row past NR
+    # reads row NR - 1 (finite scores, no -inf - -inf) and stores nothing
+    rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)[:, None]  # [ROWS, 1]
+    mr = rows < NR
+    p_s = s_ptr + tl.minimum(rows, NR - 1) * P
+    o = tl.arange(0, BLOCK)[None, :]  # [1, BLOCK]
+    mx = tl.full([ROWS, BLOCK], float("-inf"), tl.float32)
     for p0 in range(0, P, BLOCK):
-        x = tl.load(s_ptr + row * P + p0 + o, mask=p0 + o < P, other=float("-inf")).to(tl.float32) * scale
+        x = tl.load(p_s + p0 + o, mask=p0 + o < P, other=float("-inf")).to(tl.float32) * scale
         mx = tl.maximum(mx, x)
-    m = tl.max(mx, axis=0)
-    acc = tl.zeros([BLOCK], tl.float32)
+    m = tl.max(mx, axis=1)[:, None]  # [ROWS, 1]
+    acc = tl.zeros([ROWS, BLOCK], tl.float32)
     for p0 in range(0, P, BLOCK):
         mask = p0 + o < P
-        x = tl.load(s_ptr + row * P + p0 + o, mask=mask, other=float("-inf")).to(tl.float32) * scale
+        x = tl.load(p_s + p0 + o, mask=mask, other=float("-inf")).to(tl.float32) * scale
         e = tl.exp(x - m)
         acc += tl.where(mask, e, 0.0)
-        tl.store(e_ptr + row * P + p0 + o, e.to(e_ptr.dtype.element_ty), mask=mask)
-    tl.store(stat_ptr + row * 2, m)
-    tl.store(stat_ptr + row * 2 + 1, tl.sum(acc, axis=0))
+        tl.store(e_ptr + rows * P + p0 + o, e.to(e_ptr.dtype.element_ty), mask=mr & mask)
+    tl.store(stat_ptr + rows * 2, m, mask=mr)
+    tl.store(stat_ptr + rows * 2 + 1, tl.sum(acc, axis=1)[:, None], mask=mr)
 
 
 @triton.jit(do_not_specialize=["n"])
 def _prefix_merge_kernel(num_ptr, stat_ptr, o_ptr, lse_ptr, mem_ptr, out_ptr, tot_ptr,
                          n, H, G, stride_nh, stride_nr, stride_ob, stride_oh,
-                         HAS_MEMBER: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr):
-    i = tl.program_id(0).to(tl.int64)  # sequence (row of this prefix's batch)
+                         HAS_MEMBER: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, ROWS: tl.constexpr):
+    i = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)[:, None]  # [ROWS, 1] sequences of the batch
     h = tl.program_id(1)  # query head
+    mi = i < n
     kh = h // G
-    r = i * G + h % G  # row of the prefix GEMMs' [Hkv, n * G, .] layout
-    od = tl.arange(0, D_PAD)
-    md = od < D
-    mx = tl.load(stat_ptr + (kh * n * G + r) * 2)
-    den = tl.load(stat_ptr + (kh * n * G + r) * 2 + 1)
+    r = i * G + h % G  # rows of the prefix GEMMs' [Hkv, n * G, .] layout
+    od = tl.arange(0, D_PAD)[None, :]  # [1, D_PAD]
+    md = mi & (od < D)
+    mx = tl.load(stat_ptr + (kh * n * G + r) * 2, mask=mi, other=0.0)
+    den = tl.load(stat_ptr + (kh * n * G + r) * 2 + 1, mask=mi, other=1.0)
     l_pre = mx + tl.log(den)
     if HAS_MEMBER:  # a row of another prefix: weight 0 here, its own output comes through exactly
-        l_pre = tl.where(tl.load(mem_ptr + i) != 0, l_pre, float("-inf"))
+        l_pre = tl.where(tl.load(mem_ptr + i, mask=mi, other=0) != 0, l_pre, float("-inf"))
     o_pre = tl.load(num_ptr + kh * stride_nh + r * stride_nr + od, mask=md, other=0.0).to(tl.float32) / den
-    l_own = tl.load(lse_ptr + i * H + h)
+    l_own = tl.load(lse_ptr + i * H + h, mask=mi, other=0.0)
     o_own = tl.load(o_ptr + i * stride_ob + h * stride_oh + od, mask=md, other=0.0).to(tl.float32)
     m = tl.maximum(l_pre, l_own)
     w_pre = tl.exp(l_pre - m)
     w_own = tl.exp(l_own - m)
     out = (o_pre * w_pre + o_own * w_own) / (w_pre + w_own)
     tl.store(out_ptr + i * stride_ob + h * stride_oh + od, out.to(out_ptr.dtype.element_ty), mask=md)
-    tl.store(tot_ptr + i * H + h, m + tl.log(w_pre + w_own))
+    tl.store(tot_ptr + i * H + h, m + tl.log(w_pre + w_own), mask=mi)
 
 
-def prefix_softmax(s: torch.Tensor, scale: float, out_dtype: torch.dtype, block: int = 1024):
+def prefix_softmax(s: torch.Tensor, scale: float, out_dtype: torch.dtype, block: int = 1024, *,
+                   rows: int | None = None):
     """s: [Hkv, R, P] raw scores q.k (any float dtype) -> (e [Hkv, R, P] in out_dtype, stat [Hkv, R, 2] f32):
-    e = exp(s * scale - max) and stat = (max, sum of e) of each row, in float32."""
+    e = exp(s * scale - max) and stat = (max, sum of e) of each row, in float32. A program takes `rows` of the
+    Hkv * R rows (a power of two; rows_per_program(Hkv * R) by default) and `block` keys at a time."""
     if s.dim() != 3 or not s.is_contiguous():
         raise ValueError(f"s: expected a contiguous [Hkv, rows, P] tensor, got shape {tuple(s.shape)}")
     Hkv, R, P = s.shape
     if P == 0:
         raise ValueError("s: the prefix has no keys (P = 0)")
+    rows = rows_arg(rows, Hkv * R)
     e = torch.empty(s.shape, dtype=out_dtype, device=s.device)
     stat = torch.empty(Hkv, R, 2, dtype=torch.float32, device=s.device)
     if Hkv * R:
-        _prefix_softmax_kernel[(Hkv * R,)](s, e, stat, P, float(scale), BLOCK=min(block, triton.next_power_of_2(P)))
+        _prefix_softmax_kernel[(triton.cdiv(Hkv * R, rows),)](s, e, stat, Hkv * R, P, float(scale),
+                                                              BLOCK=min(block, triton.next_power_of_2(P)), ROWS=rows)
     return e, stat
 
 
 def prefix_merge(num: torch.Tensor, stat: torch.Tensor, o_own: torch.Tensor, lse_own: torch.Tensor,
-                 member: torch.Tensor | None = None):
+                 member: torch.Tensor | None = None, *, rows: int | None = None):
     """Merge a prefix's attention with each sequence's own-context attention by their log-sum-exp.
 
     num: [Hkv, n*G, D] unnormalised prefix output (sum of e * v; row i*G + g is query head kh*G + g of sequence i);
     stat: [Hkv, n*G, 2] f32 its row (max, sum of e) from prefix_softmax; o_own: [n, H, D], lse_own: [n, H] f32 the
     own-context part; member: optional [n] bool, rows that do not share this prefix (False) keep their own part.
-    Returns (o [n, H, D] in o_own's dtype, lse [n, H] f32 of the merged rows)."""
+    Returns (o [n, H, D] in o_own's dtype, lse [n, H] f32 of the merged rows). A program merges `rows` sequences
+    (a power of two; rows_per_program(n) by default) for one query head."""
     Hkv, nG, D = num.shape
     if o_own.dim() != 3 or o_own.stride(2) != 1:
         raise ValueError(f"o_own: expected [n, H, D] with contiguous rows, got {tuple(o_own.shape)}")
@@ -270,12 +280,14 @@ def prefix_merge(num: torch.Tensor, stat: torch.Tensor, o_own: torch.Tensor, lse
         raise ValueError(f"lse_own: expected a contiguous float32 [{n}, {H}], got {tuple(lse_own.shape)} {lse_own.dtype}")
     if member is not None and member.shape != (n,):
         raise ValueError(f"member: expected shape ({n},), got {tuple(member.shape)}")
+    rows = rows_arg(rows, n)
     out = torch.empty_like(o_own)
     tot = torch.empty(n, H, dtype=torch.float32, device=o_own.device)
     if n:
-        _prefix_merge_kernel[(n, H)](num, stat, o_own, lse_own, lse_own if member is None else member, out, tot,
-                                     n, H, H // Hkv, num.stride(0), num.stride(1), o_own.stride(0), o_own.stride(1),
-                                     HAS_MEMBER=member is not None, D=D, D_PAD=triton.next_power_of_2(D))
+        _prefix_merge_kernel[(triton.cdiv(n, rows), H)](
+            num, stat, o_own, lse_own, lse_own if member is None else member, out, tot, n, H, H // Hkv, num.stride(0),
+            num.stride(1), o_own.stride(0), o_own.stride(1), HAS_MEMBER=member is not None, D=D,
+            D_PAD=triton.next_power_of_2(D), ROWS=rows)
     return out, tot
 
 

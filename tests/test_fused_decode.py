@@ -136,6 +136,44 @@ def test_rows_per_program_change_no_value(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_prefix_rows_per_program_change_no_value(dtype):
+    """The shared-prefix softmax and merge give the same bits at 1, 4, 16 and 64 rows a program, on 3 x 13 score
+    rows and 13 sequences of 9 heads (the last program of each tiled launch is part empty; at 64 one program takes
+    every row), and the values of torch's float64 softmax. The scores are the head of a NaN-filled buffer: a load
+    past the last score (a key mask dropped) turns that row NaN."""
+    g, seed = _gen()
+    n, H, Hkv, D, P = 13, 9, 3, 24, 45
+    G = H // Hkv
+    buf = torch.full((Hkv + 1, n * G, P), float("nan"), dtype=dtype, device=DEV)
+    buf[:Hkv] = (torch.randn(Hkv, n * G, P, generator=g) * 6).to(dtype).to(DEV)
+    s = buf[:Hkv]
+    v = torch.randn(Hkv, P, D, generator=g).to(dtype).to(DEV)
+    o_own, lse_own = torch.randn(n, H, D, generator=g).to(dtype).to(DEV), torch.randn(n, H, generator=g).to(DEV)
+    member = (torch.arange(n) % 3 != 1).to(DEV)
+    runs = {}
+    for rows in (1, 4, 16, 64):
+        e, stat = fd.prefix_softmax(s, 0.125, dtype, block=16, rows=rows)
+        num = torch.matmul(e, v)
+        runs[rows] = (e, stat, *fd.prefix_merge(num, stat, o_own, lse_own, rows=rows),
+                      *fd.prefix_merge(num, stat, o_own, lse_own, member, rows=rows))
+        assert not any(t.isnan().any() for t in runs[rows]), f"rows={rows}: a NaN came out (seed={seed})"
+    names = ("e", "stat", "o", "lse", "o (member)", "lse (member)")
+    for rows in (4, 16, 64):
+        for name, a, b in zip(names, runs[1], runs[rows]):
+            torch.testing.assert_close(b, a, rtol=0, atol=0,
+                                       msg=lambda m: f"{name} at rows={rows} against rows=1: {m} (seed={seed})")
+    sf = s.cpu().double() * 0.125
+    mx = sf.amax(-1)
+    e_ref = (sf - mx.unsqueeze(-1)).exp()
+    msg = lambda m: f"{m} (seed={seed})"  # noqa: E731
+    torch.testing.assert_close(runs[64][0].cpu().double(), e_ref, **_tol(dtype), msg=msg)
+    torch.testing.assert_close(runs[64][1][..., 0].cpu().double(), mx, rtol=1e-6, atol=1e-6, msg=msg)
+    torch.testing.assert_close(runs[64][1][..., 1].cpu().double(), e_ref.sum(-1), rtol=1e-5, atol=1e-5, msg=msg)
+    keep = ~member.cpu()
+    assert torch.equal(runs[64][4].cpu()[keep], o_own.cpu()[keep]), f"rows outside the prefix changed (seed={seed})"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("Hkv,R,P,block", [(1, 1, 1, 1024), (2, 5, 37, 16), (3, 4, 1000, 256), (2, 3, 70, 1024)])
 def test_prefix_softmax_equals_torch(dtype, Hkv, R, P, block):
     g, seed = _gen()
@@ -227,6 +265,10 @@ def test_bad_arguments_name_the_problem():
         fd.prefix_merge(num, stat, o, lse.double())
     with pytest.raises(ValueError, match="member: expected"):
         fd.prefix_merge(num, stat, o, lse, torch.ones(2, dtype=torch.bool, device=DEV))
+    with pytest.raises(ValueError, match="rows: expected a power of two >= 1 \\(rows per program\\), got 6"):
+        fd.prefix_merge(num, stat, o, lse, rows=6)
+    with pytest.raises(ValueError, match="rows: expected a power of two"):
+        fd.prefix_softmax(torch.zeros(2, 3, 5, device=DEV), 1.0, torch.float32, rows=-2)
 
 
 # ------------------------------------------------------------------------------------------------ in the model

@@ -61,11 +61,13 @@ def test_every_kernel_compiles_for_sm90():
     for label, uses in stats.items():
         assert list(uses) and all(ops and all(op.startswith("mul.rn.") for op in ops) for ops in uses.values()), \
             f"{label}: its scale is read by {uses}, which a compiler may contract with the subtraction after it"
-    # the row-wise kernels and the prefill statistics' rows kernels launch one row a program on a GPU, as every GPU
-    # session measured them (rows_per_program in kernels/__init__.py, which both use: more rows a
-    # program only under the interpreter)
+    # the row-wise kernels, the shared-prefix softmax and merge and the prefill statistics' rows kernels launch one
+    # row a program on a GPU, as every GPU session measured them (rows_per_program in kernels/__init__.py, which
+    # they all use: more rows a program only under the interpreter)
     for k in ("fused_decode._add_rms_norm_kernel", "fused_decode._rope_write_kv_kernel",
-              "fused_decode._silu_mul_kernel", "attn_stats._causal_row_lse_kernel", "attn_stats._causal_rows_kernel"):
+              "fused_decode._silu_mul_kernel", "fused_decode._prefix_softmax_kernel",
+              "fused_decode._prefix_merge_kernel", "attn_stats._causal_row_lse_kernel",
+              "attn_stats._causal_rows_kernel"):
         labels = [c for c in report["compiled"] if c.startswith(f"{k}(")]
         assert labels and all("ROWS=1)" in c or "ROWS=1," in c for c in labels), labels
     # both dtypes of the model's attention kernels (bf16 on tensor cores, fp32 in IEEE precision)
@@ -87,7 +89,7 @@ def test_varying_sizes_compile_each_kernel_once():
     for k in ("paged_prefill._paged_prefill_kernel", "paged_attention._paged_decode_partial_kernel",
               "attn_stats._attn_decode_span_kernel", "attn_stats._causal_colmax_kernel",
               "attn_stats._causal_row_lse_kernel", "attn_stats._causal_rows_kernel",
-              "fused_decode._prefix_merge_kernel",
+              "fused_decode._prefix_softmax_kernel", "fused_decode._prefix_merge_kernel",
               "fused_decode._prefix_flash_partial_kernel", "fused_decode._prefix_flash_merge_kernel",
               "fused_decode._add_rms_norm_kernel", "fused_decode._rope_write_kv_kernel",
               "fused_decode._silu_mul_kernel"):
