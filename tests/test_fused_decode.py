@@ -139,8 +139,9 @@ def test_rows_per_program_change_no_value(dtype):
 def test_prefix_rows_per_program_change_no_value(dtype):
     """The shared-prefix softmax and merge give the same bits at 1, 4, 16 and 64 rows a program, on 3 x 13 score
     rows and 13 sequences of 9 heads (the last program of each tiled launch is part empty; at 64 one program takes
-    every row), and the values of torch's float64 softmax. The scores are the head of a NaN-filled buffer: a load
-    past the last score (a key mask dropped) turns that row NaN."""
+    every row), and the values of torch's float64 softmax. The scores are the head of a NaN-filled buffer, so a
+    load past the last score (a key mask dropped) reads memory the test owns; the float64 comparison is what
+    catches the wrong values such a load brings in."""
     g, seed = _gen()
     n, H, Hkv, D, P = 13, 9, 3, 24, 45
     G = H // Hkv
