@@ -131,7 +131,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("data"), py::arg("indices"), py::arg("indptr"), py::arg("terms"), py::arg("offsets"),
         py::arg("scratch"), py::arg("mark"), py::arg("tie_breaker"), py::arg("k"));
   m.def("bm25_tokens", &g::bm25_tokens,
-        "the \\w\\w+ and Han/hiragana tokens of texts, numbered: (distinct, ids, counts), CPU",
+        "the \\w+ and Han/hiragana tokens of texts, numbered: (distinct, ids, counts), CPU",
         py::arg("texts"));
 #ifdef FASTRAG_WITH_CUDA
   m.attr("with_cuda") = true;

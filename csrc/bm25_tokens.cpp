@@ -1,7 +1,8 @@
 // The token scan of a BM25 index build (fastrag/retrieval/bm25_build.py, `analyse_passages`).
 //
-// The passages' terms are the matches of `\w\w+|[Han, hiragana]` in each passage lowered, with its Han and hiragana
-// characters stood apart by spaces (bm25s's tokenizer with the project's pattern). Python's regex engine finds them
+// The passages' terms are the matches of `\w+|[Han, hiragana]` in each passage lowered, with its Han and hiragana
+// characters stood apart by spaces (bm25s's tokenizer with the project's pattern): every run of word characters,
+// one-character runs included, as Elasticsearch's standard tokenizer keeps them. Python's regex engine finds them
 // and makes a str object of each, which then has to be looked up in dicts in Python: bm25s's tokenizer took 1.29 s
 // for a chunk of 20,000 DPR-shaped passages (both fields, 2-core VM). Here one pass over the code points finds the
 // same tokens and numbers them in a hash table of its own: the caller gets each distinct token once, as a str, in
@@ -112,15 +113,13 @@ void scan(const T* s, Py_ssize_t n, Vocab& v, std::vector<int32_t>& ids) {
     }
     Py_ssize_t j = i + 1;
     while (j < n && is_word(s[j]) && !(sizeof(T) > 1 && is_spaced(s[j]))) ++j;
-    if (j - i >= 2) {
-      const size_t start = v.chars.size();
-      uint64_t h = 0xcbf29ce484222325ULL;
-      for (Py_ssize_t k = i; k < j; ++k) {
-        v.chars.push_back(s[k]);
-        h = mix(h, s[k]);
-      }
-      ids.push_back(v.intern(start, finish(h)));
+    const size_t start = v.chars.size();  // (a run of any length is a token: `\w+`, not `\w\w+`)
+    uint64_t h = 0xcbf29ce484222325ULL;
+    for (Py_ssize_t k = i; k < j; ++k) {
+      v.chars.push_back(s[k]);
+      h = mix(h, s[k]);
     }
+    ids.push_back(v.intern(start, finish(h)));
     i = j;
   }
 }

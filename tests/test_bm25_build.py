@@ -21,12 +21,14 @@ from fastrag.retrieval.corpus import CorpusError
 
 _STOP = ["the", "of", "and", "a", "in", "is"]
 _CJK = ["東", "京", "大", "学", "の", "ひ"]
+_ONE = ["s", "D", "1", "é", "ß", "٣"]
 
 
 def _rows(rng: random.Random, n: int, titles: bool = True) -> list[tuple[str, str, str]]:
     words = ["".join(rng.choices("abcdefghiklmnoprstuy", k=rng.randint(2, 9))) for _ in range(rng.randint(50, 300))]
-    # stemmer pairs (several surface forms, one term), stopwords and CJK characters, frequent and rare words
-    words += ["run", "running", "runs", "connect", "connected", "connection"] + _STOP + _CJK
+    # stemmer pairs (several surface forms, one term), stopwords, CJK characters and one-character terms (kept, as
+    # Elasticsearch keeps them), frequent and rare words
+    words += ["run", "running", "runs", "connect", "connected", "connection"] + _STOP + _CJK + _ONE
     weights = [1.0 / (i + 1) ** 0.8 for i in range(len(words))]
     rows = []
     for i in range(n):

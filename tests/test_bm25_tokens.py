@@ -80,8 +80,35 @@ def test_the_scan_finds_the_regex_tokens_and_numbers_them_as_first_seen():
     assert distinct == list(dict.fromkeys(flat))  # (each token once, in the order first seen)
 
 
+# one-character terms of several scripts and classes: Latin capitals, a hyphenated and a numbered name, a Latin-1
+# letter, a letter that lowers to itself but upper-cases to two ("ß"), an Arabic-Indic digit, a superscript digit
+# (numeric, so `\w`), '_' alone, a Greek capital, a one-letter word that is a stopword ("a"), and a Han character
+_ONE_CHARACTER = "Type S, D-Day; Route 1 é ß ٣ ² _ Ω a x東y"
+
+
+def test_one_character_terms_are_kept_by_both_paths():
+    """Elasticsearch's standard tokenizer keeps one-character terms, and so does the build's analysis (a `\\w\\w+`
+    token pattern drops them); the scan, the regex path and bm25s's tokenizer agree on them, and only the stopword
+    "a" goes."""
+    distinct, numbers, counts = _C.bm25_tokens([_ONE_CHARACTER])
+    tokens = ["type", "s", "d", "day", "route", "1", "é", "ß", "٣", "²", "_", "ω", "a", "x", "東", "y"]
+    assert [distinct[i] for i in numbers.tolist()] == tokens and counts.tolist() == [len(tokens)]
+    assert bm25_build._PASSAGE_TOKENS.findall(_ONE_CHARACTER.lower().replace("東", " 東 ")) == tokens
+    want = bm25_build.analyse([_ONE_CHARACTER], show_progress=False, return_ids=False)[0]
+    assert want == ["type", "s", "d", "day", "rout", "1", "é", "ß", "٣", "²", "_", "ω", "x", "東", "y"]
+    for native in (True, False):
+        assert _stems_per_passage(*bm25_build.analyse_passages([_ONE_CHARACTER], native=native)) == [want], native
+
+
+# Lucene's EnglishAnalyzer.ENGLISH_STOP_WORDS_SET, the stop filter of Elasticsearch's `english` analyzer (the one
+# DRAGIN's and fastrag's Elasticsearch indexes use); of the one-character terms only "a" is in it
+_LUCENE_ENGLISH_STOP = frozenset("a an and are as at be but by for if in into is it no not of on or such that the their "
+                                 "then there these they this to was will with".split())
+
+
 def test_the_stopwords_are_bm25s_english_ones():
     assert bm25_build._stopword_set() == frozenset(_infer_stopwords(bm25_build.STOPWORDS))  # (analyse's stopwords)
+    assert bm25_build._stopword_set() == _LUCENE_ENGLISH_STOP  # (the docstring of fastrag.retrieval.bm25 says so)
     stems, flat, lengths = bm25_build.analyse_passages(["The running of the connections", "and or but"])
     assert [stems[i] for i in flat] == ["run", "connect"] and lengths.tolist() == [2, 0]
 

@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import time
 from pathlib import Path
 
 import pytest
 
 from fastrag.retrieval import BM25Retriever, CorpusError, Doc, Retriever, iter_corpus, make_retriever
+from fastrag.retrieval.bm25 import NATIVE_ENV
 
 DOCS = [
     ("a1", "Paris", "Paris is the capital and largest city of France."),
@@ -45,8 +47,9 @@ def _analyze(texts):
     import bm25s
     import Stemmer
 
-    return bm25s.tokenize(texts, stopwords="en", stemmer=Stemmer.Stemmer("english"), return_ids=False,
-                          show_progress=False)
+    # (every `\w+` run a token, one-character ones included, as Elasticsearch's standard tokenizer makes them)
+    return bm25s.tokenize(texts, token_pattern=r"(?u)\b\w+\b", stopwords="en", stemmer=Stemmer.Stemmer("english"),
+                          return_ids=False, show_progress=False)
 
 
 def _bm25_field(docs_tokens, query_tokens, k1=1.2, b=0.75):
@@ -187,6 +190,53 @@ def test_queries_from_an_iterator_are_all_answered(corpus):
 
 
 # ---- persistence --------------------------------------------------------------------------------------
+
+
+# passages whose names differ from their neighbours' only by a one-character term; each holds a term the other lacks
+# only in that character, so the old two-character analysis scores the pairs alike (the first of a pair wins ties)
+_ONE_CHARACTER_DOCS = [
+    ("r", "Acura Type R", "The Type R is a sports trim of the Acura."),
+    ("s", "Acura Type S", "The Type S is a sports trim of the Acura."),
+    ("ve", "V-E Day", "V-E Day marked the end of the war in Europe."),
+    ("d", "D-Day", "D-Day marked the Allied landings in Normandy."),
+    ("r6", "Route 6", "Route 6 runs across the country."),
+    ("r1", "Route 1", "Route 1 runs along the coast."),
+    ("x", "Letters", "The letters é and ß, the digit ٣."),
+]
+
+
+@pytest.mark.parametrize("native", ["1", "0"], ids=["native", "numpy"])
+def test_one_character_terms_are_searched_as_elasticsearch_does(tmp_path, monkeypatch, native):
+    """Elasticsearch's standard tokenizer keeps one-character terms ("S", "D", "1"), and DRAGIN's published
+    retrievals ranked passages by them; so do passages and queries here, on the native and the numpy path."""
+    monkeypatch.setenv(NATIVE_ENV, native)
+    r = BM25Retriever(_write_jsonl(tmp_path / "one.jsonl", _ONE_CHARACTER_DOCS), show_progress=False)
+    assert r.analyze(["Acura Type S", "D-Day", "Route 1", "é ß ٣", "a"]) == [
+        ["acura", "type", "s"], ["d", "day"], ["rout", "1"], ["é", "ß", "٣"], []]  # ("a": a stopword)
+    got = r.search(["Acura Type S", "D-Day", "Route 1", "S", "1", "ß"], 3)
+    for q, docs, want in zip(["Acura Type S", "D-Day", "Route 1"], got, ["s", "d", "r1"]):
+        assert docs[0].id == want and docs[0].score > docs[1].score, (q, [(d.id, d.score) for d in docs])
+    assert [[d.id for d in docs] for docs in got[3:]] == [["s"], ["r1"], ["x"]]
+
+
+def test_an_index_of_the_two_character_analysis_is_built_again(tmp_path, monkeypatch):
+    """An index saved before one-character terms were kept (format 2: `\\w\\w+` tokens) lacks them, while the queries
+    now hold them: it is built again rather than searched."""
+    from fastrag.retrieval import bm25, bm25_build
+
+    corpus = _write_jsonl(tmp_path / "one.jsonl", _ONE_CHARACTER_DOCS)
+    with monkeypatch.context() as m:  # (the build of format 2: its regex path, the scan being compiled in)
+        m.setattr(bm25, "_FORMAT", 2)
+        m.setattr(bm25_build, "_PASSAGE_TOKENS", re.compile(f"\\w\\w+|[{bm25_build._CJK}]"))
+        m.setenv(NATIVE_ENV, "0")
+        old = BM25Retriever(corpus, show_progress=False)
+        assert old.built and old.search(["S"], 3) == [[]]
+    del old
+    r = BM25Retriever(corpus, show_progress=False)
+    assert r.built and r.index_dir == corpus.with_name("one.jsonl.bm25s")
+    assert [d.id for d in r.search(["S"], 3)[0]] == ["s"]
+    assert json.loads((r.index_dir / "manifest.json").read_text())["format"] == bm25._FORMAT
+    assert not BM25Retriever(corpus, show_progress=False).built  # (the new one is kept)
 
 
 def test_index_persisted_next_to_corpus_and_reloaded(corpus):
@@ -639,7 +689,7 @@ def test_real_corpus_gold_in_top10(tmp_path_factory):
 
 
 def test_chinese_text_is_searchable_character_by_character(tmp_path):
-    """Han text has no spaces: as Elasticsearch's standard tokenizer does, each ideograph is a term (a `\\w\\w+`
+    """Han text has no spaces: as Elasticsearch's standard tokenizer does, each ideograph is a term (a `\\w+`
     token would be a whole clause that no query repeats); Latin text is analysed as before beside it."""
     p = tmp_path / "zh.jsonl"
     p.write_text("\n".join(json.dumps(d, ensure_ascii=False) for d in [

@@ -10,9 +10,13 @@ where each s_f is Lucene BM25 over field f alone (own document frequencies and a
     s_f(d) = sum_{t in q} idf_f(t) * tf / (tf + k1 * (1 - b + b * |d_f| / avgdl_f)),
     idf_f(t) = ln(1 + (N - df_f(t) + 0.5) / (df_f(t) + 0.5)),
 
-with query terms counted with multiplicity. Analysis: lowercase, `\\w\\w+` tokens (a Han ideograph or hiragana
-character is a term of its own, as in Elasticsearch's standard tokenizer), English stopwords removed,
-Snowball English stemmer (PyStemmer) -- the bm25s recommendation, close to Elasticsearch's `english` analyzer.
+with query terms counted with multiplicity. Analysis, the same for passages and queries: lowercase, `\\w+`
+tokens, one-character ones included ("Type S", "D-Day", "Route 1"), as Elasticsearch's standard analyzer keeps them
+(a Han ideograph or hiragana character is a term of its own, as in Elasticsearch's standard tokenizer), English
+stopwords removed (bm25s's list, Lucene's English stop set word for word), Snowball English stemmer (PyStemmer) --
+close to Elasticsearch's `english` analyzer. Known differences in the tokens: the standard tokenizer's word breaks
+(Unicode UAX #29) keep "john's", "don't", "u.s" and "3.14" whole, where `\\w+` splits them ("john", "s"; "3",
+"14"), and `english` drops a possessive "'s" that here is the term "s".
 Known difference from Elasticsearch: avgdl_f counts passages with an empty field as length 0 (Lucene leaves
 them out of its field statistics); it only matters for corpora with empty titles.
 
@@ -55,7 +59,9 @@ FIELDS = ("title", "text")
 # passages, scores and order (tests/test_bm25_native.py, tests/test_bm25_build.py)
 NATIVE_ENV = bm25_build.NATIVE_ENV
 _EMPTY = "EMPTY"  # marks a field's index folder when no passage has a term in that field
-_FORMAT = 2  # 2: Han ideographs and hiragana are single-character terms
+# the analysis an index was built with: a saved index of another format is built again, never searched with queries
+# analysed differently. 2: Han ideographs and hiragana are single-character terms; 3: one-character `\w` terms kept
+_FORMAT = 3
 
 def _cache_root() -> Path:
     return Path(os.environ.get("FASTRAG_CACHE", Path.home() / ".cache" / "fastrag"))

@@ -48,11 +48,14 @@ from fastrag.switches import env_int
 
 # ---- analysis (shared with the queries: fastrag.retrieval.bm25 imports it) -----------------------------------------
 
-# Han ideographs (with extension A and the compatibility block) and hiragana: written without spaces, so each
-# character is a term, as Elasticsearch's standard tokenizer makes them (a `\w\w+` token would be a whole clause)
+# Every `\w+` run is a term, one-character ones included ("Type S", "D-Day", "Route 1"), as Elasticsearch's
+# standard tokenizer keeps them (bm25s's default `\w\w+` dropped them, and with them the terms DRAGIN's published
+# Elasticsearch retrievals matched on). Han ideographs (with extension A and the compatibility block) and hiragana
+# are written without spaces, so each character is a term of its own, as that tokenizer makes them (a `\w+` token
+# would be a whole clause); the second branch also takes the hiragana block's code points that are not `\w` (its sound marks).
 _CJK = "\u3040-\u309f\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff"
 _CJK_CHAR = re.compile(f"[{_CJK}]")
-TOKEN_PATTERN = f"(?u)\\b\\w\\w+\\b|[{_CJK}]"
+TOKEN_PATTERN = f"(?u)\\b\\w+\\b|[{_CJK}]"
 STOPWORDS = "en"
 STEMMER = "english"
 
@@ -76,8 +79,9 @@ def _stemmer():
 
 
 def analyse(texts: list[str], stemmer=None, **kw):
-    """bm25s analysis of passages or queries (lowercase, `\\w\\w+` tokens, English stopwords, Snowball stemmer), a
-    Han ideograph or hiragana character a term of its own; `kw` goes to `bm25s.tokenize`."""
+    """bm25s analysis of passages or queries (lowercase, `\\w+` tokens, one-character ones included, English
+    stopwords, Snowball stemmer), a Han ideograph or hiragana character a term of its own; `kw` goes to
+    `bm25s.tokenize`."""
     import bm25s
 
     texts = [_CJK_CHAR.sub(r" \g<0> ", t) if _CJK_CHAR.search(t) else t for t in texts]
@@ -86,9 +90,9 @@ def analyse(texts: list[str], stemmer=None, **kw):
 
 
 # the same tokens as TOKEN_PATTERN on a text whose Han and hiragana characters stand between spaces (as `analyse`
-# leaves them): a `\w\w+` match runs to the end of its word, so the pattern's word boundaries never cut one;
-# without them Python's regex engine scans passages ~25% faster (tests/test_bm25_tokens.py compares the two)
-_PASSAGE_TOKENS = re.compile(f"\\w\\w+|[{_CJK}]")
+# leaves them): a `\w+` match runs to the end of its word, so the pattern's word boundaries never cut one;
+# without them Python's regex engine scans passages faster (tests/test_bm25_tokens.py compares the two)
+_PASSAGE_TOKENS = re.compile(f"\\w+|[{_CJK}]")
 # $FASTRAG_BM25_NATIVE=0: the Python tokenizer (regex) for the passages and numpy's search for the queries, instead
 # of fastrag._C's (the same tokens, passages and scores; tests/test_bm25_tokens.py, tests/test_bm25_native.py)
 NATIVE_ENV = "FASTRAG_BM25_NATIVE"
