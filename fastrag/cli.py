@@ -1,17 +1,20 @@
-"""`fastrag` command line: `run` (batch evaluation), `parity` (engine vs per-question oracle), `index` (build the
-retrieval indexes of a corpus), `serve` (HTTP API), `methods`."""
+"""`fastrag` command line: `run` (batch evaluation), `parity` (engine vs per-question oracle), `compare-published`
+(decisions vs the published DRAGIN code's), `index` (build the retrieval indexes of a corpus), `serve` (HTTP API),
+`methods`."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from fastrag.data.datasets import DATASETS
 
 
-def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--method", required=True, help="dynamic-RAG method (see `fastrag methods`)")
+def _common(p: argparse.ArgumentParser, method: str | None = None) -> None:
+    p.add_argument("--method", required=method is None, default=method,
+                   help="dynamic-RAG method (see `fastrag methods`)" + (f"; default {method}" if method else ""))
     p.add_argument("--dataset", required=True, choices=DATASETS)
     p.add_argument("--data", help="dataset file (formats: see fastrag.data.datasets; may be .gz/.bz2/.xz); "
                    "default for hotpotqa: the 20 bundled dev questions")
@@ -70,6 +73,12 @@ def main(argv: list[str] | None = None) -> int:
     rp.add_argument("--num-workers", type=int, default=None, help="--ray: workers (one engine each; default 2)")
     pp = sub.add_parser("parity", help="engine vs per-question oracle on the same questions; parity.json")
     _common(pp)
+    cp = sub.add_parser("compare-published", help="a method's decisions vs the published DRAGIN code's own "
+                        "(a decisions file, and optionally its trace replayed round by round); compare.md")
+    _common(cp, method="dragin-published")
+    cp.add_argument("--decisions", required=True, help="the published code's decisions jsonl (one record a question)")
+    cp.add_argument("--trace", help="the published code's trace jsonl: replay every round's decisions from it")
+    cp.add_argument("--results", help="compare this results.jsonl instead of running the questions")
     sub.add_parser("methods", help="list the available methods")
     ip = sub.add_parser("index", help="build and save the retrieval indexes of a corpus (reused by later runs)")
     ip.add_argument("--corpus", required=True,
@@ -150,6 +159,16 @@ def main(argv: list[str] | None = None) -> int:
                              "drop --temperature/--top-k/--top-p for `fastrag parity`")
         if args.cmd == "run" and args.num_workers is not None and not args.ray:
             raise ValueError("--num-workers shards the questions over Ray workers: add --ray (or drop it)")
+        if args.cmd == "compare-published":
+            from fastrag.compare_published import run_compare
+
+            report = run_compare(opts, args.decisions, args.trace, args.results)
+            print((Path(args.output) / "compare.md").read_text(encoding="utf-8"))
+            print(f"compare-published: {report['questions_agree']} of {report['n']} questions agree, decisions "
+                  f"{_fmt(report['decision_agreement'], '.3f')}"
+                  + (f", replayed rounds {_fmt(report['replay']['decision_agreement'], '.3f')}" if "replay" in report
+                     else "") + f" (details: {args.output}/compare.json)")
+            return 0
         if args.cmd == "run" and args.ray:
             from fastrag.distributed import run_ray
 
@@ -176,8 +195,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fastrag: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        from pathlib import Path
-
         from fastrag.eval import _holds_records
 
         if _holds_records(Path(args.output)):

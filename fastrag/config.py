@@ -20,10 +20,13 @@ from pathlib import Path
 from typing import Any
 
 from fastrag.data.datasets import DataError, canonical_dataset
-from fastrag.data.exemplars import load_exemplars
+from fastrag.data.exemplars import load_exemplars, published_exemplar_count
 from fastrag.jsonkeys import RepeatedKey, unique_keys
 
 MODES = ("reference", "streaming")
+# "reference": the paper's rules as docs/dragin-reference.md reads them; "published": what the published code's
+# src/generate.py computes, its departures from that reading included (fastrag.methods.published, docs/published.md)
+FIDELITIES = ("reference", "published")
 QUERY_FORMULATIONS = ("real_words",)
 STREAM_ATTENTION = ("in-context", "pass")  # dragin-streaming: where a_i comes from
 # `method` values of the published code that select DRAGIN (AttnWeightRAG) with entropy-weighted words: configs say
@@ -66,6 +69,7 @@ class DraginConfig:
     mode: str = "reference"  # "reference" (decision-compatible with the published code) | "streaming"
     stop_case_insensitive: bool = False  # published stop rule matches lowercase "the answer is" only
     qfs_skip_first: bool = True  # published QFS renormalisation skips column 0 (assumed BOS)
+    fidelity: str = "reference"  # "reference" | "published" (FIDELITIES)
     extra: dict = field(default_factory=dict)  # published keys we do not use (paths, model, retriever, ...)
 
     def __post_init__(self) -> None:
@@ -81,6 +85,9 @@ class DraginConfig:
         _number(self, "hallucination_threshold")
         _bools(self, "check_real_words", "stop_case_insensitive", "qfs_skip_first")
         _choice(self, "mode", MODES)
+        _choice(self, "fidelity", FIDELITIES)
+        if self.fidelity == "published" and self.mode != "reference":
+            raise ConfigError(f"fidelity 'published' runs the published loop (mode 'reference'), got mode {self.mode!r}")
         _choice(self, "query_formulation", QUERY_FORMULATIONS)
         if not isinstance(self.extra, dict):
             raise ConfigError(f"extra must be a dict, got {type(self.extra).__name__}")
@@ -129,9 +136,12 @@ def _fewshot(cfg) -> None:
     """fewshot: an int >= 0 and at most the exemplars `cfg.dataset` has (checked with the config, before a run
     starts, so that the error names the config file)."""
     _int(cfg, "fewshot", 0)
-    n = len(load_exemplars(cfg.dataset))
+    if getattr(cfg, "fidelity", "reference") == "published":
+        n, whose = published_exemplar_count(cfg.dataset), "the published code's"
+    else:
+        n, whose = len(load_exemplars(cfg.dataset)), "fastrag's"
     if cfg.fewshot > n:
-        raise ConfigError(f"fewshot is {cfg.fewshot} but {cfg.dataset} has only {n} exemplars")
+        raise ConfigError(f"fewshot is {cfg.fewshot} but {cfg.dataset} has only {n} exemplars ({whose})")
 
 
 _FIELDS = tuple(f.name for f in fields(DraginConfig) if f.name != "extra")

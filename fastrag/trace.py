@@ -13,6 +13,10 @@ class Round:
     hit_words: list[str] = field(default_factory=list)  # words of that sentence that hit (after the POS filter)
     query: str | None = None  # query sent to the retriever
     doc_ids: list[str] = field(default_factory=list)  # retrieved passage ids, best first
+    # `fidelity: "published"` only (None otherwise), what the published code logs of a retrieval: the trigger
+    # sentence's words as it spells them (raw token strings) and the text kept before that sentence
+    sentence_words: list[str] | None = None
+    kept: str | None = None
 
 
 @dataclass(slots=True)

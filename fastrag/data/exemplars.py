@@ -31,6 +31,8 @@ from pathlib import Path
 from fastrag.data.datasets import DataError, canonical_dataset
 
 EXEMPLAR_DIR = Path(__file__).resolve().parent / "exemplars"
+# the published code's own exemplars (benchmarks/extract_published_exemplars.py): `fidelity: "published"` prompts
+PUBLISHED_DIR = EXEMPLAR_DIR / "published"
 # datasets without exemplars of their own -> whose exemplars they use
 _SHARED = {"nq": "hotpotqa", "webq": "hotpotqa"}
 # published test-case instructions (DRAGIN src/data.py test_input_template), placed before "Question: "
@@ -78,3 +80,35 @@ def case_text(question: str, dataset: str | None = None) -> str:
     """`"Question: {question}\\nAnswer:"`, preceded by the published instruction of `dataset` when one is given."""
     prefix = "" if dataset is None else CASE_PREFIX.get(canonical_dataset(dataset), "")
     return f"{prefix}Question: {question}\nAnswer:"
+
+
+@lru_cache(maxsize=None)
+def _load_published(name: str) -> tuple[tuple[str, str, str], ...]:
+    path = PUBLISHED_DIR / f"{name}.json"
+    try:
+        items = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise DataError(f"{path}: cannot load exemplars: {e}") from None
+    out = []
+    for i, it in enumerate(items):
+        if not (isinstance(it, dict) and all(isinstance(it.get(k), str) for k in ("question", "cot", "answer"))):
+            raise DataError(f"{path}[{i}]: exemplar needs string fields 'question', 'cot' and 'answer'")
+        out.append((it["question"], it["cot"], it["answer"]))
+    return tuple(out)
+
+
+def published_exemplar_count(dataset: str) -> int:
+    """How many exemplars the published code holds for `dataset` (NQ and WebQuestions: HotpotQA's)."""
+    name = canonical_dataset(dataset)
+    return len(_load_published(_SHARED.get(name, name)))
+
+
+def published_demo_text(dataset: str, fewshot: int) -> str:
+    """The published code's demos, byte for byte: `"Question: {q}\\nAnswer: {cot} So the answer is {a}.\\n"` for its
+    first `fewshot` exemplars (an answer with its own final period gives ".."; the published templates)."""
+    ex = _load_published(_SHARED.get(canonical_dataset(dataset), canonical_dataset(dataset)))
+    if isinstance(fewshot, bool) or not isinstance(fewshot, int) or fewshot < 0:
+        raise ValueError(f"fewshot must be an int >= 0, got {fewshot!r}")
+    if fewshot > len(ex):
+        raise ValueError(f"fewshot={fewshot} but the published {canonical_dataset(dataset)} exemplars are {len(ex)}")
+    return "".join(f"Question: {q}\nAnswer: {cot} So the answer is {a}.\n" for q, cot, a in ex[:fewshot])

@@ -160,7 +160,41 @@ def _dragin_config(dataset: str, path: str | None):
     return cfg
 
 
+def _published_config(dataset: str, path: str | None):
+    """--method dragin-published: a DRAGIN config (the published files as they are) run with fidelity "published"."""
+    from dataclasses import replace
+
+    from fastrag.config import ConfigError
+
+    cfg = _dragin_config(dataset, path)
+    if path is not None and cfg.fidelity != "published" and "fidelity" in _raw_keys(path):
+        raise ConfigError(f"{path}: field 'fidelity' is {cfg.fidelity!r}, but --method dragin-published runs "
+                          "fidelity 'published' (use --method dragin for reference mode)")
+    try:
+        return replace(cfg, fidelity="published")
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}" if path is not None else str(e)) from None
+
+
+def _raw_keys(path: str) -> set[str]:
+    from fastrag.config import read_json_object
+
+    return set(read_json_object(path))
+
+
+def _policy(cfg, tokenizer):
+    if cfg.fidelity == "published":
+        from fastrag.methods.dragin_published import DraginPublished
+
+        return DraginPublished(cfg, tokenizer)
+    return DraginReference(cfg, tokenizer)
+
+
 def _dragin_oracle(hf_model, tokenizer, retriever, cfg):
+    if cfg.fidelity == "published":
+        from fastrag.oracle.dragin_published import DraginPublishedOracle
+
+        return DraginPublishedOracle(hf_model, tokenizer, retriever, cfg)
     from fastrag.oracle.dragin import DraginOracle
 
     return DraginOracle(hf_model, tokenizer, retriever, cfg)
@@ -169,5 +203,10 @@ def _dragin_oracle(hf_model, tokenizer, retriever, cfg):
 from fastrag.methods.registry import MethodSpec, register  # noqa: E402
 
 register(MethodSpec(
-    name="dragin", description="DRAGIN, reference mode: RIND over each full generation, QFS query (paper rules)",
-    make_config=_dragin_config, make_policy=DraginReference, make_oracle=_dragin_oracle))
+    name="dragin", description="DRAGIN: RIND over each full generation, QFS query (paper rules; config field "
+    "fidelity: \"published\" for the published code's)",
+    make_config=_dragin_config, make_policy=_policy, make_oracle=_dragin_oracle))
+register(MethodSpec(
+    name="dragin-published", description="DRAGIN as the published code computes it (special tokens kept, its word, "
+    "sentence and query rules): --method dragin with fidelity \"published\"",
+    make_config=_published_config, make_policy=_policy, make_oracle=_dragin_oracle))
