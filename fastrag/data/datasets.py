@@ -596,8 +596,8 @@ def load_examples(dataset: str, path: str | Path, limit: int | None = None,
                           "dataset's file?); the gold answers are the data's own", UserWarning, stacklevel=2)
     if renamed:
         warnings.warn(f"{path}: {len(renamed)} question(s) repeat an id of an earlier one (first: {renamed[0][0]!r}, "
-                      f"run as {renamed[0][1]!r}); each runs as a question of its own under the new id (results.jsonl's "
-                      "qid; the file's id is kept in meta.source_qid)", UserWarning, stacklevel=2)
+                      f"run as {renamed[0][1]!r}); each runs as a question of its own under the new id "
+                      "(results.jsonl's qid; the file's id is kept in meta.source_qid)", UserWarning, stacklevel=2)
     if blank_gold:
         warnings.warn(f"{path}: {len(blank_gold)} question(s) have a blank gold answer (first: {blank_gold[0]}); "
                       "it is left out (it would credit every answer that normalises to nothing)", UserWarning,
