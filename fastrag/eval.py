@@ -14,6 +14,7 @@ answered questions over every run that produced the results, not only the last o
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import math
@@ -141,6 +142,12 @@ class RunOptions:
             if getattr(self, name) is None and name == "answer_aliases":
                 continue
             p, flag = Path(getattr(self, name)), "--" + name.replace("_", "-")
+            try:
+                p.stat()
+            except FileNotFoundError:
+                pass  # (said below, by name)
+            except OSError as e:  # (a folder on its path that cannot be entered: [Errno 13] alone named nothing)
+                raise PermissionError(f"{flag} {p}: {path_problem(e)}") from None
             if p.is_dir():
                 raise ValueError(f"{flag} {p}: is a directory, expected a file")
             if not p.exists():
@@ -149,6 +156,14 @@ class RunOptions:
                 raise ValueError(f"{flag} {p}: not a regular file (a pipe or a device?): give a file on disk")
             if not os.access(p, os.R_OK):
                 raise PermissionError(f"{flag} {p}: not readable")
+
+
+def path_problem(e: OSError) -> str:
+    """What an OSError on a path given as an option means to its user, and what to do."""
+    if e.errno == errno.EACCES:
+        return (f"cannot be reached ({e.strerror}): this user may not enter a folder on its path (or use the file "
+                "itself); fix the permissions, or give a path under a folder this user can use")
+    return f"cannot be reached ({e.strerror or e})"
 
 
 def select_qids(examples: list, opts: RunOptions, what: str = "question") -> list:
@@ -567,9 +582,14 @@ def output_lock(out: Path):
     except ImportError:  # pragma: no cover - not on Linux/macOS
         yield
         return
-    made = [d for d in (out, *out.parents) if not d.exists()]  # created here, deepest first
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / ".lock", "a") as f:
+    try:
+        made = [d for d in (out, *out.parents) if not d.exists()]  # created here, deepest first
+        out.mkdir(parents=True, exist_ok=True)
+        lock = open(out / ".lock", "a")
+    except OSError as e:  # ([Errno 2] No such file or directory, for --output /proc/x, named neither)
+        raise OSError(f"--output {out}: cannot make or write the folder ({e.strerror or e}); give --output a folder "
+                      "this user can create and write, e.g. under the current directory") from None
+    with lock as f:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -618,7 +638,13 @@ def run_many(runs: list[RunOptions], engine=None, retriever=None) -> list[dict]:
     if same:
         raise ValueError(f"run_many: two runs write to the same output directory ({same[0][0]} and {same[0][1]})")
     for out in outs:
-        if out.exists() and not out.is_dir():
+        try:
+            out.stat()
+        except FileNotFoundError:
+            continue  # (made below)
+        except OSError as e:
+            raise OSError(f"--output {out}: {path_problem(e)}") from None
+        if not out.is_dir():
             raise ValueError(f"--output {out}: is a file, expected a directory")
     with contextlib.ExitStack() as held:
         for out in outs:
