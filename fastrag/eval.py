@@ -36,7 +36,7 @@ from fastrag.model.loading import control_token_strings, find_control_token
 from fastrag.perf import STEP_TRACE_ENV, trace_summary
 from fastrag.provenance import environment, source_commit
 from fastrag.switches import env_switch, switch_interval_setting
-from fastrag.trace import QuestionResult
+from fastrag.trace import QuestionResult, holds_records
 
 BUNDLED = Path(__file__).resolve().parent / "data" / "bundled"
 
@@ -322,7 +322,7 @@ def check_manifest(out: Path, identity: dict) -> None:
                           for f in sorted(set(a) | set(b)) if a.get(f) != b.get(f)]
             else:
                 diffs.append(f"{k}: {a!r} there, {b!r} now")
-        if diffs and not _holds_records(out):  # a run that stopped before computing anything (a bad model path,
+        if diffs and not holds_records(out):  # a run that stopped before computing anything (a bad model path,
             # corpus or config): the corrected run takes the folder over
             added = True
         elif diffs:
@@ -334,12 +334,6 @@ def check_manifest(out: Path, identity: dict) -> None:
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(identity, indent=2))
     tmp.replace(path)
-
-
-def _holds_records(out: Path) -> bool:
-    """Whether a run folder (or one of its subfolders: ray shards, parity's engine/ and oracle/) has a results file
-    with anything in it."""
-    return any(p.is_file() and p.stat().st_size > 0 for p in out.rglob("results.jsonl"))
 
 
 def _where_they_differ(a: str, b: str, before: int = 30, after: int = 50) -> tuple[str, str]:
