@@ -1,7 +1,7 @@
-"""What `fastrag run` says on the console when things go wrong: Ctrl-C or SIGTERM at any point (a line saying what
-was kept and how to go on, no traceback), a path it cannot use (the option named, and what to do), the questions
-that failed (each one's id and error), and its own warnings (one line each, not Python's warning format). A tiny
-random model keeps the runs to seconds."""
+"""What `fastrag run` says on the console when things go wrong: Ctrl-C or SIGTERM while it starts (a line saying
+what was kept and how to go on, no traceback; mid-run: tests/test_inputs.py), a path it cannot use (the option
+named, and what to do), the questions that failed (each one's id and error), and its own warnings (one line each,
+not Python's warning format). A tiny random model keeps the runs to seconds."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import pathlib
 import signal
 import subprocess
 import sys
-import time
 import warnings
 
 import pytest
@@ -66,34 +65,6 @@ def test_a_signal_while_starting_up_says_so_without_a_traceback(tmp_path, sig, r
     assert f"fastrag: {says} before any answer was written" in p.stderr and "rerun the same command" in p.stderr, \
         p.stderr[-2000:]
     assert "Traceback" not in p.stderr and not (tmp_path / "o").exists(), p.stderr[-2000:]
-
-
-def test_sigterm_mid_run_keeps_the_answers_says_so_and_the_rerun_resumes(tiny_model, tmp_path):
-    """SIGTERM (a scheduler's stop, `kill`) ended a run at once with exit status 143 and no message; it now stops as
-    Ctrl-C does: the answers written so far are kept, a line says so, the rerun goes on from there."""
-    total = 40
-    data = nq_file(tmp_path / "nq.jsonl", [f"who wrote book number {i}?" for i in range(total)])
-    cfg = tmp_path / "c.json"
-    cfg.write_text(json.dumps({"generate_max_length": 24, "fewshot": 0}))
-    out = tmp_path / "o"
-    args = [sys.executable, "-m", "fastrag", *run_args(tiny_model, data, cfg, out, "--batch-size", "1",
-                                                       "--threads", "1")]
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    res, deadline = out / "results.jsonl", time.time() + 300
-    while time.time() < deadline and proc.poll() is None and not (res.exists() and res.read_text().count("\n") >= 1):
-        time.sleep(0.1)
-    assert proc.poll() is None, "the run ended before it could be stopped"
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 143, (proc.returncode, err[-2000:])
-    assert f"fastrag: stopped by SIGTERM; the answers written so far are in {out}: rerun the same command" in err, \
-        err[-2000:]
-    assert "Traceback" not in err, err[-2000:]
-    n_before = sum(1 for line in res.read_text().splitlines() if line)
-    p = subprocess.run(args, capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stderr[-2000:]
-    m = json.loads((out / "metrics.json").read_text())
-    assert 0 < n_before < total and m["n"] == total and m["computed_this_run"] == total - n_before
 
 
 def test_an_output_folder_that_cannot_be_made_names_the_option(tmp_path, capsys):
