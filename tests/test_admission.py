@@ -59,44 +59,52 @@ def engine_parts(tiny_model):
 CFG = {"fewshot": 0, "generate_max_length": 120}  # (a few ms a token: about half a second a question)
 
 
-async def _answer(stream) -> str:
-    return [ev async for ev in stream][-1].kind
+async def _answer(stream) -> tuple[str, float]:
+    """The stream's last event kind, and when it came."""
+    kind = [ev async for ev in stream][-1].kind
+    return kind, time.perf_counter()
 
 
 def test_a_client_that_obeys_retry_after_is_let_in_once_the_queue_has_drained(engine_parts):
     """A burst, an idle spell, a second burst that fills the queue: the rejected client is told about the second
-    burst's drain time (the first burst's rate), not the idle spell's length; it waits that long and is let in."""
+    burst's drain time (at the first burst's rate), not the idle spell's length; obeying it, it is let in soon
+    after the burst's questions have been answered."""
     idle_s = 5.0
 
     async def go():
         engine = AsyncEngine(*engine_parts, max_inflight=2, max_queue=2)
         try:
             async def burst():
-                t = time.perf_counter()
                 streams = [await engine.submit(f"question number {i}", "wo-rag", "nq", CFG) for i in range(4)]
-                return t, streams
+                return asyncio.gather(*map(_answer, streams))
 
-            t, streams = await burst()
-            assert await asyncio.gather(*map(_answer, streams)) == ["answer"] * 4
-            first_drain = time.perf_counter() - t
+            t = time.perf_counter()
+            answers = await (await burst())
+            assert [k for k, _ in answers] == ["answer"] * 4
+            first_drain = max(at for _, at in answers) - t
             await asyncio.sleep(idle_s)  # the server idles: no question pending
-            t, streams = await burst()
-            with pytest.raises(QueueFull) as e:
-                await engine.submit("one too many", "wo-rag", "nq", CFG)
-            waited = e.value.retry_after_s
-            drained = asyncio.gather(*map(_answer, streams))
-            await asyncio.sleep(waited)  # the client obeys Retry-After
-            late = await engine.submit("one too many", "wo-rag", "nq", CFG)  # let in: no QueueFull
-            assert await drained == ["answer"] * 4
-            return first_drain, waited, await _answer(late), engine.metrics()
+            answers = await burst()
+            told = []
+            for _ in range(10):  # the client obeys Retry-After (a bounded number of times)
+                try:
+                    late = await engine.submit("one too many", "wo-rag", "nq", CFG)
+                    break
+                except QueueFull as e:
+                    told.append(e.retry_after_s)
+                    await asyncio.sleep(e.retry_after_s)
+            let_in = time.perf_counter()
+            answers = await answers
+            assert [k for k, _ in answers] == ["answer"] * 4
+            drained = max(at for _, at in answers)
+            return first_drain, told, let_in - drained, (await _answer(late))[0], engine.metrics()
         finally:
             engine.close()
 
-    first_drain, waited, late, m = asyncio.run(go())
-    assert late == "answer" and m["rejected"] == 1 and m["finished"] == 9, m
-    # told the drain time at the first burst's rate (rounded up), not that spread over the idle spell (which said
-    # at least idle_s)
-    assert waited <= math.ceil(first_drain * 1.5) + 1 and waited < idle_s, (waited, first_drain)
+    first_drain, told, after_drain, late, m = asyncio.run(go())
+    assert late == "answer" and m["finished"] == 9 and m["rejected"] == len(told) >= 1, m
+    # let in within a second or two of the queue's drain (answers / uptime told it the idle spell's length too, and
+    # it came back seconds after the queue had drained)
+    assert after_drain < 2.0 and told[0] < idle_s, (told, after_drain, first_drain)
 
 
 def test_retry_after_is_capped():
