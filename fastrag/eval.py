@@ -147,7 +147,7 @@ class RunOptions:
             except FileNotFoundError:
                 pass  # (said below, by name)
             except OSError as e:  # (a folder on its path that cannot be entered: [Errno 13] alone named nothing)
-                raise PermissionError(f"{flag} {p}: {path_problem(e)}") from None
+                raise type(e)(f"{flag} {p}: {path_problem(e)}") from None
             if p.is_dir():
                 raise ValueError(f"{flag} {p}: is a directory, expected a file")
             if not p.exists():

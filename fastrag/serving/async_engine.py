@@ -97,8 +97,8 @@ class ServiceRate:
     over the last `window_s` seconds of that busy time: the rate a full queue drains at now.
 
     The clock stops while nothing is pending, so an idle server keeps the rate of its last busy spell instead of
-    spreading it over the idle hours (answers / uptime told a client to wait 218 s for a queue that drained in 7 s),
-    and answers older than a window of busy time stop counting, so a slower or faster load shows within a minute.
+    spreading it over the idle hours (answers / uptime did, and told clients minutes for a queue that drained in
+    seconds), and answers older than a window of busy time stop counting, so a slower or faster load shows within a minute.
     """
 
     __slots__ = ("window_s", "_clock", "_busy_before", "_since", "_done")
