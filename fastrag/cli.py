@@ -5,8 +5,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from fastrag.data.datasets import DATASETS
@@ -64,7 +67,87 @@ def _common(p: argparse.ArgumentParser, method: str | None = None) -> None:
     p.add_argument("--no-progress", action="store_true")
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the process is, so that a run stops as on Ctrl-C: the answers written so far kept and
+    its folder left ready to resume (the default action ended the process at once, exit status 143, without a
+    word)."""
+
+
+def _on_sigterm(signum, frame):
+    raise Terminated
+
+
 def main(argv: list[str] | None = None) -> int:
+    """The command line; Ctrl-C or SIGTERM at any point (importing torch, loading the model, mid-run) ends it with
+    a line saying what was kept and how to go on, exit status 130 or 143."""
+    main_thread = threading.current_thread() is threading.main_thread()
+    before = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
+    seen: dict = {}
+    try:
+        with _one_line_warnings():
+            return _main(argv, seen)
+    except KeyboardInterrupt as e:
+        return _interrupted(seen.get("args"), e)
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, before)
+
+
+def _interrupted(args, e: KeyboardInterrupt) -> int:
+    """The line of a command stopped by Ctrl-C (exit status 130) or SIGTERM (143): what it kept, how to go on."""
+    how = "stopped by SIGTERM" if isinstance(e, Terminated) else "interrupted"
+    cmd = getattr(args, "cmd", None)
+    if cmd in ("run", "parity"):
+        from fastrag.trace import holds_records
+
+        out = args.output
+        if holds_records(out):
+            msg = f"{how}; the answers written so far are in {out}: rerun the same command to go on from there"
+        else:  # (stopped before its first answer: a folder the run made is removed again, so none is there)
+            msg = (f"{how} before any answer was written ({out} holds none); rerun the same command to start "
+                   "again")
+    elif cmd == "index":
+        msg = (f"{how} while making the {_index_kind(args)} index of {args.corpus}; it was not saved: rerun the same "
+               "command to build it")
+    elif cmd == "serve":
+        msg = f"{how}; the server keeps nothing between runs: run the same command to start it again"
+    else:
+        msg = f"{how} while starting; nothing was written: run the same command again"
+    print(f"fastrag: {msg}", file=sys.stderr)
+    return 143 if isinstance(e, Terminated) else 130
+
+
+def _index_kind(args) -> str:
+    """The index kind `fastrag index` was making (the first asked for, before it began)."""
+    return getattr(args, "making", None) or args.kind[0]
+
+
+@contextlib.contextmanager
+def _one_line_warnings():
+    """fastrag's own warnings (a config key not applied, odd gold answers, ...) print as one line, "fastrag:
+    warning: ...", not in Python's "FILE:LINE: UserWarning: ..." format with a source line under it; other
+    packages' warnings keep theirs."""
+    import os
+    import warnings
+
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    shown = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if os.path.abspath(filename).startswith(package):
+            print(f"fastrag: warning: {message}", file=file or sys.stderr)
+        else:
+            shown(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        if warnings.showwarning is show:
+            warnings.showwarning = shown
+
+
+def _main(argv: list[str] | None, seen: dict) -> int:
     ap = argparse.ArgumentParser(prog="fastrag", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
     rp = sub.add_parser("run", help="run a method over a dataset; results.jsonl + metrics.json")
@@ -115,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="on SIGINT/SIGTERM: seconds the requests in flight get to finish before they are cancelled "
                          "(default 30; new connections are refused at once)")
     args = ap.parse_args(argv)
+    seen["args"] = args
     if args.cmd == "index":
         return _index(args)
     if args.cmd == "serve":
@@ -175,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
             metrics = run_ray(opts, num_workers=2 if args.num_workers is None else args.num_workers)
             _print_table("fastrag run --ray", metrics)
             print(_run_summary(metrics, args.output))
+            _print_failures(metrics, args.output)
             return _all_failed(metrics, args.output)
         elif args.cmd == "run":
             from fastrag.eval import run
@@ -182,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
             metrics = run(opts)
             _print_table("fastrag run", metrics)
             print(_run_summary(metrics, args.output))
+            _print_failures(metrics, args.output)
             return _all_failed(metrics, args.output)
         else:
             from fastrag.parity import parity
@@ -194,16 +280,6 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError, ImportError, RunError, BackendUnavailableError) as e:
         print(f"fastrag: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        from fastrag.eval import _holds_records
-
-        if _holds_records(Path(args.output)):
-            print(f"fastrag: interrupted; the answers written so far are in {args.output}: rerun the same command "
-                  "to go on from there", file=sys.stderr)
-        else:  # (stopped before its first answer: a folder the run made is removed again, so none is there)
-            print(f"fastrag: interrupted before any answer was written ({args.output} holds none); rerun the same "
-                  "command to start again", file=sys.stderr)
-        return 130
     return 0
 
 
@@ -222,9 +298,9 @@ def _index(args) -> int:
 
     from fastrag.retrieval import CorpusError, make_retriever
 
-    kind = args.kind[0]
     try:
         for kind in args.kind:
+            args.making = kind
             t = time.perf_counter()
             kw = {"encoder": args.encoder} if kind == "dense" else {}
             if kind == "bm25" and args.index_workers is not None:
@@ -235,10 +311,7 @@ def _index(args) -> int:
     except (FileNotFoundError, PermissionError, ValueError, CorpusError, ImportError, OSError) as e:
         print(f"fastrag: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # (a build stopped part-way leaves no index that a later call would trust)
-        print(f"fastrag: interrupted while making the {kind} index of {args.corpus}; it was not saved: rerun the "
-              "same command to build it", file=sys.stderr)
-        return 130
+    # (Ctrl-C, SIGTERM: main says so; a build stopped part-way leaves no index that a later call would trust)
     return 0
 
 
@@ -268,6 +341,30 @@ def _run_summary(m: dict, output: str) -> str:
             f"{score}; {_fmt(m.get('questions_per_s'), '.3g')} questions/s, {_fmt(m.get('tokens_per_s'), '.4g')} "
             f"tokens/s, {_fmt(m.get('retrievals_per_question'), '.2f')} retrievals/question "
             f"(all figures: {output}/metrics.json)")
+
+
+def _print_failures(m: dict, output: str, most: int = 5) -> None:
+    """The failed questions of a run, each with its id and error on a line (the first `most`; all of them are in
+    results.jsonl), under the summary line that counts them: "2 failed" alone said neither which nor why."""
+    if not m.get("errors"):
+        return
+    from fastrag.eval import read_results
+
+    try:
+        records = read_results(Path(output) / "results.jsonl")
+    except (OSError, ValueError):  # (the count above stands; the file's own problem is the next run's error)
+        return
+    failed = {r.qid: r.error for r in records}  # (the last record of a question counts)
+    failed = [(q, e) for q, e in failed.items() if e is not None]
+    if not failed:
+        return
+    print(f"failed questions ({len(failed)}; each one's error is in {output}/results.jsonl, a rerun computes them "
+          "again):")
+    for qid, error in failed[:most]:
+        line = " ".join(str(error).split())
+        print(f"  {qid}: {line[:200] + '...' if len(line) > 200 else line}")
+    if len(failed) > most:
+        print(f"  ... and {len(failed) - most} more")
 
 
 def _all_failed(m: dict, output: str) -> int:

@@ -82,7 +82,7 @@ class DraginConfig:
         _int(self, "retrieve_topk", 1)
         _fewshot(self)
         _int(self, "max_query_tokens", 1)
-        _number(self, "hallucination_threshold")
+        _number(self, "hallucination_threshold", 0.0)
         _bools(self, "check_real_words", "stop_case_insensitive", "qfs_skip_first")
         _choice(self, "mode", MODES)
         _choice(self, "fidelity", FIDELITIES)
@@ -104,11 +104,11 @@ def _finite(v) -> bool:
     return not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
 
 
-def _number(cfg, name: str) -> None:
-    """A finite number, stored as a float."""
+def _number(cfg, name: str, minimum: float) -> None:
+    """A finite number >= minimum, stored as a float."""
     v = getattr(cfg, name)
-    if not _finite(v):
-        raise ConfigError(f"{name} must be a finite number, got {v!r}")
+    if not (_finite(v) and v >= minimum):
+        raise ConfigError(f"{name} must be a finite number >= {minimum:g}, got {v!r}")
     setattr(cfg, name, float(v))
 
 

@@ -14,6 +14,7 @@ answered questions over every run that produced the results, not only the last o
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import math
@@ -35,7 +36,7 @@ from fastrag.model.loading import control_token_strings, find_control_token
 from fastrag.perf import STEP_TRACE_ENV, trace_summary
 from fastrag.provenance import environment, source_commit
 from fastrag.switches import env_switch, switch_interval_setting
-from fastrag.trace import QuestionResult
+from fastrag.trace import QuestionResult, holds_records
 
 BUNDLED = Path(__file__).resolve().parent / "data" / "bundled"
 
@@ -141,6 +142,12 @@ class RunOptions:
             if getattr(self, name) is None and name == "answer_aliases":
                 continue
             p, flag = Path(getattr(self, name)), "--" + name.replace("_", "-")
+            try:
+                p.stat()
+            except FileNotFoundError:
+                pass  # (said below, by name)
+            except OSError as e:  # (a folder on its path that cannot be entered: [Errno 13] alone named nothing)
+                raise type(e)(f"{flag} {p}: {path_problem(e)}") from None
             if p.is_dir():
                 raise ValueError(f"{flag} {p}: is a directory, expected a file")
             if not p.exists():
@@ -149,6 +156,14 @@ class RunOptions:
                 raise ValueError(f"{flag} {p}: not a regular file (a pipe or a device?): give a file on disk")
             if not os.access(p, os.R_OK):
                 raise PermissionError(f"{flag} {p}: not readable")
+
+
+def path_problem(e: OSError) -> str:
+    """What an OSError on a path given as an option means to its user, and what to do."""
+    if e.errno == errno.EACCES:
+        return (f"cannot be reached ({e.strerror}): this user may not enter a folder on its path (or use the file "
+                "itself); fix the permissions, or give a path under a folder this user can use")
+    return f"cannot be reached ({e.strerror or e})"
 
 
 def select_qids(examples: list, opts: RunOptions, what: str = "question") -> list:
@@ -307,7 +322,7 @@ def check_manifest(out: Path, identity: dict) -> None:
                           for f in sorted(set(a) | set(b)) if a.get(f) != b.get(f)]
             else:
                 diffs.append(f"{k}: {a!r} there, {b!r} now")
-        if diffs and not _holds_records(out):  # a run that stopped before computing anything (a bad model path,
+        if diffs and not holds_records(out):  # a run that stopped before computing anything (a bad model path,
             # corpus or config): the corrected run takes the folder over
             added = True
         elif diffs:
@@ -319,12 +334,6 @@ def check_manifest(out: Path, identity: dict) -> None:
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(identity, indent=2))
     tmp.replace(path)
-
-
-def _holds_records(out: Path) -> bool:
-    """Whether a run folder (or one of its subfolders: ray shards, parity's engine/ and oracle/) has a results file
-    with anything in it."""
-    return any(p.is_file() and p.stat().st_size > 0 for p in out.rglob("results.jsonl"))
 
 
 def _where_they_differ(a: str, b: str, before: int = 30, after: int = 50) -> tuple[str, str]:
@@ -567,9 +576,14 @@ def output_lock(out: Path):
     except ImportError:  # pragma: no cover - not on Linux/macOS
         yield
         return
-    made = [d for d in (out, *out.parents) if not d.exists()]  # created here, deepest first
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / ".lock", "a") as f:
+    try:
+        made = [d for d in (out, *out.parents) if not d.exists()]  # created here, deepest first
+        out.mkdir(parents=True, exist_ok=True)
+        lock = open(out / ".lock", "a")
+    except OSError as e:  # ([Errno 2] No such file or directory, for --output /proc/x, named neither)
+        raise OSError(f"--output {out}: cannot make or write the folder ({e.strerror or e}); give --output a folder "
+                      "this user can create and write, e.g. under the current directory") from None
+    with lock as f:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -618,7 +632,13 @@ def run_many(runs: list[RunOptions], engine=None, retriever=None) -> list[dict]:
     if same:
         raise ValueError(f"run_many: two runs write to the same output directory ({same[0][0]} and {same[0][1]})")
     for out in outs:
-        if out.exists() and not out.is_dir():
+        try:
+            out.stat()
+        except FileNotFoundError:
+            continue  # (made below)
+        except OSError as e:
+            raise OSError(f"--output {out}: {path_problem(e)}") from None
+        if not out.is_dir():
             raise ValueError(f"--output {out}: is a file, expected a directory")
     with contextlib.ExitStack() as held:
         for out in outs:

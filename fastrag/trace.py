@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 
 @dataclass(slots=True)
@@ -71,3 +72,10 @@ class QuestionResult:
             d["chosen"] = BeamNode(**d["chosen"])
         d["beams"] = [[BeamNode(**n) for n in beam] for beam in d.get("beams", [])]
         return cls(**d)
+
+
+def holds_records(out: Path) -> bool:
+    """Whether a run folder (or one of its subfolders: ray shards, parity's engine/ and oracle/) has a results file
+    with anything in it. (Here, not in fastrag.eval, so that the command line can say what an interrupted start-up
+    kept without importing torch.)"""
+    return any(p.is_file() and p.stat().st_size > 0 for p in Path(out).rglob("results.jsonl"))

@@ -126,8 +126,8 @@ def test_load_2wiki_config_and_missing_keys_fall_back(tmp_path):
     ({"qfs_skip_first": 0}, r"c\.json: qfs_skip_first must be true or false, got 0"),
     ({"mode": "stream"}, r"c\.json: mode must be one of 'reference', 'streaming', got 'stream'"),
     ({"query_formulation": "current_wo_wrong"}, r"c\.json: query_formulation must be one of 'real_words'"),
-    ({"hallucination_threshold": True}, r"c\.json: hallucination_threshold must be a finite number, got True"),
-    ({"hallucination_threshold": "1.2"}, r"c\.json: hallucination_threshold must be a finite number, got '1\.2'"),
+    ({"hallucination_threshold": True}, r"c\.json: hallucination_threshold must be a finite number >= 0, got True"),
+    ({"hallucination_threshold": "1.2"}, r"c\.json: hallucination_threshold must be a finite number >= 0, got '1\.2'"),
 ])
 def test_load_errors_name_file_and_field(tmp_path, patch, pattern):
     p = tmp_path / "c.json"
@@ -169,3 +169,73 @@ def test_load_file_errors(tmp_path):
     nods.write_text(json.dumps({"method": "attn_entropy"}))
     with pytest.raises(ConfigError, match="'dataset'"):
         load_dragin_config(nods)
+
+
+# The range of every numeric config field of every method (docs/methods.md, "Ranges"): (least, most) with None for
+# no bound. A field missing here fails test_every_numeric_field_of_every_method_has_a_range: a new field gets a
+# range with it.
+RANGES = {
+    "generate_max_length": (1, None), "fewshot": (0, None), "retrieve_topk": (1, None),
+    "max_query_tokens": (1, None), "retrieve_keep_top_k": (1, None), "stream_chunk_tokens": (1, None),
+    "fix_length": (1, None), "look_ahead_tokens": (1, None), "question_max_tokens": (1, None),
+    "max_searches": (0, None),
+    # DRAGIN: a word hits when (a_i / sum a) * H_i * len(sentence) > theta, a product of non-negative factors
+    "dragin.hallucination_threshold": (0.0, None),
+    # TokenRAG: solver(1 - p) over a sentence, a probability
+    "token-rag.hallucination_threshold": (0.0, 1.0),
+    "theta": (0.0, 1.0), "beta": (0.0, 1.0),
+    # BeamSearchQA
+    "max_questions": (1, None), "max_depth": (0, None), "num_docs": (1, None), "score_threshold": (0.0, 1.0),
+    "beam_size": (1, None), "answer_max_tokens": (1, None), "ask_max_tokens": (1, None),
+    "summary_max_tokens": (1, None), "score_max_tokens": (1, None), "max_doc_chars": (1, None),
+}
+
+
+def _numeric_fields():
+    """(method, field, its type name) of every int / float field of every registered method's config."""
+    import dataclasses
+
+    from fastrag.methods.registry import available, get_method
+
+    out = []
+    for m in available():
+        cfg = get_method(m).make_config("hotpotqa", None)
+        out += [(m, f.name, f.type) for f in dataclasses.fields(cfg) if f.type in ("int", "float", int, float)]
+    return out
+
+
+def _range(method: str, name: str):
+    family = "dragin" if method.startswith("dragin") else method
+    return RANGES.get(f"{family}.{name}", RANGES.get(name))
+
+
+def test_every_numeric_field_of_every_method_has_a_range():
+    missing = [(m, f) for m, f, _ in _numeric_fields() if _range(m, f) is None]
+    assert not missing, f"numeric config fields without a range in RANGES (and docs/methods.md): {missing}"
+
+
+@pytest.mark.parametrize("method,name,kind", _numeric_fields())
+def test_a_value_out_of_a_numeric_field_s_range_is_an_error_naming_file_and_field(tmp_path, method, name, kind):
+    """A negative DRAGIN hallucination_threshold was taken silently (every word then hits, as with 0); every
+    numeric field of every method refuses a value past its range, naming the file and the field, and takes its
+    bounds themselves."""
+    from fastrag.methods.registry import get_method
+
+    lo, hi = _range(method, name)
+    spec = get_method(method)
+    is_float = kind in ("float", float)
+    bad = [lo - (0.5 if is_float else 1)] + ([hi + 0.5] if hi is not None else [])
+    if is_float:
+        bad += [float("nan"), float("inf")]
+    for v in bad:
+        path = tmp_path / "c.json"
+        path.write_text(json.dumps({name: v}))
+        with pytest.raises(ValueError, match=rf"c\.json: {name} must be .*got {v!r}") as e:
+            spec.make_config("hotpotqa", str(path))
+        assert "Traceback" not in str(e.value)
+    for v in ([lo] if hi is None else [lo, hi]):
+        if name == "fewshot":
+            continue  # (its most is the dataset's exemplar count: test_fewshot_zero_and_every_exemplar_...)
+        path = tmp_path / "c.json"
+        path.write_text(json.dumps({name: v}))
+        assert getattr(spec.make_config("hotpotqa", str(path)), name) == v

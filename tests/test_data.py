@@ -498,9 +498,38 @@ def test_empty_question_loads_and_duplicate_ids_are_made_unique(tmp_path):
         {"_id": "a", "question": "Q", "answer": "y"},
         {"_id": "a", "question": "Q", "answer": "z"},
     ])
-    ex = load_examples("2wikimultihopqa", p)
+    with pytest.warns(UserWarning, match=r"d\.jsonl: 2 question\(s\) repeat an id of an earlier one \(first: 'a', "
+                      r"run as 'a#2'\); each runs as a question of its own under the new id"):  # (it was silent)
+        ex = load_examples("2wikimultihopqa", p)
     assert ex[0].question == ""
     assert [e.qid for e in ex] == ["a", "a#2", "a#3"] and ex[1].meta["source_qid"] == "a"
+
+
+HOTPOT_ID, WIKI_ID = "5a8c7595554299585d9e36b6", "100c512a0bde11eba7f7acde48001122"
+
+
+@pytest.mark.parametrize("record,own", [
+    ({"_id": HOTPOT_ID, "question": "q?", "answer": "Paris", "level": "hard", "supporting_facts": []}, "hotpotqa"),
+    ({"_id": "x1", "question": "q?", "answer": "Paris", "level": "hard", "supporting_facts": []}, "hotpotqa"),
+    ({"_id": WIKI_ID, "question": "q?", "answer": "Paris", "evidences": []}, "2wikimultihopqa"),
+    ({"_id": "x1", "question": "q?", "answer": "Paris", "evidences": []}, "2wikimultihopqa"),
+    ({"question_id": HOTPOT_ID, "question_text": "q?", "answers_objects": [{"spans": ["Paris"]}]}, "hotpotqa"),
+    ({"question_id": WIKI_ID, "question_text": "q?", "answers_objects": [{"spans": ["Paris"]}]}, "2wikimultihopqa"),
+])
+def test_a_file_of_another_dataset_gets_a_warning_naming_both(tmp_path, record, own):
+    """A HotpotQA file run as 2WikiMultihopQA (both come as {_id, question, answer} and as IRCoT files) ran without
+    a word, with the other dataset's exemplars; the file's own dataset, from its fields or ids, is named."""
+    import warnings
+
+    p = _jsonl(tmp_path / "d.jsonl", [record])
+    other = "2wikimultihopqa" if own == "hotpotqa" else "hotpotqa"
+    with pytest.warns(UserWarning, match=rf"d\.jsonl: this looks like a {own} file \(.*\) but --dataset is {other}: "
+                      rf".*pass --dataset {own} if it is one"):
+        load_examples(other, p)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # its own dataset, or one the file does not tell: no word
+        load_examples(own, p)
+        load_examples("nq", _jsonl(tmp_path / "n.jsonl", [{"_id": "x1", "question": "q?", "answer": "Paris"}]))
 
 
 # ---------------------------------------------------------------- errors

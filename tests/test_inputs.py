@@ -567,7 +567,10 @@ def test_a_run_whose_every_question_failed_exits_1(tiny, tmp_path):
     assert p.returncode == 0 and "2 questions, 1 failed" in p.stdout, (p.stdout[-2000:], p.stderr[-2000:])
 
 
-def test_ctrl_c_says_how_to_go_on_and_the_rerun_resumes(tiny, tmp_path):
+@pytest.mark.parametrize("sig,rc,says", [("SIGINT", 130, "interrupted"), ("SIGTERM", 143, "stopped by SIGTERM")])
+def test_ctrl_c_or_sigterm_says_how_to_go_on_and_the_rerun_resumes(tiny, tmp_path, sig, rc, says):
+    """Ctrl-C mid-run, and SIGTERM (a scheduler's stop, `kill`: it ended the run at once with exit status 143 and
+    no message), keep the answers written so far, say so, and the rerun goes on from there."""
     import signal
     import time
 
@@ -588,9 +591,10 @@ def test_ctrl_c_says_how_to_go_on_and_the_rerun_resumes(tiny, tmp_path):
     while time.time() < deadline and proc.poll() is None and not (res.exists() and res.read_text().count("\n") >= 1):
         time.sleep(0.1)
     assert proc.poll() is None, "the run ended before it could be interrupted"
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(getattr(signal, sig))
     _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 130 and "interrupted" in err and "rerun the same command" in err, err[-2000:]
+    assert proc.returncode == rc, (proc.returncode, err[-2000:])
+    assert f"fastrag: {says}; the answers written so far are in {out}: rerun the same command" in err, err[-2000:]
     assert "Traceback" not in err, err[-2000:]
     n_before = len(records(res))
     p = subprocess.run(args, capture_output=True, text=True, timeout=600)

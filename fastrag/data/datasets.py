@@ -26,7 +26,9 @@ Error policy: a file-level problem (missing, unreadable, not JSON, a malformed j
 required field, an unknown format) raises `DataError` naming the file and the 1-based line (jsonl) or 0-based
 record index (json). Per-question problems do not: an empty question loads as `""` and the engine records an
 error for that question alone. Duplicate ids are made unique (`id`, `id#2`, ...; the original is kept in
-`meta["source_qid"]`) so a run's outputs can be keyed by qid.
+`meta["source_qid"]`) so a run's outputs can be keyed by qid, with a warning naming the first. A file whose fields
+or ids show it is another dataset's than the one asked for (a HotpotQA file as 2WikiMultihopQA: the two share
+formats) gets a warning naming both; StrategyQA and IIRC files, which have formats of their own, are refused.
 
 Any of these files may be gzip, bzip2 or xz compressed (DPR ships its question files as `.json.gz`): the first bytes
 tell, the file is read decompressed, and an error's line counts the decompressed text.
@@ -323,6 +325,24 @@ def _detect(obj: dict) -> str | None:
 _FORMAT_DATASET = {"strategyqa": "strategyqa", "iirc": "iirc"}
 
 
+def _looks_like(fmt: str, obj: dict) -> tuple[str, str] | None:
+    """(dataset, why) when a first record of a format that several datasets share shows which one it comes from:
+    HotpotQA and 2WikiMultihopQA both come as {_id, question, answer} (2Wiki's records carry `evidences`, HotpotQA's
+    a `level`) and as IRCoT's processed files, whose ids are theirs (HotpotQA: 24 hex digits, 2Wiki: 32)."""
+    if fmt == "2wiki":
+        if "evidences" in obj or "entity_ids" in obj:
+            return "2wikimultihopqa", "its records carry 2WikiMultihopQA's 'evidences'"
+        if "level" in obj and "supporting_facts" in obj:
+            return "hotpotqa", "its records carry HotpotQA's 'level'"
+    if fmt in ("2wiki", "ircot"):
+        qid = obj.get("_id" if fmt == "2wiki" else "question_id")
+        if isinstance(qid, str) and re.fullmatch(r"[0-9a-f]{24}", qid):
+            return "hotpotqa", f"its ids are HotpotQA's, 24 hex digits: {qid!r}"
+        if isinstance(qid, str) and re.fullmatch(r"[0-9a-f]{32}", qid):
+            return "2wikimultihopqa", f"its ids are 2WikiMultihopQA's, 32 hex digits: {qid!r}"
+    return None
+
+
 def _check_dataset(name: str, fmt: str, rec: _Rec) -> None:
     own = _FORMAT_DATASET.get(fmt)
     if own is not None and own != name:
@@ -508,6 +528,7 @@ def load_examples(dataset: str, path: str | Path, limit: int | None = None,
     blank_gold: list[str] = []  # questions with a blank gold answer (left out)
     odd_gold: list[tuple[str, str]] = []  # (question, gold) of golds that normalise to nothing (kept)
     pattern_gold: list[tuple[str, str]] = []  # (question, gold) of golds written as regular expressions
+    renamed: list[tuple[str, str]] = []  # (id, its new id) of the questions whose id an earlier one has
     fmt: str | None = None
     index = 0  # running question index, the qid of formats without ids
     for rec in _records(path):
@@ -526,6 +547,11 @@ def load_examples(dataset: str, path: str | Path, limit: int | None = None,
                     "question<TAB>answers file"
                 )
             _check_dataset(name, fmt, rec)
+            other = _looks_like(fmt, rec.obj)
+            if other is not None and other[0] != name:  # (it runs, with the wrong exemplars and answer style)
+                warnings.warn(f"{path}: this looks like a {other[0]} file ({other[1]}) but --dataset is {name}: its "
+                              f"questions get {name}'s exemplars and prompts; pass --dataset {other[0]} if it is one",
+                              UserWarning, stacklevel=2)
         if fmt == "iirc":
             rows = [_read_iirc_question(q, title) for q, title in _iirc_questions(rec)]
         else:
@@ -542,6 +568,7 @@ def load_examples(dataset: str, path: str | Path, limit: int | None = None,
                 k = 2
                 while f"{qid}#{k}" in seen:
                     k += 1
+                renamed.append((qid, f"{qid}#{k}"))
                 qid = f"{qid}#{k}"
             seen.add(qid)
             for what, text in (("the question", question), *(("an answer", a) for a in answers)):
@@ -567,6 +594,10 @@ def load_examples(dataset: str, path: str | Path, limit: int | None = None,
         if with_answer_aliases(out, load_answer_aliases(answer_aliases), where=str(path)) == 0:
             warnings.warn(f"{answer_aliases}: no question of {path} has an answer_id with aliases there (another "
                           "dataset's file?); the gold answers are the data's own", UserWarning, stacklevel=2)
+    if renamed:
+        warnings.warn(f"{path}: {len(renamed)} question(s) repeat an id of an earlier one (first: {renamed[0][0]!r}, "
+                      f"run as {renamed[0][1]!r}); each runs as a question of its own under the new id "
+                      "(results.jsonl's qid; the file's id is kept in meta.source_qid)", UserWarning, stacklevel=2)
     if blank_gold:
         warnings.warn(f"{path}: {len(blank_gold)} question(s) have a blank gold answer (first: {blank_gold[0]}); "
                       "it is left out (it would credit every answer that normalises to nothing)", UserWarning,

@@ -27,7 +27,7 @@ import threading
 import time
 import traceback
 import weakref
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -92,6 +92,52 @@ class QueueFull(RuntimeError):
         super().__init__(f"admission queue full; retry after {self.retry_after_s}s")
 
 
+class ServiceRate:
+    """Questions that left the engine (answered, failed or cancelled: each frees a place) a second while it had work,
+    over the last `window_s` seconds of that busy time: the rate a full queue drains at now.
+
+    The clock stops while nothing is pending, so an idle server keeps the rate of its last busy spell instead of
+    spreading it over the idle hours (answers / uptime did, and told clients minutes for a queue that drained in
+    seconds), and answers older than a window of busy time stop counting, so a slower or faster load shows within a minute.
+    """
+
+    __slots__ = ("window_s", "_clock", "_busy_before", "_since", "_done")
+
+    def __init__(self, window_s: float = 60.0, clock: Callable[[], float] = time.perf_counter):
+        self.window_s = window_s
+        self._clock = clock
+        self._busy_before = 0.0  # busy seconds of the busy spells that ended
+        self._since: float | None = None  # the clock when the current busy spell began (None: idle)
+        self._done: deque[float] = deque()  # busy-clock times of the recent answers
+
+    def _busy(self) -> float:
+        return self._busy_before + (self._clock() - self._since if self._since is not None else 0.0)
+
+    def _trim(self, busy: float) -> None:
+        while self._done and self._done[0] <= busy - self.window_s:
+            self._done.popleft()
+
+    def started(self) -> None:
+        """A question arrived at an idle engine: the busy clock runs again."""
+        if self._since is None:
+            self._since = self._clock()
+
+    def finished(self, idle: bool) -> None:
+        """A question ended (answered, failed or cancelled); `idle`: none is left, the busy clock stops."""
+        busy = self._busy()
+        self._done.append(busy)
+        self._trim(busy)
+        if idle:
+            self._busy_before, self._since = busy, None
+
+    def per_s(self) -> float | None:
+        """Questions a second over the window (None before the first answer, or none within a window)."""
+        busy = self._busy()
+        self._trim(busy)
+        span = min(self.window_s, busy)
+        return len(self._done) / span if self._done and span > 0 else None
+
+
 @dataclass(slots=True)
 class _Question:
     qid: str
@@ -110,6 +156,8 @@ class AsyncEngine:
     """
 
     MAX_POLICIES = 256  # distinct (method, dataset, config) kept ready
+    RETRY_AFTER_MAX_S = 60.0  # a longer wait is no more accurate: the client asks again and gets a fresh figure
+    RETRY_AFTER_UNKNOWN_S = 5.0  # nothing answered yet to measure a rate by
 
     def __init__(self, engine, retriever, max_inflight: int = 64, max_queue: int = 256,
                  search_concurrency: int | None = None):
@@ -134,6 +182,7 @@ class AsyncEngine:
         self.stats = {"submitted": 0, "finished": 0, "failed": 0, "cancelled": 0, "rejected": 0,
                       "tokens": 0, "retrievals": 0}
         self._t0 = time.perf_counter()
+        self._rate = ServiceRate()
         self._thread = threading.Thread(target=self._worker, name="fastrag-engine", daemon=True)
         self._thread.start()
 
@@ -190,7 +239,9 @@ class AsyncEngine:
         with self._lock:
             if self._pending >= self.max_queue + self.scheduler.max_inflight:
                 self.stats["rejected"] += 1
-                raise QueueFull(retry_after=max(1.0, self._eta()))
+                raise QueueFull(retry_after=self._eta())
+            if self._pending == 0:
+                self._rate.started()
             self._pending += 1
             self.stats["submitted"] += 1
         loop = asyncio.get_running_loop()
@@ -226,9 +277,12 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ internals
     def _eta(self) -> float:
-        done = self.stats["finished"] + self.stats["failed"]
-        up = time.perf_counter() - self._t0
-        return (self._pending / (done / up)) if done else 5.0
+        """Seconds until the questions pending now have drained at the recent service rate (under self._lock): a
+        client that waits this long finds room, one that comes back earlier most likely another 429. At least 1 s
+        (the header's unit), at most RETRY_AFTER_MAX_S."""
+        rate = self._rate.per_s()
+        eta = self.RETRY_AFTER_UNKNOWN_S if rate is None else self._pending / rate
+        return min(self.RETRY_AFTER_MAX_S, max(1.0, eta))
 
     def _cancel(self, handle: dict) -> None:
         """Cancel a question whose stream ended early (any thread: the worker applies it)."""
@@ -328,6 +382,7 @@ class AsyncEngine:
         with self._lock:
             self._pending -= 1
             self.stats[how] += 1
+            self._rate.finished(idle=self._pending == 0)
 
     def _close_all(self) -> None:
         """The engine is closing: every question it holds or has not yet taken ends with an error event (their

@@ -20,7 +20,8 @@ the method decides; then `data: [DONE]`. OpenAI fields
 the server cannot honour (`n` > 1, `stop`, `logprobs`, `echo`, penalties, a decoding other than the server's) get a
 422; `usage.prompt_tokens` counts cached prompt tokens too (`prompt_tokens_details.cached_tokens`).
 
-Admission is bounded: beyond `max_queue` waiting questions a request gets 429 with Retry-After. A request that
+Admission is bounded: beyond `max_queue` waiting questions a request gets 429 with Retry-After (the pending
+questions' drain time at the recent service rate: `AsyncEngine._eta`). A request that
 runs past `timeout_s` gets 504 (streaming: an error event) and its question is cancelled. A client that
 disconnects (streaming or not) cancels its question; the others are not affected.
 """
