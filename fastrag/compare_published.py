@@ -246,7 +246,8 @@ def replay_trace(opts, trace: str) -> dict:
                            f"--method {opts.method} is not fidelity 'published')")
     recs = read_trace(trace)
     tok = load_tokenizer(opts.model)
-    oracle = get_method(opts.method).make_oracle(oracle_model(opts.model), tok,
+    # (SDPA: the replay's forwards need no attention probabilities but the last layer's, which the oracle recomputes)
+    oracle = get_method(opts.method).make_oracle(oracle_model(opts.model, "tuned"), tok,
                                                  make_retriever(opts.retriever, corpus_path=opts.corpus,
                                                                 show_progress=opts.progress), cfg)
     return replay(oracle, recs, progress=opts.progress)

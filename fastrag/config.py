@@ -332,11 +332,15 @@ class BaselineConfig(RagConfig):
 
     fix_length: int = 32  # FL-RAG: n, tokens generated between two retrievals
     flrag_typo: bool = False  # FL/FS-RAG prompts of the paper-era code say "Answer in t he same format as before."
+    # "published": the published code's loop and text (special tokens and EOS kept, its exemplars, its joins, the
+    # query round trip, padded passages, FL/FS-RAG's typo); docs/published.md
+    fidelity: str = "reference"
 
     def __post_init__(self) -> None:
         RagConfig.__post_init__(self)
         _int(self, "fix_length", 1)
         _bools(self, "flrag_typo")
+        _choice(self, "fidelity", FIDELITIES)
 
 
 @dataclass(slots=True)

@@ -9,7 +9,7 @@ inputs, round by round, and compares each answer with the published one:
                                -> our query from the published kept text, words and hits: the query
     retrieve (query)           -> our search for the published query: the passage ids
     generate (new_text)        -> the text carried into the next round, by our join rules (checked against the
-                                  published `text_at_trigger` of the next retrieval)
+                                  published `text_at_trigger`, the retrieval prompt's text after the case)
 
 The generated tokens are the published text re-tokenised (a generation's text decodes from its ids; encoding it
 back gives the same ids unless the model chose a non-canonical split, which the replay counts as `retokenised`),
@@ -106,7 +106,9 @@ def replay_question(oracle, rec: dict) -> dict:
         if "retrieve" not in by_kind or "generate" not in by_kind:
             raise CompareError(f"question {rec['qid']}: round {rnd} retrieved without a 'retrieve' and a 'generate' "
                                "step")
-        see("text", rnd, by_kind["generate"].get("text_at_trigger"), text)
+        # text_at_trigger is what follows the case in the published retrieval prompt: " " + join(text, kept)
+        see("text", rnd, by_kind["generate"].get("text_at_trigger"),
+            P.join(case, text, check["ptext"].strip())[len(case):])
         pub_query = by_kind["retrieve"]["query"]
         see("query", rnd, pub_query, oracle.query(rec["question"], text, check["ptext"], words, flags))
         if "retrieved_ids" in by_kind:

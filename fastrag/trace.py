@@ -12,7 +12,9 @@ class Round:
 
     trigger_sentence: str | None = None  # sentence whose RIND score crossed the threshold (None: no retrieval)
     hit_words: list[str] = field(default_factory=list)  # words of that sentence that hit (after the POS filter)
-    query: str | None = None  # query sent to the retriever
+    # query sent to the retriever; under `fidelity: "published"` the query as formulated, which the published code
+    # logs, before the retriever's round trip through the tokenizer (fastrag.methods.published.search_query)
+    query: str | None = None
     doc_ids: list[str] = field(default_factory=list)  # retrieved passage ids, best first
     # `fidelity: "published"` only (None otherwise), what the published code logs of a retrieval: the trigger
     # sentence's words as it spells them (raw token strings) and the text kept before that sentence

@@ -134,7 +134,10 @@ def test_baseline_parity_with_the_real_model_counts_the_same_work_on_both_sides(
     ("flare-explicit", {"look_ahead_tokens": 12, "theta": 0.9, "question_max_tokens": 8}, 2),
     # (DRAGIN as the published code computes it: special tokens and EOS kept, its word and query rules; random text
     # is uncertain everywhere, so RIND triggers)
-    ("dragin-published", {}, 1)])
+    ("dragin-published", {}, 1),
+    # (the baselines' published loops: special tokens and EOS kept, padded passages, FL/FS-RAG's joins and typo)
+    ("wo-rag", {"fidelity": "published"}, 0), ("sr-rag", {"fidelity": "published"}, 1),
+    ("fl-rag", {"fix_length": 6, "fidelity": "published"}, 4), ("fs-rag", {"fidelity": "published"}, 2)])
 def test_parity_on_a_random_model(tmp_path, tiny_model, method, config, retrievals):
     """Each baseline and FLARE on a random model (the embedded tokenizer, 48 new tokens): its text is no sentence a
     real model writes, and the engine and the per-question oracle still make the same decisions and count the same

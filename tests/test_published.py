@@ -122,3 +122,30 @@ def test_bad_decision_files_name_the_file_line_and_field(tmp_path):
         read_published(f)
     with pytest.raises(CompareError, match="no such published decisions file"):
         read_published(tmp_path / "none.jsonl")
+
+
+def test_published_fidelity_configs(tmp_path):
+    from fastrag.config import ConfigError, dragin_config, method_config
+    from fastrag.methods.registry import get_method
+
+    # the published code holds 11 HotpotQA exemplars where fastrag's (the paper's) are 8
+    assert dragin_config("hotpotqa", {"fidelity": "published", "fewshot": 11}).fewshot == 11
+    with pytest.raises(ConfigError, match="fewshot is 9 but hotpotqa has only 8 exemplars"):
+        dragin_config("hotpotqa", {"fewshot": 9})
+    with pytest.raises(ConfigError, match="only 11 exemplars \\(the published code's\\)"):
+        dragin_config("hotpotqa", {"fidelity": "published", "fewshot": 12})
+    with pytest.raises(ConfigError, match="fidelity must be one of 'reference', 'published', got 'exact'"):
+        dragin_config("hotpotqa", {"fidelity": "exact"})
+    # --method dragin-published runs the published config files as they are, and refuses one that says otherwise
+    spec = get_method("dragin-published")
+    assert spec.make_config("hotpotqa", str(CONFIG)).fidelity == "published"
+    assert get_method("dragin").make_config("hotpotqa", str(CONFIG)).fidelity == "reference"
+    bad = tmp_path / "c.json"
+    bad.write_text(json.dumps({"fidelity": "reference"}))
+    with pytest.raises(ConfigError, match=r"c\.json: field 'fidelity' is 'reference', but --method dragin-published"):
+        spec.make_config("hotpotqa", str(bad))
+    bad.write_text(json.dumps({"fidelity": "published"}))
+    assert get_method("dragin").make_config("hotpotqa", str(bad)).fidelity == "published"
+    assert method_config("fl-rag", "hotpotqa", bad).fidelity == "published"
+    with pytest.raises(ConfigError, match="unknown config field 'fidelity' for token-rag"):
+        method_config("token-rag", "hotpotqa", bad)

@@ -42,19 +42,23 @@ CASE_PREFIX = {
 }
 
 
-@lru_cache(maxsize=None)
-def _load(name: str) -> tuple[tuple[str, str], ...]:
-    path = EXEMPLAR_DIR / f"{name}.json"
+def _read(path: Path, keys: tuple[str, ...]) -> tuple[tuple[str, ...], ...]:
+    """The exemplars of one file: each a tuple of its string fields `keys`; DataError naming the file and item."""
     try:
         items = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as e:
         raise DataError(f"{path}: cannot load exemplars: {e}") from None
     out = []
     for i, it in enumerate(items):
-        if not (isinstance(it, dict) and isinstance(it.get("question"), str) and isinstance(it.get("answer"), str)):
-            raise DataError(f"{path}[{i}]: exemplar needs string fields 'question' and 'answer'")
-        out.append((it["question"], it["answer"]))
+        if not (isinstance(it, dict) and all(isinstance(it.get(k), str) for k in keys)):
+            raise DataError(f"{path}[{i}]: exemplar needs string fields {', '.join(repr(k) for k in keys)}")
+        out.append(tuple(it[k] for k in keys))
     return tuple(out)
+
+
+@lru_cache(maxsize=None)
+def _load(name: str) -> tuple[tuple[str, str], ...]:
+    return _read(EXEMPLAR_DIR / f"{name}.json", ("question", "answer"))
 
 
 def load_exemplars(dataset: str) -> list[tuple[str, str]]:
@@ -84,17 +88,7 @@ def case_text(question: str, dataset: str | None = None) -> str:
 
 @lru_cache(maxsize=None)
 def _load_published(name: str) -> tuple[tuple[str, str, str], ...]:
-    path = PUBLISHED_DIR / f"{name}.json"
-    try:
-        items = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as e:
-        raise DataError(f"{path}: cannot load exemplars: {e}") from None
-    out = []
-    for i, it in enumerate(items):
-        if not (isinstance(it, dict) and all(isinstance(it.get(k), str) for k in ("question", "cot", "answer"))):
-            raise DataError(f"{path}[{i}]: exemplar needs string fields 'question', 'cot' and 'answer'")
-        out.append((it["question"], it["cot"], it["answer"]))
-    return tuple(out)
+    return _read(PUBLISHED_DIR / f"{name}.json", ("question", "cot", "answer"))
 
 
 def published_exemplar_count(dataset: str) -> int:

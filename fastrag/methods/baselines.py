@@ -106,6 +106,10 @@ class FsRag(_RetrieveEachPiece):
 def baseline_oracle(name: str):
     """The MethodSpec.make_oracle of baseline `name`: its per-question oracle (fastrag.oracle.baselines)."""
     def make(hf_model, tokenizer, retriever, cfg):
+        if getattr(cfg, "fidelity", "reference") == "published":
+            from fastrag.oracle.baselines_published import BaselinePublishedOracle
+
+            return BaselinePublishedOracle(hf_model, tokenizer, retriever, cfg, name)
         from fastrag.oracle.baselines import BaselineOracle
 
         return BaselineOracle(hf_model, tokenizer, retriever, cfg, name)
@@ -113,10 +117,21 @@ def baseline_oracle(name: str):
     return make
 
 
+def _policy(name: str, cls):
+    def make(cfg, tokenizer):
+        if cfg.fidelity == "published":
+            from fastrag.methods.baselines_published import PUBLISHED
+
+            return PUBLISHED[name](cfg, tokenizer)
+        return cls(cfg, tokenizer)
+
+    return make
+
+
 def _spec(name: str, cls, description: str) -> MethodSpec:
     return register(MethodSpec(name=name, description=description,
                                make_config=lambda dataset, path: method_config(name, dataset, path),
-                               make_policy=cls, make_oracle=baseline_oracle(name)))
+                               make_policy=_policy(name, cls), make_oracle=baseline_oracle(name)))
 
 
 _spec("wo-rag", WoRag, "no retrieval: one generation from the few-shot prompt")

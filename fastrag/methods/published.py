@@ -215,9 +215,14 @@ def pad_passages(texts: Sequence[str], k: int) -> list[str]:
     return list(texts) + [""] * (k - len(texts))
 
 
-def context_block(texts: Sequence[str]) -> str:
+INSTRUCTION = "Answer in the same format as before.\n"
+INSTRUCTION_TYPO = "Answer in t he same format as before.\n"  # the published FL-RAG / FS-RAG prompt's
+
+
+def context_block(texts: Sequence[str], typo: bool = False) -> str:
+    """The published context block of the passages' texts (padded ones included)."""
     return "Context:\n" + "".join(f"[{i}] {t}\n" for i, t in enumerate(texts, 1)) + \
-        "Answer in the same format as before.\n"
+        (INSTRUCTION_TYPO if typo else INSTRUCTION)
 
 
 def plain_join(text: str, new: str) -> str:

@@ -1,0 +1,91 @@
+"""The DRAGIN paper's baselines as the published code runs them (`fidelity: "published"`, docs/published.md).
+
+The published `BasicRAG`, `SingleRAG` and `FixLengthRAG` (fix-length and fix-sentence) loops: its exemplars, special
+tokens and a final EOS kept in the text, the query's round trip through the tokenizer and padded passages
+(fastrag.methods.published), the text joined as `text.strip() + " " + new.strip()`, the FL/FS-RAG prompt's
+"Answer in t he same format" typo and its `case + " " + text` tail (a trailing space on the first round). wo-RAG and
+SR-RAG keep their generation as decoded, unstripped.
+"""
+
+from __future__ import annotations
+
+from fastrag.data.exemplars import case_text, published_demo_text
+from fastrag.data.metrics import ANSWER_MAX_TOKENS, answer_prompt, complete_answer, needs_answer_generation
+from fastrag.methods import published as P
+from fastrag.methods.common import FewShotMethod, generate, open_result, search, sentences
+from fastrag.methods.dragin_published import with_end
+from fastrag.trace import Round
+
+
+class _Published(FewShotMethod):
+    def __init__(self, cfg, tokenizer):
+        self.cfg, self.tok = cfg, tokenizer
+        self.demos = published_demo_text(cfg.dataset, cfg.fewshot)
+
+    def __call__(self, ex):
+        res = open_result(ex)
+        case = case_text(ex.question, self.cfg.dataset)
+        text = yield from self.answer(res, ex.question, case)
+        res.text = text
+        if needs_answer_generation(text):  # the published evaluator's extra short generation
+            g = yield from generate(res, answer_prompt(self.demos, case, text), ANSWER_MAX_TOKENS)
+            text = complete_answer(text, self.decode(g))
+        res.prediction = text
+        return res
+
+    def decode(self, g) -> str:
+        return self.tok.decode(with_end(g)[0], skip_special_tokens=False)
+
+    def retrieve(self, res, query: str):
+        """The passages' texts for `query`, padded to retrieve_topk; the round records the query as formulated."""
+        cfg = self.cfg
+        docs = yield from search(res, P.search_query(self.tok, query, cfg.max_query_tokens), cfg.retrieve_topk)
+        res.rounds.append(Round(query=query, doc_ids=[str(d.id) for d in docs]))
+        return P.pad_passages([d.text for d in docs], cfg.retrieve_topk)
+
+
+class WoRagPublished(_Published):
+    def answer(self, res, q, case):
+        g = yield from generate(res, self.demos + case, self.cfg.generate_max_length)
+        res.rounds.append(Round())
+        return self.decode(g)
+
+
+class SrRagPublished(_Published):
+    def answer(self, res, q, case):
+        texts = yield from self.retrieve(res, q)
+        g = yield from generate(res, self.demos + P.context_block(texts) + case, self.cfg.generate_max_length)
+        return self.decode(g)
+
+
+class FixLengthPublished(_Published):
+    """FL-RAG (`sentence=False`: keep each chunk of fix_length tokens) and FS-RAG (keep each generation's first
+    sentence; a generation without one ends the answer)."""
+
+    sentence = False
+
+    def answer(self, res, q, case):
+        cfg, text, query = self.cfg, "", q
+        n = cfg.generate_max_length if self.sentence else cfg.fix_length
+        while True:
+            old_len = len(text)
+            texts = yield from self.retrieve(res, query)
+            g = yield from generate(res, self.demos + P.context_block(texts, typo=True) + case + " " + text, n)
+            new = self.decode(g).strip()
+            if self.sentence:
+                sents = yield from sentences(new)
+                if not sents:
+                    return text
+                new = sents[0].text
+            text = text.strip() + " " + new
+            query = new
+            if P.stop(len(self.tok.encode(text)), text, old_len, cfg.generate_max_length):
+                return text
+
+
+class FsRagPublished(FixLengthPublished):
+    sentence = True
+
+
+PUBLISHED = {"wo-rag": WoRagPublished, "sr-rag": SrRagPublished, "fl-rag": FixLengthPublished,
+             "fs-rag": FsRagPublished}

@@ -1,0 +1,95 @@
+"""Per-question oracle of the DRAGIN paper's baselines as the published code runs them (`fidelity: "published"`).
+
+The parity reference of fastrag.methods.baselines_published on plain transformers, one question at a time, each
+generation re-prefilling its whole prompt: the published `BasicRAG` / `SingleRAG` / `FixLengthRAG` loops, written
+again here plainly. The text rules they share with the engine (the query round trip, padded passages, the context
+block) are fastrag.methods.published.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from fastrag.data.exemplars import case_text, published_demo_text
+from fastrag.methods import published as P
+from fastrag.oracle.baselines import BaselineOracle
+from fastrag.oracle.context import check_context
+from fastrag.text.sentences import split_sentences
+from fastrag.trace import QuestionResult, Round
+
+
+class BaselinePublishedOracle(BaselineOracle):
+    """`run(qid, question, gold)` of wo-rag, sr-rag, fl-rag or fs-rag with `fidelity: "published"`."""
+
+    def __init__(self, model, tokenizer, retriever, config, method: str):
+        if method == "token-rag":
+            raise ValueError("token-rag has no published fidelity here (only wo-rag, sr-rag, fl-rag and fs-rag)")
+        super().__init__(model, tokenizer, retriever, config, method)
+        self.demos = published_demo_text(config.dataset, config.fewshot)
+
+    @torch.no_grad()
+    def generate(self, prompt: str, n: int) -> tuple[list[int], list[float]]:
+        """Greedy continuation with the EOS that ends it kept (the published text keeps it); probabilities are not
+        read by these baselines, so none are returned."""
+        ids = self.tokenizer.encode(prompt)
+        check_context(self.model, len(ids), n)
+        x = torch.tensor([ids], device=self.model.device)
+        out = self.model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
+                                  pad_token_id=self._pad)
+        new = out[0, len(ids):].tolist()
+        self._prefill += len(ids)
+        self._calls += 1
+        self._decode += len(new) - (1 if new and new[-1] in self.eos_ids else 0)  # (as the engine counts)
+        return new, []
+
+    def text(self, ids) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def _passages(self, query: str, rounds: list[Round]) -> list[str]:
+        cfg = self.config
+        docs = self.retriever.search([P.search_query(self.tokenizer, query, cfg.max_query_tokens)],
+                                     k=cfg.retrieve_topk)[0]
+        rounds.append(Round(query=query, doc_ids=[str(d.id) for d in docs]))
+        return P.pad_passages([d.text for d in docs], cfg.retrieve_topk)
+
+    def run(self, qid: str, question: str, gold) -> QuestionResult:
+        t0 = time.perf_counter()
+        self._prefill = self._decode = self._calls = 0
+        if not question.strip():
+            raise ValueError("empty question")
+        cfg = self.config
+        case = case_text(question, cfg.dataset)
+        rounds: list[Round] = []
+        L = cfg.generate_max_length
+        if self.method == "wo-rag":
+            ids, _ = self.generate(self.demos + case, L)
+            rounds.append(Round())
+            text = self.text(ids)
+        elif self.method == "sr-rag":
+            texts = self._passages(question, rounds)
+            ids, _ = self.generate(self.demos + P.context_block(texts) + case, L)
+            text = self.text(ids)
+        else:
+            text, query = "", question
+            while True:
+                old_len = len(text)
+                texts = self._passages(query, rounds)
+                prompt = self.demos + P.context_block(texts, typo=True) + case + " " + text
+                if self.method == "fl-rag":
+                    ids, _ = self.generate(prompt, cfg.fix_length)
+                    new = self.text(ids).strip()
+                else:
+                    ids, _ = self.generate(prompt, L)
+                    sents = split_sentences(self.text(ids).strip())
+                    if not sents:
+                        break
+                    new = sents[0].text
+                text, query = text.strip() + " " + new, new
+                if P.stop(len(self.tokenizer.encode(text)), text, old_len, L):
+                    break
+        prediction = self.answer(case, text)
+        return QuestionResult(qid=qid, question=question, gold=list(gold), text=text, prediction=prediction,
+                              rounds=rounds, prefill_tokens=self._prefill, decode_tokens=self._decode,
+                              llm_calls=self._calls, wall_s=time.perf_counter() - t0)
