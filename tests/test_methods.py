@@ -883,7 +883,7 @@ def test_dragin_stops_past_l_tokens_not_at_l(tok):
         assert r.error is None and r.text == first + " So the answer is France" and len(r.rounds) == 2, r.text
 
 
-EVERY_METHOD = ("beamsearchqa", "dragin", "dragin-streaming", "fl-rag", "flare", "flare-explicit", "flare-instruct",
+EVERY_METHOD = ("beamsearchqa", "dragin", "dragin-published", "dragin-streaming", "fl-rag", "flare", "flare-explicit", "flare-instruct",
                 "fs-rag", "sr-rag", "token-rag", "wo-rag")
 
 
@@ -922,12 +922,12 @@ def test_every_prompt_starts_with_the_shared_prefix(tok, method):
     """The KV contract of methods/common.py: every prompt a policy sends starts with its `shared_prefix` (computed
     once a run: the demos, flare-instruct's whole head, BeamSearchQA's chat header), and the record keeps the
     question as given, trailing spaces included; so do the few-shot methods' prompts."""
-    from fastrag.data.exemplars import demo_text
+    from fastrag.data.exemplars import demo_text, published_demo_text
     from fastrag.methods.common import FewShotMethod
 
     policy = _policy(method, tok, fewshot=2, generate_max_length=24)
     if method != "beamsearchqa":
-        demos = demo_text("2wikimultihopqa", 2)
+        demos = (published_demo_text if method == "dragin-published" else demo_text)("2wikimultihopqa", 2)
         assert isinstance(policy, FewShotMethod) and demos.count("Question:") == 2 and demos in policy.shared_prefix
     world = (lambda p: continuation(p, ANSWER)) if method != "beamsearchqa" else (lambda p: ANSWER)
     eng, out = ScriptEngine(tok, world), []
