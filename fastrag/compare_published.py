@@ -8,8 +8,9 @@ the order the published loop takes them:
 
     check      retrieve or not, one a generation judged (hallucination_checks vs the rounds)
     kept       the text kept before the trigger sentence (ptext)
-    words      the trigger sentence's words (hallucinated_sentence_words)
-    hits       its hit words after the real-word filter
+    words      the trigger sentence's words (hallucinated_sentence_words; DRAGIN)
+    hits       its hit words after the real-word filter (DRAGIN)
+    curr       the trigger sentence with its uncertain tokens marked "[xxx]" (TokenRAG)
     query      the formulated query (before the retriever's truncation)
     doc_ids    the retrieved passage ids
     final_text the generated text the loop ends with
@@ -24,9 +25,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+# (decision, the published record's key, our round's key); a decision whose key the published record lacks is not
+# compared (DRAGIN's records log the sentence's words and hits, TokenRAG's the marked sentence `curr`)
 RETRIEVAL_FIELDS = (("kept", "ptext", "kept"), ("words", "hallucinated_sentence_words", "sentence_words"),
-                    ("hits", "hit_words", "hit_words"), ("query", "query", "query"),
-                    ("doc_ids", "retrieved_ids", "doc_ids"))
+                    ("hits", "hit_words", "hit_words"), ("curr", "curr", "trigger_sentence"),
+                    ("query", "query", "query"), ("doc_ids", "retrieved_ids", "doc_ids"))
 DECISIONS = ("check",) + tuple(d for d, _, _ in RETRIEVAL_FIELDS) + ("final_text",)
 
 
@@ -113,7 +116,8 @@ def compare_question(pub: dict, ours: dict) -> QuestionCompare:
         if a:
             p, o = pub_ret[ri] if ri < len(pub_ret) else {}, our_ret[ri] if ri < len(our_ret) else {}
             for decision, pk, ok in RETRIEVAL_FIELDS:
-                see(decision, k, p.get(pk), o.get(ok))
+                if pk in p or not p:
+                    see(decision, k, p.get(pk), o.get(ok))
             ri += 1
     see("final_text", None, pub["final_text"], ours.get("text"))
     agree = all(e == n for e, n in counts.values()) and len(checks) == len(mine)
@@ -207,6 +211,12 @@ def run_compare(opts, decisions: str, trace: str | None = None, results: str | N
 
     from fastrag.eval import run, write_json
 
+    from fastrag.eval import method_config
+
+    if getattr(method_config(opts), "fidelity", None) != "published":
+        raise CompareError(f"--method {opts.method} runs fastrag's reading of the rules: compare-published compares "
+                           "the published fidelity, so give --config a file with \"fidelity\": \"published\" (or "
+                           "use --method dragin-published)")
     pub = read_published(decisions, published_method(opts.method))
     if not pub:
         raise CompareError(f"{decisions}: no record of method {published_method(opts.method)!r}")

@@ -297,6 +297,7 @@ TOKEN_RAG_THRESHOLDS = {"2wikimultihopqa": 0.08, "hotpotqa": 0.1, "iirc": 0.1, "
 FLARE_THETA = {"2wikimultihopqa": 0.8, "hotpotqa": 0.8, "iirc": 0.8, "strategyqa": 0.4, "nq": 0.8, "webq": 0.8}
 FLARE_BETA = 0.4
 SENTENCE_SOLVERS = ("avg", "max", "min")
+TOKEN_QUERIES = ("direct", "forward_all")  # the published TokenRAG's query formulations
 FLARE_QUERIES = ("implicit", "explicit")
 
 
@@ -349,11 +350,16 @@ class TokenRagConfig(RagConfig):
 
     hallucination_threshold: float = 0.1  # a sentence triggers when solver(1 - p) over its tokens > threshold
     sentence_solver: str = "avg"  # avg | max | min over the sentence's tokens
+    fidelity: str = "reference"  # "published": the published TokenRAG's loop and text (docs/published.md)
 
     def __post_init__(self) -> None:
         RagConfig.__post_init__(self)
         _unit(self, "hallucination_threshold")
         _choice(self, "sentence_solver", SENTENCE_SOLVERS)
+        _choice(self, "fidelity", FIDELITIES)
+        q = self.extra.get("query_formulation", "direct")
+        if self.fidelity == "published" and q not in TOKEN_QUERIES:
+            raise ConfigError(f"query_formulation {q!r}: the published TokenRAG's are {', '.join(TOKEN_QUERIES)}")
 
 
 @dataclass(slots=True)

@@ -155,10 +155,12 @@ class Generation:
     prompt_tokens: int = 0
     prefilled: int = 0  # prompt tokens actually computed (the rest came from the prefix / own cache)
     ended_by_eos: bool = False
-    # the EOS that ended it and the entropy of the distribution it was drawn from (None unless ended_by_eos): the
+    # the EOS that ended it, the entropy of the distribution it was drawn from and its log-probability (None unless
+    # ended_by_eos): the
     # published DRAGIN code keeps that token in its text, words and signals (fastrag.methods.published)
     end_id: int | None = None
     end_entropy: float | None = None
+    end_logprob: float | None = None
     # answered from an identical earlier one-shot greedy generation of the same question (Scheduler): nothing was
     # prefilled or decoded for it
     reused: bool = False
@@ -1095,7 +1097,7 @@ class Engine:
                 continue
             if t in self.eos_ids:
                 s.out.ended_by_eos = True
-                s.out.end_id, s.out.end_entropy = t, h
+                s.out.end_id, s.out.end_entropy, s.out.end_logprob = t, h, lp
                 done.append(True)
                 continue
             s.out.ids.append(t)

@@ -137,7 +137,8 @@ def test_baseline_parity_with_the_real_model_counts_the_same_work_on_both_sides(
     ("dragin-published", {}, 1),
     # (the baselines' published loops: special tokens and EOS kept, padded passages, FL/FS-RAG's joins and typo)
     ("wo-rag", {"fidelity": "published"}, 0), ("sr-rag", {"fidelity": "published"}, 1),
-    ("fl-rag", {"fix_length": 6, "fidelity": "published"}, 4), ("fs-rag", {"fidelity": "published"}, 2)])
+    ("fl-rag", {"fix_length": 6, "fidelity": "published"}, 4), ("fs-rag", {"fidelity": "published"}, 2),
+    ("token-rag", {"fidelity": "published"}, 1)])
 def test_parity_on_a_random_model(tmp_path, tiny_model, method, config, retrievals):
     """Each baseline and FLARE on a random model (the embedded tokenizer, 48 new tokens): its text is no sentence a
     real model writes, and the engine and the per-question oracle still make the same decisions and count the same

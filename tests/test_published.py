@@ -147,5 +147,7 @@ def test_published_fidelity_configs(tmp_path):
     bad.write_text(json.dumps({"fidelity": "published"}))
     assert get_method("dragin").make_config("hotpotqa", str(bad)).fidelity == "published"
     assert method_config("fl-rag", "hotpotqa", bad).fidelity == "published"
-    with pytest.raises(ConfigError, match="unknown config field 'fidelity' for token-rag"):
+    assert method_config("token-rag", "hotpotqa", bad).fidelity == "published"
+    bad.write_text(json.dumps({"fidelity": "published", "query_formulation": "last_sentence"}))
+    with pytest.raises(ConfigError, match="query_formulation 'last_sentence': the published TokenRAG's are direct"):
         method_config("token-rag", "hotpotqa", bad)

@@ -129,3 +129,24 @@ def test_published_demos_are_the_published_codes():
 
 def test_ratio_is_numpys():
     assert math.isnan(P._ratio(0.0, 0.0)) and P._ratio(1.0, 0.0) == math.inf and P._ratio(1.0, 4.0) == 0.25
+
+
+def test_token_modifier_finds_tokens_as_the_published_code_does():
+    lp = [math.log(p) for p in (0.99, 0.5, 0.99, 0.99, 0.99, 0.3, 0.99)]
+    sents = ["Paris is big.", "It is old."]
+    tokens = ["Paris", " is", " big", ".", " It", " is", " old."]
+    # sentence 0: "Paris" found at 0 (pos 5); " is" at 0 of sent[5:] (pos = 0 + 3 = 3: the published position is the
+    # offset within the slice); " big" at 2 of sent[3:] (pos 6); "." at 5 of sent[6:] (pos 6); " It" not in sent[6:]:
+    # tr = 4, and the range runs one token past it (tokens 0..4, " It" included): 1 - p = .01 .5 .01 .01 .01, mean
+    # 0.108. Sentence 1 starts at token 5: " is", " old." found; tokens 5..6: 1 - p = .7, .01, mean 0.355
+    assert P.token_modifier(sents, tokens, lp, 0.15, "avg") == ("Paris is big.", "It[xxx] old.")
+    assert P.token_modifier(sents, tokens, lp, 0.4, "avg") is None
+    # max: sentence 0's 0.5 > 0.4 triggers; " is" (0.5) is masked, " It" (beyond the sentence's text) is not found
+    # in it and changes nothing
+    assert P.token_modifier(sents, tokens, lp, 0.4, "max") == ("", "Paris[xxx] big.")
+    # past the last token: the mean of nothing is NaN (no trigger); max and min of nothing fail, as published
+    assert P.token_modifier(["a.", "b.", "c."], ["a."], [0.0], 0.1, "avg") is None
+    with pytest.raises(ValueError, match="max of no token probabilities"):
+        P.token_modifier(["a.", "b.", "c."], ["a."], [0.0], 0.1, "max")
+    assert P.token_query("direct", "Q?", "t", "k", "Paris[xxx] big.") == "Paris big."
+    assert P.token_query("forward_all", "Q?", "", "k", "x") == "Q? k"

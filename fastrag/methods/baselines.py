@@ -117,7 +117,9 @@ def baseline_oracle(name: str):
     return make
 
 
-def _policy(name: str, cls):
+def fidelity_policy(name: str, cls):
+    """The MethodSpec.make_policy of baseline `name`: `cls`, or its published-code loop under
+    `fidelity: "published"` (fastrag.methods.baselines_published)."""
     def make(cfg, tokenizer):
         if cfg.fidelity == "published":
             from fastrag.methods.baselines_published import PUBLISHED
@@ -131,7 +133,7 @@ def _policy(name: str, cls):
 def _spec(name: str, cls, description: str) -> MethodSpec:
     return register(MethodSpec(name=name, description=description,
                                make_config=lambda dataset, path: method_config(name, dataset, path),
-                               make_policy=_policy(name, cls), make_oracle=baseline_oracle(name)))
+                               make_policy=fidelity_policy(name, cls), make_oracle=baseline_oracle(name)))
 
 
 _spec("wo-rag", WoRag, "no retrieval: one generation from the few-shot prompt")

@@ -237,3 +237,52 @@ def join(*parts: str) -> str:
 def stop(n_tokens: int, text: str, old_len: int, max_len: int) -> bool:
     """The published stop rule: more than max_len tokens, no growth, or lowercase "the answer is"."""
     return n_tokens > max_len or len(text) <= old_len or "the answer is" in text
+
+
+def _solve(solver: str, xs: list[float]) -> float:
+    """numpy's mean / max / min as the published TokenRAG calls them: the mean of nothing is NaN (no trigger); the
+    max or min of nothing raises, as it does there."""
+    if not xs:
+        if solver == "avg":
+            return math.nan
+        raise ValueError(f"the published TokenRAG takes the {solver} of no token probabilities (a sentence after the "
+                         "last token) and fails there")
+    return {"avg": lambda v: sum(v) / len(v), "max": max, "min": min}[solver](xs)
+
+
+def token_modifier(sentences: Sequence[str], tokens: Sequence[str], logprobs: Sequence[float], threshold: float,
+                   solver: str) -> tuple[str, str] | None:
+    """The published TokenRAG `modifier`: (kept text, the trigger sentence with its uncertain tokens written
+    "[xxx]") of the first sentence whose tokens' solver(1 - p) exceeds threshold, or None.
+
+    tokens: each generated token decoded alone (special tokens kept), logprobs: their log-probabilities. A sentence's
+    tokens are found by `str.find` from the previous sentence's end: the search position restarts from the match's
+    offset within the remaining slice (as published), and the range is taken one token past the last found.
+    """
+    tid = 0
+    for sid, sent in enumerate(sentences):
+        pos, tr = 0, tid
+        while tr < len(tokens):
+            apr = sent[pos:].find(tokens[tr])
+            if apr == -1:
+                break
+            pos = apr + len(tokens[tr])
+            tr += 1
+        probs = [1 - math.exp(v) for v in logprobs[tid:tr + 1]]
+        if _solve(solver, probs) > threshold:
+            curr, pos = sent, 0
+            for prob, tok in zip(probs, tokens[tid:tr + 1]):
+                apr = curr[pos:].find(tok) + pos
+                if prob > threshold:
+                    curr = curr[:apr] + "[xxx]" + curr[apr + len(tok):]
+                    pos = apr + len("[xxx]")
+                else:
+                    pos = apr + len(tok)
+            return ("" if sid == 0 else " ".join(sentences[:sid])), curr
+        tid = tr + 1
+    return None
+
+
+def token_query(formulation: str, question: str, text: str, kept: str, curr: str) -> str:
+    """The published TokenRAG's query: "direct" (the sentence without its uncertain tokens) or "forward_all"."""
+    return curr.replace("[xxx]", "") if formulation == "direct" else join(question, text, kept)

@@ -11,7 +11,7 @@ FLARE.json ("method": "token") load as this method.
 from __future__ import annotations
 
 from fastrag.config import TokenRagConfig, method_config
-from fastrag.methods.baselines import baseline_oracle
+from fastrag.methods.baselines import baseline_oracle, fidelity_policy
 from fastrag.methods.common import (FewShotMethod, finish_answer, generate, join, probs, rag_prompt, search,
                                     sentences, stop, token_char_ends, truncate_query)
 from fastrag.methods.registry import MethodSpec, register
@@ -95,5 +95,6 @@ class TokenRag(FewShotMethod):
 
 register(MethodSpec(
     name="token-rag", description="DRAGIN paper's FLARE baseline: mean(1-p) of a sentence above a threshold",
-    make_config=lambda dataset, path: method_config("token-rag", dataset, path), make_policy=TokenRag,
+    make_config=lambda dataset, path: method_config("token-rag", dataset, path),
+    make_policy=fidelity_policy("token-rag", TokenRag),
     make_oracle=baseline_oracle("token-rag")))

@@ -1,8 +1,8 @@
 """Per-question oracle of the DRAGIN paper's baselines as the published code runs them (`fidelity: "published"`).
 
 The parity reference of fastrag.methods.baselines_published on plain transformers, one question at a time, each
-generation re-prefilling its whole prompt: the published `BasicRAG` / `SingleRAG` / `FixLengthRAG` loops, written
-again here plainly. The text rules they share with the engine (the query round trip, padded passages, the context
+generation re-prefilling its whole prompt: the published `BasicRAG` / `SingleRAG` / `FixLengthRAG` / `TokenRAG`
+loops, written again here plainly. The text rules they share with the engine (the query round trip, padded passages, the context
 block) are fastrag.methods.published.
 """
 
@@ -21,37 +21,36 @@ from fastrag.trace import QuestionResult, Round
 
 
 class BaselinePublishedOracle(BaselineOracle):
-    """`run(qid, question, gold)` of wo-rag, sr-rag, fl-rag or fs-rag with `fidelity: "published"`."""
+    """`run(qid, question, gold)` of wo-rag, sr-rag, fl-rag, fs-rag or token-rag with `fidelity: "published"`."""
 
     def __init__(self, model, tokenizer, retriever, config, method: str):
-        if method == "token-rag":
-            raise ValueError("token-rag has no published fidelity here (only wo-rag, sr-rag, fl-rag and fs-rag)")
         super().__init__(model, tokenizer, retriever, config, method)
         self.demos = published_demo_text(config.dataset, config.fewshot)
 
     @torch.no_grad()
     def generate(self, prompt: str, n: int) -> tuple[list[int], list[float]]:
-        """Greedy continuation with the EOS that ends it kept (the published text keeps it); probabilities are not
-        read by these baselines, so none are returned."""
+        """Greedy continuation with the EOS that ends it kept (the published text keeps it): (ids, their
+        log-probabilities under the step's softmax, as `compute_transition_scores(normalize_logits=True)` gives)."""
         ids = self.tokenizer.encode(prompt)
         check_context(self.model, len(ids), n)
         x = torch.tensor([ids], device=self.model.device)
         out = self.model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
-                                  pad_token_id=self._pad)
-        new = out[0, len(ids):].tolist()
+                                  output_scores=True, return_dict_in_generate=True, pad_token_id=self._pad)
+        new = out.sequences[0, len(ids):].tolist()
+        lp = [float(torch.log_softmax(s[0].double(), -1)[t]) for t, s in zip(new, out.scores)]
         self._prefill += len(ids)
         self._calls += 1
         self._decode += len(new) - (1 if new and new[-1] in self.eos_ids else 0)  # (as the engine counts)
-        return new, []
+        return new, lp
 
     def text(self, ids) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
-    def _passages(self, query: str, rounds: list[Round]) -> list[str]:
+    def _passages(self, query: str, rounds: list[Round], **round_fields) -> list[str]:
         cfg = self.config
         docs = self.retriever.search([P.search_query(self.tokenizer, query, cfg.max_query_tokens)],
                                      k=cfg.retrieve_topk)[0]
-        rounds.append(Round(query=query, doc_ids=[str(d.id) for d in docs]))
+        rounds.append(Round(query=query, doc_ids=[str(d.id) for d in docs], **round_fields))
         return P.pad_passages([d.text for d in docs], cfg.retrieve_topk)
 
     def run(self, qid: str, question: str, gold) -> QuestionResult:
@@ -71,6 +70,8 @@ class BaselinePublishedOracle(BaselineOracle):
             texts = self._passages(question, rounds)
             ids, _ = self.generate(self.demos + P.context_block(texts) + case, L)
             text = self.text(ids)
+        elif self.method == "token-rag":
+            text = self._token_rag_published(question, case, rounds)
         else:
             text, query = "", question
             while True:
@@ -93,3 +94,26 @@ class BaselinePublishedOracle(BaselineOracle):
         return QuestionResult(qid=qid, question=question, gold=list(gold), text=text, prediction=prediction,
                               rounds=rounds, prefill_tokens=self._prefill, decode_tokens=self._decode,
                               llm_calls=self._calls, wall_s=time.perf_counter() - t0)
+
+    def _token_rag_published(self, question: str, case: str, rounds: list[Round]) -> str:
+        cfg = self.config
+        formulation = cfg.extra.get("query_formulation", "direct")
+        text = ""
+        while True:
+            old_len = len(text)
+            ids, lp = self.generate(self.demos + case + " " + text, cfg.generate_max_length)
+            new = self.text(ids)
+            found = P.token_modifier([s.text for s in split_sentences(new)], [self.text([t]) for t in ids], lp,
+                                     cfg.hallucination_threshold, cfg.sentence_solver)
+            if found is None:
+                rounds.append(Round())
+                text = text.strip() + " " + new.strip()
+            else:
+                kept, curr = found
+                texts = self._passages(P.token_query(formulation, question, text, kept, curr), rounds,
+                                       trigger_sentence=curr, kept=kept)
+                ids, _ = self.generate(self.demos + P.context_block(texts) + case + " " + text + " " + kept.strip(),
+                                       cfg.generate_max_length)
+                text = text.strip() + " " + kept.strip() + " " + self.text(ids).strip()
+            if P.stop(len(self.tokenizer.encode(text)), text, old_len, cfg.generate_max_length):
+                return text
