@@ -8,14 +8,12 @@ block) are fastrag.methods.published.
 
 from __future__ import annotations
 
+import math
 import time
-
-import torch
 
 from fastrag.data.exemplars import case_text, published_demo_text
 from fastrag.methods import published as P
 from fastrag.oracle.baselines import BaselineOracle
-from fastrag.oracle.context import check_context
 from fastrag.text.sentences import split_sentences
 from fastrag.trace import QuestionResult, Round
 
@@ -23,25 +21,11 @@ from fastrag.trace import QuestionResult, Round
 class BaselinePublishedOracle(BaselineOracle):
     """`run(qid, question, gold)` of wo-rag, sr-rag, fl-rag, fs-rag or token-rag with `fidelity: "published"`."""
 
+    keep_end = True  # generations keep the EOS that ends them (GreedyOracle.generate)
+
     def __init__(self, model, tokenizer, retriever, config, method: str):
         super().__init__(model, tokenizer, retriever, config, method)
         self.demos = published_demo_text(config.dataset, config.fewshot)
-
-    @torch.no_grad()
-    def generate(self, prompt: str, n: int) -> tuple[list[int], list[float]]:
-        """Greedy continuation with the EOS that ends it kept (the published text keeps it): (ids, their
-        log-probabilities under the step's softmax, as `compute_transition_scores(normalize_logits=True)` gives)."""
-        ids = self.tokenizer.encode(prompt)
-        check_context(self.model, len(ids), n)
-        x = torch.tensor([ids], device=self.model.device)
-        out = self.model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
-                                  output_scores=True, return_dict_in_generate=True, pad_token_id=self._pad)
-        new = out.sequences[0, len(ids):].tolist()
-        lp = [float(torch.log_softmax(s[0].double(), -1)[t]) for t, s in zip(new, out.scores)]
-        self._prefill += len(ids)
-        self._calls += 1
-        self._decode += len(new) - (1 if new and new[-1] in self.eos_ids else 0)  # (as the engine counts)
-        return new, lp
 
     def text(self, ids) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
@@ -101,8 +85,9 @@ class BaselinePublishedOracle(BaselineOracle):
         text = ""
         while True:
             old_len = len(text)
-            ids, lp = self.generate(self.demos + case + " " + text, cfg.generate_max_length)
+            ids, p = self.generate(self.demos + case + " " + text, cfg.generate_max_length)
             new = self.text(ids)
+            lp = [math.log(x) if x > 0 else -math.inf for x in p]
             found = P.token_modifier([s.text for s in split_sentences(new)], [self.text([t]) for t in ids], lp,
                                      cfg.hallucination_threshold, cfg.sentence_solver)
             if found is None:

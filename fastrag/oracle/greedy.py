@@ -20,6 +20,10 @@ class GreedyOracle:
     """The model calls of a per-question oracle; config: a fastrag.config.RagConfig (dataset, fewshot,
     generate_max_length, retrieve_topk, max_query_tokens, stop_case_insensitive)."""
 
+    # keep the EOS that ends a generation in its ids and probabilities (the published code's text keeps it); it is
+    # never counted as a decoded token
+    keep_end = False
+
     def __init__(self, model, tokenizer, retriever, config):
         self.model, self.tokenizer, self.retriever, self.config = model, tokenizer, retriever, config
         self.demos = demo_text(config.dataset, config.fewshot)
@@ -30,7 +34,8 @@ class GreedyOracle:
 
     @torch.no_grad()
     def generate(self, prompt: str, n: int) -> tuple[list[int], list[float]]:
-        """Greedy continuation of `prompt`: (token ids, their probabilities), a final EOS dropped."""
+        """Greedy continuation of `prompt`: (token ids, their probabilities), a final EOS dropped (kept with
+        `keep_end`)."""
         ids = self.tokenizer.encode(prompt)
         check_context(self.model, len(ids), n)
         x = torch.tensor([ids], device=self.model.device)
@@ -42,9 +47,10 @@ class GreedyOracle:
             p.append(float(torch.log_softmax(s[0].float(), -1)[t].exp()))
         self._prefill += len(ids)
         self._calls += 1
-        if new and new[-1] in self.eos_ids:
+        ended = bool(new) and new[-1] in self.eos_ids
+        if ended and not self.keep_end:
             new, p = new[:-1], p[:-1]
-        self._decode += len(new)  # (a final EOS not counted, as the engine counts a generation)
+        self._decode += len(new) - (ended and self.keep_end)  # (a final EOS not counted, as the engine counts)
         return new, p
 
     def text(self, ids) -> str:
