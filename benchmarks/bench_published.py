@@ -20,16 +20,22 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "benchmarks" / "data" / "published-dragin"
 BUNDLED = ROOT / "fastrag" / "data" / "bundled"
-# (name, dataset, questions file, config, decisions, trace or None)
+# (name, method, dataset, questions file, config, decisions, trace or None)
 SETS = [
-    ("HotpotQA, the shared 10", "hotpotqa", BUNDLED / "hotpotqa_dev20.jsonl", DATA / "config_hotpotqa.json",
-     DATA / "hotpotqa_shared_first10.decisions.jsonl", DATA / "hotpotqa_shared_first10.trace.jsonl"),
-    ("HotpotQA config, the project's own questions", "hotpotqa", DATA / "own2.jsonl", DATA / "config_hotpotqa.json",
-     DATA / "hotpotqa_own2.decisions.jsonl", DATA / "hotpotqa_own2.trace.jsonl"),
-    ("2WikiMultihopQA config, dev", "2wikimultihopqa", DATA / "2wiki_dev2.jsonl", DATA / "config_2wikimultihopqa.json",
-     DATA / "2wikimultihopqa_dev2.decisions.jsonl", DATA / "2wikimultihopqa_dev2.trace.jsonl"),
-    ("StrategyQA config, train", "strategyqa", DATA / "strategyqa_train2.json", DATA / "config_strategyqa.json",
-     DATA / "strategyqa_train2.decisions.jsonl", DATA / "strategyqa_train2.trace.jsonl"),
+    ("HotpotQA, the shared 10", "dragin-published", "hotpotqa", BUNDLED / "hotpotqa_dev20.jsonl",
+     DATA / "config_hotpotqa.json", DATA / "hotpotqa_shared_first10.decisions.jsonl",
+     DATA / "hotpotqa_shared_first10.trace.jsonl"),
+    ("HotpotQA config, the project's own questions", "dragin-published", "hotpotqa", DATA / "own2.jsonl",
+     DATA / "config_hotpotqa.json", DATA / "hotpotqa_own2.decisions.jsonl", DATA / "hotpotqa_own2.trace.jsonl"),
+    ("2WikiMultihopQA config, dev", "dragin-published", "2wikimultihopqa", DATA / "2wiki_dev2.jsonl",
+     DATA / "config_2wikimultihopqa.json", DATA / "2wikimultihopqa_dev2.decisions.jsonl",
+     DATA / "2wikimultihopqa_dev2.trace.jsonl"),
+    ("StrategyQA config, train", "dragin-published", "strategyqa", DATA / "strategyqa_train2.json",
+     DATA / "config_strategyqa.json", DATA / "strategyqa_train2.decisions.jsonl",
+     DATA / "strategyqa_train2.trace.jsonl"),
+    ("Token-RAG (the paper's FLARE), HotpotQA config, the shared first 3", "token-rag", "hotpotqa",
+     BUNDLED / "hotpotqa_dev20.jsonl", DATA / "config_token_rag_hotpotqa.json",
+     DATA / "token_rag_hotpotqa3.decisions.jsonl", None),
 ]
 
 
@@ -41,12 +47,13 @@ def main() -> None:
     from fastrag.provenance import environment
 
     rows, details = [], []
-    for name, dataset, data, config, decisions, trace in SETS:
+    for name, method, dataset, data, config, decisions, trace in SETS:
         if not decisions.exists():
             print(f"skipping {name}: {decisions} not recorded", file=sys.stderr)
             continue
         out = args.work / decisions.stem
-        cmd = [sys.executable, "-m", "fastrag", "compare-published", "--dataset", dataset, "--data", str(data),
+        cmd = [sys.executable, "-m", "fastrag", "compare-published", "--method", method, "--dataset", dataset,
+               "--data", str(data),
                "--config", str(config), "--decisions", str(decisions), "--output", str(out), "--no-progress"]
         if trace is not None:
             cmd += ["--trace", str(trace)]

@@ -21,6 +21,7 @@ A question agrees when every decision does; its first divergence is the first de
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -89,6 +90,15 @@ class QuestionCompare:
     fastrag_generates: int | None = None
 
 
+# the published retriever pads a short result with random ids ("_" + a uuid4) beside its empty passages; fastrag's
+# rounds list the passages found, so the padding is left out of the comparison
+_PADDING_ID = re.compile(r"_[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+
+
+def _found(ids):
+    return [i for i in ids if not (isinstance(i, str) and _PADDING_ID.fullmatch(i))] if isinstance(ids, list) else ids
+
+
 def compare_question(pub: dict, ours: dict) -> QuestionCompare:
     counts = {d: [0, 0] for d in DECISIONS}
     first: dict | None = None
@@ -117,7 +127,8 @@ def compare_question(pub: dict, ours: dict) -> QuestionCompare:
             p, o = pub_ret[ri] if ri < len(pub_ret) else {}, our_ret[ri] if ri < len(our_ret) else {}
             for decision, pk, ok in RETRIEVAL_FIELDS:
                 if pk in p or not p:
-                    see(decision, k, p.get(pk), o.get(ok))
+                    a = _found(p.get(pk)) if decision == "doc_ids" else p.get(pk)
+                    see(decision, k, a, o.get(ok))
             ri += 1
     see("final_text", None, pub["final_text"], ours.get("text"))
     agree = all(e == n for e, n in counts.values()) and len(checks) == len(mine)
@@ -176,7 +187,8 @@ def markdown(report: dict, title: str) -> str:
         lines.append(f"| {d} | {v['equal']} / {v['compared']} | {rate} |")
     lines += ["", f"Whole questions: **{report['questions_agree']} / {report['n']}**; all decisions: "
               f"{_pct(report['decision_agreement'])}.", "",
-              "| question | agrees | first divergence | published gen. calls | fastrag gen. calls |", "|---|---|---|---|---|"]
+              "| question | agrees | first divergence | published gen. calls | fastrag gen. calls |",
+              "|---|---|---|---|---|"]
     for q in report["questions"]:
         fd = q["first_divergence"]
         what = "" if fd is None else (f"{fd['decision']} (round {fd['round']}): published {_short(fd['published'])} / "

@@ -87,7 +87,8 @@ class DraginConfig:
         _choice(self, "mode", MODES)
         _choice(self, "fidelity", FIDELITIES)
         if self.fidelity == "published" and self.mode != "reference":
-            raise ConfigError(f"fidelity 'published' runs the published loop (mode 'reference'), got mode {self.mode!r}")
+            raise ConfigError("fidelity 'published' runs the published loop (mode 'reference'), got mode "
+                              f"{self.mode!r}")
         _choice(self, "query_formulation", QUERY_FORMULATIONS)
         if not isinstance(self.extra, dict):
             raise ConfigError(f"extra must be a dict, got {type(self.extra).__name__}")

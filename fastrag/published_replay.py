@@ -130,5 +130,6 @@ def replay(oracle, trace: list[dict], progress: bool = True) -> dict:
     n = sum(c for d, (_, c) in totals.items() if d != "text")
     return {"questions": len(qs), "rounds": sum(q["rounds"] for q in qs),
             "decision_agreement": eq / n if n else None,
-            "per_decision": {d: {"equal": e, "compared": c, "rate": e / c if c else None} for d, (e, c) in totals.items()},
+            "per_decision": {d: {"equal": e, "compared": c, "rate": e / c if c else None}
+                             for d, (e, c) in totals.items()},
             "retokenised": sum(q["retokenised"] for q in qs), "per_question": qs}

@@ -1,10 +1,10 @@
 """The DRAGIN paper's baselines as the published code runs them (`fidelity: "published"`, docs/published.md).
 
-The published `BasicRAG`, `SingleRAG`, `FixLengthRAG` (fix-length and fix-sentence) and `TokenRAG` loops: its exemplars, special
-tokens and a final EOS kept in the text, the query's round trip through the tokenizer and padded passages
-(fastrag.methods.published), the text joined as `text.strip() + " " + new.strip()`, the FL/FS-RAG prompt's
+The published `BasicRAG`, `SingleRAG`, `FixLengthRAG` (fix-length and fix-sentence) and `TokenRAG` loops: its
+exemplars, special tokens and a final EOS kept in the text, the query's round trip through the tokenizer and padded
+passages (fastrag.methods.published), the text joined as `text.strip() + " " + new.strip()`, the FL/FS-RAG prompt's
 "Answer in t he same format" typo and its `case + " " + text` tail (a trailing space on the first round). wo-RAG and
-SR-RAG keep their generation as decoded, unstripped.
+SR-RAG keep their generation as decoded, unstripped; TokenRAG judges with its own `modifier`.
 """
 
 from __future__ import annotations

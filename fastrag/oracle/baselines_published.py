@@ -2,8 +2,8 @@
 
 The parity reference of fastrag.methods.baselines_published on plain transformers, one question at a time, each
 generation re-prefilling its whole prompt: the published `BasicRAG` / `SingleRAG` / `FixLengthRAG` / `TokenRAG`
-loops, written again here plainly. The text rules they share with the engine (the query round trip, padded passages, the context
-block) are fastrag.methods.published.
+loops, written again here plainly. The text rules they share with the engine (the query round trip, padded
+passages, the context block, TokenRAG's modifier) are fastrag.methods.published.
 """
 
 from __future__ import annotations

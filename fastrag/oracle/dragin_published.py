@@ -67,7 +67,8 @@ class DraginPublishedOracle:
         x = torch.tensor([ids], device=self.model.device)
         self._prefill += len(ids)
         if getattr(self.model.config, "_attn_implementation", "eager") == "eager":
-            return self.model(input_ids=x, attention_mask=torch.ones_like(x), output_attentions=True).attentions[-1][0].cpu()
+            out = self.model(input_ids=x, attention_mask=torch.ones_like(x), output_attentions=True)
+            return out.attentions[-1][0].cpu()
         out = self.model(input_ids=x, attention_mask=torch.ones_like(x), output_hidden_states=True)
         return last_layer_probs(self.model, out.hidden_states[-2]).cpu()
 
