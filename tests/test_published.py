@@ -51,6 +51,19 @@ def test_whole_questions_follow_the_published_path(tmp_path):
     assert "compare-published: 3 of 3 questions agree" in p.stdout
 
 
+def test_token_rag_follows_the_published_token_rag(tmp_path):
+    """Token-RAG (the paper's "FLARE") with fidelity "published" against the published TokenRAG's recorded decisions:
+    retrieve or not, kept text, the "[xxx]"-marked sentence, the query, the passages, the final text."""
+    out = tmp_path / "cmp"
+    p = cli("compare-published", "--method", "token-rag", "--dataset", "hotpotqa", "--data", DATA, "--corpus",
+            CORPUS, "--config", PUB / "config_token_rag_hotpotqa.json", "--decisions",
+            PUB / "token_rag_hotpotqa3.decisions.jsonl", "--batch-size", 4, "--output", out, "--no-progress")
+    assert p.returncode == 0, p.stderr[-3000:]
+    rep = json.loads((out / "compare.json").read_text())
+    assert rep["n"] == 3 and rep["questions_agree"] == 3, (out / "compare.md").read_text()
+    assert rep["per_decision"]["curr"]["compared"] >= 10 and rep["per_decision"]["words"]["compared"] == 0
+
+
 def test_every_published_round_replays_with_the_published_inputs():
     """Each of the published run's rounds fed to our rules with its own inputs gives its decisions (>= 0.98 of them;
     the closing note of the issue explains the rest), and the text the replay carries from round to round is the
@@ -104,6 +117,9 @@ def test_compare_finds_the_first_divergence_in_the_published_order():
     c = compare_question(pub, _ours([{"query": None}]))
     assert not c.agree and c.first_divergence == {"decision": "check", "round": 1, "published": True,
                                                   "fastrag": None}
+    # the published retriever's padding ids (random) are no passages: a short result equals fastrag's
+    padded = _pub([True], [_ret(["A."], [], "q", ["p1", "_0b5e7a3c-1f2d-4c8e-9a6b-3d2f1e0c9b8a"])])
+    assert compare_question(padded, _ours([_round(["A."], [], "q", ["p1"])])).agree
     rep = compare([pub, {**pub, "qid": "gone"}], [same])
     assert rep["n"] == 1 and rep["questions_agree"] == 1 and rep["missing"] == ["gone"]
 
