@@ -223,9 +223,14 @@ def run_compare(opts, decisions: str, trace: str | None = None, results: str | N
 
     from fastrag.eval import run, write_json
 
+    import warnings
+
     from fastrag.eval import method_config
 
-    if getattr(method_config(opts), "fidelity", None) != "published":
+    with warnings.catch_warnings():  # (the run loads the config again, and says its warnings then)
+        warnings.simplefilter("ignore")
+        fidelity = getattr(method_config(opts), "fidelity", None)
+    if fidelity != "published":
         raise CompareError(f"--method {opts.method} runs fastrag's reading of the rules: compare-published compares "
                            "the published fidelity, so give --config a file with \"fidelity\": \"published\" (or "
                            "use --method dragin-published)")

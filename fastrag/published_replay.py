@@ -25,6 +25,7 @@ import torch
 from fastrag.compare_published import CompareError, read_jsonl
 from fastrag.data.exemplars import case_text
 from fastrag.methods import published as P
+from fastrag.methods.common import join
 from fastrag.oracle import decisions as D
 from fastrag.text.sentences import first_sentence
 
@@ -52,7 +53,7 @@ def _flags(words: list[str], hit_words: list[str]) -> list[bool]:
 @torch.no_grad()
 def teacher_entropy(oracle, prompt: str, ids: list[int]) -> torch.Tensor:
     """Entropies [N] of the distributions that produced `ids` after `prompt` (one forward)."""
-    p = oracle.tok.encode(prompt)
+    p = oracle.tokenizer.encode(prompt)
     x = torch.tensor([p + ids], device=oracle.model.device)
     logits = oracle.model(input_ids=x, attention_mask=torch.ones_like(x)).logits[0, len(p) - 1: len(p) + len(ids) - 1]
     return D.token_entropy(logits.float().cpu())
@@ -83,9 +84,9 @@ def replay_question(oracle, rec: dict) -> dict:
         if check is None or check.get("kind") != "check":
             raise CompareError(f"question {rec['qid']}: step {i + 1} should be the 'check' of step {i}")
         new_text = st["new_text"]
-        ids = oracle.tok.encode(new_text, add_special_tokens=False)
+        ids = oracle.tokenizer.encode(new_text, add_special_tokens=False)
         retokenised += oracle.decode(ids) != new_text
-        hit = oracle.rind(ids, teacher_entropy(oracle, oracle.demos + P.join(case, text), ids)) if ids else None
+        hit = oracle.rind(ids, teacher_entropy(oracle, oracle.demos + join(case, text), ids)) if ids else None
         see("check", rnd, bool(check["hallucination"]), hit is not None)
         i += 2
         if not check["hallucination"]:
@@ -108,13 +109,13 @@ def replay_question(oracle, rec: dict) -> dict:
                                "step")
         # text_at_trigger is what follows the case in the published retrieval prompt: " " + join(text, kept)
         see("text", rnd, by_kind["generate"].get("text_at_trigger"),
-            P.join(case, text, check["ptext"].strip())[len(case):])
+            join(case, text, check["ptext"].strip())[len(case):])
         pub_query = by_kind["retrieve"]["query"]
         see("query", rnd, pub_query, oracle.query(rec["question"], text, check["ptext"], words, flags))
         if "retrieved_ids" in by_kind:
             see("doc_ids", rnd, list(by_kind["retrieved_ids"]["ids"]),
                 [str(d.id) for d in oracle.search(pub_query)])
-        text = P.join(text.strip(), check["ptext"].strip(), first_sentence(by_kind["generate"]["new_text"]))
+        text = join(text.strip(), check["ptext"].strip(), first_sentence(by_kind["generate"]["new_text"]))
         rnd += 1
     return {"qid": str(rec["qid"]), "rounds": rnd, "counts": counts, "differences": diffs,
             "retokenised": retokenised}

@@ -12,7 +12,7 @@ from __future__ import annotations
 from fastrag.data.exemplars import case_text, published_demo_text
 from fastrag.data.metrics import ANSWER_MAX_TOKENS, answer_prompt, complete_answer, needs_answer_generation
 from fastrag.methods import published as P
-from fastrag.methods.common import FewShotMethod, generate, open_result, search, sentences
+from fastrag.methods.common import FewShotMethod, generate, open_result, search, sentences, stop
 from fastrag.methods.dragin_published import with_end
 from fastrag.trace import Round
 
@@ -79,7 +79,7 @@ class FixLengthPublished(_Published):
                 new = sents[0].text
             text = text.strip() + " " + new
             query = new
-            if P.stop(len(self.tok.encode(text)), text, old_len, cfg.generate_max_length):
+            if stop(text, old_len, len(self.tok.encode(text)), cfg.generate_max_length):
                 return text
 
 
@@ -115,7 +115,7 @@ class TokenRagPublished(_Published):
                 g = yield from generate(res, self.demos + P.context_block(texts) + case + " " + text + " "
                                         + kept.strip(), cfg.generate_max_length, None)
                 text = text.strip() + " " + kept.strip() + " " + self.decode(g).strip()
-            if P.stop(len(tok.encode(text)), text, old_len, cfg.generate_max_length):
+            if stop(text, old_len, len(tok.encode(text)), cfg.generate_max_length):
                 return text
 
 

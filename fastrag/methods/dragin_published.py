@@ -12,7 +12,7 @@ from fastrag.config import DraginConfig
 from fastrag.data.exemplars import case_text, published_demo_text
 from fastrag.data.metrics import ANSWER_MAX_TOKENS, answer_prompt, complete_answer, needs_answer_generation
 from fastrag.methods import published as P
-from fastrag.methods.common import FewShotMethod, generate, open_result, real_words, search, sentences
+from fastrag.methods.common import FewShotMethod, generate, join, open_result, real_words, search, sentences, stop
 from fastrag.scheduler import AttnColmax, AttnRows, Parallel, RealWords, Sentences
 from fastrag.trace import Round
 
@@ -52,7 +52,7 @@ class DraginPublished(FewShotMethod):
         text = ""
         while True:
             old_len = len(text)
-            g = yield from generate(res, self.demos + P.join(case, text), L, branch=PLAIN)
+            g = yield from generate(res, self.demos + join(case, text), L, branch=PLAIN)
             ids, entropy = with_end(g)
             new_text = self.decode(ids)
             hit = None
@@ -75,11 +75,11 @@ class DraginPublished(FewShotMethod):
                                         query=query, doc_ids=[d.id for d in docs], sentence_words=hit.words,
                                         kept=hit.kept))
                 passages = P.pad_passages([d.text for d in docs], cfg.retrieve_topk)
-                prompt = self.demos + P.context_block(passages) + P.join(case, text, hit.kept.strip())
+                prompt = self.demos + P.context_block(passages) + join(case, text, hit.kept.strip())
                 g = yield from generate(res, prompt, L, branch=RAG)
                 first = yield from sentences(self.decode(with_end(g)[0]))
-                text = P.join(text.strip(), hit.kept.strip(), first[0].text if first else "")
-            if P.stop(len(tok.encode(text)), text, old_len, L):
+                text = join(text.strip(), hit.kept.strip(), first[0].text if first else "")
+            if stop(text, old_len, len(tok.encode(text)), L):
                 break
         res.text = text
         if needs_answer_generation(text):  # the published evaluator's extra short generation

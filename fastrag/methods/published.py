@@ -37,6 +37,7 @@ from typing import Sequence
 
 import torch
 
+from fastrag.methods.common import INSTRUCTION, INSTRUCTION_TYPO, join
 from fastrag.text.realwords import matches_real_word
 
 Span = tuple[int, int]  # [l, r) token range of a word
@@ -215,10 +216,6 @@ def pad_passages(texts: Sequence[str], k: int) -> list[str]:
     return list(texts) + [""] * (k - len(texts))
 
 
-INSTRUCTION = "Answer in the same format as before.\n"
-INSTRUCTION_TYPO = "Answer in t he same format as before.\n"  # the published FL-RAG / FS-RAG prompt's
-
-
 def context_block(texts: Sequence[str], typo: bool = False) -> str:
     """The published context block of the passages' texts (padded ones included)."""
     return "Context:\n" + "".join(f"[{i}] {t}\n" for i, t in enumerate(texts, 1)) + \
@@ -228,15 +225,6 @@ def context_block(texts: Sequence[str], typo: bool = False) -> str:
 def plain_join(text: str, new: str) -> str:
     """The published text after a round without retrieval."""
     return text.strip() + " " + new.strip()
-
-
-def join(*parts: str) -> str:
-    return " ".join(p for p in parts if p)
-
-
-def stop(n_tokens: int, text: str, old_len: int, max_len: int) -> bool:
-    """The published stop rule: more than max_len tokens, no growth, or lowercase "the answer is"."""
-    return n_tokens > max_len or len(text) <= old_len or "the answer is" in text
 
 
 def _solve(solver: str, xs: list[float]) -> float:

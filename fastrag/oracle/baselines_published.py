@@ -13,6 +13,7 @@ import time
 
 from fastrag.data.exemplars import case_text, published_demo_text
 from fastrag.methods import published as P
+from fastrag.methods.common import stop
 from fastrag.oracle.baselines import BaselineOracle
 from fastrag.text.sentences import split_sentences
 from fastrag.trace import QuestionResult, Round
@@ -72,7 +73,7 @@ class BaselinePublishedOracle(BaselineOracle):
                         break
                     new = sents[0].text
                 text, query = text.strip() + " " + new, new
-                if P.stop(len(self.tokenizer.encode(text)), text, old_len, L):
+                if stop(text, old_len, len(self.tokenizer.encode(text)), L):
                     break
         prediction = self.answer(case, text)
         return QuestionResult(qid=qid, question=question, gold=list(gold), text=text, prediction=prediction,
@@ -100,5 +101,5 @@ class BaselinePublishedOracle(BaselineOracle):
                 ids, _ = self.generate(self.demos + P.context_block(texts) + case + " " + text + " " + kept.strip(),
                                        cfg.generate_max_length)
                 text = text.strip() + " " + kept.strip() + " " + self.text(ids).strip()
-            if P.stop(len(self.tokenizer.encode(text)), text, old_len, cfg.generate_max_length):
+            if stop(text, old_len, len(self.tokenizer.encode(text)), cfg.generate_max_length):
                 return text

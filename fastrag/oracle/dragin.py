@@ -63,10 +63,10 @@ def join(*parts: str) -> str:
 
 @dataclass(slots=True)
 class Generation:
-    """What one `model.generate` call produced (a final EOS already dropped)."""
+    """What one `model.generate` call produced (a final EOS already dropped, unless the oracle keeps it)."""
 
     ids: list[int]  # generated token ids, [N]
-    text: str  # decode(ids, skip_special_tokens=True)
+    text: str  # decode(ids, skip_special_tokens=True) (False when the oracle keeps the EOS)
     entropy: torch.Tensor  # [N] float64, H_t of the step that produced token t
 
 
@@ -77,6 +77,10 @@ class DraginOracle:
     tokenizer: its HF tokenizer; retriever: `fastrag.retrieval.base.Retriever`; config: `fastrag.config.DraginConfig`.
     """
 
+    # keep the EOS that ends a generation in its ids, entropies and text (decoded with special tokens): the
+    # published code's (fastrag.oracle.dragin_published); it is never counted as a decoded token
+    keep_end = False
+
     def __init__(self, model, tokenizer, retriever, config):
         self.model = model
         self.tokenizer = tokenizer
@@ -84,11 +88,14 @@ class DraginOracle:
         self.config = config
         self.eos_ids = eos_ids(tokenizer, model)
         self.words = WordBoundaries(tokenizer, eos_ids=self.eos_ids)
-        self.demos = demo_text(config.dataset, config.fewshot)
+        self.demos = self.demo_text(config)
         self._pad_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else min(self.eos_ids)
         self._prefill = 0
         self._decode = 0
         self._calls = 0  # generate calls of the current question (the record's llm_calls)
+
+    def demo_text(self, config) -> str:
+        return demo_text(config.dataset, config.fewshot)
 
     # ------------------------------------------------------------------ model calls
 
@@ -117,12 +124,13 @@ class DraginOracle:
         entropy = D.token_entropy(torch.stack([s[0] for s in out.scores]).cpu()) if scores and new else torch.zeros(0)
         self._prefill += len(ids)
         self._calls += 1
-        # A final EOS belongs to neither the text nor the signals, nor to the decoded tokens counted (the engine
-        # and the BeamSearchQA oracle count a generation without it too: the same generation, the same count).
-        if new and new[-1] in self.eos_ids:
+        # A final EOS belongs to neither the text nor the signals (unless keep_end), nor to the decoded tokens
+        # counted (the engine and the BeamSearchQA oracle count a generation without it too: the same count).
+        ended = bool(new) and new[-1] in self.eos_ids
+        if ended and not self.keep_end:
             new, entropy = new[:-1], entropy[: len(new) - 1]
-        self._decode += len(new)
-        text = self.tokenizer.decode(new, skip_special_tokens=True)
+        self._decode += len(new) - (ended and self.keep_end)
+        text = self.tokenizer.decode(new, skip_special_tokens=not self.keep_end)
         return Generation(ids=new, text=text, entropy=entropy)
 
     @torch.no_grad()

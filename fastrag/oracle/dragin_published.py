@@ -20,60 +20,30 @@ import torch
 from fastrag.data.exemplars import case_text, published_demo_text
 from fastrag.data.metrics import ANSWER_MAX_TOKENS, answer_prompt, complete_answer, needs_answer_generation
 from fastrag.methods import published as P
+from fastrag.methods.common import join, stop
 from fastrag.oracle import decisions as D
-from fastrag.oracle.context import check_context, eos_ids
-from fastrag.oracle.dragin import last_layer_probs
+from fastrag.oracle.dragin import DraginOracle
 from fastrag.text.realwords import real_words
 from fastrag.text.sentences import split_sentences
 from fastrag.trace import QuestionResult, Round
 
 
-class DraginPublishedOracle:
+class DraginPublishedOracle(DraginOracle):
     """`run(qid, question, gold) -> QuestionResult`; model: a transformers causal LM (eager attention returns the
-    probabilities; other implementations get them recomputed from the last layer's input), tokenizer: its HF
-    tokenizer, retriever: fastrag.retrieval.base.Retriever, config: a DraginConfig with fidelity "published"."""
+    probabilities; other implementations get the last layer's recomputed), tokenizer: its HF tokenizer, retriever:
+    fastrag.retrieval.base.Retriever, config: a DraginConfig with fidelity "published"."""
+
+    keep_end = True  # generations keep the EOS that ends them, in ids, entropies and text (DraginOracle.generate)
 
     def __init__(self, model, tokenizer, retriever, config):
-        self.model, self.tok, self.retriever, self.config = model, tokenizer, retriever, config
-        self.demos = published_demo_text(config.dataset, config.fewshot)
+        super().__init__(model, tokenizer, retriever, config)
         self.spell = P.TokenSpelling.of(tokenizer)
-        self.eos_ids = eos_ids(tokenizer, model)
-        self._pad_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else min(self.eos_ids)
-        self._prefill = self._decode = self._calls = 0
 
-    # ------------------------------------------------------------------ model calls
-
-    @torch.no_grad()
-    def generate(self, prompt: str, max_new_tokens: int, scores: bool = True) -> tuple[list[int], torch.Tensor]:
-        """Greedy generation, the EOS that ends it kept: (ids [N], entropies [N] float64, empty without scores)."""
-        ids = self.tok.encode(prompt)
-        check_context(self.model, len(ids), max_new_tokens)
-        x = torch.tensor([ids], device=self.model.device)
-        out = self.model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
-                                  do_sample=False, output_scores=scores, return_dict_in_generate=True,
-                                  pad_token_id=self._pad_id)
-        new = out.sequences[0, len(ids):].tolist()
-        ent = D.token_entropy(torch.stack([s[0] for s in out.scores]).cpu()) if scores and new else torch.zeros(0)
-        self._prefill += len(ids)
-        # (a final EOS is no decoded token in the engine's count either, though both keep it in the text)
-        self._decode += len(new) - (1 if new and new[-1] in self.eos_ids else 0)
-        self._calls += 1
-        return new, ent
-
-    @torch.no_grad()
-    def attention(self, ids: list[int]) -> torch.Tensor:
-        """Last-layer attention probabilities [H, T, T] of one forward over ids alone (positions from 0)."""
-        check_context(self.model, len(ids))
-        x = torch.tensor([ids], device=self.model.device)
-        self._prefill += len(ids)
-        if getattr(self.model.config, "_attn_implementation", "eager") == "eager":
-            out = self.model(input_ids=x, attention_mask=torch.ones_like(x), output_attentions=True)
-            return out.attentions[-1][0].cpu()
-        out = self.model(input_ids=x, attention_mask=torch.ones_like(x), output_hidden_states=True)
-        return last_layer_probs(self.model, out.hidden_states[-2]).cpu()
+    def demo_text(self, config) -> str:
+        return published_demo_text(config.dataset, config.fewshot)
 
     def decode(self, ids) -> str:
-        return self.tok.decode(ids, skip_special_tokens=False)
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     # ------------------------------------------------------------------ decisions
 
@@ -84,10 +54,10 @@ class DraginPublishedOracle:
         sents = [s.text for s in split_sentences(self.decode(ids))]
         if not sents:
             return None
-        tokens = self.tok.convert_ids_to_tokens(ids)
+        tokens = self.tokenizer.convert_ids_to_tokens(ids)
         spans = P.word_spans(tokens, ids, self.spell)
         words = P.word_texts(tokens, spans, self.spell)
-        a = D.token_attention(self.attention(ids))
+        a = D.token_attention(self.last_layer_attention(ids))
         h = torch.as_tensor(entropy, dtype=torch.float64)
         wa = [float(a[l:r].sum()) for l, r in spans]
         we = [float(h[l:r].sum()) / (r - l) for l, r in spans]
@@ -102,16 +72,17 @@ class DraginPublishedOracle:
     def query(self, question: str, text: str, kept: str, words: list[str], hits: list[bool]) -> str:
         """The published `keep_real_words` query."""
         all_text = P.qfs_text(question, text, kept, words)
-        ids = self.tok.encode(all_text)
-        m = self.attention(ids).to(torch.float64).mean(dim=0)
-        tokens = self.tok.convert_ids_to_tokens(ids)
+        ids = self.encode(all_text)
+        m = self.last_layer_attention(ids).to(torch.float64).mean(dim=0)
+        tokens = self.tokenizer.convert_ids_to_tokens(ids)
         spans = P.word_spans(tokens, ids, self.spell, after_eos=False)
         return P.qfs_select(P.word_texts(tokens, spans, self.spell), P.qfs_word_attention(m, spans), len(words),
                             hits, real_words(all_text), self.config.retrieve_keep_top_k)
 
     def search(self, query: str) -> list:
         k = self.config.retrieve_topk
-        return list(self.retriever.search([P.search_query(self.tok, query, self.config.max_query_tokens)], k=k)[0])
+        return list(self.retriever.search([P.search_query(self.tokenizer, query, self.config.max_query_tokens)],
+                                          k=k)[0])
 
     # ------------------------------------------------------------------ one question
 
@@ -125,11 +96,11 @@ class DraginPublishedOracle:
         text, rounds = "", []
         while True:
             old_len = len(text)
-            ids, ent = self.generate(self.demos + P.join(case, text), L)
-            hit = self.rind(ids, ent)
+            gen = self.generate(self.demos + join(case, text), L)
+            hit = self.rind(gen.ids, gen.entropy)
             if hit is None:
                 rounds.append(Round())
-                text = P.plain_join(text, self.decode(ids))
+                text = P.plain_join(text, gen.text)
             else:
                 query = self.query(question, text, hit.kept, hit.words, hit.hits)
                 docs = self.search(query)
@@ -137,16 +108,15 @@ class DraginPublishedOracle:
                                     query=query, doc_ids=[str(d.id) for d in docs], sentence_words=hit.words,
                                     kept=hit.kept))
                 passages = P.pad_passages([d.text for d in docs], cfg.retrieve_topk)
-                prompt = self.demos + P.context_block(passages) + P.join(case, text, hit.kept.strip())
-                out, _ = self.generate(prompt, L, scores=False)
-                first = split_sentences(self.decode(out))
-                text = P.join(text.strip(), hit.kept.strip(), first[0].text if first else "")
-            if P.stop(len(self.tok.encode(text)), text, old_len, L):
+                prompt = self.demos + P.context_block(passages) + join(case, text, hit.kept.strip())
+                first = split_sentences(self.generate(prompt, L, scores=False).text)
+                text = join(text.strip(), hit.kept.strip(), first[0].text if first else "")
+            if stop(text, old_len, len(self.encode(text)), L):
                 break
         prediction = text
         if needs_answer_generation(text):
-            out, _ = self.generate(answer_prompt(self.demos, case, text), ANSWER_MAX_TOKENS, scores=False)
-            prediction = complete_answer(text, self.decode(out))
+            out = self.generate(answer_prompt(self.demos, case, text), ANSWER_MAX_TOKENS, scores=False)
+            prediction = complete_answer(text, out.text)
         return QuestionResult(qid=qid, question=question, gold=list(gold), text=text, prediction=prediction,
                               rounds=rounds, prefill_tokens=self._prefill, decode_tokens=self._decode,
                               wall_s=time.perf_counter() - t0, llm_calls=self._calls)
