@@ -87,8 +87,8 @@ inline __attribute__((always_inline)) void exp_normalise(float* sp, int64_t L, i
 }
 
 // Rows of one sequence lie in blocks of block_size rows scattered over the pool; the hardware prefetcher does not
-// follow a jump to the next block, so each row loop asks for the row kPrefetch ahead itself (measured on a 2-core
-// Xeon, B=32 x 860 keys, SmolLM2 shapes: 5.7 -> 3.3 ms per call, 13 of the 15 GB/s the machine reads).
+// follow a jump to the next block, so each row loop asks for the row kPrefetch ahead itself (it brings the kernel
+// close to the machine's read bandwidth: docs/performance.md).
 constexpr int64_t kPrefetch = 8;
 
 inline __attribute__((always_inline)) void prefetch_row(const float* row, int64_t D) {

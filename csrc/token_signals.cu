@@ -15,7 +15,7 @@ constexpr int kWarps = kThreads / 32;
 
 // A logit over the temperature, rounded once: __fmul_rn is never contracted into an FMA with a later subtraction
 // (nvcc contracts `x * inv_t - m` by default, keeping the product's rounding error: at T = 1e-30 the row's maximum got
-// y - m = 9.4e30, a positive log-probability, on the H200 on 2026-11-25), so y - m is exactly 0 at the maximum.
+// y - m = 9.4e30 on a GPU, a positive log-probability), so y - m is exactly 0 at the maximum.
 template <typename T>
 __device__ __forceinline__ float scaled(T x, float inv_t) {
   return __fmul_rn(to_float(x), inv_t);

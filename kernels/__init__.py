@@ -45,11 +45,9 @@ def rows_per_program(n_rows: int) -> int:
 
     Compiled for a GPU, 1: a program per row (and per head, column or key block), the launch every GPU session
     measured. Under the interpreter, whose cost is per program and per operation rather than per element, n_rows
-    rounded up to a power of two, at most 64. On a 2-core Xeon VM (2026-12-03): rope_write_kv on 150 rows (float32,
-    9 query and 3 kv heads of 64) took 12.9 s at 1 row a program, 0.91 s at 16 and 0.22 s at 64; the three
-    interpreted tests of tests/test_signals.py::test_attention_vs_reference at 9 x 37 rows, 9 heads of 64, took
-    133 s, 39 s and 24 s. No sum runs across rows, so the values do not depend on it (tests/test_fused_decode.py
-    and tests/test_kernels.py compare 1, 4, 16 and 64 bit for bit)."""
+    rounded up to a power of two, at most 64: on a CPU an interpreted kernel's time falls by an order of magnitude or
+    more from 1 row a program to 64 (benchmarks/gpu/NOTES.md). No sum runs across rows, so the values do not depend
+    on it (tests/test_fused_decode.py and tests/test_kernels.py compare 1, 4, 16 and 64 bit for bit)."""
     return min(64, triton.next_power_of_2(max(n_rows, 1))) if INTERPRETED else 1
 
 

@@ -1,6 +1,6 @@
 """Last-layer attention statistics for DRAGIN's RIND (a_i) and QFS (Triton).
 
-Decode (DESIGN.md "Signals"): the main attention kernel already reduced each query row to its log-sum-exp, so
+Decode (docs/architecture.md "Signals"): the main attention kernel already reduced each query row to its log-sum-exp, so
 p = exp(q . k * scale - lse) is recomputed for the generated span only (tens to hundreds of keys, not the whole
 context) and folded into the running per-head max amax [B, H, S]; the QFS row (all keys, mean over heads) only
 when asked. Prefill (reference mode's pass over the generated tokens, and the QFS pass): a flash-style row

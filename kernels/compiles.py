@@ -2,11 +2,10 @@
 
 A Triton kernel is compiled once per specialisation: per combination of its constexprs, of "equal to 1" and
 "divisible by 16" over the integer arguments it does not mark `do_not_specialize`, and of its pointers' 16-byte
-alignment. A compile inside a timed run stops the host for 0.4-1.5 s (the H200's step traces of 2026-11-26d and
-2026-11-27: a 1-token prefill step of 411 ms, a 3,719-token one of 838 ms, a step's first attention pass of 1.5 s,
-against 10-100 ms for their neighbours). The step trace showed the time but not its cause. `COMPILES` hooks Triton's
-JIT cache misses (`triton.knobs.runtime.jit_cache_hook`: every compile, or load from Triton's disk cache, of a
-specialisation this process has not run yet) and records each one's kernel name, so that
+alignment. A compile inside a timed run stops the host for a large fraction of a second or more, several times a
+step's usual length (benchmarks/results/README.md). The step trace showed the time but not its cause. `COMPILES`
+hooks Triton's JIT cache misses (`triton.knobs.runtime.jit_cache_hook`: every compile, or load from Triton's disk
+cache, of a specialisation this process has not run yet) and records each one's kernel name, so that
 
 - `fastrag.eval` reports the compiles of a timed run in metrics.json (`triton_compiles`), and
 - the engine's step trace ($FASTRAG_STEP_TRACE=1) names them in the row of the step they happened in (`compiles`).

@@ -5,11 +5,11 @@ A decode step is mostly a few large GEMMs per layer, but torch runs each layer's
 bf16: cast, square, mean, add, rsqrt, scale, cast back, weight), rotary embedding of q and k (5 each), KV-cache
 write (4), residual adds and SiLU product as about 35 separate small kernels beside its 4 GEMMs and the attention:
 some 41 launches per layer, 1,300 per step on a 32-layer model. Inside a CUDA graph each small one still costs
-microseconds, and the first GPU session measured a Llama-2-7B-shaped step at batch 1 at 8.1 ms against its 4.7 ms
-floor (benchmarks/results/gpu_h100_2026-11-23.md). These three kernels do that small work in 4 launches per layer
-(10 launches per layer in all). What that saves on a GPU is not measured yet: bench_decode's "unfused layers"
-column times the same step without them. Each kernel rounds to the model's dtype wherever torch's separate ops
-round, so the fused step decodes what the unfused one does up to the order of a float32 sum.
+microseconds, and a Llama-2-7B-shaped step at batch 1 took well above its weight-read floor
+(benchmarks/results/README.md). These three kernels do that small work in 4 launches per layer (10 launches per
+layer in all); bench_decode's "unfused layers" column times the same step without them. Each kernel rounds to the
+model's dtype wherever torch's separate ops round, so the fused step decodes what the unfused one does up to the
+order of a float32 sum.
 
     add_rms_norm(x, delta, w, eps) -> (x + delta, rmsnorm(x + delta) * w)    x, delta: [M, N]; delta may be None
     rope_write_kv(qkv, cos, sin, slots, k_pool, v_pool, H, Hkv) -> q [M, H, D]   (rotated k, v written to the pool)

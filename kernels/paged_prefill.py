@@ -120,9 +120,8 @@ class PrefillLayout:
 
 # Query rows per program: 64, on a GPU (tensor-core tiles) and under the interpreter, whose cost is per program and
 # per key tile rather than per element: padded rows cost it next to nothing, and a tile of 16 rows re-reads the keys
-# 4 times as often. On a 2-core Xeon VM (2026-12-03, float32, 9 query and 3 kv heads of 64) a prefill of 150 + 90 new
-# tokens took 5.6 s at 16 x 64 tiles and 1.2 s at 64 x 128 (default_block_n), one of 4 x 8 tokens after 200 own
-# keys each 1.5 to 2.3 s and 0.9 to 1.0 s.
+# 4 times as often (interpreted, 64 x 128 tiles run a prefill several times faster than 16 x 64:
+# benchmarks/gpu/NOTES.md).
 DEFAULT_BLOCK_M = 64
 
 

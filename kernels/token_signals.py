@@ -251,8 +251,8 @@ def token_signals(logits: torch.Tensor, temperature: float, rng_keys: torch.Tens
     temperature) for a temperature > 0 (no draw, rng_keys unused; the older token_signals contract).
 
     Every launch turns off Triton's FMA contraction (enable_fp_fusion=False): contracted, `x * inv_t - m` keeps the
-    product's rounding error, so the row's maximum got y - m = 9.4e30 at T = 1e-30 (a positive log-probability, and
-    an infinite weight that made the nucleus pick token 0) on the H200 on 2026-11-25. The interpreter, which never
+    product's rounding error, so the row's maximum got y - m = 9.4e30 at T = 1e-30 on a GPU (a positive
+    log-probability, and an infinite weight that made the nucleus pick token 0). The interpreter, which never
     contracts, drops the option.
     """
     B, V = logits.shape

@@ -1,4 +1,4 @@
-"""Decode steps through DecodeGraphs (fastrag/cuda_graphs.py): on the CPU the graph protocol is emulated (buffers
+"""Decode steps through DecodeGraphs (fastrag/cuda_graphs/decode.py): on the CPU the graph protocol is emulated (buffers
 and AttnBatch built once at capture, every replay re-runs the forward on them), so any dependence of a step on
 something outside the static buffers, a padding row that leaks into a real one, or a bucket that is reused with
 stale contents changes a token here. On a GPU the same tests capture real CUDA graphs."""
@@ -193,9 +193,9 @@ def test_mixed_prefix_batches_replay_graphs_like_eager(native, track):
 
 def test_mixed_graph_over_more_prefixes_than_its_cap_decodes_eagerly(monkeypatch):
     """A batch of more prefixes than one graph may mix decodes eagerly (and still gives eager tokens)."""
-    import fastrag.cuda_graphs as cg
+    import fastrag.cuda_graphs.decode as cg_decode  # (the module whose DecodeGraphs reads the cap)
 
-    monkeypatch.setattr(cg, "MAX_PREFIXES", 1)
+    monkeypatch.setattr(cg_decode, "MAX_PREFIXES", 1)
     pb = list(range(50, 82))
     prompts = [PREFIX + [1, 2, 3], pb + [4, 5], PREFIX + [9], pb + [7, 7, 7, 7]]
 

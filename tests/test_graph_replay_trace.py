@@ -1,4 +1,4 @@
-"""Every replay of a CUDA graph is the work its capture recorded (fastrag/cuda_graphs.py: decode, prefill and
+"""Every replay of a CUDA graph is the work its capture recorded (fastrag/cuda_graphs/: decode, prefill and
 attention-pass graphs).
 
 A real graph replays the kernels of its capture with the arguments they had then: the same shapes, the same
@@ -36,6 +36,7 @@ from test_paged_attention_triton import DEV, pytestmark  # noqa: F401
 from test_host_sync import HOST_READS  # noqa: E402
 
 import fastrag.cuda_graphs as cg  # noqa: E402
+import fastrag.cuda_graphs.decode as cg_decode  # noqa: E402
 from fastrag.kernels import INTERPRETED  # noqa: E402
 
 
@@ -230,7 +231,7 @@ class _Watch:
 
         def _capture(*a, **kw):
             g = capture(*a, **kw)
-            arg = g if isinstance(g, cg._Graph) else g.M  # (what `_forward` takes)
+            arg = g if isinstance(g, cg_decode._Graph) else g.M  # (what `_forward` takes)
             self._capturing = True
             try:
                 for _ in range(2):
@@ -245,7 +246,7 @@ class _Watch:
             if self._capturing:
                 return forward(arg)
             out = []
-            g = arg if isinstance(arg, cg._Graph) else graphs.graphs[arg]
+            g = arg if isinstance(arg, cg_decode._Graph) else graphs.graphs[arg]
             self.replays.append((self._key(arg), _recorded(lambda: out.append(forward(arg)),
                                                            _static_tensors(graphs, g))))
             return out[0]
@@ -255,7 +256,7 @@ class _Watch:
 
     @staticmethod
     def _key(arg):
-        return ("graph", id(arg)) if isinstance(arg, cg._Graph) else arg
+        return ("graph", id(arg)) if isinstance(arg, cg_decode._Graph) else arg
 
     def check(self, min_replays: int = 1) -> None:
         assert len(self.replays) >= min_replays, f"{len(self.replays)} replays recorded"

@@ -1,4 +1,4 @@
-"""Prefills and attention passes replayed from CUDA graphs (fastrag/cuda_graphs.py `PrefillGraphs`, `PassGraphs`)
+"""Prefills and attention passes replayed from CUDA graphs (fastrag/cuda_graphs/tokens.py `PrefillGraphs`, `PassGraphs`)
 against the eager packed prefill and `last_layer_qk`.
 
 On the CPU the protocol is emulated: the static buffers are written as on a GPU and every replay re-runs

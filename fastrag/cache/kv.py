@@ -46,10 +46,10 @@ class KVPool:
         # with weight 0, and 0 * NaN from never-written memory would poison the output); later it only holds finite
         # stale values. On a CPU the pool starts uninitialised, costing no memory until its blocks are used, and
         # each block is zeroed when it is first handed out. On a GPU the memory is held from the start anyway, so
-        # the whole pool is zeroed now, one fill a tensor (about 25 ms for 97 GB at an H200's copy bandwidth,
-        # estimated). Zeroing at first use cost each allocation of fresh blocks an upload and two fills a layer, 65
-        # launches for a 32-layer model in the middle of a step's launch, and with prefix caching most of a run's
-        # allocations are fresh blocks.
+        # the whole pool is zeroed now, one fill a tensor (a one-off at the device's copy bandwidth). Zeroing at
+        # first use cost each allocation of fresh blocks an upload and two fills a layer, 65 launches for a
+        # 32-layer model in the middle of a step's launch, and with prefix caching most of a run's allocations are
+        # fresh blocks.
         self.zero_at_start = torch.device(device).type == "cuda" if zero_at_start is None else zero_at_start
         self.k = [torch.empty(num_kv_heads, n, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.empty(num_kv_heads, n, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
@@ -170,8 +170,7 @@ def block_table_tensor(ctx: list[tuple[list[int], int]], block_size: int, rows: 
     """Host tensors of a batch's block tables: ([rows, cols] block ids, [rows] entries), one row per (blocks,
     entries) of ctx, each row's unused columns and the rows past len(ctx) holding `fill` (entries 1 there)."""
     # built in numpy (a row slice takes the list as it is) and shared with torch without a copy: on a graphed
-    # decode step this is most of the launch's host work, 10x less than a torch.tensor per row (0.14 against
-    # 1.34 ms for 128 rows of 20-56 blocks on the 2-core CI machine)
+    # decode step this is most of the launch's host work, about 10x less than a torch.tensor per row
     tab = np.full((rows, cols), fill, dtype=np.int64)
     lens = np.ones(rows, dtype=np.int64)
     for b, (blocks, n) in enumerate(ctx):

@@ -1,4 +1,4 @@
-"""DRAGIN `streaming` mode (DESIGN.md "Two DRAGIN modes"): the paper's rules at engine speed.
+"""DRAGIN `streaming` mode (docs/architecture.md "Two DRAGIN modes"): the paper's rules at engine speed.
 
 Reference mode decodes L tokens per round, judges the sentences afterwards and throws away everything after a
 trigger; after a retrieval it decodes L more tokens to keep one sentence. Streaming decodes in chunks of

@@ -1,11 +1,10 @@
 """The model's linear layers: `nn.Linear`, with a faster fp32 GEMM on the CPU.
 
 A decode step multiplies a handful of rows (one per sequence) by every weight matrix, so it should run at the speed
-the machine reads memory. torch's default CPU GEMM does not get close at those row counts. On the 2-core AMD EPYC
-of benchmarks/results/cpu_gemm.md (reads 21.8 GB/s), SmolLM2's 49152 x 576 output projection took 28.4 ms for 8
-rows (4.0 GB/s of weight read) and 10.9 ms for one; oneDNN, which torch bundles, took 17.6 ms and 7.5 ms once the
-weight was reordered into its blocked layout, and a whole decode step of 8 sequences went from 135 ms to 96 ms
-(`benchmarks/bench_cpu_gemm.py` measures every projection shape and the engine step).
+the machine reads memory. torch's default CPU GEMM does not get close at those row counts: it reads the weights at
+a fraction of the machine's bandwidth. oneDNN, which torch bundles, is markedly faster once the weight is reordered
+into its blocked layout, for the large projections and for a whole decode step (benchmarks/results/cpu_gemm.md;
+`benchmarks/bench_cpu_gemm.py` measures every projection shape and the engine step).
 
 `Linear` keeps the dense weight as its parameter, so loading, `state_dict`, in-place edits and `.to("cuda")` behave
 exactly as for `nn.Linear`. On the CPU it also keeps that reordered copy (the weights' memory twice over) and

@@ -1,4 +1,4 @@
-"""Retrieval signals (DESIGN.md "Signals"): token entropy/logprob/argmax, last-layer attention column max,
+"""Retrieval signals (docs/architecture.md "Signals"): token entropy/logprob/argmax, last-layer attention column max,
 QFS attention rows, and the non-stopword vocabulary table.
 
 A backend is chosen once, at construction: `get_backend("auto" | "cuda" | "triton" | "cpp" | "torch")`, default

@@ -1,7 +1,7 @@
 """The one slow, exact reference for every retrieval signal (float64 inside). Tests and benchmarks import it.
 
 Written for clarity, not speed: explicit loops over sequences and heads, slicing to each valid length.
-Definitions (DESIGN.md "Signals", docs/dragin-reference.md "RIND"/"QFS"):
+Definitions (docs/architecture.md "Signals", docs/dragin-reference.md "RIND"/"QFS"):
 
 - token signals of a decode step: p = softmax(logits / temperature) over the full vocabulary,
   entropy = -sum_v p_v ln p_v (masked -inf logits contribute 0 * ln 0 = 0), logprob = ln p_chosen,
@@ -278,7 +278,7 @@ def cascade_decode_ref(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tens
 def attn_decode_update_ref(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor,
                            ctx_lens: torch.Tensor, span_start: torch.Tensor, lse: torch.Tensor, block_size: int,
                            scale: float, amax: torch.Tensor, want_row: bool = False):
-    """One decode step of the running attention max (DESIGN.md "Signals", a_i) and the optional QFS row.
+    """One decode step of the running attention max (docs/architecture.md "Signals", a_i) and the optional QFS row.
 
     q [B, H, D] is the new query of each sequence (last layer), k_cache [Hkv, num_slots, D] the paged keys
     (sequence b's key at position i in slot block_tables[b, i // bs] * bs + i % bs), ctx_lens [B] the keys

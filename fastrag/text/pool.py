@@ -39,14 +39,13 @@ BATCH_KINDS = {"sentences": ("fastrag.text.sentences", "split_sentences_batch"),
 
 _BATCH = "__batch__"  # a frame holding several (kind, text) items: answered with compute_texts, in order
 # A text's estimated cost on a worker, in characters: its length plus a fixed part. Within a share's nlp.pipe pass
-# spaCy's time per text is about linear in its length: on the 2-core CI CPU, 40 texts a pass, 0.44 / 1.10 / 3.34 /
-# 9.39 ms a text split into sentences and 0.53 / 1.40 / 4.33 / 11.52 ms tagged at 30 / 100 / 300 / 900
-# characters, 10-13 us a character plus 10-15 characters' worth a text (benchmarks/results/text_groups_cpu.md)
+# spaCy's time per text is about linear in its length, splitting into sentences and tagging alike: a time per
+# character plus 10-15 characters' worth a text (benchmarks/results/text_groups_cpu.md)
 TEXT_COST_FIXED = 20
 _READY = -1  # the id of a worker's first frame: its pipeline is loaded (request ids count from 0)
 TEXT_LOCKSTEP_ENV = "FASTRAG_TEXT_LOCKSTEP"
 TEXT_GROUPS_ENV = "FASTRAG_TEXT_GROUPS"
-# the most worker processes a run starts by itself (auto_text_workers): the count the H200 runs used
+# the most worker processes a run starts by itself (auto_text_workers): the count the GPU runs were measured with
 AUTO_TEXT_WORKERS_MAX = 8
 
 __all__ = ["AUTO_TEXT_WORKERS_MAX", "KINDS", "TEXT_GROUPS_ENV", "TEXT_LOCKSTEP_ENV", "BrokenProcessPool", "TextPool",
@@ -64,11 +63,11 @@ def usable_cpus() -> int:
 
 def auto_text_workers(device, cpus: int | None = None) -> int:
     """The text workers a run starts when it is not told (`fastrag run` without --text-workers): none on a CPU,
-    where the workers' spaCy takes its cores from the engine's own threads (the 2-core CPU: 33.7 s with 2 workers
-    against 33.4 s without, docs/performance.md); on a GPU, where the engine's steps leave the host's cores idle, one a
-    core beyond two (the scheduler's thread and the search thread), at most AUTO_TEXT_WORKERS_MAX (the H200's 16
-    cores, 2026-11-27: 8 workers in groups, 17.05 s against 18.51 s without, 128 DRAGIN questions). device: a
-    torch.device or its name; cpus: the host's CPUs (default: this process's, `usable_cpus`)."""
+    where the workers' spaCy takes its cores from the engine's own threads (on 2 cores, workers gained nothing:
+    docs/performance.md); on a GPU, where the engine's steps leave the host's cores idle, one a core beyond two (the
+    scheduler's thread and the search thread), at most AUTO_TEXT_WORKERS_MAX (8 workers in groups shortened a DRAGIN
+    run on a 16-core GPU host: docs/performance.md). device: a torch.device or its name; cpus: the host's CPUs
+    (default: this process's, `usable_cpus`)."""
     kind = device if isinstance(device, str) else getattr(device, "type", None)
     if kind is None or str(kind).split(":")[0] != "cuda":
         return 0
@@ -110,10 +109,10 @@ def compute_text(kind: str, text: str):
 
 
 def compute_texts(items: list[tuple[str, str]]) -> list:
-    """`[compute_text(kind, text) for kind, text in items]`, each kind's texts through one `nlp.pipe` pass: on the
-    2-core CPU, 2 / 4 / 8 texts together split 1.32x / 1.54x / 1.71x and tag 1.18x / 1.38x / 1.50x faster than one
-    call each (benchmarks/gpu/NOTES.md, 2026-11-26). A pass that raises (a text spaCy rejects) is done again text
-    by text, so the failure stays with the text that caused it."""
+    """`[compute_text(kind, text) for kind, text in items]`, each kind's texts through one `nlp.pipe` pass: texts split
+    and tagged together take less time than one call each, the more so the more texts (benchmarks/gpu/NOTES.md). A
+    pass that raises (a text spaCy rejects) is done again text by text, so the failure stays with the text that
+    caused it."""
     out: list = [None] * len(items)
     groups: dict[str, list[int]] = {}
     for j, (kind, text) in enumerate(items):
