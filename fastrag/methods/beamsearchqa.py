@@ -29,7 +29,7 @@ from typing import Any
 
 from fastrag.data.datasets import DataError, canonical_dataset
 from fastrag.methods.common import open_result
-from fastrag.scheduler import Generate, Parallel, Search
+from fastrag.loop.requests import Generate, Parallel, Search
 from fastrag.trace import BeamNode, QuestionResult, Round
 
 
