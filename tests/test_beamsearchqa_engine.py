@@ -12,11 +12,11 @@ import torch
 from beamsearchqa_fakes import ListRetriever
 from fastrag.data.datasets import Example
 from fastrag.engine import Engine
-from fastrag.retrieval.base import Doc
+from fastrag.loop import QuestionLoop
 from fastrag.methods.beamsearchqa import BeamSearchQA, beamsearchqa_config, decisions
 from fastrag.model.llama import LlamaModel
 from fastrag.oracle.beamsearchqa import BeamSearchQAOracle
-from fastrag.loop import QuestionLoop
+from fastrag.retrieval.base import Doc
 
 EOS = 3
 

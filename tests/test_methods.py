@@ -16,8 +16,8 @@ import torch
 
 from fastrag.config import ConfigError, method_config
 from fastrag.engine import Generation
-from fastrag.retrieval.base import Doc
 from fastrag.loop import QuestionLoop, SyncEngineBase
+from fastrag.retrieval.base import Doc
 
 
 @dataclass

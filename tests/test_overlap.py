@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from fastrag.engine import Engine
+from fastrag.loop import AttnColmax, Generate, Parallel, QuestionLoop, Search, SyncEngineBase
 from fastrag.model.llama import LlamaModel
 from fastrag.retrieval.base import Doc
-from fastrag.loop import AttnColmax, Generate, Parallel, QuestionLoop, Search, SyncEngineBase
 from fastrag.trace import QuestionResult, Round
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

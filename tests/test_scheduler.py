@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 import pytest
 
 from fastrag.engine import Generation
-from fastrag.retrieval.base import Doc
 from fastrag.loop import AttnColmax, Generate, QuestionLoop, Search, SyncEngineBase
+from fastrag.retrieval.base import Doc, Retriever
 from fastrag.trace import QuestionResult, Round
 
 
@@ -77,7 +77,7 @@ class FakeEngine(SyncEngineBase):
         return [[1.0] * len(x) for x in seqs]
 
 
-class FakeRetriever:
+class FakeRetriever(Retriever):
     def __init__(self):
         self.batches = []
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from fastrag.engine import Engine, Generation
-from fastrag.retrieval.base import Doc
 from fastrag.loop import AttnColmax, Generate, Parallel, QuestionLoop, Search, SyncEngineBase
+from fastrag.retrieval.base import Doc
 from fastrag.trace import QuestionResult
 
 

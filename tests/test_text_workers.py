@@ -19,9 +19,9 @@ import torch
 
 from fastrag.engine import Engine
 from fastrag.eval import BUNDLED
+from fastrag.loop import Generate, Parallel, QuestionLoop, RealWords, Search, Sentences
 from fastrag.model.llama import LlamaModel
 from fastrag.retrieval.base import Doc
-from fastrag.loop import Generate, Parallel, QuestionLoop, RealWords, Search, Sentences
 from fastrag.text.pool import AUTO_TEXT_WORKERS_MAX, TextPool, auto_text_workers, failure_message, is_failure
 from fastrag.text.realwords import real_words
 from fastrag.text.sentences import split_sentences

@@ -14,6 +14,7 @@ import warnings
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 from fastrag.loop.requests import Search, SearchFailure
+from fastrag.retrieval.base import Retriever
 
 
 class SearchService:
@@ -26,10 +27,10 @@ class SearchService:
         self.retriever = retriever
         # retrieval batches in flight at once, each on its own thread; None: what the retriever says it serves
         # (Retriever.concurrent_searches: 1, one batch at a time, unless the retriever is safe to call from several
-        # threads and its backend serves calls in parallel). A retriever need not derive from Retriever (nor be
-        # there at all, for policies that never search): one without the attribute gets 1
+        # threads and its backend serves calls in parallel). Anything else that answers search() (or None, for
+        # policies that never search) gets 1
         if concurrency is None:
-            concurrency = getattr(retriever, "concurrent_searches", 1)
+            concurrency = retriever.concurrent_searches if isinstance(retriever, Retriever) else 1
         if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
             raise ValueError(f"search_concurrency must be an int >= 1, got {concurrency!r}")
         self.concurrency = concurrency
