@@ -390,7 +390,7 @@ def test_lockstep_workers_run_the_steps_of_a_run_without_workers(model, pool, ov
     keys = ("prefill_calls", "decode_steps", "prefill_tokens", "decode_tokens")
     assert {k: s1.engine.stats[k] for k in keys} == {k: s0.engine.stats[k] for k in keys}
     assert shares and min(shares) > 1 and s1.text_requests == sum(shares)  # (single texts stay on this thread)
-    assert s1.text_lockstep and not s1._texts  # nothing was left to come back later
+    assert s1.text_lockstep and not s1.texts.singles  # nothing was left to come back later
 
 
 def _wait_ready(pool, timeout: float = 120.0) -> None:
@@ -576,7 +576,7 @@ def test_groups_decide_as_a_run_without_workers(model, pool, overlap):
     assert _decisions(here) == _decisions(there)
     sizes = s1.text_group_sizes
     assert sizes and max(sizes) > 1 and sum(sizes) == s1.text_requests > 3 * 8
-    assert not s1._texts and not s1._text_groups and not s1._texts_out
+    assert not s1.texts.singles and not s1.texts.sent_groups and not s1.texts.out
 
 
 def test_a_step_does_not_wait_for_its_group_and_the_group_comes_back_whole(model):
