@@ -218,8 +218,8 @@ def test_continuing_without_retrieval_never_reprefills(model, monkeypatch):
     import fastrag.methods.common as common
     from fastrag.config import method_config
     from fastrag.data.metrics import ANSWER_PROMPT_SUFFIX
-    from fastrag.methods.registry import get_method
     from fastrag.loop import QuestionLoop
+    from fastrag.methods.registry import get_method
 
     eng = engine(model, max_batch=4)
     cfg = method_config("flare", "2wikimultihopqa", overrides={

@@ -66,8 +66,8 @@ def server(parts):
 def batch_answers(parts, questions):
     """The same questions through the batch path (QuestionLoop.run), for comparison."""
     from fastrag.data.datasets import Example
-    from fastrag.methods.registry import get_method
     from fastrag.loop import QuestionLoop
+    from fastrag.methods.registry import get_method
     import tempfile
 
     eng, ret = parts
