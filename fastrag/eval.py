@@ -650,7 +650,7 @@ def _run_many(runs: list[RunOptions], engine=None, retriever=None) -> list[dict]
     from tqdm import tqdm
 
     from fastrag.retrieval import make_retriever
-    from fastrag.scheduler import Scheduler
+    from fastrag.loop import QuestionLoop
     from fastrag.text.pool import auto_text_workers
 
     source_commit()  # the commit of the code this run loaded (fastrag.provenance), before anything can change it
@@ -746,7 +746,7 @@ def _run_many(runs: list[RunOptions], engine=None, retriever=None) -> list[dict]
                 text_workers = auto_text_workers(getattr(engine, "device", "cpu"), cpus=first.text_worker_cpus)
             # twice the decode batch in flight: questions waiting on attention passes or retrieval do not
             # leave holes in the decode batch
-            sched = Scheduler(engine, retriever, lambda ex: policies[which[id(ex)]](ex),
+            sched = QuestionLoop(engine, retriever, lambda ex: policies[which[id(ex)]](ex),
                               max_inflight=2 * first.batch_size, overlap=first.overlap,
                               text_workers=text_workers, search_concurrency=first.search_concurrency)
             sched.run(todo, on_result, pass_example=True)

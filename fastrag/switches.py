@@ -30,7 +30,7 @@ def env_setting(name: str) -> bool | None:
     return env_switch(name)
 
 
-# seconds: the interpreter's switch interval while a Scheduler runs (sys.setswitchinterval; Python's default 0.005).
+# seconds: the interpreter's switch interval while a QuestionLoop runs (sys.setswitchinterval; Python's default 0.005).
 # Every torch call lets the GIL go while it runs; when another thread runs Python meanwhile (the search thread, the
 # text workers' readers), the launching thread may wait up to this long to take it back, per call
 # (benchmarks/bench_host.py, the launch beside another thread; docs/performance.md).

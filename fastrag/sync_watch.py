@@ -1,6 +1,6 @@
 """Which host calls made the device wait while the scheduler's overlap window was open.
 
-With overlap (fastrag.scheduler), the engine launches a decode step and the methods' own logic runs on the host until
+With overlap (fastrag.loop), the engine launches a decode step and the methods' own logic runs on the host until
 `step_finish` waits for that step. Any call in between that synchronises with the device (a `.item()`, `.tolist()` or
 `.cpu()` of a device tensor, `nonzero`, a blocking copy between host and device, a stream's synchronize) makes the host
 wait for the step, and the window hides nothing after it. `SyncWatch` turns torch's synchronisation debug mode to
@@ -11,7 +11,7 @@ stream-synchronise paths; `torch.cuda.synchronize()` and an event's `synchronize
 one intended wait, for the attention passes, is an event's). The launch itself is covered by
 tests/test_host_sync.py; this covers everything else the window runs, in a real run.
 
-Off unless asked ($FASTRAG_SYNC_WATCH=1, or `Scheduler(sync_watch=True)`), and only on CUDA devices: the debug mode
+Off unless asked ($FASTRAG_SYNC_WATCH=1, or `QuestionLoop(sync_watch=True)`), and only on CUDA devices: the debug mode
 costs host time on every CUDA call. A run's metrics.json has the counts under `overlap_syncs`.
 """
 

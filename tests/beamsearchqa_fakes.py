@@ -7,8 +7,8 @@ import re
 from dataclasses import dataclass, field
 
 from fastrag.engine import Generation
+from fastrag.loop.requests import AttnColmax, AttnRows, Generate, Parallel, Search
 from fastrag.retrieval.base import Doc
-from fastrag.scheduler import AttnColmax, AttnRows, Generate, Parallel, Search
 
 
 class TextTok:

@@ -12,11 +12,11 @@ import torch
 from beamsearchqa_fakes import ListRetriever
 from fastrag.data.datasets import Example
 from fastrag.engine import Engine
-from fastrag.retrieval.base import Doc
+from fastrag.loop import QuestionLoop
 from fastrag.methods.beamsearchqa import BeamSearchQA, beamsearchqa_config, decisions
 from fastrag.model.llama import LlamaModel
 from fastrag.oracle.beamsearchqa import BeamSearchQAOracle
-from fastrag.scheduler import Scheduler
+from fastrag.retrieval.base import Doc
 
 EOS = 3
 
@@ -68,7 +68,7 @@ def test_engine_and_oracle_take_the_same_path_on_noise(tiny):
     policy = BeamSearchQA(cfg, tok)
     ret = ListRetriever()
     out = []
-    Scheduler(eng, ret, policy, max_inflight=3).run(QUESTIONS, out.append)
+    QuestionLoop(eng, ret, policy, max_inflight=3).run(QUESTIONS, out.append)
     by = {r.qid: r for r in out}
     assert len(by) == 3 and all(r.error is None for r in out), [r.error for r in out]
     oracle = BeamSearchQAOracle(hf, tok, ListRetriever(), cfg)
@@ -98,7 +98,7 @@ def test_repeated_summaries_are_generated_once_and_decide_as_the_oracle(tiny):
     cfg = short_config()
     tok = CharTok()
     eng = Engine(ours, tok, kv_cache_gb=0.05, max_batch=16)
-    sched = Scheduler(eng, SameDocs(), BeamSearchQA(cfg, tok), max_inflight=3)
+    sched = QuestionLoop(eng, SameDocs(), BeamSearchQA(cfg, tok), max_inflight=3)
     out = []
     sched.run(QUESTIONS, out.append)
     by = {r.qid: r for r in out}

@@ -71,7 +71,7 @@ def test_an_interrupted_run_leaves_the_shared_engine_as_it_found_it(go):
     sequence of the dead run decodes in theirs; the next run's answers equal those of an uninterrupted one."""
     from fastrag.data.datasets import load_examples
     from fastrag.eval import make_policy, method_config
-    from fastrag.scheduler import Scheduler
+    from fastrag.loop import QuestionLoop
 
     clean = go("clean", Passages())
     held = _held(go.engine)
@@ -85,7 +85,7 @@ def test_an_interrupted_run_leaves_the_shared_engine_as_it_found_it(go):
     def stop(result):
         raise KeyboardInterrupt
     for _ in range(2):
-        sched = Scheduler(go.engine, Passages(), policy, max_inflight=8)
+        sched = QuestionLoop(go.engine, Passages(), policy, max_inflight=8)
         with pytest.raises(KeyboardInterrupt):
             sched.run(examples, stop)
         assert not sched.busy

@@ -218,8 +218,8 @@ def test_continuing_without_retrieval_never_reprefills(model, monkeypatch):
     import fastrag.methods.common as common
     from fastrag.config import method_config
     from fastrag.data.metrics import ANSWER_PROMPT_SUFFIX
+    from fastrag.loop import QuestionLoop
     from fastrag.methods.registry import get_method
-    from fastrag.scheduler import Scheduler
 
     eng = engine(model, max_batch=4)
     cfg = method_config("flare", "2wikimultihopqa", overrides={
@@ -236,7 +236,7 @@ def test_continuing_without_retrieval_never_reprefills(model, monkeypatch):
     monkeypatch.setattr(common, "account", spy)
     out = []
     stats0 = dict(eng.stats)
-    Scheduler(eng, None, policy, max_inflight=2).run([Ex("1", "Who?"), Ex("2", "Where?")], out.append)
+    QuestionLoop(eng, None, policy, max_inflight=2).run([Ex("1", "Who?"), Ex("2", "Where?")], out.append)
     assert all(r.error is None for r in out), [r.error for r in out]
     assert all(r.retrievals == 0 for r in out)
     suffix = len(eng.tok.encode(ANSWER_PROMPT_SUFFIX))

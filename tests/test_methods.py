@@ -1,4 +1,4 @@
-"""Method policies driven by the real Scheduler over a scripted engine (CPU, no model).
+"""Method policies driven by the real QuestionLoop over a scripted engine (CPU, no model).
 
 The scripted engine answers each prompt from a "world": after the last "Answer:" of the prompt it finds how much
 of the scripted answer the prompt already holds and generates the rest, token by token, with the probabilities
@@ -16,8 +16,8 @@ import torch
 
 from fastrag.config import ConfigError, method_config
 from fastrag.engine import Generation
+from fastrag.loop import QuestionLoop, SyncEngineBase
 from fastrag.retrieval.base import Doc
-from fastrag.scheduler import Scheduler
 
 
 @dataclass
@@ -56,7 +56,7 @@ def scripted(tok, pieces, n):
     return gen[:n], p[:n], h[:n], eos and len(gen) <= n
 
 
-class ScriptEngine:
+class ScriptEngine(SyncEngineBase):
     """Generations from `world(prompt) -> [(text piece, p, H), ...]` (None ends with EOS); LCP accounting as the
     real engine does it (a restarted sequence prefills only what differs from its own cached tokens, >= 1)."""
 
@@ -141,7 +141,7 @@ def run(method, tok, world, ret=None, **over):
     policy = get_method(method).make_policy(cfg, tok)
     eng, ret = ScriptEngine(tok, world), ret or Retriever()
     out = []
-    Scheduler(eng, ret, policy, max_inflight=4).run([Ex("1", "Where is Paris?")], out.append)
+    QuestionLoop(eng, ret, policy, max_inflight=4).run([Ex("1", "Where is Paris?")], out.append)
     assert len(out) == 1
     return out[0], eng, ret
 
@@ -423,7 +423,7 @@ def test_dragin_streaming_cuts_at_the_trigger_sentence(tok, attention):
                                 stream_attention=attention)
     eng, ret = ScriptEngine(tok, world), Retriever()
     out = []
-    Scheduler(eng, ret, DraginStreaming(cfg, tok), max_inflight=2).run([Ex("1", "Where is Paris?")], out.append)
+    QuestionLoop(eng, ret, DraginStreaming(cfg, tok), max_inflight=2).run([Ex("1", "Where is Paris?")], out.append)
     r = out[0]
     assert r.error is None, r.error
     assert [x.trigger_sentence for x in r.rounds if x.query] == ["Its mayor lives in Marseille today."]
@@ -564,7 +564,7 @@ def test_retrieval_wait_overlaps_the_other_questions_decoding(tok):
             return super().search(queries, k)
 
     ret, out = Slow(), []
-    Scheduler(eng, ret, FlareDirect(cfg, tok), max_inflight=2).run([Ex("s", "Slow?"), Ex("f", "Fast?")],
+    QuestionLoop(eng, ret, FlareDirect(cfg, tok), max_inflight=2).run([Ex("s", "Slow?"), Ex("f", "Fast?")],
                                                                      out.append)
     by = {r.qid: r for r in out}
     assert by["s"].error is None and by["f"].error is None
@@ -600,7 +600,7 @@ def test_dragin_blank_generation_has_no_trigger(tok, blank):
                               hallucination_threshold=0.0)
     eng, ret = ScriptEngine(tok, lambda p: [(blank, 0.5, 5.0), None]), Retriever()
     out = []
-    Scheduler(eng, ret, DraginReference(cfg, tok), max_inflight=2).run([Ex("1", "Where is Paris?")], out.append)
+    QuestionLoop(eng, ret, DraginReference(cfg, tok), max_inflight=2).run([Ex("1", "Where is Paris?")], out.append)
     assert out[0].error is None, out[0].error
     assert ret.queries == []
 
@@ -840,7 +840,7 @@ def test_dragin_reference_round_by_hand(tok):
 
     policy = _policy("dragin", tok, fewshot=0, hallucination_threshold=0.6, retrieve_keep_top_k=2)
     eng, ret, out = ScriptEngine(tok, world), Retriever(), []
-    Scheduler(eng, ret, policy, max_inflight=1).run([Ex("1", question)], out.append)
+    QuestionLoop(eng, ret, policy, max_inflight=1).run([Ex("1", question)], out.append)
     res = out[0]
     assert res.error is None, res.error
     first, second = res.rounds
@@ -876,7 +876,7 @@ def test_dragin_stops_past_l_tokens_not_at_l(tok):
     assert L == len(tok.encode(" " + first)) == 5
     policy = _policy("dragin", tok, fewshot=0, generate_max_length=L)
     out = []
-    Scheduler(ScriptEngine(tok, world), Retriever(), policy, max_inflight=1).run([Ex("1", "Where is Paris?")],
+    QuestionLoop(ScriptEngine(tok, world), Retriever(), policy, max_inflight=1).run([Ex("1", "Where is Paris?")],
                                                                                  out.append)
     rec = _scripted_dragin_oracle(tok, policy, world).run("1", "Where is Paris?", ["France"])
     for r in (out[0], rec):
@@ -911,7 +911,7 @@ def test_every_method_refuses_a_blank_question_before_any_request(tok, method):
     """A question of whitespace only is that question's error ("empty question"), raised before the policy asks the
     engine or the retriever for anything."""
     eng, ret, out = ScriptEngine(tok, lambda p: ANSWER), Retriever(), []
-    Scheduler(eng, ret, _policy(method, tok), max_inflight=1).run([Ex("blank", " \t\n ")], out.append)
+    QuestionLoop(eng, ret, _policy(method, tok), max_inflight=1).run([Ex("blank", " \t\n ")], out.append)
     assert [r.qid for r in out] == ["blank"]
     assert out[0].error is not None and "empty question" in out[0].error, out[0].error
     assert eng.prompts == [] and ret.queries == []
@@ -931,7 +931,7 @@ def test_every_prompt_starts_with_the_shared_prefix(tok, method):
         assert isinstance(policy, FewShotMethod) and demos.count("Question:") == 2 and demos in policy.shared_prefix
     world = (lambda p: continuation(p, ANSWER)) if method != "beamsearchqa" else (lambda p: ANSWER)
     eng, out = ScriptEngine(tok, world), []
-    Scheduler(eng, Retriever(), policy, max_inflight=1).run([Ex("1", "Where is Paris?  ")], out.append)
+    QuestionLoop(eng, Retriever(), policy, max_inflight=1).run([Ex("1", "Where is Paris?  ")], out.append)
     assert out[0].error is None, out[0].error
     assert out[0].question == "Where is Paris?  "
     assert eng.prompts and all(p.startswith(policy.shared_prefix) for p, _ in eng.prompts), \
@@ -950,7 +950,7 @@ def test_dragin_retrieval_with_no_document_keeps_the_context_header(tok, method)
     answer = [(" Paris", LOW, 5.0), (" is in France.", LOW, 5.0), (" So the answer is France.", HIGH, 0.1), None]
     policy = _policy(method, tok, fewshot=0, generate_max_length=24, hallucination_threshold=0.0)
     eng, ret, out = ScriptEngine(tok, lambda p: continuation(p, answer)), Retriever(n=0), []
-    Scheduler(eng, ret, policy, max_inflight=1).run([Ex("1", "Where is Paris?")], out.append)
+    QuestionLoop(eng, ret, policy, max_inflight=1).run([Ex("1", "Where is Paris?")], out.append)
     assert out[0].error is None, out[0].error
     assert ret.queries, "the script never triggered a retrieval"
     header = "Context:\nAnswer in the same format as before.\n"

@@ -1,5 +1,5 @@
 """The methods' host logic overlapped with the device's decode step (`Engine.step_launch` / `step_finish`,
-`Scheduler(overlap=True)`).
+`QuestionLoop(overlap=True)`).
 
 With overlap a result reaches its question one scheduler step later and the batches are composed differently, so
 what can be compared is what each question decides: its generations, attention passes, searches and answer must
@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from fastrag.engine import Engine
+from fastrag.loop import AttnColmax, Generate, Parallel, QuestionLoop, Search, SyncEngineBase
 from fastrag.model.llama import LlamaModel
 from fastrag.retrieval.base import Doc
-from fastrag.scheduler import AttnColmax, Generate, Parallel, Scheduler, Search
 from fastrag.trace import QuestionResult, Round
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -135,7 +135,7 @@ def test_a_sequence_released_while_its_step_runs_leaves_the_batch(model):
     eng.step()  # prefill: all three decode from here on
     st = eng.step_launch()
     victim = seqs[1]
-    eng.running.remove(victim)  # what Scheduler._drop does
+    eng.running.remove(victim)  # what QuestionLoop._drop does
     eng.release(victim)
     assert eng.step_finish(st) == []
     assert victim not in eng.running and len(eng.running) == 2
@@ -193,7 +193,7 @@ def _schedule(model, overlap: bool, n: int = 9, **kw):
     out = []
     # the questions start with the shared prefix so that their decode steps take the prefix path too
     exs = [Ex(str(i), " ".join(str(x) for x in range(40, 72)) + f" {1 + i} {2 + 3 * i} {5 + i % 7}") for i in range(n)]
-    Scheduler(eng, Retriever(), policy, max_inflight=6, overlap=overlap).run(exs, out.append)
+    QuestionLoop(eng, Retriever(), policy, max_inflight=6, overlap=overlap).run(exs, out.append)
     return {r.qid: r for r in out}, eng, spy
 
 
@@ -232,15 +232,15 @@ def test_overlap_under_kv_pressure_waits_and_evicts_but_decides_the_same(model, 
 
 def test_overlap_is_on_by_default_only_on_a_gpu(model):
     eng = _engine(model)
-    assert Scheduler(eng, Retriever(), policy).overlap == (DEV == "cuda")
-    assert Scheduler(eng, Retriever(), policy, overlap=True).overlap
+    assert QuestionLoop(eng, Retriever(), policy).overlap == (DEV == "cuda")
+    assert QuestionLoop(eng, Retriever(), policy, overlap=True).overlap
 
-    class StepOnly:  # an engine with step() alone cannot overlap: said at construction, not mid-run
+    class StepOnly(SyncEngineBase):  # an engine with step() alone cannot overlap: said at construction, not mid-run
         device = torch.device("cpu")
 
         def step(self):
             return []
 
     with pytest.raises(ValueError, match="step_launch"):
-        Scheduler(StepOnly(), Retriever(), policy, overlap=True)
-    assert Scheduler(StepOnly(), Retriever(), policy).overlap is False
+        QuestionLoop(StepOnly(), Retriever(), policy, overlap=True)
+    assert QuestionLoop(StepOnly(), Retriever(), policy).overlap is False

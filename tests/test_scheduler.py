@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 import pytest
 
 from fastrag.engine import Generation
-from fastrag.retrieval.base import Doc
-from fastrag.scheduler import AttnColmax, Generate, Scheduler, Search
+from fastrag.loop import AttnColmax, Generate, QuestionLoop, Search, SyncEngineBase
+from fastrag.retrieval.base import Doc, Retriever
 from fastrag.trace import QuestionResult, Round
 
 
@@ -34,7 +34,7 @@ class FakeSeq:
     out: Generation | None = None
 
 
-class FakeEngine:
+class FakeEngine(SyncEngineBase):
     """Finishes every started generation after `steps` decode steps; counts batch sizes."""
 
     def __init__(self, steps=3):
@@ -77,7 +77,7 @@ class FakeEngine:
         return [[1.0] * len(x) for x in seqs]
 
 
-class FakeRetriever:
+class FakeRetriever(Retriever):
     def __init__(self):
         self.batches = []
 
@@ -103,7 +103,7 @@ def test_all_questions_finish_with_batched_passes_and_searches():
     eng, ret = FakeEngine(), FakeRetriever()
     out = []
     exs = [Ex(str(i), f"q{i}") for i in range(10)]
-    Scheduler(eng, ret, policy, max_inflight=10).run(exs, out.append)
+    QuestionLoop(eng, ret, policy, max_inflight=10).run(exs, out.append)
     assert sorted(r.qid for r in out) == sorted(e.qid for e in exs)
     assert all(r.error is None and r.text == "2" for r in out)
     assert [d for r in out for d in r.rounds[0].doc_ids] and all(len(r.rounds[0].doc_ids) == 2 for r in out)
@@ -116,7 +116,7 @@ def test_all_questions_finish_with_batched_passes_and_searches():
 def test_in_flight_bound_is_respected():
     eng, ret = FakeEngine(), FakeRetriever()
     out = []
-    Scheduler(eng, ret, policy, max_inflight=3).run([Ex(str(i), f"q{i}") for i in range(7)], out.append)
+    QuestionLoop(eng, ret, policy, max_inflight=3).run([Ex(str(i), f"q{i}") for i in range(7)], out.append)
     assert len(out) == 7 and max(eng.decode_batches) <= 3
 
 
@@ -124,7 +124,7 @@ def test_per_question_errors_are_recorded_and_others_finish():
     eng, ret = FakeEngine(), FakeRetriever()
     out = []
     exs = [Ex("a", "q1"), Ex("b", "bad"), Ex("c", "long"), Ex("d", "q2")]
-    Scheduler(eng, ret, policy, max_inflight=4).run(exs, out.append)
+    QuestionLoop(eng, ret, policy, max_inflight=4).run(exs, out.append)
     by = {r.qid: r for r in out}
     assert set(by) == {"a", "b", "c", "d"}
     assert "empty question" in by["b"].error
@@ -179,12 +179,12 @@ def test_retrieval_batches_in_flight_are_bounded_by_search_concurrency():
     for n in (1, 3):
         eng, ret = FakeEngine(steps=1), SlowRetriever()
         out = []
-        sched = Scheduler(eng, ret, staggered, max_inflight=16, search_concurrency=n)
+        sched = QuestionLoop(eng, ret, staggered, max_inflight=16, search_concurrency=n)
         in_flight, submit = [], sched._submit_search
 
         def counted():  # batches handed to the search threads and not yet collected (those queued there too)
             submit()
-            in_flight.append(len(sched._searches))
+            in_flight.append(len(sched.search.in_flight))
 
         sched._submit_search = counted
         sched.run(exs, out.append)
@@ -198,17 +198,17 @@ def test_retrieval_batches_in_flight_are_bounded_by_search_concurrency():
 
 def test_search_concurrency_defaults_to_what_the_retriever_serves():
     eng = FakeEngine(steps=1)
-    assert Scheduler(eng, FakeRetriever(), staggered).search_concurrency == 1
+    assert QuestionLoop(eng, FakeRetriever(), staggered).search_concurrency == 1
     ret = SlowRetriever(concurrent=2)
-    sched = Scheduler(eng, ret, staggered, max_inflight=16)
+    sched = QuestionLoop(eng, ret, staggered, max_inflight=16)
     assert sched.search_concurrency == 2
     out = []
     sched.run([Ex(str(i), f"q{i}") for i in range(16)], out.append)
     assert len(out) == 16 and ret.peak == 2
-    assert Scheduler(eng, ret, staggered, search_concurrency=1).search_concurrency == 1  # the caller's word wins
+    assert QuestionLoop(eng, ret, staggered, search_concurrency=1).search_concurrency == 1  # the caller's word wins
     for bad in (0, -1, 1.5, True, "2"):
         with pytest.raises(ValueError, match="search_concurrency must be an int >= 1"):
-            Scheduler(eng, FakeRetriever(), staggered, search_concurrency=bad)
+            QuestionLoop(eng, FakeRetriever(), staggered, search_concurrency=bad)
 
 
 def test_a_failing_batch_among_concurrent_ones_ends_only_its_questions():
@@ -223,7 +223,7 @@ def test_a_failing_batch_among_concurrent_ones_ends_only_its_questions():
     eng, ret = FakeEngine(steps=1), Flaky()
     out = []
     with pytest.warns(RuntimeWarning, match="retrieval failed for 1 of"):
-        Scheduler(eng, ret, staggered, max_inflight=16, search_concurrency=3).run(
+        QuestionLoop(eng, ret, staggered, max_inflight=16, search_concurrency=3).run(
             [Ex(str(i), f"q{i}") for i in range(12)], out.append)
     by = {r.qid: r for r in out}
     assert len(by) == 12 and "server reset" in by["5"].error

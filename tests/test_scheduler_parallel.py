@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from fastrag.engine import Engine, Generation
+from fastrag.loop import AttnColmax, Generate, Parallel, QuestionLoop, Search, SyncEngineBase
 from fastrag.retrieval.base import Doc
-from fastrag.scheduler import AttnColmax, Generate, Parallel, Scheduler, Search
 from fastrag.trace import QuestionResult
 
 
@@ -35,7 +35,7 @@ class FakeSeq:
     out: Generation | None = None
 
 
-class FakeEngine:
+class FakeEngine(SyncEngineBase):
     """Every generation of n tokens takes n steps and returns ids [seq number] * n; records batches and releases."""
 
     def __init__(self):
@@ -98,7 +98,7 @@ def fan_out(ex):
 
 def test_parallel_results_come_back_in_order_and_share_the_batches():
     eng, ret, out = FakeEngine(), Retriever(), []
-    Scheduler(eng, ret, fan_out, max_inflight=4).run([Ex(str(i), f"q{i}") for i in range(4)], out.append)
+    QuestionLoop(eng, ret, fan_out, max_inflight=4).run([Ex(str(i), f"q{i}") for i in range(4)], out.append)
     assert len(out) == 4 and all(r.error is None for r in out), [r.error for r in out]
     for r in out:
         q = r.question
@@ -113,7 +113,7 @@ def test_parallel_results_come_back_in_order_and_share_the_batches():
 
 def test_each_parallel_generation_gets_its_own_sequence_and_one_shots_are_released_early():
     eng, ret, out = FakeEngine(), Retriever(), []
-    Scheduler(eng, ret, fan_out, max_inflight=1).run([Ex("0", "q")], out.append)
+    QuestionLoop(eng, ret, fan_out, max_inflight=1).run([Ex("0", "q")], out.append)
     assert out[0].error is None
     # branches 0 and 1 and one one-shot sequence: three distinct sequences; the follow-up reused branch 0's
     assert len(eng.seqs) == 3
@@ -137,7 +137,7 @@ def test_parallel_mistakes_are_per_question_errors():
         return QuestionResult(qid=ex.qid, question=ex.question, gold=ex.answers, text="ok")
 
     eng, ret, out = FakeEngine(), Retriever(), []
-    Scheduler(eng, ret, bad, max_inflight=8).run(
+    QuestionLoop(eng, ret, bad, max_inflight=8).run(
         [Ex(q, q) for q in ("dup", "nested", "neg", "what", "fine")], out.append)
     by = {r.qid: r for r in out}
     assert "share branch" in by["dup"].error and "[3]" in by["dup"].error
@@ -163,7 +163,7 @@ def test_a_failing_part_ends_its_question_and_frees_the_other_parts():
         return QuestionResult(qid=ex.qid, question=ex.question, gold=ex.answers, text=str([len(x.ids) for x in g]))
 
     out = []
-    Scheduler(eng, Retriever(), pol).run([Ex("bad", "b"), Ex("good", "g")], out.append)
+    QuestionLoop(eng, Retriever(), pol).run([Ex("bad", "b"), Ex("good", "g")], out.append)
     by = {r.qid: r for r in out}
     assert "exceeds the model context" in by["bad"].error
     assert by["good"].error is None and by["good"].text == "[4, 4]"
@@ -200,7 +200,7 @@ def test_parallel_generations_on_a_real_model_equal_the_same_generations_run_one
     eng = Engine(model, WordTok(), kv_cache_gb=0.01)
     eng.set_prefix(stem)
     out = []
-    Scheduler(eng, Retriever(), pol).run([Ex("0", "q")], out.append)
+    QuestionLoop(eng, Retriever(), pol).run([Ex("0", "q")], out.append)
     assert out[0].error is None, out[0].error
     first, second, prefilled = eval(out[0].text)  # noqa: S307 - our own repr of int lists
     assert first == [alone(p, 6) for p in prompts]
@@ -219,7 +219,7 @@ def test_width_of_a_parallel_is_free(width):
         return QuestionResult(qid=ex.qid, question=ex.question, gold=ex.answers, text=str([len(x.ids) for x in g]))
 
     eng, out = FakeEngine(), []
-    Scheduler(eng, Retriever(), pol).run([Ex("0", "q")], out.append)
+    QuestionLoop(eng, Retriever(), pol).run([Ex("0", "q")], out.append)
     assert out[0].text == str([1 + i % 3 for i in range(width)])
 
 
@@ -237,7 +237,7 @@ def _repeats(ex):
 
 def test_identical_one_shot_greedy_generations_of_a_question_run_once():
     eng, out = FakeEngine(), []
-    sched = Scheduler(eng, Retriever(), _repeats)
+    sched = QuestionLoop(eng, Retriever(), _repeats)
     sched.run([Ex("0", "q"), Ex("1", "q")], out.append)
     assert all(r.error is None for r in out), [r.error for r in out]
     ran_per_question = 4  # "x y"/3, "z"/3, "x y"/4 and the branch-0 generation; the rest are copies
@@ -267,7 +267,7 @@ def test_sampled_one_shot_generations_are_never_reused():
             super().start(s, ids, n)
 
     eng, out = Sampling(), []
-    sched = Scheduler(eng, Retriever(), _repeats)
+    sched = QuestionLoop(eng, Retriever(), _repeats)
     sched.run([Ex("0", "q")], out.append)
     assert out[0].error is None, out[0].error
     assert len(eng.seqs) == 7 and sched.reused_generations == 0
@@ -290,7 +290,7 @@ def test_a_question_that_ends_while_a_repeat_waits_leaves_nothing_behind():
             super().start(s, ids, n)
 
     eng, out = Failing(), []
-    sched = Scheduler(eng, Retriever(), pol)
+    sched = QuestionLoop(eng, Retriever(), pol)
     sched.run([Ex("0", "q")], out.append)
     assert len(out) == 1 and "exceeds the model context" in out[0].error
     assert not eng.running and not sched.busy and not sched._ready

@@ -64,10 +64,10 @@ def server(parts):
 
 
 def batch_answers(parts, questions):
-    """The same questions through the batch path (Scheduler.run), for comparison."""
+    """The same questions through the batch path (QuestionLoop.run), for comparison."""
     from fastrag.data.datasets import Example
+    from fastrag.loop import QuestionLoop
     from fastrag.methods.registry import get_method
-    from fastrag.scheduler import Scheduler
     import tempfile
 
     eng, ret = parts
@@ -77,7 +77,7 @@ def batch_answers(parts, questions):
     eng.set_prefix(pol.shared_prefix)
     out = []
     exs = [Example(qid=str(i), question=q, answers=[], dataset="hotpotqa") for i, q in enumerate(questions)]
-    Scheduler(eng, ret, pol, max_inflight=4).run(exs, out.append)
+    QuestionLoop(eng, ret, pol, max_inflight=4).run(exs, out.append)
     by = {r.qid: r for r in out}
     return [by[str(i)] for i in range(len(questions))]
 

@@ -1,4 +1,4 @@
-"""$FASTRAG_SWITCH_INTERVAL: the interpreter's switch interval while a Scheduler runs, and its bad values."""
+"""$FASTRAG_SWITCH_INTERVAL: the interpreter's switch interval while a QuestionLoop runs, and its bad values."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from fastrag.scheduler import Scheduler
+from fastrag.loop import QuestionLoop
 from fastrag.switches import SWITCH_INTERVAL_ENV, switch_interval, switch_interval_setting
 from test_scheduler import Ex, FakeEngine, FakeRetriever, policy
 
@@ -69,7 +69,7 @@ def test_a_scheduler_run_holds_the_interval_on_every_thread_it_uses(monkeypatch,
             return super().step()
 
     out = []
-    Scheduler(Eng(), Ret(), policy, max_inflight=4).run([Ex(str(i), f"q{i}") for i in range(6)], out.append)
+    QuestionLoop(Eng(), Ret(), policy, max_inflight=4).run([Ex(str(i), f"q{i}") for i in range(6)], out.append)
     assert len(out) == 6 and all(r.error is None for r in out)
     assert any(not main for main, _ in seen), "no search ran on a worker thread"
     assert [iv for _, iv in seen] == pytest.approx([0.0003] * len(seen))
@@ -80,7 +80,7 @@ def test_a_scheduler_run_holds_the_interval_on_every_thread_it_uses(monkeypatch,
             raise RuntimeError("engine failed")
 
     with pytest.raises(RuntimeError, match="engine failed"):
-        Scheduler(Boom(), Ret(), policy, max_inflight=4).run([Ex("a", "q")], out.append)
+        QuestionLoop(Boom(), Ret(), policy, max_inflight=4).run([Ex("a", "q")], out.append)
     assert sys.getswitchinterval() == pytest.approx(0.005)
 
 

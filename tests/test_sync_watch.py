@@ -13,7 +13,7 @@ import torch
 
 import fastrag
 from fastrag.engine import Engine
-from fastrag.scheduler import Generate, Scheduler
+from fastrag.loop import Generate, QuestionLoop
 from fastrag.sync_watch import SYNC_MESSAGE, SYNC_WATCH_ENV, SyncWatch, sync_watch_requested
 from fastrag.trace import QuestionResult
 
@@ -140,7 +140,7 @@ def test_the_scheduler_watches_its_overlap_window_only(model, monkeypatch):
         res.prediction = text
         return res
 
-    sched = Scheduler(eng, None, policy, max_inflight=4, overlap=True, sync_watch=False)
+    sched = QuestionLoop(eng, None, policy, max_inflight=4, overlap=True, sync_watch=False)
     sched.sync_watch = SyncWatch(set_mode=modes)  # (forced on: on a CPU the scheduler leaves it off)
     out = []
     sched.run([Ex("long", "9 8 7 6 5")] + [Ex(f"q{i}", " ".join(str(5 + i + j) for j in range(6))) for i in range(3)],
@@ -162,7 +162,7 @@ def test_a_step_that_raises_in_the_window_closes_it(model):
         yield Generate(ex.question, 2, branch=0)
         raise KeyboardInterrupt  # (not a per-question failure: it leaves the run)
 
-    sched = Scheduler(eng, None, policy, max_inflight=4, overlap=True)
+    sched = QuestionLoop(eng, None, policy, max_inflight=4, overlap=True)
     sched.sync_watch = SyncWatch(set_mode=modes)
     with pytest.raises(KeyboardInterrupt):
         sched.run([Ex("q", "5 6 7 8")], lambda r: None)
@@ -172,12 +172,12 @@ def test_a_step_that_raises_in_the_window_closes_it(model):
 def test_on_a_cpu_or_without_overlap_the_watch_is_off_and_says_why(model, monkeypatch):
     eng = Engine(model, Tok(), kv_cache_gb=0.02, max_batch=4)
     monkeypatch.setenv(SYNC_WATCH_ENV, "1")
-    s = Scheduler(eng, None, lambda ex: iter(()), overlap=True)
+    s = QuestionLoop(eng, None, lambda ex: iter(()), overlap=True)
     assert s.sync_watch is None and s.sync_watch_off == ("not a CUDA device" if eng.device.type != "cuda" else None)
-    s = Scheduler(eng, None, lambda ex: iter(()), overlap=False)
+    s = QuestionLoop(eng, None, lambda ex: iter(()), overlap=False)
     assert s.sync_watch is None and "overlap is off" in s.sync_watch_off
     monkeypatch.setenv(SYNC_WATCH_ENV, "0")
-    s = Scheduler(eng, None, lambda ex: iter(()), overlap=True)
+    s = QuestionLoop(eng, None, lambda ex: iter(()), overlap=True)
     assert s.sync_watch is None and s.sync_watch_off is None
 
 

@@ -1,4 +1,4 @@
-"""The methods' spaCy work on worker processes (fastrag.text.pool, `Scheduler(text_workers=N)`).
+"""The methods' spaCy work on worker processes (fastrag.text.pool, `QuestionLoop(text_workers=N)`).
 
 A text request's result must not depend on where it runs: the workers' sentences and real words equal the calls in
 this process on real texts, and a run whose spaCy work goes to workers decides every question as a run that does it
@@ -19,9 +19,9 @@ import torch
 
 from fastrag.engine import Engine
 from fastrag.eval import BUNDLED
+from fastrag.loop import Generate, Parallel, QuestionLoop, RealWords, Search, Sentences
 from fastrag.model.llama import LlamaModel
 from fastrag.retrieval.base import Doc
-from fastrag.scheduler import Generate, Parallel, RealWords, Scheduler, Search, Sentences
 from fastrag.text.pool import AUTO_TEXT_WORKERS_MAX, TextPool, auto_text_workers, failure_message, is_failure
 from fastrag.text.realwords import real_words
 from fastrag.text.sentences import split_sentences
@@ -159,9 +159,9 @@ class _Inline:
 def _schedule(model, text_workers, overlap=False, n=8, pol=policy, inline_search=False, **kw):
     eng = Engine(model, Tok(), kv_cache_gb=0.02, max_batch=4)
     out = []
-    sched = Scheduler(eng, Retriever(), pol, max_inflight=6, overlap=overlap, text_workers=text_workers, **kw)
+    sched = QuestionLoop(eng, Retriever(), pol, max_inflight=6, overlap=overlap, text_workers=text_workers, **kw)
     if inline_search:
-        sched._pool = _Inline()
+        sched.search.executor = _Inline()
     sched.run([Ex(str(i), f"{1 + i} {2 + 3 * i} {5 + i % 7}") for i in range(n)], out.append)
     return {r.qid: r for r in out}, sched
 
@@ -207,7 +207,7 @@ def test_a_worker_that_dies_costs_no_work(model, mode):
 
     sched_ref = []
     eng = Engine(model, Tok(), kv_cache_gb=0.02, max_batch=4)
-    sched = Scheduler(eng, Retriever(), killer, max_inflight=6, text_workers=2, text_lockstep=mode == "lockstep",
+    sched = QuestionLoop(eng, Retriever(), killer, max_inflight=6, text_workers=2, text_lockstep=mode == "lockstep",
                       text_groups=mode == "groups")
     if mode != "free":  # (workers still loading get no texts in lockstep or groups: these are ready before the run)
         sched.text_pool = TextPool(2)
@@ -243,10 +243,10 @@ def test_text_workers_argument_is_checked(model):
     eng = Engine(model, Tok(), kv_cache_gb=0.02, max_batch=4)
     for bad in (-1, 1.5, True, "2"):
         with pytest.raises(ValueError, match="text_workers must be an int >= 0 or a TextPool"):
-            Scheduler(eng, Retriever(), policy, text_workers=bad)
-    assert Scheduler(eng, Retriever(), policy).text_workers == 0  # no workers by default, with overlap or without
-    assert Scheduler(eng, Retriever(), policy, overlap=True).text_workers == 0
-    assert Scheduler(eng, Retriever(), policy, overlap=True, text_workers=2).text_workers == 2
+            QuestionLoop(eng, Retriever(), policy, text_workers=bad)
+    assert QuestionLoop(eng, Retriever(), policy).text_workers == 0  # no workers by default, with overlap or without
+    assert QuestionLoop(eng, Retriever(), policy, overlap=True).text_workers == 0
+    assert QuestionLoop(eng, Retriever(), policy, overlap=True, text_workers=2).text_workers == 2
 
 
 @pytest.mark.parametrize("groups", [False, True])
@@ -261,19 +261,19 @@ def test_closing_with_texts_at_the_workers(model, groups):
         return res
 
     eng = Engine(model, Tok(), kv_cache_gb=0.02, max_batch=4)
-    sched = Scheduler(eng, Retriever(), pol, text_workers=1, text_groups=None if groups else False)
+    sched = QuestionLoop(eng, Retriever(), pol, text_workers=1, text_groups=None if groups else False)
     assert sched.text_groups == groups
     deadline = time.monotonic() + 120
-    while groups and sched._ready_pool() is None:  # (a group goes out once a worker has loaded its pipeline)
+    while groups and sched.texts.ready_pool() is None:  # (a group goes out once a worker has loaded its pipeline)
         assert time.monotonic() < deadline, "the text worker did not load its pipeline in 120 s"
         time.sleep(0.05)
     out = []
     sched.submit(Ex("0", "1 2"), out.append)
     sched.step()
-    assert (sched._text_groups if groups else sched._texts) and sched.text_pool is not None
+    assert (sched.texts.sent_groups if groups else sched.texts.singles) and sched.text_pool is not None
     pids = sched.text_pool.pids()
     sched.close()
-    assert sched.text_pool is None and not sched._texts and not sched._text_groups
+    assert sched.text_pool is None and not sched.texts.singles and not sched.texts.sent_groups
     for pid in pids:  # the worker processes are gone (reaped)
         with pytest.raises(ChildProcessError):
             os.waitpid(pid, os.WNOHANG)
@@ -316,7 +316,7 @@ def test_texts_computed_together_equal_the_calls_one_by_one(monkeypatch):
 def test_a_step_s_texts_go_through_one_pass_and_decide_the_same(model, monkeypatch):
     """Without workers, the texts the questions of a step ask for are computed together (several in one call of
     compute_texts), and every question decides as when each text is computed on its own, with overlap or without."""
-    import fastrag.scheduler as sched_mod
+    import fastrag.loop.text_service as sched_mod
 
     sizes = []
     real = sched_mod.compute_texts
@@ -330,10 +330,10 @@ def test_a_step_s_texts_go_through_one_pass_and_decide_the_same(model, monkeypat
         sizes.clear()
         batched, _ = _schedule(model, 0, overlap=overlap)
         assert sizes and max(sizes) > 1, sizes  # some step had several texts in one pass
-        monkeypatch.setattr(Scheduler, "batch_texts", False)
+        monkeypatch.setattr(QuestionLoop, "batch_texts", False)
         sizes.clear()
         alone, _ = _schedule(model, 0, overlap=overlap)
-        monkeypatch.setattr(Scheduler, "batch_texts", True)
+        monkeypatch.setattr(QuestionLoop, "batch_texts", True)
         assert not sizes  # (switched off: one text at a time, not through compute_texts)
         assert all(r.error is None for r in batched.values())
         assert _decisions(batched) == _decisions(alone)
@@ -390,7 +390,7 @@ def test_lockstep_workers_run_the_steps_of_a_run_without_workers(model, pool, ov
     keys = ("prefill_calls", "decode_steps", "prefill_tokens", "decode_tokens")
     assert {k: s1.engine.stats[k] for k in keys} == {k: s0.engine.stats[k] for k in keys}
     assert shares and min(shares) > 1 and s1.text_requests == sum(shares)  # (single texts stay on this thread)
-    assert s1.text_lockstep and not s1._texts  # nothing was left to come back later
+    assert s1.text_lockstep and not s1.texts.singles  # nothing was left to come back later
 
 
 def _wait_ready(pool, timeout: float = 120.0) -> None:
@@ -429,15 +429,15 @@ def test_lockstep_never_waits_for_workers_still_loading(model, monkeypatch):
     here, _ = _schedule(model, 0)
     for after in (10**9, 4):
         eng = Engine(model, Tok(), kv_cache_gb=0.02, max_batch=4)
-        sched = Scheduler(eng, Retriever(), policy, max_inflight=6, text_workers=2, text_lockstep=True)
+        sched = QuestionLoop(eng, Retriever(), policy, max_inflight=6, text_workers=2, text_lockstep=True)
         fake = sched.text_pool = Loading(after)
-        real = sched._compute_texts
+        real = sched.texts.compute
 
         def counting(items, real=real, fake=fake):
             fake.asked += len(items)
             return real(items)
 
-        sched._compute_texts = counting
+        sched.texts.compute = counting
         out = []
         sched.run([Ex(str(i), f"{1 + i} {2 + 3 * i} {5 + i % 7}") for i in range(8)], out.append)
         assert _decisions({r.qid: r for r in out}) == _decisions(here)
@@ -464,13 +464,13 @@ def test_the_lockstep_switch(model, monkeypatch):
 
     eng = Engine(model, Tok(), kv_cache_gb=0.02, max_batch=4)
     monkeypatch.delenv(TEXT_LOCKSTEP_ENV, raising=False)
-    assert not Scheduler(eng, Retriever(), policy, text_workers=2).text_lockstep
+    assert not QuestionLoop(eng, Retriever(), policy, text_workers=2).text_lockstep
     monkeypatch.setenv(TEXT_LOCKSTEP_ENV, "1")
-    assert Scheduler(eng, Retriever(), policy, text_workers=2).text_lockstep
-    assert not Scheduler(eng, Retriever(), policy, text_workers=2, text_lockstep=False).text_lockstep
+    assert QuestionLoop(eng, Retriever(), policy, text_workers=2).text_lockstep
+    assert not QuestionLoop(eng, Retriever(), policy, text_workers=2, text_lockstep=False).text_lockstep
     monkeypatch.setenv(TEXT_LOCKSTEP_ENV, "sometimes")
     with pytest.raises(ValueError, match=TEXT_LOCKSTEP_ENV):
-        Scheduler(eng, Retriever(), policy, text_workers=2)
+        QuestionLoop(eng, Retriever(), policy, text_workers=2)
 
 
 # ---------------------------------------------------------------------------------------------- groups
@@ -576,7 +576,7 @@ def test_groups_decide_as_a_run_without_workers(model, pool, overlap):
     assert _decisions(here) == _decisions(there)
     sizes = s1.text_group_sizes
     assert sizes and max(sizes) > 1 and sum(sizes) == s1.text_requests > 3 * 8
-    assert not s1._texts and not s1._text_groups and not s1._texts_out
+    assert not s1.texts.singles and not s1.texts.sent_groups and not s1.texts.out
 
 
 def test_a_step_does_not_wait_for_its_group_and_the_group_comes_back_whole(model):
@@ -614,7 +614,7 @@ def test_a_step_does_not_wait_for_its_group_and_the_group_comes_back_whole(model
 
     here, _ = _schedule(model, 0)
     eng = Engine(model, Tok(), kv_cache_gb=0.02, max_batch=4)
-    sched = Scheduler(eng, Retriever(), policy, max_inflight=6, text_workers=2, text_groups=True)
+    sched = QuestionLoop(eng, Retriever(), policy, max_inflight=6, text_workers=2, text_groups=True)
     fake = sched.text_pool = Slow()
     out, stepped_while_out, handed = [], 0, []
     step = [0]
@@ -626,7 +626,7 @@ def test_a_step_does_not_wait_for_its_group_and_the_group_comes_back_whole(model
 
     sched._hand_text = hand
     members = []  # per group sent, in the order they went: its texts' (question, index)
-    real_send = sched._send_group
+    real_send = sched.texts.send_group
 
     def send(items):
         went = real_send(items)
@@ -634,12 +634,12 @@ def test_a_step_does_not_wait_for_its_group_and_the_group_comes_back_whole(model
             members.append([(id(lv), i) for lv, i, _ in items])
         return went
 
-    sched._send_group = send
+    sched.texts.send_group = send
     for i in range(8):
         sched.submit(Ex(str(i), f"{1 + i} {2 + 3 * i} {5 + i % 7}"), out.append)
     while sched.busy:
         work = eng.stats["prefill_calls"] + eng.stats["decode_steps"]
-        was_out = any(not f.done() for f, _ in sched._text_groups)  # (a group still at the pool)
+        was_out = any(not f.done() for f, _ in sched.texts.sent_groups)  # (a group still at the pool)
         sched.step()
         stepped_while_out += was_out and eng.stats["prefill_calls"] + eng.stats["decode_steps"] > work
         step[0] += 1
@@ -666,26 +666,26 @@ def test_the_groups_switch(model, monkeypatch):
     monkeypatch.delenv(TEXT_GROUPS_ENV, raising=False)
     monkeypatch.delenv(TEXT_LOCKSTEP_ENV, raising=False)
     # unset: groups wherever there are workers and lockstep is not asked for
-    assert Scheduler(eng, Retriever(), policy, text_workers=2).text_groups
-    assert not Scheduler(eng, Retriever(), policy, text_workers=0).text_groups
-    assert not Scheduler(eng, Retriever(), policy).text_groups
-    lock = Scheduler(eng, Retriever(), policy, text_workers=2, text_lockstep=True)
+    assert QuestionLoop(eng, Retriever(), policy, text_workers=2).text_groups
+    assert not QuestionLoop(eng, Retriever(), policy, text_workers=0).text_groups
+    assert not QuestionLoop(eng, Retriever(), policy).text_groups
+    lock = QuestionLoop(eng, Retriever(), policy, text_workers=2, text_lockstep=True)
     assert lock.text_lockstep and not lock.text_groups
     monkeypatch.setenv(TEXT_LOCKSTEP_ENV, "1")
-    assert not Scheduler(eng, Retriever(), policy, text_workers=2).text_groups
+    assert not QuestionLoop(eng, Retriever(), policy, text_workers=2).text_groups
     monkeypatch.delenv(TEXT_LOCKSTEP_ENV)
     for off in ("0", " off "):  # free-running
         monkeypatch.setenv(TEXT_GROUPS_ENV, off)
-        free = Scheduler(eng, Retriever(), policy, text_workers=2)
+        free = QuestionLoop(eng, Retriever(), policy, text_workers=2)
         assert not free.text_groups and not free.text_lockstep
     monkeypatch.setenv(TEXT_GROUPS_ENV, "1")
-    assert Scheduler(eng, Retriever(), policy, text_workers=2).text_groups
-    assert not Scheduler(eng, Retriever(), policy, text_workers=2, text_groups=False).text_groups
+    assert QuestionLoop(eng, Retriever(), policy, text_workers=2).text_groups
+    assert not QuestionLoop(eng, Retriever(), policy, text_workers=2, text_groups=False).text_groups
     with pytest.raises(ValueError, match="choose one"):
-        Scheduler(eng, Retriever(), policy, text_workers=2, text_lockstep=True)
+        QuestionLoop(eng, Retriever(), policy, text_workers=2, text_lockstep=True)
     monkeypatch.setenv(TEXT_GROUPS_ENV, "often")
     with pytest.raises(ValueError, match=TEXT_GROUPS_ENV):
-        Scheduler(eng, Retriever(), policy, text_workers=2)
+        QuestionLoop(eng, Retriever(), policy, text_workers=2)
 
 
 def test_auto_text_workers_spare_two_cores_on_a_gpu_and_none_on_a_cpu(monkeypatch):

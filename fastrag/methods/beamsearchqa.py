@@ -32,7 +32,7 @@ from fastrag.methods.beamsearchqa_text import (  # noqa: F401  (the text's publi
     ANSWER_CUE, ASK_CUE, SCORE_CUE, Prompts, chat_header, inline_items, parse_answer, parse_evidence, parse_questions,
     parse_score, question_key)
 from fastrag.methods.common import open_result
-from fastrag.scheduler import Generate, Parallel, Search
+from fastrag.loop.requests import Generate, Parallel, Search
 from fastrag.trace import BeamNode, QuestionResult, Round
 
 

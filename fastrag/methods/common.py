@@ -15,7 +15,7 @@ import time
 
 from fastrag.data.exemplars import case_text, demo_text
 from fastrag.data.metrics import ANSWER_MAX_TOKENS, answer_prompt, complete_answer, needs_answer_generation
-from fastrag.scheduler import Generate, RealWords, Search, Sentences
+from fastrag.loop.requests import Generate, RealWords, Search, Sentences
 from fastrag.trace import QuestionResult
 
 STOP_PHRASE = "the answer is"

@@ -15,7 +15,7 @@ from fastrag.config import DraginConfig
 from fastrag.data.metrics import ANSWER_MAX_TOKENS, answer_prompt, complete_answer, needs_answer_generation
 from fastrag.methods.common import (FewShotMethod, first_sentence, generate, join, real_words, search, sentences,
                                     truncate_query)
-from fastrag.scheduler import AttnColmax, AttnRows, Parallel, RealWords, Sentences
+from fastrag.loop.requests import AttnColmax, AttnRows, Parallel, RealWords, Sentences
 from fastrag.text.realwords import matches_real_word
 from fastrag.text.words import assign_words_to_sentences, sentence_word_ranges, word_boundaries
 from fastrag.trace import Round

@@ -13,7 +13,7 @@ from fastrag.data.exemplars import case_text, published_demo_text
 from fastrag.data.metrics import ANSWER_MAX_TOKENS, answer_prompt, complete_answer, needs_answer_generation
 from fastrag.methods import published as P
 from fastrag.methods.common import FewShotMethod, generate, join, open_result, real_words, search, sentences, stop
-from fastrag.scheduler import AttnColmax, AttnRows, Parallel, RealWords, Sentences
+from fastrag.loop.requests import AttnColmax, AttnRows, Parallel, RealWords, Sentences
 from fastrag.trace import Round
 
 PLAIN, RAG = 0, None  # KV branches, as in reference mode (fastrag.methods.dragin)

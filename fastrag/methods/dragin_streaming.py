@@ -28,7 +28,7 @@ from fastrag.methods.common import (STOP_PHRASE, finish_answer, first_sentence, 
 from fastrag.methods.dragin import DraginReference
 from fastrag.methods.registry import MethodSpec, register
 from fastrag.methods.token_rag import token_spans
-from fastrag.scheduler import AttnColmax, AttnRows, Parallel, RealWords
+from fastrag.loop.requests import AttnColmax, AttnRows, Parallel, RealWords
 from fastrag.text.realwords import matches_real_word
 from fastrag.text.words import assign_words_to_sentences, sentence_word_ranges
 from fastrag.trace import Round

@@ -161,14 +161,14 @@ class AsyncEngine:
 
     def __init__(self, engine, retriever, max_inflight: int = 64, max_queue: int = 256,
                  search_concurrency: int | None = None):
-        from fastrag.scheduler import Scheduler
+        from fastrag.loop import QuestionLoop
 
         if max_inflight <= 0 or max_queue < 0:
             raise ValueError("max_inflight must be > 0 and max_queue >= 0")
         self.engine, self.retriever = engine, retriever
         self.max_queue = max_queue
         # (a retrieval in flight never blocks the worker: it admits, cancels and times out requests meanwhile)
-        self.scheduler = Scheduler(engine, retriever, max_inflight=max_inflight, wait_for_search=False,
+        self.scheduler = QuestionLoop(engine, retriever, max_inflight=max_inflight, wait_for_search=False,
                                    search_concurrency=search_concurrency)
         self._inbox: queue.Queue = queue.Queue()
         # (method, dataset, config) -> [policy, its shared prefix in the engine or None]; the least recently used

@@ -1,6 +1,6 @@
 """The methods' spaCy work (sentence splits, real words) on worker processes.
 
-On a GPU the scheduler runs the methods' host logic while the device decodes the next step (Scheduler.overlap);
+On a GPU the scheduler runs the methods' host logic while the device decodes the next step (QuestionLoop.overlap);
 spaCy is most of that logic (DRAGIN: a sentence split of every generation, POS tags of the triggering sentence and of
 the query text), and one Python process runs it one text at a time. A `TextPool` spreads the texts of all questions
 over worker processes, each with its own copy of the pipeline, so the host logic of a step shrinks with the number
@@ -77,12 +77,12 @@ def auto_text_workers(device, cpus: int | None = None) -> int:
 
 
 def text_lockstep_requested() -> bool:
-    """$FASTRAG_TEXT_LOCKSTEP (Scheduler(text_lockstep=None); fastrag.switches.env_switch)."""
+    """$FASTRAG_TEXT_LOCKSTEP (QuestionLoop(text_lockstep=None); fastrag.switches.env_switch)."""
     return env_switch(TEXT_LOCKSTEP_ENV)
 
 
 def text_groups_requested() -> bool | None:
-    """$FASTRAG_TEXT_GROUPS (Scheduler(text_groups=None)): 1 groups, 0 free-running workers, unset None (the
+    """$FASTRAG_TEXT_GROUPS (QuestionLoop(text_groups=None)): 1 groups, 0 free-running workers, unset None (the
     scheduler's default: groups unless lockstep is asked for); fastrag.switches.env_setting."""
     return env_setting(TEXT_GROUPS_ENV)
 

@@ -1,5 +1,5 @@
-"""Scheduler-level differential fuzz: random policies (plain / continued / tracked / one-shot / Parallel generations,
-identical one-shot prompts (the greedy memo), attention passes, searches, cancellations) served by a Scheduler over
+"""QuestionLoop-level differential fuzz: random policies (plain / continued / tracked / one-shot / Parallel generations,
+identical one-shot prompts (the greedy memo), attention passes, searches, cancellations) served by a QuestionLoop over
 a tight engine (small pool, random batch, overlap on or off, random max_inflight) and over a large engine at batch 1
 with one question in flight. Every question's trace (tokens, entropies, logprobs, attention) must agree, and match
 the full-recompute reference for greedy generations.
@@ -21,8 +21,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import engine_fuzz as F  # noqa: E402
 
+from fastrag.loop import AttnColmax, AttnRows, Generate, Parallel, QuestionLoop, Search  # noqa: E402
 from fastrag.retrieval.base import Doc  # noqa: E402
-from fastrag.scheduler import AttnColmax, AttnRows, Generate, Parallel, Scheduler, Search  # noqa: E402
 from fastrag.trace import QuestionResult  # noqa: E402
 
 
@@ -140,7 +140,7 @@ def run(wl_seed, ec: F.EngineCfg, n_q, inflight, overlap, cancel, V=96, search_c
         eng.set_prefix(s(p))
     free0 = eng.pool.num_free
     traces, results = {}, {}
-    sched = Scheduler(eng, FakeRetriever(V, 0.001 if search_concurrency > 1 else 0.0),
+    sched = QuestionLoop(eng, FakeRetriever(V, 0.001 if search_concurrency > 1 else 0.0),
                       make_policy(V, prefixes, traces), max_inflight=inflight, overlap=overlap, text_workers=0,
                       search_concurrency=search_concurrency)
     exs = [Ex(f"q{i}", f"question {i}", (), wl_seed * 1000 + i) for i in range(n_q)]
