@@ -39,6 +39,42 @@ class ConfigError(ValueError):
     """An invalid configuration value; the message names the field (and the file when loaded from one)."""
 
 
+class InlineConfig(dict):
+    """A config given as an object instead of a file (fastrag.RAG.run(config={...}), a served request's
+    retrieval.config): every loader that takes a config file's path takes one of these too, and reads its keys as
+    it reads a file's. Messages name it `name` where they would name the file, so it stands where a path stands
+    (str() and os.fspath() give the name)."""
+
+    def __init__(self, values: dict, name: str = "config"):
+        if not isinstance(values, dict):
+            raise ConfigError(f"{name}: expected a dict of config fields, got {type(values).__name__}")
+        bad = [k for k in values if not isinstance(k, str)]
+        if bad:
+            raise ConfigError(f"{name}: config field names must be strings, got {bad[0]!r}")
+        super().__init__(values)
+        self.name = name
+
+    def __str__(self) -> str:
+        return self.name
+
+    __format__ = lambda self, spec: format(self.name, spec)  # noqa: E731  (f"{cfg}: ..." names it)
+
+    def __fspath__(self) -> str:
+        return self.name
+
+
+def config_source(config, name: str = "config"):
+    """What the loaders take for `config`: None, a path (str or os.PathLike) as given, a dict as an InlineConfig
+    named `name`; anything else is a ConfigError."""
+    if config is None or isinstance(config, InlineConfig):
+        return config
+    if isinstance(config, dict):
+        return InlineConfig(config, name)
+    if isinstance(config, (str, Path)) or hasattr(config, "__fspath__"):
+        return config
+    raise ConfigError(f"{name}: expected a dict of config fields or a JSON file's path, got {type(config).__name__}")
+
+
 def _defaults(length: int, theta: float, top_n: int, fewshot: int) -> dict[str, Any]:
     return {"generate_max_length": length, "hallucination_threshold": theta, "retrieve_keep_top_k": top_n,
             "fewshot": fewshot}
@@ -164,7 +200,9 @@ def dragin_config(dataset: str, overrides: dict[str, Any] | None = None) -> Drag
 
 def read_json_object(path: str | Path, error: type[Exception] = ConfigError) -> dict[str, Any]:
     """A config file's top-level JSON object; `error` (naming the file, and line/column for bad JSON, the lines of
-    a key given twice) otherwise."""
+    a key given twice) otherwise. An InlineConfig is its own object (a copy)."""
+    if isinstance(path, InlineConfig):
+        return dict(path)
     if not str(path):  # (Path("") is the current folder)
         raise error("the config file's path is empty")
     path = Path(path)
