@@ -17,7 +17,7 @@ class RunOptions:
     method: str
     dataset: str
     data: str | None  # None: the caller hands run_many the examples (fastrag.api's questions in memory)
-    corpus: str
+    corpus: str | None  # None only with write False (a retriever given built, whose corpus is not known)
     output: str | None  # the results folder; None only with write=False
     model: str = "smollm2"
     config: str | dict | None = None  # a JSON file's path, or its object (fastrag.config.InlineConfig)
@@ -114,8 +114,8 @@ class RunOptions:
                 raise ValueError(f"qids must be a list or tuple of question ids (strings), got {self.qids!r:.80}")
             self.qids = tuple(self.qids)
         for name in ("data", "corpus", "answer_aliases"):
-            if getattr(self, name) is None and name in ("answer_aliases", "data"):
-                continue
+            if getattr(self, name) is None and (name in ("answer_aliases", "data") or not self.write):
+                continue  # (no data file: the caller's examples; no corpus: a retriever given, nothing written)
             p, flag = Path(getattr(self, name)), "--" + name.replace("_", "-")
             try:
                 p.stat()

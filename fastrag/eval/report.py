@@ -11,8 +11,13 @@ from fastrag.data.metrics import aggregate, score
 from fastrag.trace import QuestionResult
 
 
+# Example.meta key of a question given without gold answers (fastrag.api): it gets no EM/F1, and the run's means
+# are over the questions that have them
+NO_GOLD = "no_gold"
+
+
 def score_result(ex: Example, r: QuestionResult) -> None:
-    if r.error is None:
+    if r.error is None and not ex.meta.get(NO_GOLD):
         r.metrics = score(ex, r.prediction)
 
 

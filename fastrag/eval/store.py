@@ -22,10 +22,14 @@ import os
 import shutil
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fastrag.data.datasets import Example
 from fastrag.eval.report import score_result
 from fastrag.trace import QuestionResult, holds_records
+
+if TYPE_CHECKING:
+    from fastrag.eval.options import RunOptions
 
 
 def read_results(path: Path, repair: bool = False) -> list[QuestionResult]:

@@ -16,6 +16,8 @@ A method module registers itself when imported (`fastrag.methods` imports them a
 
 from __future__ import annotations
 
+import sys
+import types
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -69,3 +71,16 @@ def methods() -> dict[str, str]:
 
 def _load_all() -> None:
     import fastrag.methods  # noqa: F401  (its imports register every method)
+
+
+class MethodsPackage(types.ModuleType):
+    """The fastrag.methods package, callable: `fastrag.methods()` is `methods()` (the public API's listing, where
+    `from fastrag import methods` finds the package)."""
+
+    def __call__(self) -> dict[str, str]:
+        return methods()
+
+
+# (this module is imported while fastrag.methods itself loads: every import path reaches it through the package)
+if "fastrag.methods" in sys.modules and not isinstance(sys.modules["fastrag.methods"], MethodsPackage):
+    sys.modules["fastrag.methods"].__class__ = MethodsPackage
