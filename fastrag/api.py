@@ -221,8 +221,11 @@ class RAG:
                           retriever=self.retriever_spec.kind if self.retriever_spec is not None else "bm25",
                           temperature=c.temperature, top_p=c.top_p, seed=c.seed, top_k=c.top_k)
         records: list = []
-        metrics = run_many([opts], engine=self.engine, retriever=self.retriever,
-                           examples=None if examples is None else [examples], records=records)[0]
+        # (the engine and the index are built only when some question is to be computed, after the options and the
+        # questions were checked; kept for the next run)
+        metrics = run_many([opts], engine=self._engine, retriever=self._retriever,
+                           examples=None if examples is None else [examples], records=records,
+                           make_engine=lambda: self.engine, make_retriever=lambda: self.retriever)[0]
         return Results(records[0], metrics)
 
     # ------------------------------------------------------------------ serving

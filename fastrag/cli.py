@@ -215,10 +215,10 @@ def _main(argv: list[str] | None, seen: dict) -> int:
             return 2
         return 0
     if args.cmd == "methods":
-        from fastrag.methods.registry import available, get_method
+        from fastrag.api import methods
 
-        for name in available():
-            print(f"{name:18s} {get_method(name).description}")
+        for name, description in methods().items():
+            print(f"{name:18s} {description}")
         return 0
 
     from fastrag.eval import BUNDLED, RunError, RunOptions

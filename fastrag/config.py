@@ -21,6 +21,7 @@ from typing import Any
 
 from fastrag.data.datasets import DataError, canonical_dataset
 from fastrag.data.exemplars import load_exemplars, published_exemplar_count
+from fastrag.inline_config import InlineConfig
 from fastrag.jsonkeys import RepeatedKey, unique_keys
 
 MODES = ("reference", "streaming")
@@ -37,42 +38,6 @@ DRAGIN_METHODS = ("attn_entropy", "dragin")
 
 class ConfigError(ValueError):
     """An invalid configuration value; the message names the field (and the file when loaded from one)."""
-
-
-class InlineConfig(dict):
-    """A config given as an object instead of a file (fastrag.RAG.run(config={...}), a served request's
-    retrieval.config): every loader that takes a config file's path takes one of these too, and reads its keys as
-    it reads a file's. Messages name it `name` where they would name the file, so it stands where a path stands
-    (str() and os.fspath() give the name)."""
-
-    def __init__(self, values: dict, name: str = "config"):
-        if not isinstance(values, dict):
-            raise ConfigError(f"{name}: expected a dict of config fields, got {type(values).__name__}")
-        bad = [k for k in values if not isinstance(k, str)]
-        if bad:
-            raise ConfigError(f"{name}: config field names must be strings, got {bad[0]!r}")
-        super().__init__(values)
-        self.name = name
-
-    def __str__(self) -> str:
-        return self.name
-
-    __format__ = lambda self, spec: format(self.name, spec)  # noqa: E731  (f"{cfg}: ..." names it)
-
-    def __fspath__(self) -> str:
-        return self.name
-
-
-def config_source(config, name: str = "config"):
-    """What the loaders take for `config`: None, a path (str or os.PathLike) as given, a dict as an InlineConfig
-    named `name`; anything else is a ConfigError."""
-    if config is None or isinstance(config, InlineConfig):
-        return config
-    if isinstance(config, dict):
-        return InlineConfig(config, name)
-    if isinstance(config, (str, Path)) or hasattr(config, "__fspath__"):
-        return config
-    raise ConfigError(f"{name}: expected a dict of config fields or a JSON file's path, got {type(config).__name__}")
 
 
 def _defaults(length: int, theta: float, top_n: int, fewshot: int) -> dict[str, Any]:

@@ -42,14 +42,14 @@ def _shard_worker(opts: RunOptions, device: str | None) -> dict:
     """Runs inside a Ray worker: the shard's questions through one engine."""
     import torch
 
-    from fastrag.eval import build_engine, run, sampling_of
+    from fastrag.eval import run
+    from fastrag.specs import EngineConfig
 
     if opts.threads:
         torch.set_num_threads(opts.threads)
     Path(opts.output).mkdir(parents=True, exist_ok=True)
     (Path(opts.output) / "worker.pid").write_text(str(os.getpid()))
-    engine = build_engine(opts.model, opts.batch_size, opts.signals, opts.kv_cache_gb, device=device,
-                          sampling=sampling_of(opts), prefix_caching=opts.prefix_caching)
+    engine = EngineConfig.of(opts, device=device).build()
     return run(opts, engine=engine)
 
 

@@ -98,7 +98,7 @@ def _run_oracle(opts: RunOptions, out: Path, recipe: str) -> tuple[list[Question
     from tqdm import tqdm
 
     from fastrag.model.loading import load_tokenizer
-    from fastrag.retrieval import make_retriever
+    from fastrag.specs import retriever_spec
 
     spec = _with_oracle(opts.method)
     out.mkdir(parents=True, exist_ok=True)
@@ -111,7 +111,7 @@ def _run_oracle(opts: RunOptions, out: Path, recipe: str) -> tuple[list[Question
     if todo:
         tok = load_tokenizer(opts.model)
         model = oracle_model(opts.model, recipe)
-        retriever = make_retriever(opts.retriever, corpus_path=opts.corpus, show_progress=opts.progress)
+        retriever = retriever_spec(opts.retriever, opts.corpus).build(show_progress=opts.progress)
         oracle = spec.make_oracle(model, tok, retriever, method_config(opts))
         warm_oracle(model, tok, retriever)
         w = ResultWriter(path)

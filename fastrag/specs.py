@@ -63,6 +63,14 @@ class EngineConfig:
         self.sampling()  # (a bad temperature, top_p, top_k or seed fails here, naming it)
 
     @classmethod
+    def of(cls, opts, **more) -> EngineConfig:
+        """The engine settings of a batch run's options (fastrag.eval.RunOptions: `fastrag run`'s flags)."""
+        return cls(model=opts.model, batch_size=opts.batch_size, signals=opts.signals, kv_cache_gb=opts.kv_cache_gb,
+                   temperature=opts.temperature, top_p=opts.top_p, top_k=opts.top_k, seed=opts.seed,
+                   prefix_caching=opts.prefix_caching, overlap=opts.overlap, text_workers=opts.text_workers,
+                   search_concurrency=opts.search_concurrency, threads=opts.threads, **more)
+
+    @classmethod
     def fields(cls) -> tuple[str, ...]:
         return tuple(f.name for f in dataclasses.fields(cls))
 

@@ -58,7 +58,7 @@ def run(opts: RunOptions, engine=None, retriever=None) -> dict:
 
 
 def run_many(runs: list[RunOptions], engine=None, retriever=None, examples: list[list] | None = None,
-             records: list[list[QuestionResult]] | None = None) -> list[dict]:
+             records: list[list[QuestionResult]] | None = None, make_engine=None, make_retriever=None) -> list[dict]:
     """Several (method, dataset) runs served together by one engine: their questions share the decode batch.
 
     Each run keeps its own output directory (results.jsonl written as questions finish, resumable; metrics.json
@@ -70,6 +70,8 @@ def run_many(runs: list[RunOptions], engine=None, retriever=None, examples: list
     examples: per run, its questions (fastrag.data Example objects) instead of those of its `data` file.
     records: a list that gets, per run, all its records (those resumed and those computed), in its questions'
     order. Runs with `write` False keep their records in memory only: no folder, lock, manifest or resume.
+    make_engine / make_retriever: called (no arguments) for the engine / retriever when none is given and some
+    question is to be computed (None: built from the first run's options, fastrag.specs).
     """
     if not runs:
         raise ValueError("run_many: no runs given")
@@ -91,15 +93,15 @@ def run_many(runs: list[RunOptions], engine=None, retriever=None, examples: list
     with contextlib.ExitStack() as held:
         for out in outs:
             held.enter_context(output_lock(out))
-        return _run_many(runs, engine, retriever, examples, records)
+        return _run_many(runs, engine, retriever, examples, records, make_engine, make_retriever)
 
 
 def _run_many(runs: list[RunOptions], engine=None, retriever=None, given: list[list] | None = None,
-              records: list[list[QuestionResult]] | None = None) -> list[dict]:
+              records: list[list[QuestionResult]] | None = None, make_engine=None, make_retriever=None) -> list[dict]:
     from tqdm import tqdm
 
-    from fastrag.retrieval import make_retriever
     from fastrag.scheduler import Scheduler
+    from fastrag.specs import EngineConfig, retriever_spec
     from fastrag.text.pool import auto_text_workers
 
     source_commit()  # the commit of the code this run loaded (fastrag.provenance), before anything can change it
@@ -140,10 +142,9 @@ def _run_many(runs: list[RunOptions], engine=None, retriever=None, given: list[l
     probes = Probes(text_workers_given=first.text_workers is not None)
     tok0 = 0
     if any(p[4] for p in plans):
-        engine = engine or build_engine(first.model, first.batch_size, first.signals, first.kv_cache_gb,
-                                        sampling=sampling_of(first), prefix_caching=first.prefix_caching)
-        retriever = retriever or make_retriever(first.retriever, corpus_path=first.corpus,
-                                                show_progress=first.progress)
+        engine = engine or (make_engine or EngineConfig.of(first).build)()
+        retriever = retriever or (make_retriever or (lambda: retriever_spec(first.retriever, first.corpus).build(
+            show_progress=first.progress)))()
         policies = [make_policy(o.method, cfg, engine.tok) for o, cfg, *_ in plans]
         _warn_control_tokens(plans, engine.tok)
         t0 = time.perf_counter()  # (the shared demo prefixes are part of the run's work and of its clock)

@@ -58,7 +58,7 @@ def get_method(name: str) -> MethodSpec:
 def make_config(method: str, dataset: str, config=None, name: str = "config"):
     """`method`'s config for `dataset` from `config`: None (the defaults), a JSON file's path, or a dict of the
     same fields (read as the file's object would be; messages name it `name`)."""
-    from fastrag.config import config_source
+    from fastrag.inline_config import config_source
 
     return get_method(method).make_config(dataset, config_source(config, name))
 
