@@ -391,10 +391,10 @@ class FlareConfig(RagConfig):
 
 @dataclass(slots=True)
 class DraginStreamingConfig(DraginConfig):
-    """DRAGIN `streaming` mode: the reference rules judged per sentence as soon as it ends (DESIGN.md)."""
+    """DRAGIN `streaming` mode: the reference rules judged per sentence as soon as it ends (docs/architecture.md)."""
 
     stream_chunk_tokens: int = 16  # tokens decoded between two sentence checks
-    # where a_i comes from: "in-context" (DESIGN.md streaming: the running max of the last layer's attention in
+    # where a_i comes from: "in-context" (docs/architecture.md, streaming: the running max of the last layer's attention in
     # the decode pass itself, prompt included in the softmax) or "pass" (reference mode's separate attention pass
     # over the round's tokens alone, one per judged sentence)
     stream_attention: str = "in-context"
