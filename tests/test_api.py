@@ -99,3 +99,21 @@ def test_bad_inputs_say_what_is_wrong(rag):
         RAG(batchsize=3)
     with pytest.raises(ValueError, match="batch_size must be an int >= 1"):
         EngineConfig(batch_size=0)
+
+
+def test_stream_gives_the_answer_and_run_waits_for_close(rag):
+    import asyncio
+
+    async def one():
+        kinds, answer = [], None
+        async for ev in rag.stream(QUESTIONS[1]["question"], method="wo-rag", dataset="hotpotqa", config=SMALL):
+            kinds.append(ev.kind)
+            if ev.kind == "answer":
+                answer = ev.data["result"]
+        return kinds, answer
+
+    kinds, answer = asyncio.run(one())
+    assert kinds[-1] == "answer" and "token" in kinds and isinstance(answer["prediction"], str)
+    with pytest.raises(RuntimeError, match="serving front is open"):
+        rag.run(["q"], method="wo-rag")
+    rag.close()
