@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 README = Path(__file__).resolve().parent.parent / "README.md"
 # the example the README opens with (what its first python block holds; used until README.md has one)
 EXAMPLE = '''from fastrag import RAG, BM25
@@ -27,6 +29,7 @@ def first_python_block(text: str) -> str | None:
     return m.group(1) if m else None
 
 
+@pytest.mark.slow  # (the default DRAGIN config over two questions: minutes on a CPU)
 def test_readme_example_runs(tmp_path):
     code = first_python_block(README.read_text(encoding="utf-8")) if README.exists() else None
     if code is None or "from fastrag import RAG" not in code:  # (the README before its API example)
