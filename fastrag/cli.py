@@ -44,10 +44,9 @@ def _common(p: argparse.ArgumentParser, method: str | None = None) -> None:
     p.add_argument("--text-workers", type=int, default=None,
                    help="processes for the methods' spaCy work (0: in the main process; default: on a GPU one a "
                         "host core beyond two, at most 8, on a CPU 0). Each step's "
-                        "texts go to them as one group the step does not wait for (on an H200, 8 workers: 17.05 s "
-                        "against 18.51 s without, 128 DRAGIN questions, benchmarks/results/gpu_h200_2026-11-27.md); "
+                        "texts go to them as one group the step does not wait for; "
                         "$FASTRAG_TEXT_LOCKSTEP=1: the step waits for its texts; $FASTRAG_TEXT_GROUPS=0: each text "
-                        "back to its question as it comes (slower on an H200, docs/performance.md)")
+                        "back to its question as it comes (slower, docs/performance.md)")
     p.add_argument("--search-concurrency", type=int, default=None,
                    help="retrieval batches in flight at once (default: what the retriever serves: 1 for bm25, "
                         "dense and elasticsearch)")
@@ -215,10 +214,10 @@ def _main(argv: list[str] | None, seen: dict) -> int:
             return 2
         return 0
     if args.cmd == "methods":
-        from fastrag.methods.registry import available, get_method
+        from fastrag.api import methods
 
-        for name in available():
-            print(f"{name:18s} {get_method(name).description}")
+        for name, description in methods().items():
+            print(f"{name:18s} {description}")
         return 0
 
     from fastrag.eval import BUNDLED, RunError, RunOptions

@@ -21,6 +21,7 @@ from typing import Any
 
 from fastrag.data.datasets import DataError, canonical_dataset
 from fastrag.data.exemplars import load_exemplars, published_exemplar_count
+from fastrag.inline_config import InlineConfig
 from fastrag.jsonkeys import RepeatedKey, unique_keys
 
 MODES = ("reference", "streaming")
@@ -164,7 +165,9 @@ def dragin_config(dataset: str, overrides: dict[str, Any] | None = None) -> Drag
 
 def read_json_object(path: str | Path, error: type[Exception] = ConfigError) -> dict[str, Any]:
     """A config file's top-level JSON object; `error` (naming the file, and line/column for bad JSON, the lines of
-    a key given twice) otherwise."""
+    a key given twice) otherwise. An InlineConfig is its own object (a copy)."""
+    if isinstance(path, InlineConfig):
+        return dict(path)
     if not str(path):  # (Path("") is the current folder)
         raise error("the config file's path is empty")
     path = Path(path)
@@ -388,10 +391,10 @@ class FlareConfig(RagConfig):
 
 @dataclass(slots=True)
 class DraginStreamingConfig(DraginConfig):
-    """DRAGIN `streaming` mode: the reference rules judged per sentence as soon as it ends (DESIGN.md)."""
+    """DRAGIN `streaming` mode: the reference rules judged per sentence as soon as it ends (docs/architecture.md)."""
 
     stream_chunk_tokens: int = 16  # tokens decoded between two sentence checks
-    # where a_i comes from: "in-context" (DESIGN.md streaming: the running max of the last layer's attention in
+    # where a_i comes from: "in-context" (docs/architecture.md, streaming: the running max of the last layer's attention in
     # the decode pass itself, prompt included in the softmax) or "pass" (reference mode's separate attention pass
     # over the round's tokens alone, one per judged sentence)
     stream_attention: str = "in-context"

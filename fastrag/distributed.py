@@ -15,7 +15,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from fastrag.eval import (ResultWriter, RunError, RunOptions, _close_progress, _write_progress, check_manifest,
+from fastrag.eval import (ResultWriter, RunError, RunOptions, close_progress, write_progress, check_manifest,
                           latest_records, measured_fields, method_config, output_lock, read_metrics, resume,
                           run_identity, summarize, write_json)
 from fastrag.provenance import environment, source_commit
@@ -42,14 +42,14 @@ def _shard_worker(opts: RunOptions, device: str | None) -> dict:
     """Runs inside a Ray worker: the shard's questions through one engine."""
     import torch
 
-    from fastrag.eval import build_engine, run, sampling_of
+    from fastrag.eval import run
+    from fastrag.specs import EngineConfig
 
     if opts.threads:
         torch.set_num_threads(opts.threads)
     Path(opts.output).mkdir(parents=True, exist_ok=True)
     (Path(opts.output) / "worker.pid").write_text(str(os.getpid()))
-    engine = build_engine(opts.model, opts.batch_size, opts.signals, opts.kv_cache_gb, device=device,
-                          sampling=sampling_of(opts), prefix_caching=opts.prefix_caching)
+    engine = EngineConfig.of(opts, device=device).build()
     return run(opts, engine=engine)
 
 
@@ -73,7 +73,7 @@ def _run_ray(opts: RunOptions, num_workers: int, max_retries: int, ray_address: 
     check_manifest(out, run_identity(opts, method_config(opts)))
     done, todo = resume(out / "results.jsonl", examples)
     have = {r.qid for r in done}
-    _close_progress(out)  # (a driver killed before its end left its progress: it joins the history, runs.jsonl)
+    close_progress(out)  # (a driver killed before its end left its progress: it joins the history, runs.jsonl)
     t0 = time.perf_counter()
     retries = 0
     shard_opts: list[RunOptions] = []
@@ -121,7 +121,7 @@ def _run_ray(opts: RunOptions, num_workers: int, max_retries: int, ray_address: 
             finished = len(recs)
             fresh = [r for r in recs if before.get(r.qid) != r]  # computed by this run so far
             if fresh:  # (as a single-process run keeps it: a killed driver's work still counts in all_runs)
-                _write_progress(out, len(fresh), sum(r.error is None for r in fresh), time.perf_counter() - t0)
+                write_progress(out, len(fresh), sum(r.error is None for r in fresh), time.perf_counter() - t0)
             for ref in ready:
                 i = pending.pop(ref)
                 try:
@@ -165,8 +165,8 @@ def _run_ray(opts: RunOptions, num_workers: int, max_retries: int, ray_address: 
     if totals:  # (each shard's own figures stay in its metrics.json: fastrag.perf reads them there)
         metrics["engine_total"] = totals
     if computed:
-        _write_progress(out, len(computed), sum(r.error is None for r in computed), wall)
-    metrics["all_runs"] = _close_progress(out)  # (every run that computed the folder's records, a killed one too)
+        write_progress(out, len(computed), sum(r.error is None for r in computed), wall)
+    metrics["all_runs"] = close_progress(out)  # (every run that computed the folder's records, a killed one too)
     from fastrag.eval import sampling_of
 
     sp = sampling_of(opts)

@@ -69,9 +69,8 @@ def run_oracle(opts: RunOptions, out: Path, recipe: str = "published") -> tuple[
 def _recipe_sdpa(recipe: str):
     """The tuned recipe's SDPA calls may use the engine's backends (`fastrag.model.llama.sdpa_backends`, every one but
     cuDNN unless $FASTRAG_SDPA says otherwise): torch builds a cuDNN graph for every new set of shapes, and every
-    step of a generation has a new key length. On the H200 (2026-11-25, torch's own choice) the tuned recipe took
-    2.2x the published one's time for the same answer generation. The published recipe's eager attention calls no
-    SDPA."""
+    step of a generation has a new key length, so left to torch's own choice the tuned recipe spends its time building
+    graphs rather than generating. The published recipe's eager attention calls no SDPA."""
     from fastrag.model.llama import sdpa_scope
 
     with sdpa_scope() if recipe == "tuned" else contextlib.nullcontext():
@@ -98,7 +97,7 @@ def _run_oracle(opts: RunOptions, out: Path, recipe: str) -> tuple[list[Question
     from tqdm import tqdm
 
     from fastrag.model.loading import load_tokenizer
-    from fastrag.retrieval import make_retriever
+    from fastrag.specs import retriever_spec
 
     spec = _with_oracle(opts.method)
     out.mkdir(parents=True, exist_ok=True)
@@ -111,7 +110,7 @@ def _run_oracle(opts: RunOptions, out: Path, recipe: str) -> tuple[list[Question
     if todo:
         tok = load_tokenizer(opts.model)
         model = oracle_model(opts.model, recipe)
-        retriever = make_retriever(opts.retriever, corpus_path=opts.corpus, show_progress=opts.progress)
+        retriever = retriever_spec(opts.retriever, opts.corpus).build(show_progress=opts.progress)
         oracle = spec.make_oracle(model, tok, retriever, method_config(opts))
         warm_oracle(model, tok, retriever)
         w = ResultWriter(path)

@@ -111,29 +111,29 @@ def test_run_history_totals(tmp_path):
     """runs.jsonl keeps each run's questions and seconds; a killed run's progress.json joins it when the next run
     starts; a torn progress file loses that run's time only. The rate counts answered questions (not the ones that
     failed), as one run's questions_per_s does; a line from before `answered` was recorded counts all its own."""
-    from fastrag.eval import _close_progress, _write_progress
+    from fastrag.eval import close_progress, write_progress
 
-    assert _close_progress(tmp_path) == {"runs": 0, "computed": 0, "answered": 0, "wall_s": 0,
+    assert close_progress(tmp_path) == {"runs": 0, "computed": 0, "answered": 0, "wall_s": 0,
                                          "questions_per_s": None}
-    _write_progress(tmp_path, 3, 3, 30.0)
-    _write_progress(tmp_path, 5, 5, 50.0)  # the latest state replaces the earlier one
-    assert _close_progress(tmp_path) == {"runs": 1, "computed": 5, "answered": 5, "wall_s": 50.0,
+    write_progress(tmp_path, 3, 3, 30.0)
+    write_progress(tmp_path, 5, 5, 50.0)  # the latest state replaces the earlier one
+    assert close_progress(tmp_path) == {"runs": 1, "computed": 5, "answered": 5, "wall_s": 50.0,
                                          "questions_per_s": 0.1}
     assert not (tmp_path / "progress.json").exists()
-    _write_progress(tmp_path, 0, 0, 10.0)  # a run that finished nothing adds no line
-    assert _close_progress(tmp_path)["runs"] == 1
+    write_progress(tmp_path, 0, 0, 10.0)  # a run that finished nothing adds no line
+    assert close_progress(tmp_path)["runs"] == 1
     (tmp_path / "progress.json").write_text('{"computed": 4, "wall')
-    got = _close_progress(tmp_path)
+    got = close_progress(tmp_path)
     assert got["runs"] == 1 and got["computed"] == 5
-    _write_progress(tmp_path, 15, 15, 50.0)
-    assert _close_progress(tmp_path) == {"runs": 2, "computed": 20, "answered": 20, "wall_s": 100.0,
+    write_progress(tmp_path, 15, 15, 50.0)
+    assert close_progress(tmp_path) == {"runs": 2, "computed": 20, "answered": 20, "wall_s": 100.0,
                                          "questions_per_s": 0.2}
-    _write_progress(tmp_path, 10, 0, 1.0)  # ten questions that all failed at once: no throughput
-    assert _close_progress(tmp_path) == {"runs": 3, "computed": 30, "answered": 20, "wall_s": 101.0,
+    write_progress(tmp_path, 10, 0, 1.0)  # ten questions that all failed at once: no throughput
+    assert close_progress(tmp_path) == {"runs": 3, "computed": 30, "answered": 20, "wall_s": 101.0,
                                          "questions_per_s": 20 / 101.0}
     with (tmp_path / "runs.jsonl").open("a") as f:  # written before runs recorded `answered`
         f.write(json.dumps({"computed": 4, "wall_s": 9.0}) + "\n")
-    assert _close_progress(tmp_path)["questions_per_s"] == 24 / 110.0
+    assert close_progress(tmp_path)["questions_per_s"] == 24 / 110.0
 
 
 def test_run_history_leaves_out_a_torn_or_foreign_line(tmp_path):
@@ -141,13 +141,13 @@ def test_run_history_leaves_out_a_torn_or_foreign_line(tmp_path):
     line, and the next run's line still counts: it starts a line of its own. A line that parses but is no run record
     (hand-edited: text for a number, NaN or infinity, a negative count, a field missing) is left out the same way; a
     blank line is skipped without a word."""
-    from fastrag.eval import _close_progress, _write_progress
+    from fastrag.eval import close_progress, write_progress
 
     hist = tmp_path / "runs.jsonl"
     hist.write_text(json.dumps({"computed": 2, "answered": 2, "wall_s": 10.0}) + '\n{"computed": 3, "wa')
-    _write_progress(tmp_path, 4, 3, 30.0)
+    write_progress(tmp_path, 4, 3, 30.0)
     with pytest.warns(RuntimeWarning, match=r"runs\.jsonl: line 2 is not a run record \('\{\"computed\": 3, \"wa'\)"):
-        got = _close_progress(tmp_path)
+        got = close_progress(tmp_path)
     assert got == {"runs": 2, "computed": 6, "answered": 5, "wall_s": 40.0, "questions_per_s": 5 / 40.0}
     foreign = ["[1]", "null", '{"wall_s": 1.0}', '{"computed": "3", "wall_s": 1.0}', '{"computed": 1, "wall_s": NaN}',
                '{"computed": 1, "wall_s": Infinity}', '{"computed": -1, "wall_s": 1.0}',
@@ -155,7 +155,7 @@ def test_run_history_leaves_out_a_torn_or_foreign_line(tmp_path):
     with hist.open("a") as f:
         f.write("\n".join(foreign) + "\n\n")
     with pytest.warns(RuntimeWarning) as caught:
-        assert _close_progress(tmp_path) == got
+        assert close_progress(tmp_path) == got
     named = [int(str(w.message).split(": line ")[1].split()[0]) for w in caught]
     assert named == [2, *range(4, 4 + len(foreign))]
 

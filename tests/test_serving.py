@@ -480,7 +480,7 @@ def test_demos_that_leave_no_room_in_the_context_are_the_request_s_fault():
     from engine_fakes import IntTok, tiny_llama
 
     from fastrag.engine import Engine
-    from fastrag.serving.server import _error_status
+    from fastrag.serving.errors import error_status as _error_status
 
     eng = Engine(tiny_llama(max_position_embeddings=64), IntTok(), kv_cache_gb=0.01)
     with pytest.raises(ValueError) as e:

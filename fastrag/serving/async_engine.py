@@ -1,7 +1,7 @@
 """An asyncio front to the engine: many concurrent requests share one decode batch.
 
 One worker thread owns the engine and the scheduler (neither is thread-safe) and loops: admit submitted questions,
-apply cancellations, `Scheduler.step()`; when idle it blocks on its inbox. Each request gets an asyncio queue the
+apply cancellations, `QuestionLoop.step()`; when idle it blocks on its inbox. Each request gets an asyncio queue the
 worker fills through `loop.call_soon_threadsafe`, and `submit` returns an async iterator over its events:
 
     Event("token", {"text", "token_id", "branch"})       a decoded token of the current generation
@@ -22,14 +22,12 @@ import itertools
 import json
 import math
 import queue
-import tempfile
 import threading
 import time
 import traceback
 import weakref
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable
 
 from fastrag.cache.kv import OutOfBlocks
@@ -190,7 +188,7 @@ class AsyncEngine:
     def policy(self, method: str, dataset: str, config: dict | None = None):
         """The policy serving (method, dataset, config); validates the names (ValueError names the bad one)."""
         from fastrag.data.datasets import canonical_dataset
-        from fastrag.methods.registry import get_method
+        from fastrag.methods.registry import get_method, make_config
 
         spec = get_method(method)
         dataset = canonical_dataset(dataset)
@@ -203,23 +201,9 @@ class AsyncEngine:
                 raise ValueError(f"retrieval.config.dataset is {named!r} but the request's dataset is {dataset!r}")
         key = (method, dataset, json.dumps(config, sort_keys=True) if config else None)
         if key not in self._policies:
-            path = None
-            if config:
-                if not isinstance(config, dict):
-                    raise ValueError("retrieval.config must be a JSON object")
-                f = tempfile.NamedTemporaryFile("w", suffix=".json", delete=False)
-                json.dump(config, f)
-                f.close()
-                path = f.name
-            try:
-                cfg = spec.make_config(dataset, path)
-            except ValueError as e:  # (ConfigError too) named after the request's field, not the scratch file
-                if path is None:
-                    raise
-                raise type(e)(str(e).replace(path, "retrieval.config")) from None
-            finally:
-                if path:
-                    Path(path).unlink(missing_ok=True)
+            if config and not isinstance(config, dict):
+                raise ValueError("retrieval.config must be a JSON object")
+            cfg = make_config(method, dataset, config or None, name="retrieval.config")
             self._policies[key] = [spec.make_policy(cfg, self.engine.tok), None]
             while len(self._policies) > self.MAX_POLICIES:
                 self._policies.popitem(last=False)
