@@ -338,7 +338,7 @@ def main() -> None:
 
         if not gpu and not INTERPRETED:
             ap.error("--paged on a CPU needs TRITON_INTERPRET=1 (the Triton interpreter)")
-        paged_module, model._paged_prefill_on_cpu = llama._ModuleRef(paged_prefill), INTERPRETED
+        paged_module, model._paged_prefill_on_cpu = llama.ModuleRef(paged_prefill), INTERPRETED
     graphs_default = eng.prefill_graphs
     if args.graphs and graphs_default is None:  # (the engine has none: a CPU; they need the paged fused prefill)
         from fastrag.cuda_graphs import PrefillGraphs

@@ -153,7 +153,7 @@ def paged_decode_attention_lse(q: torch.Tensor, k_pool: torch.Tensor, v_pool: to
     """
     if prefix_slots.numel():
         raise ValueError("prefix_slots: the Triton paged decode attention covers the own context only; merge "
-                         "shared prefixes by LSE (LlamaModel._decode_native)")
+                         "shared prefixes by LSE (fastrag/model/attention/paged_native.py)")
     check_query_and_pool(q, k_pool, v_pool, "B")
     B, H, D = q.shape
     Hkv = k_pool.shape[0]

@@ -13,6 +13,7 @@ import torch
 
 from fastrag.engine import Engine
 from fastrag.model import llama
+from fastrag.model.attention import cascade, select
 from fastrag.model.llama import CascadeMask, LlamaModel, cascade_bias, lse_attention, masked_attention
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -77,7 +78,8 @@ def test_cascade_equals_the_masked_call_over_prefix_and_context(seed, dtype):
     want = masked_attention(q.double(), torch.cat([kpre.expand(B, -1, -1, -1), ks], 2).double(),
                             torch.cat([vpre.expand(B, -1, -1, -1), vs], 2).double(), full, m.scale, expand=True)
     x = lambda t: t.to(DEV, dtype)  # noqa: E731
-    got = m._cascade_core(x(q), x(kpre), x(vpre), x(ks), x(vs), CascadeMask(cascade_bias(mask.to(DEV), G, dtype), G))
+    got = cascade.cascade_core(x(q), x(kpre), x(vpre), x(ks), x(vs),
+                               CascadeMask(cascade_bias(mask.to(DEV), G, dtype), G), m.scale)
     assert got.dtype == dtype and got.shape == (B, H, T, D)
     real = mask.any(-1).squeeze(1)  # [B, T]: rows of real tokens (padding rows are never read)
     torch.testing.assert_close(got.double().cpu().transpose(1, 2)[real], want.transpose(1, 2)[real], **_tol(dtype))
@@ -105,18 +107,23 @@ def _model(heads: int, kv_heads: int, cascade: bool):
 PREFIXES = (list(range(20, 52)), list(range(60, 77)))
 
 
-def _run(heads, kv_heads, cascade, lengths, two_prefixes, seed):
+def _run(heads, kv_heads, cascade_on, lengths, two_prefixes, seed):
     """Generations of 4 tokens after prompts of `lengths` new tokens (after one of the prefixes), all prefilled in
     the first step; returns (ids, log-probabilities, the written KV, how many cascade calls ran)."""
-    m = _model(heads, kv_heads, cascade)
+    m = _model(heads, kv_heads, cascade_on)
     calls = [0]
-    inner = m._attend_prefill_cascade
+    inner = cascade.attend_prefill_cascade
 
     def counted(*a, **k):
         calls[0] += 1
         return inner(*a, **k)
 
-    m._attend_prefill_cascade = counted
+    with pytest.MonkeyPatch.context() as mp:  # (the cascade's calls counted where attend.py looks it up)
+        mp.setattr(cascade, "attend_prefill_cascade", counted)
+        return _generate(m, lengths, two_prefixes, seed, calls)
+
+
+def _generate(m, lengths, two_prefixes, seed, calls):
     eng = Engine(m, Tok(), kv_cache_gb=0.02, max_batch=8, mix_prefill=two_prefixes, prefill_hold=0)
     for p in PREFIXES[: 1 + two_prefixes]:
         eng.set_prefix(" ".join(map(str, p)))
@@ -157,7 +164,7 @@ def test_a_failing_self_check_falls_back_with_a_warning(monkeypatch):
     def broken(*a, **k):
         raise RuntimeError("no such kernel here")
 
-    monkeypatch.setattr(llama, "lse_attention", broken)
+    monkeypatch.setattr(cascade, "lse_attention", broken)
     with pytest.warns(RuntimeWarning, match="without the cascade.*no such kernel here"):
         assert m.uses_cascade_prefill(torch.device(DEV), torch.float32) is False
     key = llama.self_check_key(DEV, torch.float32)
@@ -167,11 +174,11 @@ def test_a_failing_self_check_falls_back_with_a_warning(monkeypatch):
     def wrong(q, k, v, bias, scale):
         return torch.zeros_like(q), torch.zeros(q.shape[:3], device=q.device)
 
-    monkeypatch.setattr(llama, "lse_attention", wrong)
+    monkeypatch.setattr(cascade, "lse_attention", wrong)
     with pytest.warns(RuntimeWarning, match="differed from the masked call"):
         assert m2.uses_cascade_prefill(torch.device(DEV), torch.float32) is False
     # the engine still prefills, through the one masked call
-    monkeypatch.setattr(llama, "lse_attention", broken)
+    monkeypatch.setattr(cascade, "lse_attention", broken)
     eng = Engine(m, Tok(), kv_cache_gb=0.02, max_batch=4, prefill_hold=0)
     eng.set_prefix(" ".join(map(str, PREFIXES[0])))
     s = eng.new_sequence()
@@ -192,6 +199,6 @@ def test_switch_from_the_environment(monkeypatch):
     assert m.cascade_prefill is False and m.uses_cascade_prefill(torch.device("cpu"), torch.float32) is False
     monkeypatch.setenv(llama.CASCADE_PREFILL_ENV, "on")
     with pytest.raises(ValueError, match="FASTRAG_CASCADE_PREFILL='on'"):
-        llama._cascade_prefill_mode()
+        select.cascade_prefill_mode()
     monkeypatch.delenv(llama.CASCADE_PREFILL_ENV)
-    assert llama._cascade_prefill_mode() == "auto"
+    assert select.cascade_prefill_mode() == "auto"

@@ -221,6 +221,7 @@ def test_prefix_group_members_equal_row_groups():
     """The graph form of a mixed decode batch (every prefix's GEMM over all rows, merged where `member`) gives the
     output and row log-sum-exp of the eager form (each prefix's GEMM over its own rows), rows of no prefix too;
     fresh random queries and cache contents."""
+    from fastrag.model.attention.paged_native import decode_paged
     from fastrag.model.llama import AttnBatch, PrefixGroup
 
     m = LlamaModel.from_hf_config(LlamaConfig(**CFG), seed=5, device=DEV)
@@ -248,16 +249,16 @@ def test_prefix_group_members_equal_row_groups():
     member = torch.tensor([[w == k for w in which] for k in range(2)]).to(DEV)
     graph = AttnBatch(**base, prefix_groups=[PrefixGroup(None, pre[k][0], slots[k].to(DEV), pre[k][1],
                                                          member=member[k]) for k in range(2)])
-    o_want, l_want = m._decode_native(q, eager, kp, vp, want_lse=True)
+    o_want, l_want = decode_paged(m, q, eager, kp, vp, want_lse=True)
     o_got = torch.full_like(o_want, float("nan"))
     l_got = torch.full_like(l_want, float("nan"))
-    o, lse = m._decode_native(q, graph, kp, vp, want_lse=True)
+    o, lse = decode_paged(m, q, graph, kp, vp, want_lse=True)
     o_got.copy_(o)
     l_got.copy_(lse)
     torch.testing.assert_close(o_got, o_want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(l_got, l_want, rtol=1e-5, atol=1e-5)
     alone = AttnBatch(**base)  # rows of no prefix: their own context only, exactly
-    o_own, l_own = m._decode_native(q, alone, kp, vp, want_lse=True)
+    o_own, l_own = decode_paged(m, q, alone, kp, vp, want_lse=True)
     none = [b for b in range(B) if which[b] < 0]
     assert torch.equal(o_got[none], o_own[none]) and torch.equal(l_got[none], l_own[none])
     assert not torch.allclose(o_got[0], o_own[0])  # a prefix row did take its prefix in

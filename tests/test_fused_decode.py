@@ -404,27 +404,29 @@ def test_fused_prefill_equals_unfused(track):
 
 def test_fused_prefill_switch(monkeypatch):
     from fastrag.model import llama
+    from fastrag.model.attention import select
 
     monkeypatch.setenv(llama.FUSED_PREFILL_ENV, "0")
-    assert llama._fused_prefill_mode() == "0"
+    assert select.fused_prefill_mode() == "0"
     monkeypatch.setenv(llama.FUSED_PREFILL_ENV, "1")
     with pytest.raises(ValueError, match="FASTRAG_FUSED_PREFILL='1'"):
-        llama._fused_prefill_mode()
+        select.fused_prefill_mode()
     monkeypatch.delenv(llama.FUSED_PREFILL_ENV)
-    assert llama._fused_prefill_mode() == "auto"
+    assert select.fused_prefill_mode() == "auto"
 
 
 def test_env_switch(monkeypatch):
     from fastrag.model import llama
+    from fastrag.model.attention import select
 
     monkeypatch.setenv(llama.FUSED_DECODE_ENV, "0")
-    assert llama._fused_decode_ops() == (None, False)
+    assert select.fused_decode_ops() == (None, False)
     monkeypatch.setenv(llama.FUSED_DECODE_ENV, "1")
-    mod, on_cpu = llama._fused_decode_ops()
+    mod, on_cpu = select.fused_decode_ops()
     assert mod._module is fd and mod.add_rms_norm is fd.add_rms_norm and on_cpu == INTERPRETED
     monkeypatch.setenv(llama.FUSED_DECODE_ENV, "yes")
     with pytest.raises(ValueError, match="FASTRAG_FUSED_DECODE='yes'"):
-        llama._fused_decode_ops()
+        select.fused_decode_ops()
 
 
 def test_bench_prefill_times_fused_and_unfused_prefills(tmp_path, monkeypatch):

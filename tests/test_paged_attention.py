@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fastrag.model.llama import _native_decode_attention
+from fastrag.model.attention.select import native_decode_attention
 
-op_lse = _native_decode_attention()  # (out, lse) variant the model uses
+op_lse = native_decode_attention()  # (out, lse) variant the model uses
 pytestmark = pytest.mark.skipif(op_lse is None, reason="fastrag._C is not built (pip install --no-build-isolation -e .)")
 op = torch.ops.fastrag.paged_decode_attention if op_lse is not None else None
 

@@ -17,6 +17,7 @@ import torch
 from test_paged_attention_triton import DEV, DTYPES, pytestmark  # noqa: F401
 
 from fastrag.kernels.paged_prefill import paged_prefill_attention, prefill_layout  # noqa: E402
+from fastrag.model.attention.checks import self_checked  # noqa: E402
 from fastrag.model.llama import LlamaModel, self_check_key  # noqa: E402
 from fastrag.signals.reference import paged_prefill_ref  # noqa: E402
 
@@ -292,7 +293,7 @@ def test_a_self_check_runs_once_per_physical_device_and_dtype(monkeypatch):
 
     for dev in ("cuda", "cuda:1", torch.device("cuda"), "cuda", "cuda:0", "cpu", "cpu"):
         for dtype in (torch.float32, torch.bfloat16):
-            assert LlamaModel._self_checked(checks, check, torch.device(dev), dtype, "fallback") is True
+            assert self_checked(checks, check, torch.device(dev), dtype, "fallback") is True
     assert sorted(checks) == ["cpu bfloat16", "cpu float32", "cuda:0 bfloat16", "cuda:0 float32",
                               "cuda:1 bfloat16", "cuda:1 float32"]
     assert len(ran) == 6  # once per key: "cuda" was "cuda:1" here

@@ -10,6 +10,7 @@ import torch
 
 from fastrag.engine import Engine
 from fastrag.model import llama
+from fastrag.model.attention.torch_sdpa import in_sdpa_scope
 from fastrag.model.llama import LlamaModel, masked_attention
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -154,7 +155,7 @@ def test_a_prefill_forward_enters_the_backend_scope_once(monkeypatch):
         return real_kernel(*a, **kw)
 
     def watched_sdpa(*a, **kw):
-        calls.append(torch.backends.cuda.cudnn_sdp_enabled() is False and llama._SCOPE.on)
+        calls.append(torch.backends.cuda.cudnn_sdp_enabled() is False and in_sdpa_scope())
         return real_sdpa(*a, **kw)
 
     monkeypatch.setattr(attn, "sdpa_kernel", counting_kernel)
@@ -179,4 +180,4 @@ def test_a_prefill_forward_enters_the_backend_scope_once(monkeypatch):
     eng.start(s, torch.randint(1, 96, (30,), generator=g).tolist(), 1)
     eng.step()
     eng.attention_passes([[5, 6, 7]], "colmax")
-    assert len(entered) == 2 and calls and not any(calls) and not llama._SCOPE.on
+    assert len(entered) == 2 and calls and not any(calls) and not in_sdpa_scope()

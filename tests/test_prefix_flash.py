@@ -17,6 +17,7 @@ import torch
 from test_fused_decode import DEV, DTYPES, INTERPRETED, _assert_same_decodes, _unfused_and_fused, fd
 
 from fastrag.model import llama
+from fastrag.model.attention import select
 from fastrag.signals.reference import cascade_decode_ref
 
 pytestmark = pytest.mark.skipif(DEV == "cpu" and not INTERPRETED,
@@ -111,12 +112,12 @@ def test_the_models_limit_is_the_kernels():
 
 def test_switch_reads_the_environment(monkeypatch):
     monkeypatch.delenv("FASTRAG_PREFIX_FLASH", raising=False)
-    assert llama._prefix_flash_mode() is False
+    assert select.prefix_flash_mode() is False
     monkeypatch.setenv("FASTRAG_PREFIX_FLASH", "1")
-    assert llama._prefix_flash_mode() is True
+    assert select.prefix_flash_mode() is True
     monkeypatch.setenv("FASTRAG_PREFIX_FLASH", "maybe")
     with pytest.raises(ValueError, match=r"\$FASTRAG_PREFIX_FLASH='maybe'"):
-        llama._prefix_flash_mode()
+        select.prefix_flash_mode()
 
 
 @pytest.mark.parametrize("graphs", [pytest.param(False, marks=pytest.mark.slow), True], ids=["eager", "graphs"])

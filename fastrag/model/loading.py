@@ -143,3 +143,74 @@ def load_hf_model(name_or_path: str | os.PathLike, dtype=torch.float32, attn_imp
         resolve_model(name_or_path), dtype=dtype, attn_implementation=attn_implementation
     )
     return model.to(device).eval()
+
+
+def hf_weight_shapes(c) -> dict[str, tuple[int, ...]]:
+    """The checkpoint (transformers) names of the weights a LlamaModel of config `c` computes with, in
+    load order, and the shape the config gives each."""
+    h, q, kv, inter = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
+    shapes = {"model.embed_tokens.weight": (c.vocab_size, h), "model.norm.weight": (h,)}
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}."
+        shapes.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+                       p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+                       p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+                       p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
+                       p + "mlp.down_proj.weight": (h, inter)})
+        if c.attention_bias:
+            shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                           p + "self_attn.v_proj.bias": (kv,)})
+        if c.o_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (h,)
+    if not c.tie_word_embeddings:
+        shapes["lm_head.weight"] = (c.vocab_size, h)
+    return shapes
+
+def load_hf_state_dict(model, sd: dict, dtype, device):
+    """A checkpoint's state dict (transformers names) into `model` (a LlamaModel built on "meta"), in `dtype` on
+    `device`; a missing, extra or misshapen weight is an error that names it."""
+    c = model.c
+    # a weight this model computes with that the checkpoint lacks: name them all (not a KeyError on the first)
+    shapes = hf_weight_shapes(c)
+    absent = [k for k in shapes if k not in sd]
+    if absent:
+        raise ValueError(f"the checkpoint is missing {len(absent)} weight(s) this model needs (first: "
+                         f"{', '.join(absent[:4])})")
+    # weights of other shapes than config.json gives (a config that is not the weights'): name the first
+    wrong = [(k, tuple(sd[k].shape), want) for k, want in shapes.items() if tuple(sd[k].shape) != want]
+    if wrong:
+        k, got, want = wrong[0]
+        raise ValueError(f"the checkpoint's weights do not have the shapes its config.json gives: {len(wrong)} "
+                         f"differ, first {k} of shape {list(got)} where the config gives {list(want)}")
+    g = lambda k: sd[k].to(dtype)  # noqa: E731
+    new = {"embed.weight": g("model.embed_tokens.weight"), "norm.weight": g("model.norm.weight")}
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}."
+        new[f"layers.{i}.input_layernorm.weight"] = g(p + "input_layernorm.weight")
+        new[f"layers.{i}.post_attention_layernorm.weight"] = g(p + "post_attention_layernorm.weight")
+        new[f"layers.{i}.qkv.weight"] = torch.cat([g(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+        if c.attention_bias:
+            new[f"layers.{i}.qkv.bias"] = torch.cat([g(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+        new[f"layers.{i}.o.weight"] = g(p + "self_attn.o_proj.weight")
+        if c.o_bias:
+            new[f"layers.{i}.o.bias"] = g(p + "self_attn.o_proj.bias")
+        new[f"layers.{i}.gate_up.weight"] = torch.cat([g(p + "mlp.gate_proj.weight"), g(p + "mlp.up_proj.weight")])
+        new[f"layers.{i}.down.weight"] = g(p + "mlp.down_proj.weight")
+    if not c.tie_word_embeddings:
+        new["lm_head.weight"] = g("lm_head.weight")
+    # a checkpoint weight this model does not use means another computation (extra norms, biases): refuse
+    used = set(shapes) | {"lm_head.weight"}  # (a tied checkpoint may hold its head too)
+    unused = sorted(k for k in sd if k not in used and not k.endswith("rotary_emb.inv_freq"))
+    if unused:
+        raise ValueError(f"the checkpoint holds {len(unused)} weight(s) this Llama-family model does not use "
+                         f"(first: {', '.join(unused[:4])}): another architecture or options it does not "
+                         "implement")
+    inv_freq = model.inv_freq
+    model.to_empty(device=device)
+    model.load_state_dict(new, strict=False, assign=False)
+    if c.tie_word_embeddings:
+        model.lm_head.weight = model.embed.weight
+    model.inv_freq = inv_freq.to(device)
+    missing = [k for k in model.state_dict() if k not in new and not (c.tie_word_embeddings and k == "lm_head.weight")]
+    if missing:
+        raise ValueError(f"checkpoint is missing weights: {missing[:5]}")

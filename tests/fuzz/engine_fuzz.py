@@ -323,9 +323,9 @@ def paged_prefill_module():
         return None
     if not (torch.cuda.is_available() or INTERPRETED):
         return None
-    from fastrag.model.llama import _ModuleRef
+    from fastrag.model.llama import ModuleRef
 
-    return _ModuleRef(paged_prefill)
+    return ModuleRef(paged_prefill)
 
 
 def build(wl, ec):
