@@ -281,7 +281,8 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or any(id(s) in self.live for s in self._carried))
+        p = self.planner
+        return bool(p.waiting or p.running or any(id(s) in self.registry.live for s in self._carried))
 
     # ------------------------------------------------------------------ stepping
     @torch.inference_mode()
