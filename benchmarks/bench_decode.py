@@ -239,13 +239,13 @@ def main() -> None:
             sum(s.table.num_tokens for s in seqs) + min(K, B) * P)
 
         def plain():
-            logits = eng._decode(seqs)
+            logits = eng.runner.decode(seqs)
             logits.argmax(-1).cpu()  # the tokens are needed on the host either way
             for s in seqs:  # keep the context length fixed: roll the step back
                 s.table.num_tokens -= 1
 
         def fused():
-            logits = eng._decode(seqs)
+            logits = eng.runner.decode(seqs)
             sig = eng.signals.decode_signals(logits)
             torch.stack([sig.chosen.double(), sig.entropy.double(), sig.logprob.double()]).cpu()
             for s in seqs:
@@ -260,7 +260,7 @@ def main() -> None:
             for s in seqs:
                 s.track_from = s.computed - span + 1
                 s.amax = torch.zeros(H, span, dtype=torch.float32, device=dev)
-            logits = eng._decode(seqs)
+            logits = eng.runner.decode(seqs)
             sig = eng.signals.decode_signals(logits)
             torch.stack([sig.chosen.double(), sig.entropy.double(), sig.logprob.double()]).cpu()
             for s in seqs:

@@ -1,7 +1,7 @@
 """The host-side work around the engine's steps: what a GPU run cannot hide behind its decode steps.
 
 Seven measurements (the first with a second part), each with its baseline in the same run:
-1. Host preparation of a graphed decode step: `Engine._decode_graphed` at batch 128 with the graph's forward stubbed
+1. Host preparation of a graphed decode step: `ModelRunner.decode_graphed` at batch 128 with the graph's forward stubbed
    out (inputs, positions, KV slots and the block table of every row): the work the launch does before the device can
    start, per step.
    The engine's whole host time per decode step at the same batch (`step_launch` + `step_finish`, the forward
@@ -117,7 +117,7 @@ def host_prep(reps: int) -> dict:
         for _ in range(reps):
             t = time.perf_counter()
             with torch.inference_mode():
-                eng._decode_graphed(eng.running, [None])
+                eng.runner.decode_graphed(eng.running, [None])
             ts.append(time.perf_counter() - t)
             for s in eng.running:
                 s.tokens.append(1)

@@ -248,18 +248,18 @@ def test_track_capacity_is_a_power_of_two_from_the_minimum():
 
 
 def test_tracking_operations_do_not_grow_with_the_batch(model):
-    """A decode step's tracking (`Engine._track`) dispatches the same torch operations for 4 and for 16 tracked
+    """A decode step's tracking (`ModelRunner.track`) dispatches the same torch operations for 4 and for 16 tracked
     sequences whose spans all differ in length, held in two capacities: on a GPU each operation costs the host a
     launch or a dispatch, and moving the maxima sequence by sequence cost about 6 operations a sequence a step."""
     def ops_per_track(batch: int) -> list[int]:
         eng = Engine(model, ByteTok(), block_size=8, kv_cache_gb=0.02, signals="torch", max_batch=batch)
         counts = []
-        track = eng._track
+        track = eng.runner.track
 
         def counted(*a, **k):
             counts.append(count_ops(lambda: track(*a, **k)))
 
-        eng._track = counted
+        eng.runner.track = counted
         for i in range(batch):  # spans of 2 + n tokens, every one a different length: capacities 64 and 128
             p = ByteTok().encode(f"Q{i}: {'z' * (3 * i)}? A:")
             eng.start(eng.new_sequence(), p, 6 + i if i % 2 else 70 + i, track_from=len(p) - 2)

@@ -484,7 +484,7 @@ def test_bench_decode_times_every_sequence_of_the_batch_at_its_context():
     assert len(seqs) == batch and len({id(s) for s in seqs}) == batch
     assert all(ctx <= s.table.num_tokens <= ctx + 2 for s in seqs), [s.table.num_tokens for s in seqs]
     assert eng.running == seqs and not eng.waiting
-    logits = eng._decode(seqs)
+    logits = eng.runner.decode(seqs)
     assert logits.shape[0] == batch
 
 
@@ -500,7 +500,7 @@ def test_bench_decode_deals_shared_prefixes_round_robin_and_counts_each_once(tmp
     assert [eng.prefixes.index(s.prefix) for s in seqs] == [0, 1, 0, 1, 0]
     assert all(s.prefix.length == 32 and 8 <= s.table.num_tokens <= 10 for s in seqs)
     before = eng.stats["decode_prefix_tokens"]
-    assert eng._decode(seqs).shape[0] == 5 and eng.stats["decode_prefix_tokens"] - before == 64  # (each once)
+    assert eng.runner.decode(seqs).shape[0] == 5 and eng.stats["decode_prefix_tokens"] - before == 64  # (each once)
     with pytest.raises(ValueError, match="a shared prefix of 40 tokens is not a whole number of 16-token KV blocks"):
         bd.build(shape, bd.torch.float32, bd.torch.device("cpu"), 2, 8, None, n_prefixes=1, prefix_len=40)
     _only_fastrag_env(monkeypatch)

@@ -93,7 +93,7 @@ def test_a_prefill_that_raises_leaves_its_sequences_waiting_and_a_later_step_com
     want = drain(ref)
     eng = build_engine(tiny, 4, kv_cache_gb=0.05, device="cpu")
     seqs = started(eng)
-    real = type(eng)._prefill
+    real = type(eng.runner).prefill
     calls = {"n": 0}
 
     def failing(self, items, *a, **k):
@@ -102,7 +102,7 @@ def test_a_prefill_that_raises_leaves_its_sequences_waiting_and_a_later_step_com
             raise RuntimeError("CUDA out of memory (simulated)")
         return real(self, items, *a, **k)
 
-    monkeypatch.setattr(type(eng), "_prefill", failing)
+    monkeypatch.setattr(type(eng.runner), "prefill", failing)
     free = eng.pool.num_free
     with pytest.raises(RuntimeError, match="simulated"):
         eng.step()
@@ -136,7 +136,7 @@ def test_a_decode_step_that_raises_after_its_prefill_loses_nothing(tiny, monkeyp
         for _ in range(2):
             out |= {id(s): list(s.out.ids) for s in eng.step()}
         begin([0, 2])
-        real = type(eng)._decode
+        real = type(eng.runner).decode
         calls = {"n": 0}
 
         def failing(self, batch):
@@ -145,7 +145,7 @@ def test_a_decode_step_that_raises_after_its_prefill_loses_nothing(tiny, monkeyp
                 raise RuntimeError("an illegal memory access (simulated)")
             return real(self, batch)
 
-        monkeypatch.setattr(type(eng), "_decode", failing)
+        monkeypatch.setattr(type(eng.runner), "decode", failing)
         if fail:
             with pytest.raises(RuntimeError, match="simulated"):
                 eng.step()

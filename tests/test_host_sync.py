@@ -21,7 +21,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fastrag.engine import Engine, SamplingParams
+from fastrag.engine import Engine, ModelRunner, SamplingParams
 from fastrag.model.llama import LlamaModel
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -110,9 +110,9 @@ def _unwatched(targets, pause, resume):
 @contextlib.contextmanager
 def _no_host_reads(eng: Engine, first_tokens: bool = False):
     """Fail if what runs inside reads a device value on the host. first_tokens: a prefill's host copy of its
-    first tokens (`Engine._append_batch`, the synchronisation it ends in by design) runs outside the watch."""
+    first tokens (`ModelRunner.append_batch`, the synchronisation it ends in by design) runs outside the watch."""
     targets = [(g, "_capture") for g in (eng.graphs, eng.prefill_graphs, eng.pass_graphs) if g is not None] \
-        + ([(eng, "_append_batch")] if first_tokens else [])
+        + ([(eng.runner, "append_batch")] if first_tokens else [])
     if DEV == "cuda":
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
@@ -267,14 +267,14 @@ def test_the_watch_catches_a_host_read(monkeypatch):
     """The check itself: a launch that reads a device value (an int() of a sum, as a prefill once did) fails."""
     eng, _ = _engine(False, 1)
     eng.step()
-    decode = Engine._decode
+    decode = ModelRunner.decode
 
     def reading(self, seqs):
         logits = decode(self, seqs)
         int(logits.argmax())
         return logits
 
-    monkeypatch.setattr(Engine, "_decode", reading)
+    monkeypatch.setattr(ModelRunner, "decode", reading)
     with pytest.raises((AssertionError, RuntimeError)):
         with _no_host_reads(eng):
             st = eng.step_launch()

@@ -164,13 +164,13 @@ def test_a_prompt_that_is_exactly_the_shared_prefix_runs_as_without_it(model):
 
 def _capture_logits(eng):
     seen = []
-    real = eng._sample_launch  # every decode step's logits [B, V] pass through here to the fused signal kernel
+    real = eng.runner.sample_launch  # every decode step's logits [B, V] pass through here to the fused signal kernel
 
     def spy(seqs, logits):
         seen.append(logits.detach().clone())
         return real(seqs, logits)
 
-    eng._sample_launch = spy
+    eng.runner.sample_launch = spy
     return seen
 
 

@@ -136,10 +136,10 @@ def test_a_run_profiles_its_launches_when_asked(tmp_path, monkeypatch):
     folder = tmp_path / "profiled" / "launch_profile"
     files = sorted(p.name for p in folder.iterdir())
     assert PREFILL_KIND.replace(" ", "_") + ".pstats" in files and len(files) == len(kinds)
-    for kd in decode:  # every plain decode step calls the engine's _decode once
+    for kd in decode:  # every plain decode step calls the model runner's decode once
         st = pstats.Stats(str(folder / (kd.replace(" ", "_").replace("-", "_").rstrip("+") + ".pstats")))
         calls = {(Path(f[0]).name, f[2]): v[1] for f, v in st.stats.items()}
-        assert calls[("engine.py", "_decode")] == kinds[kd]["steps"]
+        assert calls[("runner.py", "decode")] == kinds[kd]["steps"]
         assert kinds[kd]["functions"][0]["own_us_per_step"] > 0
 
     spec = importlib.util.spec_from_file_location("_bench_e2e_lp", ROOT / "benchmarks" / "bench_e2e.py")

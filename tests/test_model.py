@@ -66,7 +66,7 @@ def test_logits_match_transformers_on_a_batch(smol):
 
 
 def _all_logits(eng, items, idx):
-    """Run Engine._prefill's batch construction but return the logits of every valid position."""
+    """Run ModelRunner.prefill's batch construction but return the logits of every valid position."""
     T = max(len(ids) for _, ids in items)
     B = len(items)
     ids_t = torch.zeros(B, T, dtype=torch.long)
@@ -79,7 +79,7 @@ def _all_logits(eng, items, idx):
         pos[b, : len(ids)] = torch.arange(len(ids))
         write += s.table.slots(0, len(ids))
         ctx.append((s.table.blocks, len(ids)))
-    batch = eng._batch(write, valid, pos, None, ctx)
+    batch = eng.runner.batch(write, valid, pos, None, ctx)
     return eng.model(ids_t, batch, eng.pool.k, eng.pool.v, logits_index=idx)
 
 
@@ -162,7 +162,7 @@ def test_rebuild_after_truncation_equals_fresh_prefill(smol):
     assert len(s.pending_prompt) < len(second) - pre.length  # reused some of its own cache
     logits = None
     with torch.inference_mode():
-        logits = eng._prefill([(s, s.pending_prompt)], want_logits=True)[0]
+        logits = eng.runner.prefill([(s, s.pending_prompt)], want_logits=True)[0]
         ref = hf(torch.tensor([second])).logits[0, -1].float()
     rel = ((logits - ref).abs().max() / ref.abs().max()).item()
     assert rel <= 1e-4, f"rebuilt sequence logits differ from a fresh prefill: {rel:.2e}"

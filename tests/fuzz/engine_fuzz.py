@@ -388,7 +388,7 @@ def run_workload(wl: Workload, ec: EngineCfg, check_every_step=True, verbose=Fal
     # count the prompt tokens each generation really computes (prefill rows, and prompt tokens fed by decode steps)
     computed_prompt = {}
     notes = []
-    real_prefill = eng._prefill
+    real_prefill = eng.runner.prefill
 
     def counting_prefill(items, want_logits, decode=False):
         for s, ids in items:
@@ -400,8 +400,8 @@ def run_workload(wl: Workload, ec: EngineCfg, check_every_step=True, verbose=Fal
                 computed_prompt[id(s)] = computed_prompt.get(id(s), 0) + 1
         return real_prefill(items, want_logits, decode)
 
-    eng._prefill = counting_prefill
-    real_graphed = eng._decode_graphed
+    eng.runner.prefill = counting_prefill
+    real_graphed = eng.runner.decode_graphed
 
     def counting_graphed(seqs, heads):
         before = [(s, s.computed) for s in seqs]
@@ -412,7 +412,7 @@ def run_workload(wl: Workload, ec: EngineCfg, check_every_step=True, verbose=Fal
                     computed_prompt[id(s)] = computed_prompt.get(id(s), 0) + 1
         return out
 
-    eng._decode_graphed = counting_graphed
+    eng.runner.decode_graphed = counting_graphed
     pre_objs = []
     for p in wl.prefixes:
         pre_objs.append(eng.set_prefix(" ".join(map(str, p))))
