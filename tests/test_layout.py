@@ -19,11 +19,9 @@ import os
 import tokenize
 from pathlib import Path
 
-import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 MAX_LINES = 500
-MERGING = "issue 92 merge in progress"
 
 
 def _sources() -> dict[str, Path]:
@@ -141,20 +139,17 @@ def test_the_sources_are_found():
     assert "fastrag.kernels.paged_prefill" in SOURCES
 
 
-@pytest.mark.xfail(strict=False, reason=MERGING)
 def test_no_source_file_is_over_the_line_limit():
     long = {str(p.relative_to(ROOT)): n for p in SOURCES.values()
             if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
     assert not long, f"over {MAX_LINES} lines: {long}"
 
 
-@pytest.mark.xfail(strict=False, reason=MERGING)
 def test_no_module_imports_another_modules_private_name():
     found = [hit for module, path in SOURCES.items() for hit in private_imports(module, path)]
     assert not found, "private names used across modules:\n" + "\n".join(found)
 
 
-@pytest.mark.xfail(strict=False, reason=MERGING)
 def test_no_comment_or_docstring_cites_design_md():
     found = [f"{p.relative_to(ROOT)}:{line}" for p in SOURCES.values()
              for line, text in _comments_and_docstrings(p) if "DESIGN.md" in text]

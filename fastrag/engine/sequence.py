@@ -52,7 +52,7 @@ class Generation:
     end_id: int | None = None
     end_entropy: float | None = None
     end_logprob: float | None = None
-    # answered from an identical earlier one-shot greedy generation of the same question (Scheduler): nothing was
+    # answered from an identical earlier one-shot greedy generation of the same question (QuestionLoop): nothing was
     # prefilled or decoded for it
     reused: bool = False
     # with attention tracking (Engine.start(track_from=...)): for every token of the tracked span (from track_from

@@ -63,7 +63,7 @@ _EMPTY = "EMPTY"  # marks a field's index folder when no passage has a term in t
 # analysed differently. 2: Han ideographs and hiragana are single-character terms; 3: one-character `\w` terms kept
 _FORMAT = 3
 
-def _cache_root() -> Path:
+def cache_root() -> Path:
     return Path(os.environ.get("FASTRAG_CACHE", Path.home() / ".cache" / "fastrag"))
 
 
@@ -174,7 +174,7 @@ def write_manifest(d: Path, manifest: dict, n_docs: int) -> None:
     os.replace(tmp, d / "manifest.json")
 
 
-class _DocStore:
+class DocStore:
     """Passages as one UTF-8 blob; field j of passage i is blob[off[3i + j] : off[3i + j + 1]] (j: id, title, text)."""
 
     def __init__(self, directory: Path):
@@ -208,7 +208,7 @@ class _DocStore:
 
 
 class _DocStoreWriter:
-    """Writes a `_DocStore` from batches of (id, title, text) rows (`add`) without keeping them: the offsets go
+    """Writes a `DocStore` from batches of (id, title, text) rows (`add`) without keeping them: the offsets go
     to a scratch file and become `docs_offsets.npy` on a clean exit. The files are new ones, not the old ones
     rewritten in place: a retriever that maps the store of an earlier build (a server, a run in progress) goes on
     reading that build's passages instead of the new build's bytes at its old offsets."""
@@ -316,7 +316,7 @@ class BM25Retriever(Retriever):
             else self._bm25s.BM25.load(found / f, mmap=True, load_corpus=False, show_progress=False)
             for f in FIELDS
         }
-        self._store = _DocStore(found)
+        self._store = DocStore(found)
         self.n_docs = len(self._store)
         self._native = self._native_search()
 
@@ -375,7 +375,7 @@ class BM25Retriever(Retriever):
         key = hashlib.sha1(str(self.corpus_path).encode()).hexdigest()[:16]
         return [
             self.corpus_path.with_name(self.corpus_path.name + ".bm25s"),
-            _cache_root() / "indexes" / f"{self.corpus_path.stem}-{key}",
+            cache_root() / "indexes" / f"{self.corpus_path.stem}-{key}",
         ]
 
     def _build(self, candidates: list[Path], manifest: dict) -> Path:

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from fastrag.retrieval.base import Doc, Retriever
-from fastrag.retrieval.bm25 import _cache_root, _DocStore, build_in_first_writable, open_index, write_manifest
+from fastrag.retrieval.bm25 import DocStore, build_in_first_writable, cache_root, open_index, write_manifest
 from fastrag.retrieval.corpus import (CorpusError, corpus_format, corpus_fingerprint, iter_corpus,
                                      reader_version)
 
@@ -117,7 +117,7 @@ class DenseRetriever(Retriever):
 
     def _open(self, found: Path) -> None:
         index = self._faiss.read_index(str(found / "index.faiss"))
-        store = _DocStore(found)
+        store = DocStore(found)
         if index.ntotal != len(store):
             raise CorpusError(f"{found}: index holds {index.ntotal} vectors for {len(store)} passages")
         n_blank = int(json.loads((found / BLANK_FILE).read_text())["blank_passages"])
@@ -142,14 +142,14 @@ class DenseRetriever(Retriever):
         tag = self.encoder_path.name.lower().replace(" ", "-")
         key = hashlib.sha1(f"{self.corpus_path}|{self.encoder_path}".encode()).hexdigest()[:16]
         return [self.corpus_path.with_name(f"{self.corpus_path.name}.dense-{tag}"),
-                _cache_root() / "indexes" / f"{self.corpus_path.stem}-dense-{key}"]
+                cache_root() / "indexes" / f"{self.corpus_path.stem}-dense-{key}"]
 
     def _build(self, candidates: list[Path], manifest: dict) -> Path:
         return build_in_first_writable(candidates, lambda d: self._index(d, manifest), "dense", manifest)
 
     def _index(self, d: Path, manifest: dict) -> None:
         log.info("encoding %s into %s", self.corpus_path, d)
-        titles, texts = _DocStore.write(d, iter_corpus(self.corpus_path))
+        titles, texts = DocStore.write(d, iter_corpus(self.corpus_path))
         if not texts:
             raise CorpusError(f"{self.corpus_path}: the corpus holds no passages")
         emb = self.encode([passage_text(t, x) for t, x in zip(titles, texts)], progress=self.show_progress)
