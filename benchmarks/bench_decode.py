@@ -177,7 +177,7 @@ def main() -> None:
                  "the fused attn_decode_update: DRAGIN streaming's a_i)",
                  *([] if dev.type == "cuda" else
                    ["- CPU run (the Llama-2 shapes need a GPU): GPU not measured"]),
-                 "- graphs: whether the timed steps replayed CUDA graphs (fastrag/cuda_graphs.py; on by default on a GPU); "
+                 "- graphs: whether the timed steps replayed CUDA graphs (fastrag/cuda_graphs/; on by default on a GPU); "
                  "eager = the plain step with graphs off, launched kernel by kernel",
                  "- unfused layers = the plain step with each layer's residual adds, RMSNorms, rotary embedding, KV "
                  "write and SiLU product (and each shared prefix's softmax and merge) as "

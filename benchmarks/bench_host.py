@@ -18,7 +18,7 @@ Seven measurements (the first with a second part), each with its baseline in the
    pass (`last_layer_qk`) with the masked call and with the paged kernel.
 4. Decode-step signals over [B, 49152] logits on the CPU: the torch backend against the C++ one (`cpp`).
 5. Host preparation of a prefill and of an attention pass replayed from CUDA graphs (`PrefillGraphs.run`,
-   `PassGraphs.run`, fastrag/cuda_graphs.py) with the graph's forward stubbed out: the buffers' host images, their
+   `PassGraphs.run`, fastrag/cuda_graphs/) with the graph's forward stubbed out: the buffers' host images, their
    two copies, and for a pass the q and k put back in [B, T] order; against 3.'s eager forwards.
 6. A graphed decode step whose every sequence tracks its attention (dragin-streaming, in context): the torch
    operations `step_launch` dispatches (on a GPU each is a launch or at least a dispatch) and its host ms, at batch
@@ -616,7 +616,7 @@ def main() -> int:
         *(f"| {r['B']} | {r['torch_ms']:.2f} | {r['cpp_ms']:.2f} | {r['torch_ms'] / r['cpp_ms']:.2f} |" for r in sig),
         "",
         "## Host preparation of a prefill and an attention pass replayed from CUDA graphs (forward stubbed out)", "",
-        "`PrefillGraphs.run` and `PassGraphs.run` (fastrag/cuda_graphs.py) after a 1,536-token prefix, block tables "
+        "`PrefillGraphs.run` and `PassGraphs.run` (fastrag/cuda_graphs/) after a 1,536-token prefix, block tables "
         "4,096 tokens wide: the buffers' host images and their two copies, and for a pass the q and k put back in "
         "[B, T] order. On a GPU the replay adds one launch. Against the eager forwards' host ms at 32 layers above.",
         "", "| call | median host ms |", "|---|---|",

@@ -296,7 +296,7 @@ def main() -> None:
             "place; the default for CUDA tensors, $FASTRAG_PAGED_PREFILL; `--paged` adds the other path's rows)",
             f"- the paged kernel's self-check: "
             f"{', '.join(f'{k}: {v}' for k, v in model.paged_prefill_checks.items()) or 'not run'}",
-            "- prefill graph: how many timed calls replayed a CUDA graph of their token bucket (fastrag/cuda_graphs.py "
+            "- prefill graph: how many timed calls replayed a CUDA graph of their token bucket (fastrag/cuda_graphs/ "
             "`PrefillGraphs`, captured before the timing; on a CPU emulated); `--graphs` adds the other state's rows",
             "",
             "| sequences x new tokens | $FASTRAG_SDPA | fused small ops | prefix attention | tokens a call | "

@@ -47,7 +47,7 @@ def step_kind(prefilled: bool, decode_batch: int) -> str:
 
 
 def function_label(func: tuple[str, int, str]) -> str:
-    """A pstats function key as a table cell: `fastrag/engine.py:812(step_launch)` for the project's code (and
+    """A pstats function key as a table cell: `fastrag/engine/core.py:120(step_launch)` for the project's code (and
     site-packages' paths from the package on), torch's C functions as cProfile names them."""
     filename, line, name = func
     if filename == "~" and line == 0:

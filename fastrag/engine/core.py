@@ -135,7 +135,7 @@ class Engine:
         datasets finish at different times, so their subsets decode together too), all of them together when
         more (up to MAX_PREFIXES); sequences without a prefix when none is held. A step that needs another graph
         (a set of more prefixes, sequences with and without one, a prefix set later) still captures it then.
-        Without graphs, or where graphs depend on the context's length (see fastrag/cuda_graphs.py), nothing is
+        Without graphs, or where graphs depend on the context's length (see fastrag/cuda_graphs/), nothing is
         captured. Returns the number of decode graphs captured now. The prefill and attention-pass graphs of every
         token bucket are captured here too (their counts and seconds in `prefill_graphs.stats`, `pass_graphs.stats`).
 

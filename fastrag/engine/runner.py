@@ -395,7 +395,7 @@ def build_graphs(model: LlamaModel, pool: KVPool, *, max_batch: int, max_prefill
                  cuda_graphs: bool | None, prefill_graphs: bool | None, pass_graphs: bool | None):
     """The engine's decode, prefill and attention-pass graphs (each None where off), from its settings.
 
-    Decode steps replayed from CUDA graphs (fastrag/cuda_graphs.py): on by default on a GPU, FASTRAG_CUDA_GRAPHS=0
+    Decode steps replayed from CUDA graphs (fastrag/cuda_graphs/): on by default on a GPU, FASTRAG_CUDA_GRAPHS=0
     turns them off; cuda_graphs=True on a CPU runs the same static-buffer protocol without CUDA (emulated; how the
     tests check it). Prefills replayed from CUDA graphs (`PrefillGraphs`): calls of up to PREFILL_GRAPH_SEQS
     sequences and prefill_graph_tokens() new tokens, where the model prefills through the paged prefill kernel with

@@ -15,7 +15,7 @@ CUDA_GRAPHS_ENV = "FASTRAG_CUDA_GRAPHS"
 PREFILL_GRAPHS_ENV = "FASTRAG_PREFILL_GRAPHS"
 PASS_GRAPHS_ENV = "FASTRAG_PASS_GRAPHS"
 # the largest prefill (new tokens; capped by the engine's max_prefill_tokens) and the most sequences a prefill graph
-# takes (fastrag/cuda_graphs.py); $FASTRAG_PREFILL_GRAPH_TOKENS overrides the first. Larger prefills run eagerly,
+# takes (fastrag/cuda_graphs/); $FASTRAG_PREFILL_GRAPH_TOKENS overrides the first. Larger prefills run eagerly,
 # where each call pays thousands of host launches (benchmarks/results/ has the measurements behind these bounds)
 PREFILL_GRAPH_TOKENS, PREFILL_GRAPH_SEQS = 4096, 32
 PREFILL_GRAPH_TOKENS_ENV = "FASTRAG_PREFILL_GRAPH_TOKENS"

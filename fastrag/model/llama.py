@@ -397,7 +397,7 @@ class LlamaModel(nn.Module):
 
     # ------------------------------------------------------------------ fixed-shape entry points and passes
     def prefill_static(self, ids, positions, write_slots, paged, rows, k_pool, v_pool, out):
-        """A packed prefill whose every input is a tensor of fixed shape (a CUDA graph's, fastrag/cuda_graphs.py
+        """A packed prefill whose every input is a tensor of fixed shape (a CUDA graph's, fastrag/cuda_graphs/
         `PrefillGraphs`): ids, positions, write_slots [M] (rows past the real tokens are padding: any token, a
         scratch slot, covered by no tile of `paged`), `paged` a PrefillLayout over fixed buffers, out [M, H, D] the
         attention's buffer, rows [R] the rows whose logits are wanted. Returns logits [R, V] float32. Needs the paged
@@ -408,7 +408,7 @@ class LlamaModel(nn.Module):
         return self.lm_head(self.norm(x.index_select(0, rows))).float()
 
     def last_layer_qk_static(self, ids, positions, slots, paged, ks, vs, out):
-        """`last_layer_qk` over fixed-shape tensors (a CUDA graph's, fastrag/cuda_graphs.py `PassGraphs`): ids,
+        """`last_layer_qk` over fixed-shape tensors (a CUDA graph's, fastrag/cuda_graphs/ `PassGraphs`): ids,
         positions, slots [M] (padding rows: any token, a scratch slot, in no tile of `paged`), each row's keys and
         values written to `slots` of the scratch pair ks, vs [Hkv, slots, D], attending through the paged prefill
         kernel with layout `paged` into out [M, H, D]. Returns the last layer's q [M, H, D]; its keys are in ks."""

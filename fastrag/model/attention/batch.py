@@ -66,7 +66,7 @@ class PrefixGroup:
     start: int = -1  # first slot when consecutive, else -1
     # with rows None: [B] bool, which rows start with this prefix (the others are left as they are). The shape
     # does not depend on how many rows a prefix has, so a decode step of several prefixes can be a CUDA graph
-    # (fastrag/cuda_graphs.py): the prefix's GEMM runs over every row and only its rows merge the result.
+    # (fastrag/cuda_graphs/): the prefix's GEMM runs over every row and only its rows merge the result.
     member: torch.Tensor | None = None
     host_rows: list[int] | None = None  # rows as a host list (what the packed prefill's layout reads)
 
