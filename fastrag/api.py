@@ -242,9 +242,10 @@ class RAG:
 
     async def submit(self, question: str, method: str = "dragin", dataset: str = DEFAULT_DATASET,
                      config: dict | None = None, qid: str | None = None):
-        """Queue one question; returns its event stream (an async iterator of fastrag.serving.Event: "token"
-        events as text is generated, "retrieval" events, then "done" with the answer). Raises QueueFull when the
-        queue is full (its retry_after says when to come back)."""
+        """Queue one question; returns its event stream (an async iterator of fastrag.serving.Event: "generate"
+        when a round starts, "token" per decoded token, "search" and "documents" per retrieval, then "answer" with
+        the whole result, or "error"). Raises QueueFull when the queue is full (its retry_after says when to come
+        back)."""
         return await self.serving().submit(question, method=method, dataset=dataset, config=config, qid=qid)
 
     async def stream(self, question: str, method: str = "dragin", dataset: str = DEFAULT_DATASET,

@@ -177,3 +177,14 @@ def test_the_private_import_check_sees_every_form(tmp_path):
     assert lines == [4, 5, 7, 8, 9], hits
     assert {h.split(" ")[1] for h in hits} == {"fastrag.text._private_sibling", "fastrag.text.pool._BATCH",
                                                "fastrag.text.pool._READY"}
+
+
+def test_every_package_is_listed_for_installation():
+    # pyproject lists its packages by hand (fastrag.kernels comes from kernels/): a package missing there is
+    # missing from a wheel or a non-editable install, though an editable one still finds it
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "fastrag").rglob("__init__.py")
+             if not p.is_symlink() and "__pycache__" not in p.parts}
+    assert found - listed == set(), f"packages not listed in pyproject.toml: {sorted(found - listed)}"

@@ -1,6 +1,6 @@
 """An asyncio front to the engine: many concurrent requests share one decode batch.
 
-One worker thread owns the engine and the scheduler (neither is thread-safe) and loops: admit submitted questions,
+One worker thread owns the engine and the question loop (neither is thread-safe) and loops: admit submitted questions,
 apply cancellations, `QuestionLoop.step()`; when idle it blocks on its inbox. Each request gets an asyncio queue the
 worker fills through `loop.call_soon_threadsafe`, and `submit` returns an async iterator over its events:
 
