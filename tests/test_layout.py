@@ -188,3 +188,26 @@ def test_every_package_is_listed_for_installation():
     found = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "fastrag").rglob("__init__.py")
              if not p.is_symlink() and "__pycache__" not in p.parts}
     assert found - listed == set(), f"packages not listed in pyproject.toml: {sorted(found - listed)}"
+
+
+def test_docs_environment_lists_every_variable_the_package_reads():
+    # docs/environment.md is the one list of the FASTRAG_* switches; a variable read in fastrag/ or kernels/ but
+    # missing there (or listed but read nowhere) is a switch a user cannot find (or a dead row)
+    import re
+
+    read = set()
+    # (setup.py's build switches and the test/benchmark harnesses' data paths are listed too)
+    files = [*SOURCES.values(), ROOT / "setup.py", *(ROOT / "tests").rglob("*.py"), *(ROOT / "benchmarks").glob("*.py"),
+             *(ROOT / "scripts").glob("*")]
+    for p in files:
+        if p.is_file():
+            # "NAME", $NAME, and NAME= as a harness sets it (FASTRAG_NOTE, which bench_args writes out)
+            pairs = re.findall(r"""["'$](FASTRAG_[A-Z0-9_]+)|\b(FASTRAG_[A-Z0-9_]+)=""", p.read_text(encoding="utf-8"))
+            read |= {a or b for a, b in pairs}
+    read.discard("FASTRAG_")
+    read.discard("FASTRAG_WITH_CUDA")  # a C++ macro setup.py defines for csrc/, not an environment variable
+    listed = set(re.findall(r"^\| `(FASTRAG_[A-Z0-9_]+)`", (ROOT / "docs" / "environment.md").read_text(
+        encoding="utf-8"), flags=re.M))
+    assert read, "no FASTRAG_ variable found in the sources: the pattern is wrong"
+    assert read - listed == set(), f"read but not in docs/environment.md: {sorted(read - listed)}"
+    assert listed - read == set(), f"in docs/environment.md but read nowhere: {sorted(listed - read)}"
