@@ -38,9 +38,10 @@ def tiny_llama(dtype=None, device: str = "cpu", seed: int = 3, **cfg):
                                      device=device)
 
 
-def drive(eng, arrivals, after_step=None, max_steps: int = 500) -> list:
+def drive(eng, arrivals, after_step=None, max_steps: int = 500, step_fn=None) -> list:
     """Step an engine until it is idle, starting each generation of `arrivals` (step, prompt, max_new) before that
-    engine step; after_step(eng) runs after every step. Returns the sequences in the order they started."""
+    engine step; after_step(eng) runs after every step; step_fn(eng) steps instead of eng.step(). Returns the
+    sequences in the order they started."""
     seqs, step = [], 0
     todo = sorted(arrivals, key=lambda a: a[0])
     while todo or eng.has_work:
@@ -50,7 +51,7 @@ def drive(eng, arrivals, after_step=None, max_steps: int = 500) -> list:
             eng.start(s, prompt, n)
             seqs.append(s)
         if eng.has_work:
-            eng.step()
+            eng.step() if step_fn is None else step_fn(eng)
             if after_step is not None:
                 after_step(eng)
         step += 1

@@ -10,7 +10,7 @@ import pytest
 
 from fastrag.engine import Engine, StepPlan
 
-from engine_fakes import IntTok, tiny_llama
+from engine_fakes import IntTok, drive, tiny_llama
 
 
 @pytest.fixture(scope="module")
@@ -30,23 +30,14 @@ def _run(model, arrivals, planned: bool, **kw):
     """Step an engine to the end; planned: each step as planner.plan() then step_launch(plan) / step_finish, keeping
     the plans. Returns the generations' tokens and log-probabilities, the engine's counters and the plans."""
     eng = Engine(model, IntTok(), kv_cache_gb=0.01, max_batch=4, max_prefill_tokens=48, **kw)
-    seqs, plans, step = [], [], 0
-    todo = sorted(arrivals, key=lambda a: a[0])
-    while todo or eng.has_work:
-        while todo and todo[0][0] <= step:
-            _, prompt, n = todo.pop(0)
-            s = eng.new_sequence()
-            eng.start(s, prompt, n)
-            seqs.append(s)
-        if eng.has_work:
-            if planned:
-                plan = eng.planner.plan()
-                plans.append(plan)
-                eng.step_finish(eng.step_launch(plan))
-            else:
-                eng.step()
-        step += 1
-        assert step < 200
+    plans = []
+
+    def by_plan(e):
+        plan = e.planner.plan()
+        plans.append(plan)
+        e.step_finish(e.step_launch(plan))
+
+    seqs = drive(eng, arrivals, max_steps=200, step_fn=by_plan if planned else None)
     return [(s.out.ids, s.out.logprob) for s in seqs], dict(eng.stats), plans
 
 
