@@ -52,7 +52,7 @@ def prefill_graph_tokens() -> int:
 def default_async_prefill(device: torch.device) -> bool:
     """Engine(async_prefill=None): $FASTRAG_ASYNC_PREFILL (0 or 1) when set, else on for CUDA devices and off elsewhere
     (a CPU computes as it launches: there is nothing to overlap). On a GPU it leaves the device less idle in prefill
-    steps and in steps with attention passes (benchmarks/results/gpu_h200_2026-11-26d.md).
+    steps and in steps with attention passes (the asynchronous-prefill GPU session in benchmarks/results/README.md).
 
     async_prefill: a step's prefill samples its sequences' first tokens on the device and copies them to the host
     together with the decode step's results, so step_launch never waits for a prefill (the caller's host work then
@@ -72,8 +72,9 @@ def default_prefill_hold(device: torch.device) -> int:
 
     prefill_hold: while sequences decode, a step may leave the waiting prefills (fewer new tokens than one prefill's
     budget) for up to this many steps, so that more arrive and go in one call. On a GPU a prefill call has a large
-    fixed cost (benchmarks/results/prefill_gpu_h200_2026-11-26.md), and a DRAGIN run's prefills arrive one or two a
-    step: holding gives fewer prefill calls and larger decode batches (benchmarks/results/gpu_h200_2026-11-26b.md)."""
+    fixed cost (bench_prefill.py's GPU tables), and a DRAGIN run's prefills arrive one or two a step: holding gives
+    fewer prefill calls and larger decode batches (the prefill-hold GPU session; both listed in
+    benchmarks/results/README.md)."""
     return env_count(PREFILL_HOLD_ENV, DEFAULT_PREFILL_HOLD if torch.device(device).type == "cuda" else 0)
 
 
@@ -82,7 +83,7 @@ def default_mix_prefill() -> bool:
 
     mix_prefill: prefill batches of sequences with different shared prefixes (packed forward, each attends to its
     own). Off by default: it did not pay on the CPU, and on a GPU it gained less than the prefill hold
-    (benchmarks/results/e2e_cpu.md, gpu_h200_2026-11-26b.md)."""
+    (benchmarks/results/e2e_cpu.md and the prefill-hold GPU session in benchmarks/results/README.md)."""
     return bool(env_count(MIX_PREFILL_ENV, 0))
 
 

@@ -33,7 +33,7 @@ class TextService:
         # 0 answers text requests on the loop's thread as they come; N > 0 sends them to N worker processes
         # (started at the first request), a TextPool shares one; None: 0. Free-running workers made DRAGIN slower
         # than none: the texts that come back one by one start their prefills in small groups, and each prefill
-        # call has a large fixed cost (benchmarks/results/gpu_h200_2026-11-25.md)
+        # call has a large fixed cost (the first H200 session in benchmarks/results/README.md)
         if workers is None:
             workers = 0
         if isinstance(workers, TextPool):
