@@ -407,10 +407,23 @@ class DraginStreamingConfig(DraginConfig):
             raise ConfigError(f"mode must be 'streaming' for dragin-streaming, got {self.mode!r}")
 
 
-def method_defaults(method: str, dataset: str) -> tuple[type, dict[str, Any]]:
-    """(config class, per-dataset default values) of a baseline / FLARE method."""
+# method name -> (dataset -> (config class, default values)): methods outside this file (a policy module with its own
+# RagConfig subclass) register their defaults here, so method_config reads them like the built-in ones
+CONFIG_DEFAULTS: dict[str, Any] = {}
+
+
+def rag_defaults(dataset: str) -> dict[str, Any]:
+    """The RagConfig fields every method starts from for `dataset` (DRAGIN's per-dataset L and exemplars)."""
     d = DRAGIN_DEFAULTS[dataset]
-    base = {"dataset": dataset, "generate_max_length": d["generate_max_length"], "fewshot": d["fewshot"]}
+    return {"dataset": dataset, "generate_max_length": d["generate_max_length"], "fewshot": d["fewshot"]}
+
+
+def method_defaults(method: str, dataset: str) -> tuple[type, dict[str, Any]]:
+    """(config class, per-dataset default values) of a baseline / FLARE method, or of one registered in
+    CONFIG_DEFAULTS."""
+    if method in CONFIG_DEFAULTS:
+        return CONFIG_DEFAULTS[method](dataset)
+    base = rag_defaults(dataset)
     if method in ("wo-rag", "sr-rag", "fs-rag"):
         return BaselineConfig, base
     if method == "fl-rag":
