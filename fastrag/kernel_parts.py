@@ -18,7 +18,6 @@ bench_decode --profile.
 
 from __future__ import annotations
 
-import os
 import re
 import time
 from collections import defaultdict
@@ -145,14 +144,9 @@ def short_name(name: str, n: int = 60) -> str:
 def kernel_profile_window() -> tuple[int, int] | None:
     """$FASTRAG_KERNEL_PROFILE as (first step, steps), or None when unset or blank; anything but FIRST:COUNT with
     FIRST >= 0 and COUNT >= 1 is an error naming the variable."""
-    raw = os.environ.get(KERNEL_PROFILE_ENV, "").strip()
-    if not raw:
-        return None
-    m = re.fullmatch(r"(\d+)\s*:\s*(\d+)", raw)
-    if m is None or int(m.group(2)) < 1:
-        raise ValueError(f"${KERNEL_PROFILE_ENV}={raw!r}: expected FIRST:COUNT, the first engine step to profile "
-                         "and how many (COUNT >= 1), e.g. 200:40")
-    return int(m.group(1)), int(m.group(2))
+    from fastrag.settings import setting
+
+    return setting(KERNEL_PROFILE_ENV)
 
 
 # engine counters whose change over the window says what the profiled steps did

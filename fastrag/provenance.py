@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from fastrag.settings import set_in_environment, snapshot
+
 _PACKAGES = ("torch", "transformers", "triton", "fastrag")
 
 
@@ -94,7 +96,8 @@ def environment(device: torch.device | str | None = None) -> dict:
         **{name: _version(name) for name in _PACKAGES},
         "command": shlex.join(sys.argv),
         "git": source_commit(),
-        # the engine's switches set in the environment (FASTRAG_SDPA, FASTRAG_FUSED_PREFILL, FASTRAG_PREFILL_HOLD,
-        # ...): two runs of one command differ by these. FASTRAG_CACHE (a folder) is not a setting of the run
-        "settings": {k: v for k, v in sorted(os.environ.items()) if k.startswith("FASTRAG_") and k != "FASTRAG_CACHE"},
+        # the FASTRAG_* variables set, as written, and every setting as the run read it, defaults included
+        # (fastrag.settings)
+        "settings": set_in_environment(),
+        "resolved": snapshot(),
     }

@@ -83,6 +83,22 @@ class EngineConfig:
 
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, seed=self.seed, top_k=self.top_k)
 
+    def loop_config(self, device=None, **more):
+        """The question loop's settings (fastrag.loop.LoopConfig) for an engine of this config on `device`: twice
+        the decode batch in flight, so questions waiting on attention passes or retrieval leave no holes in it, and
+        text workers where none were given as a run chooses them (none on a CPU; on a GPU one per core beyond two,
+        fastrag.text.pool.auto_text_workers). `more`: any LoopConfig field, which wins."""
+        from fastrag.loop.config import LoopConfig
+
+        workers = self.text_workers
+        if workers is None and device is not None:
+            from fastrag.text.pool import auto_text_workers
+
+            workers = auto_text_workers(device)
+        base = LoopConfig(max_inflight=2 * self.batch_size, overlap=self.overlap, text_workers=workers,
+                          search_concurrency=self.search_concurrency)
+        return base.replace(**more) if more else base
+
     def build(self):
         """The engine: the model loaded on its device, its KV pool allocated (seconds to minutes)."""
         from fastrag.eval import build_engine

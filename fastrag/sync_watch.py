@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from fastrag.switches import env_switch
+from fastrag.settings import setting
 
 SYNC_WATCH_ENV = "FASTRAG_SYNC_WATCH"
 # torch's warning in sync debug mode "warn" (c10/cuda/CUDAFunctions.cpp: warn_or_error_on_sync)
@@ -33,8 +33,8 @@ _PKG = str(Path(__file__).resolve().parent)
 
 
 def sync_watch_requested() -> bool:
-    """$FASTRAG_SYNC_WATCH (fastrag.switches.env_switch)."""
-    return env_switch(SYNC_WATCH_ENV)
+    """$FASTRAG_SYNC_WATCH, a switch."""
+    return setting(SYNC_WATCH_ENV)
 
 
 def _site(stack: list[traceback.FrameSummary]) -> str:

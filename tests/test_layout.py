@@ -211,3 +211,51 @@ def test_docs_environment_lists_every_variable_the_package_reads():
     assert read, "no FASTRAG_ variable found in the sources: the pattern is wrong"
     assert read - listed == set(), f"read but not in docs/environment.md: {sorted(read - listed)}"
     assert listed - read == set(), f"in docs/environment.md but read nowhere: {sorted(listed - read)}"
+
+
+def _package_variables() -> set[str]:
+    import re
+
+    names = set()
+    for p in (ROOT / "fastrag").rglob("*.py"):
+        names |= {a or b for a, b in re.findall(r"""["'$](FASTRAG_[A-Z0-9_]+)|\b(FASTRAG_[A-Z0-9_]+)=""",
+                                                p.read_text(encoding="utf-8"))}
+    names.discard("FASTRAG_")
+    return names
+
+
+def test_every_variable_the_package_names_has_a_rule_in_settings():
+    # fastrag.settings.VARIABLES is where each FASTRAG_* variable is parsed; one named in fastrag/ without a rule
+    # there would be read some other way (or not at all)
+    from fastrag.settings import VARIABLES
+
+    named = _package_variables()
+    assert "FASTRAG_SDPA" in named, "the pattern finds no variable"
+    assert named - set(VARIABLES) == set(), f"named in fastrag/ but not in fastrag.settings.VARIABLES: " \
+                                            f"{sorted(named - set(VARIABLES))}"
+    assert set(VARIABLES) - named == {"FASTRAG_STEP_TRACE", "FASTRAG_KERNEL_PROFILE", "FASTRAG_LAUNCH_PROFILE",
+                                      "FASTRAG_SYNC_WATCH", "FASTRAG_ES_URL", "FASTRAG_ES_INDEX",
+                                      "FASTRAG_CACHE"} - named
+
+
+def test_only_settings_reads_the_environment_for_a_fastrag_variable():
+    # every read of os.environ / os.getenv in fastrag/ outside settings.py must not be of a FASTRAG_* variable,
+    # by its name or by a *_ENV / ENV_VAR constant holding one
+    import re
+
+    reads = re.compile(r"os\.environ\.get\(|os\.environ\[|os\.getenv\(|environ\.get\(")
+    bad = []
+    for p in sorted((ROOT / "fastrag").rglob("*.py")):
+        if p.name == "settings.py" and p.parent.name == "fastrag":
+            continue
+        for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
+            if reads.search(line) and re.search(r"FASTRAG_|_ENV\b|ENV_VAR\b", line):
+                bad.append(f"{p.relative_to(ROOT)}:{i}: {line.strip()}")
+    assert not bad, "FASTRAG_* read outside fastrag/settings.py:\n" + "\n".join(bad)
+
+
+def test_the_environment_read_check_catches_a_direct_read(tmp_path):
+    import re
+
+    line = 'mode = os.environ.get(DECODE_ATTENTION_ENV, "native")'
+    assert re.search(r"os\.environ\.get\(", line) and re.search(r"FASTRAG_|_ENV\b|ENV_VAR\b", line)

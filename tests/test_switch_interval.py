@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from fastrag.loop import QuestionLoop
-from fastrag.switches import SWITCH_INTERVAL_ENV, switch_interval, switch_interval_setting
+from fastrag.settings import SWITCH_INTERVAL_ENV, switch_interval, switch_interval_setting
 from test_scheduler import Ex, FakeEngine, FakeRetriever, policy
 
 

@@ -4,7 +4,6 @@ results, and the host-device copies around them."""
 
 from __future__ import annotations
 
-import os
 import time
 
 import torch
@@ -18,7 +17,7 @@ from fastrag.engine.sequence import PendingStep, SamplingParams, SeqState
 from fastrag.engine.sizing import (CUDA_GRAPHS_ENV, PASS_GRAPH_SEQS, PASS_GRAPH_TOKENS, PASS_GRAPHS_ENV,
                                    PREFILL_GRAPH_SEQS, PREFILL_GRAPHS_ENV, prefill_graph_tokens, sampling_key)
 from fastrag.model.llama import AttnBatch, LlamaModel, PrefixGroup
-from fastrag.switches import env_setting
+from fastrag.settings import setting
 from fastrag.transfer import to_device
 
 
@@ -406,7 +405,7 @@ def build_graphs(model: LlamaModel, pool: KVPool, *, max_batch: int, max_prefill
     device, dtype = p.device, p.dtype
     block_size = pool.block_size
     if cuda_graphs is None:
-        cuda_graphs = device.type == "cuda" and os.environ.get(CUDA_GRAPHS_ENV, "1") != "0"
+        cuda_graphs = device.type == "cuda" and setting(CUDA_GRAPHS_ENV) is not False
     # (a model whose own-context decode attention is a paged kernel takes graphs of the whole context's width,
     # which depend on batch bucket and prefix only: capture_graphs() captures them all before a run)
     paged = getattr(model, "paged_decode_op", None)
@@ -415,9 +414,9 @@ def build_graphs(model: LlamaModel, pool: KVPool, *, max_batch: int, max_prefill
         if cuda_graphs else None
 
     def graphs_on(value, env: str, name: str) -> bool:  # (the env setting read, a bad one named, on any device)
-        setting = env_setting(env)
+        set_to = setting(env)
         if value is None:
-            return bool(cuda_graphs) and device.type == "cuda" and setting is not False
+            return bool(cuda_graphs) and device.type == "cuda" and set_to is not False
         if not isinstance(value, bool):
             raise ValueError(f"{name} must be a bool or None, got {value!r}")
         return value

@@ -4,11 +4,10 @@ capacities, and the checks and keys of sampling seeds."""
 from __future__ import annotations
 
 import operator
-import os
 
 import torch
 
-from fastrag.switches import env_int
+from fastrag.settings import setting
 
 _M64 = (1 << 64) - 1
 CUDA_GRAPHS_ENV = "FASTRAG_CUDA_GRAPHS"
@@ -34,19 +33,15 @@ GPU_MEMORY_FRACTION = 0.8
 
 
 def env_count(name: str, default: int) -> int:
-    """$name as an integer >= 0 (unset or blank: default); anything else is an error naming the variable."""
-    v = env_int(name, 0)
+    """$name, a count in fastrag.settings.VARIABLES (unset or blank: default)."""
+    v = setting(name)
     return default if v is None else v
 
 
 def prefill_graph_tokens() -> int:
     """The most new tokens a prefill graph takes: $FASTRAG_PREFILL_GRAPH_TOKENS (an integer >= 16) when set, else
     PREFILL_GRAPH_TOKENS."""
-    v = env_count(PREFILL_GRAPH_TOKENS_ENV, PREFILL_GRAPH_TOKENS)
-    if v < 16:
-        raise ValueError(f"${PREFILL_GRAPH_TOKENS_ENV}={os.environ[PREFILL_GRAPH_TOKENS_ENV]!r}: expected an integer "
-                         ">= 16 (the smallest token bucket)")
-    return v
+    return env_count(PREFILL_GRAPH_TOKENS_ENV, PREFILL_GRAPH_TOKENS)
 
 
 def default_async_prefill(device: torch.device) -> bool:
@@ -60,10 +55,7 @@ def default_async_prefill(device: torch.device) -> bool:
     sequences join the decode batch one step later than without it (their first token is on the host only after
     step_finish). Off: the prefill's first tokens are copied to the host inside step_launch and the sequences decode
     in the same step. What a generation computes is the same either way."""
-    v = env_count(ASYNC_PREFILL_ENV, int(torch.device(device).type == "cuda"))
-    if v > 1:
-        raise ValueError(f"${ASYNC_PREFILL_ENV}={os.environ[ASYNC_PREFILL_ENV]!r}: expected 0 or 1")
-    return bool(v)
+    return bool(env_count(ASYNC_PREFILL_ENV, int(torch.device(device).type == "cuda")))
 
 
 def default_prefill_hold(device: torch.device) -> int:

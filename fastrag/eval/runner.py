@@ -5,7 +5,6 @@ with RunOptions.write False, in memory."""
 from __future__ import annotations
 
 import contextlib
-import json
 import time
 import warnings
 from pathlib import Path
@@ -18,12 +17,10 @@ from fastrag.eval.options import RunOptions, method_config, path_problem, sampli
 from fastrag.eval.report import Probes, measurements, score_result, summarize, triton_compile_log
 from fastrag.eval.store import (ResultWriter, check_manifest, close_progress, measured_fields, output_lock, resume,
                                 run_identity, write_json, write_progress)
-from fastrag.kernel_parts import StepWindow, kernel_profile_window
-from fastrag.launch_profile import LAUNCH_PROFILE_ENV, LaunchProfile
 from fastrag.model.loading import control_token_strings, find_control_token
-from fastrag.perf import STEP_TRACE_ENV, trace_summary
+from fastrag.probe import Probe
 from fastrag.provenance import environment, source_commit
-from fastrag.switches import env_switch, switch_interval_setting
+from fastrag.settings import switch_interval_setting
 from fastrag.trace import QuestionResult
 
 
@@ -106,6 +103,7 @@ def _run_many(runs: list[RunOptions], engine=None, retriever=None, given: list[l
 
     source_commit()  # the commit of the code this run loaded (fastrag.provenance), before anything can change it
     switch_interval_setting()  # (a bad $FASTRAG_SWITCH_INTERVAL fails here, before the model loads)
+    probe = Probe.from_settings()  # (and a bad diagnostic switch)
     first = runs[0]
     for o in runs[1:]:
         for f in ("model", "corpus", "retriever", "batch_size", "signals", "kv_cache_gb", "prefix_caching",
@@ -185,25 +183,14 @@ def _run_many(runs: list[RunOptions], engine=None, retriever=None, given: list[l
             bar.update(1)
 
         written = [out for out in outs if out is not None]
-        trace = env_switch(STEP_TRACE_ENV)
-        if trace:  # the engine's per-step rows ($FASTRAG_STEP_TRACE=1), written beside the results below
-            engine.trace = []
-        launch_prof = env_switch(LAUNCH_PROFILE_ENV) and hasattr(engine, "step_launch")
-        if launch_prof:  # ($FASTRAG_LAUNCH_PROFILE=1) cProfile over every step launch (fastrag.launch_profile)
-            engine.launch_profile = LaunchProfile()
-        window = kernel_profile_window()
-        if window is not None:  # ($FASTRAG_KERNEL_PROFILE=FIRST:COUNT) torch.profiler over those engine steps
-            engine.kernel_window = StepWindow(*window, getattr(engine, "device", "cpu"))
+        probe.attach(engine)  # (the diagnostics asked for: fastrag.probe; off, nothing is attached)
         try:
             # text workers not given: as many as the host's cores spare on a GPU, none on a CPU
             text_workers = first.text_workers
             if text_workers is None:
                 text_workers = auto_text_workers(getattr(engine, "device", "cpu"), cpus=first.text_worker_cpus)
-            # twice the decode batch in flight: questions waiting on attention passes or retrieval do not
-            # leave holes in the decode batch
-            sched = QuestionLoop(engine, retriever, lambda ex: policies[which[id(ex)]](ex),
-                                max_inflight=2 * first.batch_size, overlap=first.overlap,
-                                text_workers=text_workers, search_concurrency=first.search_concurrency)
+            loop_cfg = EngineConfig.of(first).loop_config(text_workers=text_workers, sync_watch=probe.sync_watch)
+            sched = QuestionLoop(engine, retriever, lambda ex: policies[which[id(ex)]](ex), loop_cfg)
             sched.run(todo, on_result, pass_example=True)
         finally:
             bar.close()
@@ -212,22 +199,10 @@ def _run_many(runs: list[RunOptions], engine=None, retriever=None, given: list[l
                     w.close()
             if probes.compile_log is not None:
                 probes.compile_log.row = None
-            if window is not None:
-                probes.kernel_profile = engine.kernel_window.finish(engine.stats)
-                engine.kernel_window = None
-                for out in written:
-                    write_json(out / "kernel_profile.json", {"window": list(window), "profile": probes.kernel_profile})
-            if launch_prof:
-                lp, engine.launch_profile = engine.launch_profile, None
-                probes.launch_profile = lp.summary() | {"folder": "launch_profile"}
-                for out in written:  # (each kind's full statistics: python -m pstats FILE)
-                    lp.dump(out / "launch_profile")
-            if trace:
-                rows, engine.trace = engine.trace or [], None
-                for out in written:  # (one engine ran every run's questions: each run's folder gets the steps)
-                    with open(out / "step_trace.jsonl", "w") as f:
-                        f.writelines(json.dumps(r) + "\n" for r in rows)
-                probes.step_trace = trace_summary(rows) | {"file": "step_trace.jsonl"}
+            blocks = probe.collect(engine, written)
+            probes.kernel_profile = blocks.get("kernel_profile")
+            probes.launch_profile = blocks.get("launch_profile")
+            probes.step_trace = blocks.get("step_trace")
         tokens = engine.stats["prefill_tokens"] + engine.stats["decode_tokens"] - tok0
     else:
         tokens = 0

@@ -4,11 +4,12 @@
 `LoopEngine` (fastrag.loop.protocol) is what the loop needs from an engine.
 """
 
+from fastrag.loop.config import LoopConfig
 from fastrag.loop.core import QuestionLoop
 from fastrag.loop.protocol import LoopEngine, SyncEngineBase
 from fastrag.loop.questions import Ticket
 from fastrag.loop.requests import (TEXT_REQUESTS, AttnColmax, AttnRows, Generate, Parallel, Policy, RealWords, Request,
                                    Search, SearchFailure, Sentences)
 
-__all__ = ["QuestionLoop", "Ticket", "LoopEngine", "SyncEngineBase", "Generate", "AttnColmax", "AttnRows", "Search",
+__all__ = ["QuestionLoop", "LoopConfig", "Ticket", "LoopEngine", "SyncEngineBase", "Generate", "AttnColmax", "AttnRows", "Search",
            "Sentences", "RealWords", "Parallel", "SearchFailure", "Request", "Policy", "TEXT_REQUESTS"]

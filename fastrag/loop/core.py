@@ -27,14 +27,15 @@ from collections import deque
 from concurrent.futures import FIRST_COMPLETED, wait
 from typing import Callable, Iterable
 
+from fastrag.loop.config import LoopConfig
 from fastrag.loop.protocol import LoopEngine, SyncEngineBase
 from fastrag.loop.questions import Live, QuestionPlumbing, Ticket
 from fastrag.loop.requests import TEXT_REQUESTS, AttnColmax, AttnRows, Policy, Search
 from fastrag.loop.search_service import SearchService
 from fastrag.loop.text_service import TextService
-from fastrag.switches import switch_interval
+from fastrag.settings import switch_interval
 from fastrag.sync_watch import SyncWatch, sync_watch_requested
-from fastrag.text.pool import TextPool, compute_text, failure_message, is_failure
+from fastrag.text.pool import compute_text, failure_message, is_failure
 from fastrag.trace import QuestionResult
 
 
@@ -73,11 +74,15 @@ class QuestionLoop(QuestionPlumbing):
     text_group_sizes = _delegate("texts", "group_sizes", "texts in each group sent (text_groups)")
     text_requests = _delegate("texts", "requests", "texts answered by the workers")
 
-    def __init__(self, engine: LoopEngine, retriever, policy: Policy | None = None, max_inflight: int = 64,
-                 overlap: bool | None = None, text_workers: int | TextPool | None = None,
-                 wait_for_search: bool = True, search_concurrency: int | None = None,
-                 sync_watch: bool | None = None, text_lockstep: bool | None = None,
-                 text_groups: bool | None = None):
+    def __init__(self, engine: LoopEngine, retriever, policy: Policy | None = None, config: LoopConfig | None = None,
+                 **settings):
+        """config: the loop's settings (fastrag.loop.config.LoopConfig; None: its defaults); `settings`: any of its
+        fields given by name, which win over `config`'s (`QuestionLoop(eng, ret, policy, max_inflight=64)`)."""
+        cfg = (config or LoopConfig()).replace(**settings) if settings else (config or LoopConfig())
+        self.config = cfg
+        max_inflight, overlap, text_workers = cfg.max_inflight, cfg.overlap, cfg.text_workers
+        wait_for_search, search_concurrency, sync_watch = cfg.wait_for_search, cfg.search_concurrency, cfg.sync_watch
+        text_lockstep, text_groups = cfg.text_lockstep, cfg.text_groups
         self.engine, self.retriever, self.policy = engine, retriever, policy
         self.search = SearchService(retriever, search_concurrency)
         self.max_inflight = max_inflight

@@ -15,7 +15,6 @@ by float rounding (summation order).
 
 from __future__ import annotations
 
-import os
 
 import torch
 import torch.nn.functional as F
@@ -25,10 +24,9 @@ CPU_GEMM_ENV = "FASTRAG_CPU_GEMM"  # onednn (default where torch has it) | torch
 
 
 def cpu_gemm_mode() -> str:
-    mode = os.environ.get(CPU_GEMM_ENV, "onednn")
-    if mode not in ("onednn", "torch"):
-        raise ValueError(f"${CPU_GEMM_ENV}={mode!r}: expected onednn or torch")
-    return mode
+    from fastrag.settings import setting
+
+    return setting(CPU_GEMM_ENV)
 
 
 def onednn_available() -> bool:

@@ -15,11 +15,13 @@ from pathlib import Path
 
 import torch
 
+from fastrag.settings import setting
+
 EMBEDDED = "smollm2"
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("FASTRAG_CACHE", Path.home() / ".cache" / "fastrag"))
+    return setting("FASTRAG_CACHE")
 
 
 def embedded_gguf() -> Path:

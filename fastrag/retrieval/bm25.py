@@ -49,7 +49,7 @@ from fastrag.retrieval import bm25_build
 from fastrag.retrieval.base import Doc, Retriever
 from fastrag.retrieval.corpus import (CorpusError, corpus_format, corpus_fingerprint, iter_corpus,
                                      reader_version)
-from fastrag.switches import env_setting
+from fastrag.settings import setting
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ _EMPTY = "EMPTY"  # marks a field's index folder when no passage has a term in t
 _FORMAT = 3
 
 def cache_root() -> Path:
-    return Path(os.environ.get("FASTRAG_CACHE", Path.home() / ".cache" / "fastrag"))
+    return setting("FASTRAG_CACHE")
 
 
 def _writable(d: Path) -> bool:
@@ -303,7 +303,7 @@ class BM25Retriever(Retriever):
         self._bm25s = bm25s
         self._stemmer = Stemmer.Stemmer(bm25_build.STEMMER)
         self._lock = threading.Lock()  # one search at a time (the stemmer is not thread-safe; the native scratch)
-        self._native_setting = env_setting(NATIVE_ENV)  # (read first: a bad value is not an unreadable index)
+        self._native_setting = setting(NATIVE_ENV)  # (read first: a bad value is not an unreadable index)
 
         manifest = self._manifest()
         candidates = [Path(index_dir)] if index_dir is not None else self._default_dirs()

@@ -44,7 +44,7 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-from fastrag.switches import env_int
+from fastrag.settings import setting
 
 # ---- analysis (shared with the queries: fastrag.retrieval.bm25 imports it) -----------------------------------------
 
@@ -284,7 +284,7 @@ class FieldBuilder:
 def workers_setting() -> int | None:
     """$FASTRAG_INDEX_WORKERS: processes that analyse passages during a BM25 build (1: the building process
     alone); None when unset (one per usable CPU, up to 8, once the corpus is bigger than two chunks)."""
-    return env_int(WORKERS_ENV, 1, "a number of processes")
+    return setting(WORKERS_ENV)
 
 
 def _auto_workers() -> int:

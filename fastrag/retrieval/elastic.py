@@ -10,10 +10,10 @@ with `FASTRAG_ES_URL` / `FASTRAG_ES_INDEX`. Documents are stored as `{id, title,
 from __future__ import annotations
 
 import contextlib
-import os
 from pathlib import Path
 
 from fastrag.retrieval.base import Doc, Retriever
+from fastrag.settings import setting
 from fastrag.retrieval.corpus import CorpusError, iter_corpus
 
 
@@ -29,8 +29,8 @@ def _client(url: str, timeout: float):
 class ElasticRetriever(Retriever):
     def __init__(self, url: str | None = None, index: str | None = None, fields: tuple[str, str] = ("title", "text"),
                  tie_breaker: float = 0.5, timeout: float = 30.0, corpus_path=None, show_progress: bool = True):
-        self.url = url or os.environ.get("FASTRAG_ES_URL", "http://localhost:9200")
-        self.index = index or os.environ.get("FASTRAG_ES_INDEX", "wiki")
+        self.url = url or setting("FASTRAG_ES_URL")
+        self.index = index or setting("FASTRAG_ES_INDEX")
         if not 0 <= tie_breaker <= 1:
             raise ValueError(f"tie_breaker must lie in [0, 1], got {tie_breaker}")
         self.fields, self.tie_breaker = list(fields), float(tie_breaker)

@@ -12,7 +12,6 @@ get_backend reports as BackendUnavailableError.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -298,8 +297,11 @@ def get_backend(name: str | None = None) -> SignalBackend:
     known but not runnable here -> BackendUnavailableError."""
     source = "argument name"
     if name is None:
-        name = os.environ.get(ENV_VAR) or DEFAULT_BACKEND
-        source = f"${ENV_VAR}" if os.environ.get(ENV_VAR) else "default"
+        from fastrag.settings import setting
+
+        name = setting(ENV_VAR)
+        source = f"${ENV_VAR}" if name is not None else "default"
+        name = name or DEFAULT_BACKEND
     factory = _FACTORIES.get(name)
     if factory is None:
         raise ValueError(f"unknown signals backend {name!r} (from {source}); registered: {registered_backends()}")

@@ -28,7 +28,7 @@ import threading
 from concurrent.futures import Future
 from concurrent.futures.process import BrokenProcessPool
 
-from fastrag.switches import env_setting, env_switch
+from fastrag.settings import setting
 
 # what a worker can compute: kind -> (module, function) of one text
 KINDS = {"sentences": ("fastrag.text.sentences", "split_sentences"),
@@ -77,14 +77,14 @@ def auto_text_workers(device, cpus: int | None = None) -> int:
 
 
 def text_lockstep_requested() -> bool:
-    """$FASTRAG_TEXT_LOCKSTEP (QuestionLoop(text_lockstep=None); fastrag.switches.env_switch)."""
-    return env_switch(TEXT_LOCKSTEP_ENV)
+    """$FASTRAG_TEXT_LOCKSTEP (QuestionLoop(text_lockstep=None)), a switch."""
+    return setting(TEXT_LOCKSTEP_ENV)
 
 
 def text_groups_requested() -> bool | None:
     """$FASTRAG_TEXT_GROUPS (QuestionLoop(text_groups=None)): 1 groups, 0 free-running workers, unset None (the
-    scheduler's default: groups unless lockstep is asked for); fastrag.switches.env_setting."""
-    return env_setting(TEXT_GROUPS_ENV)
+    loop's default: groups unless lockstep is asked for)."""
+    return setting(TEXT_GROUPS_ENV)
 
 
 _HEADER = struct.Struct("<Q")

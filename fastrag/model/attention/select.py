@@ -1,4 +1,4 @@
-"""Which attention backends a model runs: every FASTRAG_* attention switch parsed in one place.
+"""Which attention backends a model runs: every FASTRAG_* attention switch (parsed by fastrag.settings) resolved.
 
 `resolve_backends()` reads them all once (when a model is built) into a frozen `AttentionBackends`; the forward asks
 that object, never the environment. The per-switch readers stay public so a setting can be checked on its own (a
@@ -9,10 +9,11 @@ forwards of one model takes effect, as it always has.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
+
+from fastrag.settings import setting
 
 DECODE_ATTENTION_ENV = "FASTRAG_DECODE_ATTENTION"  # native (default) | triton | torch
 PAGED_PREFILL_ENV = "FASTRAG_PAGED_PREFILL"  # auto (default: CUDA tensors) | 1 (CPU too, interpreted) | 0
@@ -53,10 +54,7 @@ def import_module_ref(name: str) -> ModuleRef:
 
 
 def decode_attention_mode() -> str:
-    mode = os.environ.get(DECODE_ATTENTION_ENV, "native")
-    if mode not in ("native", "triton", "torch"):
-        raise ValueError(f"${DECODE_ATTENTION_ENV}={mode!r}: expected native, triton or torch")
-    return mode
+    return setting(DECODE_ATTENTION_ENV)
 
 
 def native_decode_attention(mode: str | None = None):
@@ -99,19 +97,13 @@ def paged_prefill_attention():
     CPU tensors when the kernels were imported under TRITON_INTERPRET=1 (how CI runs it without a GPU), an error
     where Triton does not import; 0 never. A prefill call through the kernel costs less device time than through
     the buckets, most for the short calls that are most of a DRAGIN run's (benchmarks/results/)."""
-    from fastrag.switches import env_switch
-
-    raw = os.environ.get(PAGED_PREFILL_ENV, "").strip().lower()
-    if raw in ("", "auto"):
+    on = setting(PAGED_PREFILL_ENV)
+    if on == "auto":
         try:
             from fastrag.kernels import paged_prefill
         except ImportError:  # (no Triton: the buckets)
             return None, False
         return ModuleRef(paged_prefill), False
-    try:
-        on = env_switch(PAGED_PREFILL_ENV)
-    except ValueError:
-        raise ValueError(f"${PAGED_PREFILL_ENV}={os.environ[PAGED_PREFILL_ENV]!r}: expected auto, 1 or 0") from None
     if not on:
         return None, False
     try:
@@ -131,13 +123,10 @@ def prefill_gqa_mode() -> str:
     each (benchmarks/results/prefill_attention_*.md: expand is the faster form on a GPU, native on a CPU).
     auto (the default): expand for CUDA tensors, native elsewhere. Models without grouped heads (Llama-2-7B) are
     unaffected."""
-    mode = os.environ.get(PREFILL_GQA_ENV, "auto")
-    if mode not in ("auto", "native", "expand"):
-        raise ValueError(f"${PREFILL_GQA_ENV}={mode!r}: expected auto, native or expand")
-    return mode
+    return setting(PREFILL_GQA_ENV)
 
 
-_sdpa_cache: dict[str, list | None] = {}
+_sdpa_cache: dict[str | tuple, list | None] = {}
 
 
 def sdpa_backends() -> list | None:
@@ -153,17 +142,13 @@ def sdpa_backends() -> list | None:
     The cascade prefill (`lse_attention`) calls its kernels itself (flash and memory-efficient on CUDA, flash on the
     CPU), never cuDNN: this setting governs the masked calls, i.e. prefills without a shared prefix or with the
     cascade off, and the attention passes."""
-    mode = os.environ.get(SDPA_ENV, "flash,efficient,math").strip()
+    mode = setting(SDPA_ENV)  # "torch" or a tuple of SDPA_NAMES' keys
     if mode in _sdpa_cache:
         return _sdpa_cache[mode]
     if mode == "torch":
         backends = None
     else:
-        names = [n.strip() for n in mode.split(",") if n.strip()]
-        bad = [n for n in names if n not in SDPA_NAMES]
-        if bad or not names:
-            raise ValueError(f"${SDPA_ENV}={mode!r}: expected 'torch' or a comma list of "
-                             f"{', '.join(SDPA_NAMES)}")
+        names = mode
         from torch.nn.attention import SDPBackend
 
         backends = [getattr(SDPBackend, SDPA_NAMES[n]) for n in names if hasattr(SDPBackend, SDPA_NAMES[n])]
@@ -178,9 +163,7 @@ def fused_decode_ops():
 
     auto: used for CUDA tensors when Triton imports. 1: also for CPU tensors when fastrag.kernels was imported under
     TRITON_INTERPRET=1 (how CI runs this path without a GPU). 0: torch's separate operations everywhere."""
-    mode = os.environ.get(FUSED_DECODE_ENV, "auto")
-    if mode not in ("auto", "1", "0"):
-        raise ValueError(f"${FUSED_DECODE_ENV}={mode!r}: expected auto, 1 or 0")
+    mode = setting(FUSED_DECODE_ENV)
     if mode == "0" or (mode == "auto" and not torch.cuda.is_available()):
         return None, False
     try:
@@ -197,9 +180,7 @@ def prefix_flash_mode() -> bool:
     """$FASTRAG_PREFIX_FLASH as a switch (off unless 1): the decode step's shared prefixes in one flash-decoding
     launch a layer (kernels/fused_decode.py prefix_flash_decode) instead of a GEMM, softmax, GEMM and merge per
     prefix over every row. Off by default until a GPU has timed both (bench_decode --prefixes)."""
-    from fastrag.switches import env_switch
-
-    return env_switch(PREFIX_FLASH_ENV)
+    return setting(PREFIX_FLASH_ENV)
 
 
 def fused_prefill_mode() -> str:
@@ -208,10 +189,7 @@ def fused_prefill_mode() -> str:
     call's tokens instead of torch's ~30 separate kernels a layer. A prefill of a few hundred tokens is bound by
     those launches on a GPU (benchmarks/results/prefill_gpu_h200_*.md). auto: wherever $FASTRAG_FUSED_DECODE puts
     the decode step's; 0: torch's operations in prefills."""
-    mode = os.environ.get(FUSED_PREFILL_ENV, "auto")
-    if mode not in ("auto", "0"):
-        raise ValueError(f"${FUSED_PREFILL_ENV}={mode!r}: expected auto or 0")
-    return mode
+    return setting(FUSED_PREFILL_ENV)
 
 
 def cascade_prefill_mode() -> str:
@@ -222,10 +200,7 @@ def cascade_prefill_mode() -> str:
     0: one masked call per bucket over [prefix | context], the prefix keys copied for every sequence. That copy and
     the masked attention over the whole prefix are a large share of a prefill's device time on a GPU
     (benchmarks/results/prefill_gpu_h200_*.md)."""
-    mode = os.environ.get(CASCADE_PREFILL_ENV, "auto")
-    if mode not in ("auto", "0"):
-        raise ValueError(f"${CASCADE_PREFILL_ENV}={mode!r}: expected auto or 0")
-    return mode
+    return setting(CASCADE_PREFILL_ENV)
 
 
 @dataclass(frozen=True, slots=True)
