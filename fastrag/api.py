@@ -23,7 +23,7 @@ from fastrag.trace import QuestionResult
 __all__ = ["BM25", "Dense", "Elasticsearch", "EngineConfig", "QuestionResult", "RAG", "Results", "methods",
            "retriever_spec"]
 
-QUESTION_KEYS = ("question", "answers", "golden_answers", "id")
+QUESTION_KEYS = ("question", "answers", "golden_answers", "id", "answer_id")
 DEFAULT_DATASET = "hotpotqa"  # (questions given in memory without a dataset: its exemplars and answer rules)
 
 
@@ -68,8 +68,9 @@ def methods() -> dict[str, str]:
 
 
 def as_examples(questions, dataset: str) -> list:
-    """The Examples of in-memory questions: strings, dicts {"question", "answers" | "golden_answers", "id"} or
-    fastrag.data Example objects (mixed freely). Questions without an id get "q<index>"; ids must not repeat. A
+    """The Examples of in-memory questions: strings, dicts {"question", "answers" | "golden_answers", "id",
+    "answer_id"} or fastrag.data Example objects (mixed freely); answer_id: the key of the question's answer aliases
+    (RAG.run's answer_aliases). Questions without an id get "q<index>"; ids must not repeat. A
     question without gold answers is marked so that it gets no EM/F1. ValueError names a bad entry by its index."""
     from fastrag.data.datasets import Example
     from fastrag.eval.report import NO_GOLD
@@ -104,13 +105,32 @@ def as_examples(questions, dataset: str) -> list:
         if not isinstance(qid, (str, int)) or isinstance(qid, bool):
             raise ValueError(f"{where}: 'id' must be a string or an int, got {qid!r}")
         out.append(Example(qid=str(qid), question=q["question"], answers=list(answers), dataset=dataset,
-                           meta={"format": "api", **({NO_GOLD: True} if not answers else {})}))
+                           meta={"format": "api", **({NO_GOLD: True} if not answers else {}),
+                                 **({"answer_id": str(q["answer_id"])} if q.get("answer_id") is not None else {})}))
     seen: dict[str, int] = {}
     for i, e in enumerate(out):
         if e.qid in seen:
             raise ValueError(f"questions[{i}]: id {e.qid!r} repeats questions[{seen[e.qid]}]'s; ids must be unique")
         seen[e.qid] = i
     return out
+
+
+def aliased(examples: list, answer_aliases) -> list:
+    """Copies of in-memory Examples whose gold answers gain the aliases of their `answer_id` (fastrag.data
+    with_answer_aliases; the caller's objects are left as they are)."""
+    import copy
+
+    from fastrag.data.datasets import load_answer_aliases, with_answer_aliases
+    from fastrag.eval.report import NO_GOLD
+
+    examples = [copy.copy(e) for e in examples]
+    for e in examples:
+        e.answers, e.meta = list(e.answers), dict(e.meta)
+    with_answer_aliases(examples, load_answer_aliases(answer_aliases), where="questions")
+    for e in examples:  # (a question given without answers that gained aliases is scored on them)
+        if e.answers:
+            e.meta.pop(NO_GOLD, None)
+    return examples
 
 
 class RAG:
@@ -158,8 +178,12 @@ class RAG:
     @property
     def retriever(self):
         """The fastrag.retrieval.Retriever (built from the spec on first use)."""
+        return self.built_retriever()
+
+    def built_retriever(self, show_progress: bool = True):
+        """`retriever`, its index built or loaded with (or without) a progress bar when this is its first use."""
         if self._retriever is None:
-            self._retriever = self.retriever_spec.build()
+            self._retriever = self.retriever_spec.build(show_progress=show_progress)
         return self._retriever
 
     @property
@@ -172,19 +196,29 @@ class RAG:
     # ------------------------------------------------------------------ batch
     def run(self, questions, method: str = "dragin", dataset: str | None = None,
             config: dict | str | Path | None = None, out: str | Path | None = None, limit: int | None = None,
-            progress: bool = True) -> Results:
+            progress: bool = True, *, qids: Iterable[str] | None = None,
+            answer_aliases: str | Path | None = None) -> Results:
         """Answer `questions` with `method`; returns a Results (a list of QuestionResult, and `.metrics`).
 
-        questions: a list of strings, dicts {"question", "answers" | "golden_answers", "id"} or fastrag.data
-        Example objects; or a data file's path (read as `fastrag run --data` reads it, `dataset` then required).
+        questions: a list of strings, dicts {"question", "answers" | "golden_answers", "id", "answer_id"} or
+        fastrag.data Example objects; or a data file's path (read as `fastrag run --data` reads it, `dataset`
+        then required).
         dataset: whose exemplars and answer rules (hotpotqa, 2wikimultihopqa, strategyqa, iirc, nq, webq; None:
         hotpotqa for questions in memory, an Example's own). config: the method's settings, a dict or a JSON file
         (`fastrag methods`, docs/methods.md; None: the paper's defaults). out: a folder to write results.jsonl and
-        metrics.json into as `fastrag run --output` does (resumable: questions already answered there are kept);
-        None writes nothing. limit: only the first N questions.
+        metrics.json into as `fastrag run --output` does (resumable: questions already answered there are kept
+        and only the others computed, so a run stopped part-way goes on where it was); None writes nothing.
+        limit: only the first N questions. progress: a progress bar (and the index build's) on stderr.
+        qids: only the questions with these ids (among the first `limit`; an id not there is a ValueError), in
+        the questions' order: a data file's ids, or those of questions in memory ("q<index>" when not given).
+        answer_aliases: a 2WikiMultihopQA `id_aliases.json` (`fastrag run --answer-aliases`): each question's gold
+        answers gain the aliases of its `answer_id`, as the published DRAGIN evaluation scores 2Wiki. It changes
+        scoring only, so a rerun into a finished `out` rescores the answers there.
 
             results = rag.run(["Who wrote Hamlet?", {"question": "Capital of France?", "answers": ["Paris"]}],
                               method="flare", dataset="nq", config={"theta": 0.5})
+            rag.run("dev.json", method="dragin", dataset="2wikimultihopqa", out="runs/2wiki", limit=100,
+                    qids=["13f5ad2c088c11ebbd6fac1f6bf848b6"], answer_aliases="id_aliases.json", progress=False)
         """
         from fastrag.eval import RunOptions, run_many
         from fastrag.methods.registry import get_method
@@ -208,6 +242,11 @@ class RAG:
                 dataset = own[0] if own else DEFAULT_DATASET
             dataset = canonical_dataset(dataset)
             examples = as_examples(questions, dataset)
+            if answer_aliases is not None:  # (a data file's are added as it is read, fastrag.data.load_examples)
+                examples = aliased(examples, answer_aliases)
+        if qids is not None and not isinstance(qids, (str, bytes)) and isinstance(qids, Iterable):
+            # (ids given as ints, as questions in memory may be: compared as the strings the records hold)
+            qids = tuple(str(q) if isinstance(q, int) and not isinstance(q, bool) else q for q in qids)
         corpus = self.corpus_path
         if out is not None and corpus is None:
             raise ValueError("out=: a results folder records its corpus; give a retriever spec (BM25(corpus=...)) "
@@ -219,13 +258,15 @@ class RAG:
                           prefix_caching=c.prefix_caching, threads=c.threads, overlap=c.overlap,
                           text_workers=c.text_workers, search_concurrency=c.search_concurrency, progress=progress,
                           retriever=self.retriever_spec.kind if self.retriever_spec is not None else "bm25",
-                          temperature=c.temperature, top_p=c.top_p, seed=c.seed, top_k=c.top_k)
+                          temperature=c.temperature, top_p=c.top_p, seed=c.seed, top_k=c.top_k, qids=qids,
+                          answer_aliases=None if answer_aliases is None or data is None else str(answer_aliases))
         records: list = []
         # (the engine and the index are built only when some question is to be computed, after the options and the
         # questions were checked; kept for the next run)
         metrics = run_many([opts], engine=self._engine, retriever=self._retriever,
                            examples=None if examples is None else [examples], records=records,
-                           make_engine=lambda: self.engine, make_retriever=lambda: self.retriever)[0]
+                           make_engine=lambda: self.engine,
+                           make_retriever=lambda: self.built_retriever(show_progress=progress))[0]
         return Results(records[0], metrics)
 
     # ------------------------------------------------------------------ serving

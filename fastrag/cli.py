@@ -261,9 +261,7 @@ def _main(argv: list[str] | None, seen: dict) -> int:
             _print_failures(metrics, args.output)
             return _all_failed(metrics, args.output)
         elif args.cmd == "run":
-            from fastrag.eval import run
-
-            metrics = run(opts)
+            metrics = _run(opts)
             _print_table("fastrag run", metrics)
             print(_run_summary(metrics, args.output))
             _print_failures(metrics, args.output)
@@ -280,6 +278,19 @@ def _main(argv: list[str] | None, seen: dict) -> int:
         print(f"fastrag: error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def _run(opts) -> dict:
+    """`fastrag run` through the public API: a RAG of the run's engine settings and retriever, its run() into the
+    output folder (resumed there); the metrics as metrics.json holds them. The options were checked when built,
+    with the flags' names, before anything loads."""
+    from fastrag.api import RAG
+    from fastrag.specs import EngineConfig, retriever_spec
+
+    rag = RAG(EngineConfig.of(opts), retriever=retriever_spec(opts.retriever, opts.corpus))
+    results = rag.run(opts.data, method=opts.method, dataset=opts.dataset, config=opts.config, out=opts.output,
+                      limit=opts.limit, progress=opts.progress, qids=opts.qids, answer_aliases=opts.answer_aliases)
+    return results.metrics
 
 
 def _processes(text: str) -> int:

@@ -101,6 +101,22 @@ def test_bad_inputs_say_what_is_wrong(rag):
         EngineConfig(batch_size=0)
 
 
+def test_qids_and_answer_aliases_on_questions_in_memory(rag, tmp_path):
+    """qids picks questions by id (the "q<index>" given ids included) before anything is computed; answer_aliases
+    adds the aliases of a question's answer_id to its gold answers without changing the caller's dicts."""
+    aliases = tmp_path / "id_aliases.json"
+    aliases.write_text(json.dumps({"Q7": ["Bohr"]}))
+    qs = [QUESTIONS[0], {**QUESTIONS[1], "answer_id": "Q7"}]
+    results = rag.run(qs, method="wo-rag", config=SMALL, progress=False, qids=["q1"], answer_aliases=aliases)
+    assert [r.qid for r in results] == ["q1"] and results[0].gold == ["Niels Bohr", "Bohr"]
+    assert qs[1]["answers"] == ["Niels Bohr"] and results.metrics["n"] == 1
+    with pytest.raises(ValueError, match=r"^1 question id\(s\) of qids are not among the questions given: "
+                                         r"\['nope'\]$"):
+        rag.run(QUESTIONS, method="wo-rag", qids=["nope"], progress=False)
+    with pytest.raises(ValueError, match="no question has an 'answer_id' field"):
+        rag.run(QUESTIONS, method="wo-rag", answer_aliases=aliases, progress=False)
+
+
 def test_stream_gives_the_answer_and_run_waits_for_close(rag):
     import asyncio
 

@@ -176,7 +176,7 @@ def test_async_engine_survives_a_client_loop_that_closed(go):
         kinds = asyncio.run(asyncio.wait_for(ask(), 120))
         assert kinds[-1] == "answer"
         deadline = time.time() + 10
-        while ae.scheduler.busy and time.time() < deadline:
+        while ae.loop.busy and time.time() < deadline:
             time.sleep(0.05)
         assert not go.engine.running and not go.engine.waiting
     finally:
@@ -203,7 +203,7 @@ def test_async_engine_cancels_a_stream_dropped_unread(go):
             assert [ev async for ev in closed] == []  # (a closed stream ends at once)
             # (the loop stays open meanwhile: a closed loop would end the questions by another path)
             deadline = time.time() + 60
-            while (ae.stats["cancelled"] + ae.stats["finished"] < 2 or ae.scheduler.busy) and time.time() < deadline:
+            while (ae.stats["cancelled"] + ae.stats["finished"] < 2 or ae.loop.busy) and time.time() < deadline:
                 await asyncio.sleep(0.02)
             return dict(ae.stats)
         stats = asyncio.run(drop())
@@ -222,7 +222,7 @@ def test_async_engine_a_slow_search_holds_back_later_ones_only_with_one_batch_in
     slow_s = 2.0
 
     class SlowTail(Passages):
-        concurrent_searches = 8  # (the scheduler's search_concurrency below decides)
+        concurrent_searches = 8  # (the loop's search_concurrency below decides)
 
         def search(self, queries, k):
             if any("number 1?" in q for q in queries):
@@ -231,7 +231,7 @@ def test_async_engine_a_slow_search_holds_back_later_ones_only_with_one_batch_in
 
     cfg = {"generate_max_length": 4, "fewshot": 0}
     ae = AsyncEngine(go.engine, SlowTail(), search_concurrency=concurrency)
-    assert ae.scheduler.search_concurrency == concurrency
+    assert ae.loop.search_concurrency == concurrency
     try:
         async def both():
             searched = asyncio.Event()

@@ -606,16 +606,16 @@ def test_ctrl_c_or_sigterm_says_how_to_go_on_and_the_rerun_resumes(tiny, tmp_pat
 def test_ctrl_c_before_the_first_answer_does_not_point_to_answers(tmp_path, monkeypatch, capsys):
     """Interrupted before its first record, a run removes the folder it made; the message said "the answers written
     so far are in DIR", a folder that was not there."""
-    import fastrag.eval
+    from fastrag.api import RAG
     from fastrag.cli import main
 
     data = nq_file(tmp_path / "nq.jsonl", QUESTIONS)
     out = tmp_path / "o"
 
-    def interrupted(opts, *a, **k):  # (Ctrl-C before anything was written)
+    def interrupted(rag, *a, **k):  # (Ctrl-C before anything was written; `fastrag run` runs through RAG.run)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(fastrag.eval, "run", interrupted)
+    monkeypatch.setattr(RAG, "run", interrupted)
     args = ["run", "--method", "wo-rag", "--dataset", "nq", "--data", str(data), "--corpus", str(CORPUS),
             "--no-progress", "--output", str(out)]
     assert main(args) == 130

@@ -150,7 +150,9 @@ def select_qids(examples: list, opts: RunOptions, what: str = "question") -> lis
     missing = wanted - {e.qid for e in examples}
     if missing:
         among = f"the first {opts.limit} questions" if opts.limit is not None else "the questions"
-        raise ValueError(f"{len(missing)} {what} id(s) of qids are not among {among} of {opts.data}: "
+        # (no data file: the questions were handed over in memory, fastrag.api)
+        source = f"of {opts.data}" if opts.data is not None else "given"
+        raise ValueError(f"{len(missing)} {what} id(s) of qids are not among {among} {source}: "
                          f"{sorted(missing)[:3]}")
     return [e for e in examples if e.qid in wanted]
 

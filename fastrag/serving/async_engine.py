@@ -166,8 +166,8 @@ class AsyncEngine:
         self.engine, self.retriever = engine, retriever
         self.max_queue = max_queue
         # (a retrieval in flight never blocks the worker: it admits, cancels and times out requests meanwhile)
-        self.scheduler = QuestionLoop(engine, retriever, max_inflight=max_inflight, wait_for_search=False,
-                                   search_concurrency=search_concurrency)
+        self.loop = QuestionLoop(engine, retriever, max_inflight=max_inflight, wait_for_search=False,
+                              search_concurrency=search_concurrency)
         self._inbox: queue.Queue = queue.Queue()
         # (method, dataset, config) -> [policy, its shared prefix in the engine or None]; the least recently used
         # go beyond MAX_POLICIES (a question in flight keeps its own policy)
@@ -221,7 +221,7 @@ class AsyncEngine:
             raise ValueError("question must be a non-empty string")
         key = self.policy(method, dataset, config)
         with self._lock:
-            if self._pending >= self.max_queue + self.scheduler.max_inflight:
+            if self._pending >= self.max_queue + self.loop.max_inflight:
                 self.stats["rejected"] += 1
                 raise QueueFull(retry_after=self._eta())
             if self._pending == 0:
@@ -243,7 +243,7 @@ class AsyncEngine:
         return EventStream(out, handle, self._cancel)
 
     def metrics(self) -> dict:
-        s = self.scheduler
+        s = self.loop
         up = time.perf_counter() - self._t0
         return {**self.stats, "queue_depth": s.queued, "inflight": s.inflight,
                 "decode_batch": len(self.engine.running), "pending": self._pending, "uptime_s": up,
@@ -274,7 +274,7 @@ class AsyncEngine:
             self._inbox.put(("cancel", handle))
 
     def _worker(self) -> None:
-        s = self.scheduler
+        s = self.loop
         msg = None
         while True:
             if msg is None:
@@ -316,7 +316,7 @@ class AsyncEngine:
         if msg[0] == "cancel":
             handle = msg[1]
             t = handle.get("ticket")
-            if t is not None and self.scheduler.cancel(t):
+            if t is not None and self.loop.cancel(t):
                 self._done(handle, "cancelled")
             return
         _, key, q, push, handle = msg
@@ -343,7 +343,7 @@ class AsyncEngine:
                 push(Event("answer", {"result": r.to_json()}))
 
         handle["push"] = push
-        handle["ticket"] = self.scheduler.submit(q, on_result, policy=policy, on_event=on_event)
+        handle["ticket"] = self.loop.submit(q, on_result, policy=policy, on_event=on_event)
         self._handles[id(handle)] = handle
 
     def _shared_prefix(self, policy, held):
@@ -372,7 +372,7 @@ class AsyncEngine:
         """The engine is closing: every question it holds or has not yet taken ends with an error event (their
         streams would wait for ever otherwise)."""
         for handle in list(self._handles.values()):
-            self.scheduler.cancel(handle["ticket"])
+            self.loop.cancel(handle["ticket"])
             self._done(handle, "failed")
             handle["push"](Event("error", {"message": "the engine is closed"}))
         while True:
@@ -387,6 +387,6 @@ class AsyncEngine:
     def _fail_all(self, message: str) -> None:
         """The engine raised: every question it held ends with an error event; the worker serves on."""
         for handle in list(self._handles.values()):
-            self.scheduler.cancel(handle["ticket"])
+            self.loop.cancel(handle["ticket"])
             self._done(handle, "failed")
             handle["push"](Event("error", {"message": f"engine failure: {message}"}))

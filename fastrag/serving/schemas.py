@@ -32,7 +32,7 @@ def request_models(engine, max_question_chars: int = 8192):
         model_config = ConfigDict(extra="forbid")
         include_usage: bool = False
 
-    core = getattr(getattr(engine, "scheduler", None), "engine", None)
+    core = getattr(getattr(engine, "loop", None), "engine", None)
     sampling = getattr(core, "sampling", None)  # the server's decoding (fastrag serve --temperature ...)
     # the served tokenizer's control-token strings (e.g. "<|im_end|>"): prompts are tokenized as the published
     # research code tokenizes, which reads such a string as the control token itself, so a question holding one

@@ -15,8 +15,8 @@ _DISABLED = ("ner", "lemmatizer")
 # Sentence boundaries come from the parser's heads alone. The tagger listens to the shared tok2vec beside the parser
 # (neither reads the other), and the attribute_ruler runs after the parser and sets only TAG/POS/MORPH/LEMMA/DEP
 # (never heads or sentence starts): a split without the two gives the same sentences in less time (checked on 1,081
-# texts of model output and Wikipedia passages; docs/performance.md). POS is another matter: attribute_ruler
-# patterns match on DEP, so real words keep the parser (47 of those 1,081 texts changed without it).
+# texts of model output and Wikipedia passages; CHANGELOG.md, "performance.md history"). POS is another matter:
+# attribute_ruler patterns match on DEP, so real words keep the parser (47 of those 1,081 texts changed without it).
 SENTENCES_DISABLE = ("tagger", "attribute_ruler")
 
 
