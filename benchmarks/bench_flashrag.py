@@ -220,7 +220,7 @@ def render_markdown(report: dict) -> str:
                      f"max_new_tokens {r.get('max_new_tokens')}")
     s = report.get("setup", {})
     lines += [f"- fastrag engine + BM25 load: {_f(s.get('fastrag_load_s'), 1)} s; FlashRAG corpus conversion "
-              f"{_f(s.get('corpus_convert_s'), 1)} s, bm25s index build (FlashRAG's index_builder) "
+              f"{_f(s.get('corpus_convert_s'), 1)} s, bm25s index build "
               f"{_f(s.get('flashrag_index_s'), 1)} s; venv setup {_f(s.get('venv_s'), 1)} s", ""]
     if report.get("errors"):
         lines += ["## Errors", ""]
@@ -249,14 +249,21 @@ NOTES = [
     "FLARE: FlashRAG's threshold 0.2 (retrieve when a look-ahead token has p <= 0.2) and at most 5 rounds, with "
     "the look-ahead (64) and total length (fastrag's L) set to fastrag's; fastrag's FLARE uses the paper's theta "
     "0.8 / beta 0.4 on HotpotQA and retrieves with the question first.",
-    "Retrieval: both BM25 over the same 13,509 passages, top 3. FlashRAG's bm25s index is built by its "
-    "index_builder (no stemming at index time, an English stemmer on the query, as it ships); fastrag's BM25 has "
-    "its own tokenisation, so the retrieved passages can differ.",
+    "Retrieval: both BM25 over the same 13,509 passages, top 3, each system's own tokenisation (FlashRAG: "
+    "bm25s.tokenize with an English stemmer, as its BM25Retriever tokenises queries), so the passages can differ. "
+    "FlashRAG's index is not built by its own `flashrag.retriever.index_builder`: in 0.1.2 that hands bm25s 0.3 "
+    "the raw strings, which indexes characters (a 1,332-entry vocabulary of single characters); every query then "
+    "scores 0 and each question gets the corpus's first 3 passages (seen here: p000002, p000001, p000000 for "
+    "every question). The runner builds the index FlashRAG's retriever expects (flashrag_runner.build_index) and "
+    "FlashRAG's BM25Retriever loads and queries it unchanged.",
     "FlashRAG setup: flashrag-dev 0.1.2 installed --no-deps into a scratch venv with --system-site-packages, plus "
     f"{', '.join(FLASHRAG_EXTRA)} (its import path / bm25s backend); its wheel lacks "
     "flashrag/config/basic_config.yaml, so the runner builds Config from a complete dict "
-    "(bench_flashrag.flashrag_config); its index builder needs --instruction for BM25 (0.1.2 raises a Warning "
-    "exception without one).",
+    "(bench_flashrag.flashrag_config).",
+    "Threads: both systems ran with the same torch thread count (--threads). On the shared 2-core VM (load "
+    "average 12-17 from other jobs) 2 threads each made FlashRAG's HF generate about 10x slower than 1 thread "
+    "(2 SR-RAG questions: 690 s against 65 s, same answers): OpenMP threads waiting on descheduled peers. The "
+    "absolute q/s are contention figures; the ratio is what the run measures.",
 ]
 
 
@@ -290,12 +297,12 @@ def ensure_venv(venv: Path, log: list[str]) -> Path:
 
 
 def build_flashrag_index(py: Path, corpus: Path, save_dir: Path, log: list[str]) -> Path:
+    """The bm25s index under save_dir/bm25, built by the runner in FlashRAG's query tokenisation (why not
+    FlashRAG's own index_builder: flashrag_runner.build_index)."""
     index = save_dir / "bm25"
     if (index / "params.index.json").exists():
         return index
-    # --instruction: FlashRAG 0.1.2's Index_Builder raises when none is given, even for BM25 (which ignores it)
-    r = _sh([py, "-m", "flashrag.retriever.index_builder", "--retrieval_method", "bm25", "--bm25_backend", "bm25s",
-             "--corpus_path", corpus, "--save_dir", save_dir, "--instruction", " "], log, timeout=3600)
+    r = _sh([py, RUNNER, "--build-index", corpus, index], log, timeout=3600)
     if r.returncode or not (index / "params.index.json").exists():
         raise RuntimeError(f"FlashRAG index build failed (rc {r.returncode}): {r.stderr[-3000:]}")
     return index
@@ -387,7 +394,7 @@ def main(argv=None) -> int:
             convert_corpus(Path(args.corpus), fr_corpus)
             report["setup"]["corpus_convert_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        index = build_flashrag_index(py, fr_corpus, work / "index", report["setup_commands"])
+        index = build_flashrag_index(py, fr_corpus, work / "index_stemmed", report["setup_commands"])
         report["setup"]["flashrag_index_s"] = time.perf_counter() - t0
     except Exception as e:
         report["errors"].append({"where": "FlashRAG setup", "error": f"{type(e).__name__}: {str(e)[:400]}",
@@ -398,7 +405,7 @@ def main(argv=None) -> int:
 
     model_dir = resolve_model("smollm2")  # the HF folder fastrag converts its GGUF to (both systems load it)
     rag = fastrag.RAG(model="smollm2", retriever=fastrag.BM25(corpus=args.corpus), batch_size=args.batch_size,
-                      device="cpu")
+                      device="cpu", threads=args.threads)
     t0 = time.perf_counter()
     rag.engine, rag.retriever  # (built here so the timed runs exclude them)
     report["setup"]["fastrag_load_s"] = time.perf_counter() - t0

@@ -68,6 +68,33 @@ def _plain(x):
     return str(x)
 
 
+def _doc_ids(docs) -> list:
+    """Passage ids of one question's retrieval result (a list, or bm25s's numpy array, of corpus dicts)."""
+    if docs is None:
+        return []
+    return [_plain(d.get("id")) if isinstance(d, dict) else _plain(d) for d in list(docs)]
+
+
+def build_index(corpus_path: str, save_dir: str) -> int:
+    """The bm25s index FlashRAG's BM25Retriever loads (`bm25s.BM25.load(index_path, load_corpus=True)`), tokenised
+    as that retriever tokenises its queries (bm25s.tokenize with an English PyStemmer).
+
+    FlashRAG 0.1.2's own builder (`python -m flashrag.retriever.index_builder --retrieval_method bm25`) hands bm25s
+    the raw strings; bm25s 0.3 then indexes each string's characters (a vocabulary of single characters), and every
+    stemmed word query scores 0 against it, so each question gets the corpus's first passages. This builds what
+    that builder means to build."""
+    import bm25s
+    import Stemmer
+
+    with open(corpus_path, encoding="utf-8") as f:
+        corpus = [json.loads(line) for line in f if line.strip()]
+    tokens = bm25s.tokenize([d["contents"] for d in corpus], stemmer=Stemmer.Stemmer("english"), show_progress=False)
+    index = bm25s.BM25()
+    index.index(tokens, show_progress=False)
+    index.save(save_dir, corpus=corpus)
+    return len(corpus)
+
+
 def main(job_path: str) -> int:
     with open(job_path) as f:
         job = json.load(f)
@@ -96,8 +123,7 @@ def main(job_path: str) -> int:
             out["run_s"].append(time.perf_counter() - t0)
         out["predictions"] = [str(item.pred) for item in dataset.data]
         out["raw_predictions"] = [str(item.output.get("raw_pred", item.pred)) for item in dataset.data]
-        out["retrievals"] = [_plain([d.get("id") if isinstance(d, dict) else d
-                                     for d in (item.output.get("retrieval_result") or [])]) for item in dataset.data]
+        out["retrievals"] = [_doc_ids(item.output.get("retrieval_result")) for item in dataset.data]
         out["prompt_example"] = _plain(dataset.data[0].output.get("prompt")) if dataset.data else None
     except Exception as e:  # the caller records the error in the results file
         out["error"] = f"{type(e).__name__}: {e}"
@@ -108,6 +134,9 @@ def main(job_path: str) -> int:
 
 
 if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "--build-index":
+        print(build_index(sys.argv[2], sys.argv[3]), "passages indexed")
+        sys.exit(0)
     if len(sys.argv) != 2:
-        sys.exit("usage: flashrag_runner.py JOB.json")
+        sys.exit("usage: flashrag_runner.py JOB.json | flashrag_runner.py --build-index CORPUS.jsonl INDEX_DIR")
     sys.exit(main(sys.argv[1]))
