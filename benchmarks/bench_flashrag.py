@@ -193,25 +193,26 @@ def _f(x, digits=3):
 def render_markdown(report: dict) -> str:
     rows = report["rows"]
     lines = ["# fastrag vs FlashRAG, side by side (CPU)", "",
-             f"{report['n']} questions of {report['dataset']} (`{report['data']}`), the same questions for both; "
+             f"The first N questions (the table's column) of {report['dataset']} (`{report['data']}`), the same "
+             "questions for both; "
              f"BM25 over `{report['corpus']}`, top-{report['topk']}; SmolLM2-135M-Instruct (the embedded GGUF, "
              f"dequantised to an HF folder that both load) in fp32 on the CPU, greedy; batch size "
-             f"{report['batch_size']} on both; {report['threads']} torch threads each. q/s: questions over the "
+             f"{report['batch_size']} on both; {report['threads']} torch thread(s) each. q/s: questions over the "
              f"median wall time of answering them ({report['repeats']} repeat(s)), model load and index build "
              "excluded (listed below). ratio = fastrag q/s / FlashRAG q/s, measured in the same run. EM / F1: one "
              "rule for both (fastrag.data.metrics, SQuAD-normalised) on each system's answer; agree: answers equal "
              "after normalisation.", "",
-             "| method | FlashRAG pipeline | FlashRAG q/s | fastrag q/s | ratio | FlashRAG EM / F1 | "
+             "| method | FlashRAG pipeline | questions | FlashRAG q/s | fastrag q/s | ratio | FlashRAG EM / F1 | "
              "fastrag EM / F1 | agree |",
-             "|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         agree = f"{r['agree']}/{r['n']}" if r.get("agree") is not None else "—"
-        lines.append(f"| {r['method']} | {PIPELINES[r['method']]} | {_f(r.get('flashrag_qps'), 4)} | "
+        lines.append(f"| {r['method']} | {PIPELINES[r['method']]} | {r['n']} | {_f(r.get('flashrag_qps'), 4)} | "
                      f"{_f(r.get('fastrag_qps'), 4)} | {_f(r.get('ratio'), 2)}x | "
                      f"{_f(r.get('flashrag_em'))} / {_f(r.get('flashrag_f1'))} | "
                      f"{_f(r.get('fastrag_em'))} / {_f(r.get('fastrag_f1'))} | {agree} |")
     for m, why in report.get("skipped", {}).items():
-        lines.append(f"| {m} | {PIPELINES[m]} | — | — | — | — | — | skipped: {why} |")
+        lines.append(f"| {m} | {PIPELINES[m]} | — | — | — | — | — | — | skipped: {why} |")
     lines += ["", "Wall seconds of each repeat, loads and builds:", ""]
     for r in rows:
         lines.append(f"- {r['method']}: FlashRAG {r.get('flashrag_wall_s')} s (pipeline load "
@@ -230,10 +231,21 @@ def render_markdown(report: dict) -> str:
                 lines += ["", "```", e["detail"].strip()[-3000:], "```"]
         lines.append("")
     lines += ["## What differs between the two (systems as shipped)", ""] + [f"- {x}" for x in report["notes"]]
-    lines += ["", "## Commands", "", "```", report["command"]] + report.get("setup_commands", []) + ["```", "",
+    commands = [report["command"]] + [r["command"] for r in rows if r.get("command") not in (None, report["command"])]
+    lines += ["", "## Commands", "", "```"] + commands + report.get("setup_commands", []) + ["```", "",
+              "The scratch venv the script makes when it is missing (`--venv`):", "", "```"] + SETUP_COMMANDS + [
+              "```", "",
               "## Versions", "", "```", json.dumps(report["versions"], indent=1), "```", ""]
     return "\n".join(lines)
 
+
+SETUP_COMMANDS = [
+    "python -m venv --system-site-packages runs/flashrag-venv",
+    f"runs/flashrag-venv/bin/python -m pip install --no-deps flashrag-dev=={FLASHRAG_VERSION}",
+    f"runs/flashrag-venv/bin/python -m pip install {' '.join(FLASHRAG_EXTRA)}",
+    "runs/flashrag-venv/bin/python benchmarks/flashrag_runner.py --build-index runs/flashrag/corpus.jsonl "
+    "runs/flashrag/index_stemmed/bm25",
+]
 
 NOTES = [
     "Prompts: fastrag uses the DRAGIN-paper prompts (8 HotpotQA chain-of-thought exemplars, the answer extracted "
@@ -341,6 +353,11 @@ def parse_args(argv=None):
     p.add_argument("--flashrag-timeout", type=float, default=3600)
     p.add_argument("--results", default=str(ROOT / "benchmarks" / "results"))
     p.add_argument("--name", default="flashrag_side_by_side_cpu")
+    p.add_argument("--note", default=None, help="a line added to the notes (e.g. why fewer questions)")
+    p.add_argument("--report-only", action="store_true",
+                   help="rewrite the .md from the results JSON (nothing runs)")
+    p.add_argument("--merge", action="store_true",
+                   help="keep the rows of other methods already in the results JSON (each row names its command)")
     return p.parse_args(argv)
 
 
@@ -349,6 +366,16 @@ def main(argv=None) -> int:
     import fastrag
     from fastrag.config import method_config
     from fastrag.data.datasets import load_examples
+
+    if args.report_only:
+        path = Path(args.results) / f"{args.name}.json"
+        report = json.loads(path.read_text())
+        measured = {r["method"] for r in report["rows"]}
+        report["skipped"] = {m: f"fastrag does not register method {m!r} on this branch (fastrag.methods())"
+                             for m in PIPELINES if m not in measured and m not in fastrag.methods()}
+        report["notes"] = NOTES + ([args.note] if args.note else [])
+        (path.with_suffix(".md")).write_text(render_markdown(report))
+        return 0
 
     try:
         methods, skipped = check_methods(args.methods, fastrag.methods())
@@ -369,7 +396,7 @@ def main(argv=None) -> int:
               "topk": args.topk, "batch_size": args.batch_size, "threads": args.threads, "repeats": args.repeats,
               "command": "nice -n 5 python benchmarks/bench_flashrag.py " + " ".join(
                   shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)),
-              "rows": [], "skipped": skipped, "errors": [], "notes": NOTES, "setup": {}, "setup_commands": []}
+              "rows": [], "skipped": skipped, "errors": [], "notes": NOTES + ([args.note] if args.note else []), "setup": {}, "setup_commands": []}
     from importlib.metadata import version as _v
 
     report["versions"] = {"fastrag": _v("fastrag") if _has_dist("fastrag") else "?", "torch": torch.__version__,
@@ -449,6 +476,7 @@ def main(argv=None) -> int:
             row.update(compare_answers(fr_preds, fa_preds, golds))
         else:
             row.update(compare_answers(fa_preds, fa_preds, golds), flashrag_em=None, flashrag_f1=None, agree=None)
+        row["command"] = report["command"]
         report["rows"].append(row)
         _write(report, args)  # after every method: an interrupted run still leaves what it measured
         print(f"[bench_flashrag] {method}: FlashRAG {_f(row['flashrag_qps'], 4)} q/s, fastrag "
@@ -467,9 +495,25 @@ def _has_dist(name: str) -> bool:
         return False
 
 
+def merged_rows(old_rows: list[dict], new_rows: list[dict]) -> list[dict]:
+    """Rows of an earlier run for methods this run did not measure, then this run's, in PIPELINES order."""
+    mine = {r["method"] for r in new_rows}
+    rows = [r for r in old_rows if r["method"] not in mine] + list(new_rows)
+    order = list(PIPELINES)
+    return sorted(rows, key=lambda r: order.index(r["method"]))
+
+
 def _write(report: dict, args) -> None:
     out = Path(args.results)
     out.mkdir(parents=True, exist_ok=True)
+    if getattr(args, "merge", False) and (out / f"{args.name}.json").exists():
+        old = json.loads((out / f"{args.name}.json").read_text())
+        report = {**report, "rows": merged_rows(old.get("rows", []), report["rows"]),
+                  "errors": [e for e in old.get("errors", []) if e not in report["errors"] and not any(
+                      e["where"].endswith(PIPELINES[r["method"]]) for r in report["rows"])] + report["errors"],
+                  "setup": {**old.get("setup", {}), **report["setup"]}}
+        report["skipped"] = {m: w for m, w in report["skipped"].items()
+                             if m not in {r["method"] for r in report["rows"]}}
     (out / f"{args.name}.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
     (out / f"{args.name}.md").write_text(render_markdown(report))
 

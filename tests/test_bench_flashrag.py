@@ -108,6 +108,13 @@ def test_markdown_table():
               "notes": ["prompts differ"], "setup": {}, "command": "python benchmarks/bench_flashrag.py",
               "versions": {"torch": "x"}}
     md = bf.render_markdown(report)
-    assert "| sr-rag | SequentialPipeline | 0.5000 | 2.0000 | 4.00x | 0.750 / 0.750 | 0.500 / 0.500 | 2/4 |" in md
+    assert "| sr-rag | SequentialPipeline | 4 | 0.5000 | 2.0000 | 4.00x | 0.750 / 0.750 | 0.500 / 0.500 | 2/4 |" in md
     assert "| ircot | IRCOTPipeline |" in md and "skipped: not registered" in md
     assert "RuntimeError: boom" in md and "prompts differ" in md
+
+
+def test_merge_keeps_other_methods_rows():
+    old = [{"method": "flare", "n": 5}, {"method": "sr-rag", "n": 20}]
+    new = [{"method": "sr-rag", "n": 10}, {"method": "ircot", "n": 10}]
+    rows = bf.merged_rows(old, new)
+    assert [(r["method"], r["n"]) for r in rows] == [("sr-rag", 10), ("flare", 5), ("ircot", 10)]
