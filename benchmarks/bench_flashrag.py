@@ -14,7 +14,7 @@ from wiki_passages.jsonl converted to FlashRAG's corpus format ({"id", "contents
 Timing: wall clock of answering the questions only (each system's model load and index build are reported on
 their own rows), median over --repeats, ratio = fastrag q/s / FlashRAG q/s. Both answers are scored with one rule
 (fastrag.data.metrics: SQuAD-style normalised EM / token F1 against the gold aliases) on what each system gives as
-its answer: fastrag's extracted answer, FlashRAG's `pred` (after its own IRCoT answer parser; standard RAG and
+its answer: the answer fastrag's scorer extracts from its prediction, FlashRAG's `pred` (after its own IRCoT answer parser; standard RAG and
 FLARE preds are the generation as FlashRAG returns it). Prompts differ: each system runs as shipped.
 
 A method fastrag does not register (e.g. `ircot` before it lands) is skipped with a message; a method this script
@@ -174,6 +174,27 @@ def compare_answers(fr_preds: list[str], fa_preds: list[str], golds: list[list[s
         "fastrag_f1": mean([f1_score(p, g) for p, g in zip(fa_preds, golds)]),
         "agree": sum(normalize_answer(a) == normalize_answer(b) for a, b in zip(fr_preds, fa_preds)),
     }
+
+
+def fastrag_answers(examples: list, predictions: list[str]) -> list[str]:
+    """The answers fastrag scores (fastrag.data.metrics.score: extracted after 'the answer is', per dataset rule)
+    from its predictions; FlashRAG's are scored on its `pred` as its evaluator would."""
+    from fastrag.data.metrics import score
+
+    return [score(ex, p or "")["answer"] for ex, p in zip(examples, predictions)]
+
+
+def rescore(report: dict, examples: list) -> None:
+    """Recompute each row's EM/F1/agreement from the predictions stored in it (the first row['n'] examples)."""
+    for row in report["rows"]:
+        if not row.get("fastrag_predictions"):
+            continue
+        ex = examples[:row["n"]]
+        fa = fastrag_answers(ex, row["fastrag_predictions"])
+        row["fastrag_answers"] = fa
+        golds = [list(e.answers) for e in ex]
+        if row.get("flashrag_predictions"):
+            row.update(compare_answers(row["flashrag_predictions"], fa, golds))
 
 
 def rate_row(method: str, n: int, flashrag_s: list[float] | None, fastrag_s: list[float] | None) -> dict:
@@ -374,6 +395,8 @@ def main(argv=None) -> int:
         report["skipped"] = {m: f"fastrag does not register method {m!r} on this branch (fastrag.methods())"
                              for m in PIPELINES if m not in measured and m not in fastrag.methods()}
         report["notes"] = NOTES + ([args.note] if args.note else [])
+        rescore(report, load_examples(report["dataset"], report["data"], limit=max(r["n"] for r in report["rows"])))
+        path.write_text(json.dumps(report, indent=1, default=str) + "\n")
         (path.with_suffix(".md")).write_text(render_markdown(report))
         return 0
 
@@ -469,13 +492,16 @@ def main(argv=None) -> int:
                                for q in questions], method=method, dataset=args.dataset, progress=False)
             fa_times.append(time.perf_counter() - t0)
         fa_preds = [r.prediction or "" for r in results]
+        fa_answers = fastrag_answers(examples, fa_preds)
         row = rate_row(method, len(questions), fr_times, fa_times)
         row.update(row_extra, fastrag_errors=len(results.errors), fastrag_predictions=fa_preds,
+                   fastrag_answers=fa_answers,
                    fastrag_metrics_em=results.metrics.get("em"), fastrag_metrics_f1=results.metrics.get("f1"))
         if fr_preds is not None:
-            row.update(compare_answers(fr_preds, fa_preds, golds))
+            row.update(compare_answers(fr_preds, fa_answers, golds))
         else:
-            row.update(compare_answers(fa_preds, fa_preds, golds), flashrag_em=None, flashrag_f1=None, agree=None)
+            row.update(compare_answers(fa_answers, fa_answers, golds), flashrag_em=None, flashrag_f1=None,
+                       agree=None)
         row["command"] = report["command"]
         report["rows"].append(row)
         _write(report, args)  # after every method: an interrupted run still leaves what it measured

@@ -118,3 +118,15 @@ def test_merge_keeps_other_methods_rows():
     new = [{"method": "sr-rag", "n": 10}, {"method": "ircot", "n": 10}]
     rows = bf.merged_rows(old, new)
     assert [(r["method"], r["n"]) for r in rows] == [("sr-rag", 10), ("flare", 5), ("ircot", 10)]
+
+
+def test_fastrag_answers_use_fastrags_scoring_rule():
+    from fastrag.data.datasets import Example
+
+    ex = [Example("q0", "Capital of France?", ["Paris"], "hotpotqa"),
+          Example("q1", "Who?", ["Bohr"], "hotpotqa")]
+    answers = bf.fastrag_answers(ex, ["It is in Europe. So the answer is Paris.", "no marker here"])
+    assert answers[0].rstrip(".") == "Paris"
+    assert answers[1] == ""  # HotpotQA: no 'the answer is', nothing to score (fastrag's rule)
+    c = bf.compare_answers(["Paris", "Bohr"], answers, [e.answers for e in ex])
+    assert (c["fastrag_em"], c["flashrag_em"], c["agree"]) == (0.5, 1.0, 1)
