@@ -211,6 +211,20 @@ def _f(x, digits=3):
     return "—" if x is None else f"{x:.{digits}f}"
 
 
+def _work_line(r: dict) -> str:
+    """What each system did per question, where recorded (the two FLAREs retrieve on different rules)."""
+    parts = []
+    if r.get("fastrag_retrievals_per_question") is not None:
+        parts.append(f"fastrag {r['fastrag_retrievals_per_question']:.2f} retrievals, "
+                     f"{_f(r.get('fastrag_prefill_tokens_per_question'), 0)} prefilled and "
+                     f"{_f(r.get('fastrag_decode_tokens_per_question'), 0)} decoded tokens a question")
+    rounds = [x for x in (r.get("flashrag_retrieval_rounds") or []) if x is not None]
+    if rounds:
+        parts.append(f"FlashRAG {sum(rounds) / len(rounds):.2f} retrievals a question (its FLARE retrieves only "
+                     "in rounds judged unconfident, none up front)")
+    return "; " + "; ".join(parts) if parts else ""
+
+
 def render_markdown(report: dict) -> str:
     rows = report["rows"]
     lines = ["# fastrag vs FlashRAG, side by side (CPU)", "",
@@ -239,11 +253,12 @@ def render_markdown(report: dict) -> str:
         lines.append(f"- {r['method']}: FlashRAG {r.get('flashrag_wall_s')} s (pipeline load "
                      f"{_f(r.get('flashrag_load_s'), 1)} s), fastrag {r.get('fastrag_wall_s')} s; fastrag errors "
                      f"{r.get('fastrag_errors', '—')}; FlashRAG config: {r.get('flashrag_pipeline_kwargs')}, "
-                     f"max_new_tokens {r.get('max_new_tokens')}")
+                     f"max_new_tokens {r.get('max_new_tokens')}" + _work_line(r))
     s = report.get("setup", {})
     lines += [f"- fastrag engine + BM25 load: {_f(s.get('fastrag_load_s'), 1)} s; FlashRAG corpus conversion "
               f"{_f(s.get('corpus_convert_s'), 1)} s, bm25s index build "
-              f"{_f(s.get('flashrag_index_s'), 1)} s; venv setup {_f(s.get('venv_s'), 1)} s", ""]
+              f"{_f(s.get('flashrag_index_s'), 1)} s; venv setup {_f(s.get('venv_s'), 1)} s (— : done by an "
+              "earlier run, reused)", ""]
     if report.get("errors"):
         lines += ["## Errors", ""]
         for e in report["errors"]:
@@ -438,14 +453,17 @@ def main(argv=None) -> int:
     try:
         t0 = time.perf_counter()
         py = ensure_venv(Path(args.venv), report["setup_commands"])
-        report["setup"]["venv_s"] = time.perf_counter() - t0
+        if report["setup_commands"]:  # (only when this run installed something)
+            report["setup"]["venv_s"] = time.perf_counter() - t0
         if not fr_corpus.exists():
             t0 = time.perf_counter()
             convert_corpus(Path(args.corpus), fr_corpus)
             report["setup"]["corpus_convert_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
+        cached = (work / "index_stemmed" / "bm25" / "params.index.json").exists()
         index = build_flashrag_index(py, fr_corpus, work / "index_stemmed", report["setup_commands"])
-        report["setup"]["flashrag_index_s"] = time.perf_counter() - t0
+        if not cached:  # (a cached index has no build time to report; --merge keeps the run's that built it)
+            report["setup"]["flashrag_index_s"] = time.perf_counter() - t0
     except Exception as e:
         report["errors"].append({"where": "FlashRAG setup", "error": f"{type(e).__name__}: {str(e)[:400]}",
                                  "detail": str(e)})
@@ -482,7 +500,8 @@ def main(argv=None) -> int:
                 fr_times, fr_preds = res["run_s"], res["predictions"]
                 row_extra.update(flashrag_load_s=res["load_s"], flashrag_predictions=fr_preds,
                                  flashrag_raw_predictions=res["raw_predictions"],
-                                 flashrag_retrievals=res["retrievals"], flashrag_prompt_example=res["prompt_example"])
+                                 flashrag_retrievals=res["retrievals"], flashrag_prompt_example=res["prompt_example"],
+                                 flashrag_retrieval_rounds=res.get("retrieval_rounds"))
                 report["versions"].setdefault("flashrag_env", res["versions"])
         print(f"[bench_flashrag] fastrag {method} on {len(questions)} questions", flush=True)
         fa_times, results = [], None
@@ -496,6 +515,9 @@ def main(argv=None) -> int:
         row = rate_row(method, len(questions), fr_times, fa_times)
         row.update(row_extra, fastrag_errors=len(results.errors), fastrag_predictions=fa_preds,
                    fastrag_answers=fa_answers,
+                   fastrag_retrievals_per_question=results.metrics.get("retrievals_per_question"),
+                   fastrag_decode_tokens_per_question=results.metrics.get("decode_tokens_per_question"),
+                   fastrag_prefill_tokens_per_question=results.metrics.get("prefill_tokens_per_question"),
                    fastrag_metrics_em=results.metrics.get("em"), fastrag_metrics_f1=results.metrics.get("f1"))
         if fr_preds is not None:
             row.update(compare_answers(fr_preds, fa_answers, golds))

@@ -124,6 +124,9 @@ def main(job_path: str) -> int:
         out["predictions"] = [str(item.pred) for item in dataset.data]
         out["raw_predictions"] = [str(item.output.get("raw_pred", item.pred)) for item in dataset.data]
         out["retrievals"] = [_doc_ids(item.output.get("retrieval_result")) for item in dataset.data]
+        # FLARE: a round retrieves when its look-ahead sentence is judged unconfident (judge_result_iter* False)
+        out["retrieval_rounds"] = [sum(1 for k, v in item.output.items() if k.startswith("judge_result_iter") and not v)
+                                   if job["pipeline"] == "FLAREPipeline" else None for item in dataset.data]
         out["prompt_example"] = _plain(dataset.data[0].output.get("prompt")) if dataset.data else None
     except Exception as e:  # the caller records the error in the results file
         out["error"] = f"{type(e).__name__}: {e}"
