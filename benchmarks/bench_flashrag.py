@@ -8,8 +8,10 @@ FlashRAG is never a fastrag dependency: the script makes a scratch venv (`--venv
 `--system-site-packages` so torch/transformers are the main environment's), installs flashrag-dev there with
 --no-deps plus the few packages its import path needs, and runs each FlashRAG pipeline in a subprocess with that
 venv's python (benchmarks/flashrag_runner.py). FlashRAG reads the embedded SmolLM2 as the HF folder fastrag
-converts it to (fastrag.model.loading.resolve_model) and a bm25s index built, with FlashRAG's own index builder,
-from wiki_passages.jsonl converted to FlashRAG's corpus format ({"id", "contents": "title\\ntext"}).
+converts it to (fastrag.model.loading.resolve_model) and a bm25s index of wiki_passages.jsonl converted to
+FlashRAG's corpus format ({"id", "contents": "title\\ntext"}), built by the runner in the tokenisation FlashRAG's
+BM25Retriever queries with (FlashRAG 0.1.2's own builder indexes characters under bm25s 0.3: see
+flashrag_runner.build_index).
 
 Timing: wall clock of answering the questions only (each system's model load and index build are reported on
 their own rows), median over --repeats, ratio = fastrag q/s / FlashRAG q/s. Both answers are scored with one rule
