@@ -203,11 +203,18 @@ def _parity(tmp_path, method, config, n=2):
 
 
 def test_ircot_parity_with_the_real_model(tmp_path):
+    """One question, two steps: the first step's sentence is searched, the second ends the CoT by max_steps."""
+    work = _parity(tmp_path, "ircot", {"max_steps": 2, "thought_max_tokens": 16}, n=1)
+    assert max(work.values()) == 2, work  # the question's search and one CoT sentence's
+
+
+@pytest.mark.slow
+def test_ircot_parity_with_the_real_model_at_more_steps(tmp_path):
     work = _parity(tmp_path, "ircot", {"max_steps": 3, "thought_max_tokens": 24})
-    assert max(work.values()) >= 2, work  # a CoT sentence was searched
+    assert max(work.values()) >= 2, work
 
 
 @pytest.mark.slow
 def test_iter_retgen_parity_with_the_real_model(tmp_path):
-    work = _parity(tmp_path, "iter-retgen", {"iterations": 2, "generate_max_length": 24})
-    assert set(work.values()) == {2}, work
+    work = _parity(tmp_path, "iter-retgen", {"iterations": 2, "generate_max_length": 24}, n=1)
+    assert set(work.values()) == {2}, work  # one search a round
