@@ -179,6 +179,8 @@ RANGES = {
     "max_query_tokens": (1, None), "retrieve_keep_top_k": (1, None), "stream_chunk_tokens": (1, None),
     "fix_length": (1, None), "look_ahead_tokens": (1, None), "question_max_tokens": (1, None),
     "max_searches": (0, None),
+    # IRCoT: steps, tokens a step, documents gathered; Iter-RetGen: rounds
+    "max_steps": (1, None), "thought_max_tokens": (1, None), "max_docs": (1, None), "iterations": (1, None),
     # DRAGIN: a word hits when (a_i / sum a) * H_i * len(sentence) > theta, a product of non-negative factors
     "dragin.hallucination_threshold": (0.0, None),
     # TokenRAG: solver(1 - p) over a sentence, a probability

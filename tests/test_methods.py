@@ -884,7 +884,7 @@ def test_dragin_stops_past_l_tokens_not_at_l(tok):
 
 
 EVERY_METHOD = ("beamsearchqa", "dragin", "dragin-published", "dragin-streaming", "fl-rag", "flare", "flare-explicit", "flare-instruct",
-                "fs-rag", "sr-rag", "token-rag", "wo-rag")
+                "fs-rag", "ircot", "iter-retgen", "sr-rag", "token-rag", "wo-rag")
 
 
 def test_every_method_is_every_registered_method():
