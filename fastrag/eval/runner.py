@@ -108,7 +108,7 @@ def _run_many(runs: list[RunOptions], engine=None, retriever=None, given: list[l
     switch_interval_setting()  # (a bad $FASTRAG_SWITCH_INTERVAL fails here, before the model loads)
     first = runs[0]
     for o in runs[1:]:
-        for f in ("model", "corpus", "retriever", "batch_size", "signals", "kv_cache_gb", "prefix_caching",
+        for f in ("model", "corpus", "retriever", "retriever_options", "batch_size", "signals", "kv_cache_gb", "prefix_caching",
                   "temperature", "top_p", "top_k", "seed", "overlap", "text_workers", "search_concurrency"):
             if getattr(o, f) != getattr(first, f):
                 raise ValueError(f"run_many: runs must share --{f.replace('_', '-')}: {getattr(first, f)!r} "
@@ -143,7 +143,8 @@ def _run_many(runs: list[RunOptions], engine=None, retriever=None, given: list[l
     tok0 = 0
     if any(p[4] for p in plans):
         engine = engine or (make_engine or EngineConfig.of(first).build)()
-        retriever = retriever or (make_retriever or (lambda: retriever_spec(first.retriever, first.corpus).build(
+        retriever = retriever or (make_retriever or (lambda: retriever_spec(
+            first.retriever, first.corpus, **(first.retriever_options or {})).build(
             show_progress=first.progress)))()
         policies = [make_policy(o.method, cfg, engine.tok) for o, cfg, *_ in plans]
         _warn_control_tokens(plans, engine.tok)
