@@ -242,7 +242,8 @@ def _run_many(runs: list[RunOptions], engine=None, retriever=None, given: list[l
         # tokens are counted by the engine for all runs together: each run gets its own records' share
         own_tokens = sum(r.prefill_tokens + r.decode_tokens for r in new)
         metrics = summarize(o.method, o.dataset, done + new, wall, len(new),
-                            tokens if len(runs) == 1 else own_tokens, sum(r.error is None for r in new))
+                            tokens if len(runs) == 1 else own_tokens, sum(r.error is None for r in new),
+                            examples=by_id, corpus=o.corpus)
         if len(runs) > 1:
             metrics["joint"] = {"runs": [f"{x.method}/{x.dataset}" for x in runs], "wall_s": wall,
                                 "computed_this_run": computed,
