@@ -12,7 +12,7 @@ import sys
 import threading
 from pathlib import Path
 
-from fastrag.data.datasets import DATASETS
+from fastrag.data.datasets import DATASETS, GENERIC
 
 
 def _dense_index_flags(p: argparse.ArgumentParser) -> None:
@@ -37,7 +37,8 @@ def _dense_options(args) -> dict | None:
 def _common(p: argparse.ArgumentParser, method: str | None = None) -> None:
     p.add_argument("--method", required=method is None, default=method,
                    help="dynamic-RAG method (see `fastrag methods`)" + (f"; default {method}" if method else ""))
-    p.add_argument("--dataset", required=True, choices=DATASETS)
+    p.add_argument("--dataset", required=True, help=f"{', '.join(d for d in DATASETS if d != GENERIC)}; any other name "
+                   "(e.g. FlashRAG's popqa, triviaqa, musique) runs as generic QA")
     p.add_argument("--data", help="dataset file (formats: see fastrag.data.datasets; may be .gz/.bz2/.xz); "
                    "default for hotpotqa: the 20 bundled dev questions")
     p.add_argument("--corpus", help="passage corpus: jsonl {id,title,text} / {id,contents} or DPR tsv, "
@@ -182,6 +183,13 @@ def _main(argv: list[str] | None, seen: dict) -> int:
     cp.add_argument("--trace", help="the published code's trace jsonl: replay every round's decisions from it")
     cp.add_argument("--results", help="compare this results.jsonl instead of running the questions")
     sub.add_parser("methods", help="list the available methods")
+    cv = sub.add_parser("convert", help="write a question file (any format fastrag reads) as FlashRAG jsonl "
+                        "{id, question, golden_answers, metadata}")
+    cv.add_argument("--dataset", required=True, help="as for run (it decides e.g. StrategyQA's yes/no answers)")
+    cv.add_argument("--data", required=True, help="the question file to read")
+    cv.add_argument("--output", required=True, help="the .jsonl file to write")
+    cv.add_argument("--limit", type=int, help="first N questions")
+    cv.add_argument("--answer-aliases", help="2WikiMultihopQA's id_aliases.json: aliases join the gold answers")
     ip = sub.add_parser("index", help="build and save the retrieval indexes of a corpus (reused by later runs)")
     ip.add_argument("--corpus", required=True,
                     help="jsonl {id,title,text} / {id,contents} or DPR tsv, plain or .gz/.bz2/.xz")
@@ -221,6 +229,8 @@ def _main(argv: list[str] | None, seen: dict) -> int:
     seen["args"] = args
     if args.cmd == "index":
         return _index(args)
+    if args.cmd == "convert":
+        return _convert(args)
     if args.cmd == "serve":
         from fastrag.serving.server import serve
 
@@ -312,6 +322,21 @@ def _processes(text: str) -> int:
     if n < 1:
         raise argparse.ArgumentTypeError(f"expected a number of processes >= 1, got {text!r}")
     return n
+
+
+def _convert(args) -> int:
+    from fastrag.data.datasets import DataError, load_examples, write_flashrag
+
+    try:
+        if Path(args.output).resolve() == Path(args.data).resolve():
+            raise DataError(f"--output {args.output} is the --data file: write elsewhere")
+        n = write_flashrag(load_examples(args.dataset, args.data, limit=args.limit,
+                                         answer_aliases=args.answer_aliases), args.output)
+    except (DataError, OSError) as e:
+        print(f"fastrag: error: {e}", file=sys.stderr)
+        return 2
+    print(f"convert: {n} questions of {args.data} -> {args.output} (FlashRAG jsonl)")
+    return 0
 
 
 def _index(args) -> int:
