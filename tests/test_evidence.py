@@ -99,3 +99,25 @@ def test_the_real_files_give_gold_titles_found_in_the_corpus():
     titles = set(corpus_titles(SHARED / "corpus" / "wiki_passages.jsonl",
                                {f"p{i:06d}" for i in range(3000)}).values())
     assert sum(t in titles for g in golds for t in g) > len(golds)  # (the corpus holds their pages)
+
+
+def test_a_run_writes_retrieval_quality_to_metrics_json(tmp_path):
+    """Two bundled HotpotQA questions (IRCoT format: gold in contexts[].is_supporting) with the embedded model and
+    BM25: metrics.json holds the block, and its figures are those recomputed from results.jsonl by hand."""
+    from fastrag.eval import BUNDLED, RunOptions, read_results, run
+
+    cfg = tmp_path / "fl.json"
+    cfg.write_text(json.dumps({"generate_max_length": 8, "fix_length": 4, "retrieve_topk": 3, "fewshot": 1}))
+    data, corpus = BUNDLED / "hotpotqa_dev20.jsonl", BUNDLED / "wiki_passages.jsonl"
+    out = tmp_path / "o"
+    run(RunOptions(method="fl-rag", dataset="hotpotqa", data=str(data), corpus=str(corpus), output=str(out),
+                   config=str(cfg), limit=2, batch_size=2, kv_cache_gb=0.25, progress=False))
+    q = json.loads((out / "metrics.json").read_text())["retrieval_quality"]
+    assert q["available"] and q["questions"] == 2 and q["docs_per_retrieval"] == 3
+    ex = {e.qid: e for e in load_examples("hotpotqa", data, limit=2)}
+    recs = read_results(out / "results.jsonl")
+    titles = corpus_titles(corpus, {i for r in recs for i in retrieved_ids(r)})
+    want = [scores(gold_titles(ex[r.qid].meta), [titles[i] for i in retrieved_ids(r)], 3) for r in recs]
+    assert q["at"]["3"]["recall"] == pytest.approx(sum(w[0] for w in want) / 2)
+    assert q["at"]["3"]["precision"] == pytest.approx(sum(w[1] for w in want) / 2)
+    assert q["retrieved_per_question"] >= 3
