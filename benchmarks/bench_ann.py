@@ -27,6 +27,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import statistics
 import sys
 import tempfile
@@ -99,9 +100,20 @@ def options(kind: str, args) -> AnnOptions:
     return AnnOptions.of(kind, **{k: v for k, v in given.items() if k in takes and v is not None})
 
 
-def write(results: Path, report: dict) -> None:
+def write(results: Path, report: dict, append: bool = False) -> None:
+    """ann_cpu.json ({"runs": [...]}) and ann_cpu.md (a table a run); with `append`, the runs already there at
+    other sizes are kept (each table has its own baseline, measured in its own run)."""
     results.mkdir(parents=True, exist_ok=True)
-    (results / "ann_cpu.json").write_text(json.dumps(report, indent=1) + "\n")
+    runs = []
+    if append and (results / "ann_cpu.json").is_file():
+        old = json.loads((results / "ann_cpu.json").read_text())
+        runs = [r for r in old.get("runs", [old] if "rows" in old else []) if r["n"] != report["n"]]
+    runs = sorted(runs + [report], key=lambda r: -r["n"])
+    (results / "ann_cpu.json").write_text(json.dumps({"runs": runs}, indent=1) + "\n")
+    (results / "ann_cpu.md").write_text("\n\n".join(table(r) for r in runs))
+
+
+def table(report: dict) -> str:
     rows = report["rows"]
     base = next((r for r in rows if r["index"] == "flat"), None)
     lines = [f"# Dense index types at {report['n']:,} passages (CPU)", "",
@@ -123,7 +135,7 @@ def write(results: Path, report: dict) -> None:
                      f"{r['recall_at_k']:.3f} |")
     if report.get("note"):
         lines += ["", report["note"]]
-    (results / "ann_cpu.md").write_text("\n".join(lines) + "\n")
+    return "\n".join(lines) + "\n"
 
 
 def main() -> None:
@@ -141,6 +153,8 @@ def main() -> None:
     for name in ("nlist", "nprobe", "M", "ef-construction", "ef-search", "m", "nbits"):
         ap.add_argument(f"--{name}", type=positive_int, default=None, help="index option (default: the retriever's)")
     ap.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results")
+    ap.add_argument("--append", action="store_true", help="keep the runs of other sizes already in the results")
+    ap.add_argument("--note", default="", help="a line under the table (e.g. what could not be measured)")
     args = ap.parse_args()
     import faiss
 
@@ -152,7 +166,7 @@ def main() -> None:
               "query_noise": args.query_noise, "k": args.k, "reps": args.reps, "seed": args.seed,
               "device": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
               "faiss": faiss.__version__, "numpy": np.__version__, "threads": faiss.omp_get_max_threads(),
-              "command": "python benchmarks/bench_ann.py " + " ".join(sys.argv[1:]), "rows": []}
+              "command": "python benchmarks/bench_ann.py " + shlex.join(sys.argv[1:]), "note": args.note, "rows": []}
     try:
         report["device"] = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
                                  if line.startswith("model name")) + f", {os.cpu_count()} CPUs"
@@ -174,7 +188,7 @@ def main() -> None:
         del index
         report["rows"].append(row)
         print(json.dumps(row), flush=True)
-        write(args.results, report)
+        write(args.results, report, args.append)
 
 
 if __name__ == "__main__":
