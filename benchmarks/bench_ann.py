@@ -100,15 +100,21 @@ def options(kind: str, args) -> AnnOptions:
     return AnnOptions.of(kind, **{k: v for k, v in given.items() if k in takes and v is not None})
 
 
+_WRITTEN: list = []  # the (size, index types) of this process's last write
+
+
 def write(results: Path, report: dict, append: bool = False) -> None:
-    """ann_cpu.json ({"runs": [...]}) and ann_cpu.md (a table a run); with `append`, the runs already there at
-    other sizes are kept (each table has its own baseline, measured in its own run)."""
+    """ann_cpu.json ({"runs": [...]}) and ann_cpu.md (a table a run); with `append`, the runs already there of
+    another size or other index types are kept (each table has its own baseline, measured in its own run)."""
     results.mkdir(parents=True, exist_ok=True)
     runs = []
     if append and (results / "ann_cpu.json").is_file():
         old = json.loads((results / "ann_cpu.json").read_text())
-        runs = [r for r in old.get("runs", [old] if "rows" in old else []) if r["n"] != report["n"]]
-    runs = sorted(runs + [report], key=lambda r: -r["n"])
+        kinds = lambda r: (r["n"], sorted(x["index"] for x in r["rows"]))  # noqa: E731
+        mine = (kinds(report), _WRITTEN[0] if _WRITTEN else None)  # (this run's last write held fewer rows)
+        runs = [r for r in old.get("runs", [old] if "rows" in old else []) if kinds(r) not in mine]
+        _WRITTEN[:] = [kinds(report)]
+    runs = sorted(runs + [report], key=lambda r: -r["n"])  # (stable: runs of one size in the order they ran)
     (results / "ann_cpu.json").write_text(json.dumps({"runs": runs}, indent=1) + "\n")
     (results / "ann_cpu.md").write_text("\n\n".join(table(r) for r in runs))
 
@@ -132,7 +138,7 @@ def table(report: dict) -> str:
         opts = ", ".join(f"{k}={v}" for k, v in r["options"].items() if k != "index") or "exact"
         lines.append(f"| {r['index']} | {opts} | {r['build_s']:.1f} | {r['index_bytes'] / 2**20:.1f} | "
                      f"{r['index_bytes'] / report['n']:.0f} | {r['queries_per_s']:.0f} | {ratio} | "
-                     f"{r['recall_at_k']:.3f} |")
+                     f"{r['recall_at_k']:.4f} |")
     if report.get("note"):
         lines += ["", report["note"]]
     return "\n".join(lines) + "\n"
@@ -153,7 +159,8 @@ def main() -> None:
     for name in ("nlist", "nprobe", "M", "ef-construction", "ef-search", "m", "nbits"):
         ap.add_argument(f"--{name}", type=positive_int, default=None, help="index option (default: the retriever's)")
     ap.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results")
-    ap.add_argument("--append", action="store_true", help="keep the runs of other sizes already in the results")
+    ap.add_argument("--append", action="store_true", help="keep the runs of other sizes or index types already in "
+                    "the results")
     ap.add_argument("--note", default="", help="a line under the table (e.g. what could not be measured)")
     args = ap.parse_args()
     import faiss
