@@ -12,13 +12,33 @@ import sys
 import threading
 from pathlib import Path
 
-from fastrag.data.datasets import DATASETS
+from fastrag.data.datasets import DATASETS, GENERIC
+
+
+def _dense_index_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dense-index", choices=("flat", "ivf", "hnsw", "ivfpq"), default=None,
+                   help="dense: the faiss index, flat (exact; default), ivf, hnsw or ivfpq (docs/retrieval.md)")
+    p.add_argument("--index-option", action="append", default=[], metavar="NAME=VALUE",
+                   help="dense: an option of --dense-index, repeatable: ivf nlist, nprobe; hnsw M, ef_construction, "
+                        "ef_search; ivfpq nlist, m, nbits, nprobe")
+
+
+def _dense_options(args) -> dict | None:
+    """The dense index options of --dense-index / --index-option (None: neither given); ValueError names a bad one."""
+    if args.dense_index is None and not args.index_option:
+        return None
+    from fastrag.retrieval.ann import AnnOptions, parse_option
+
+    opts = {"index": args.dense_index or "flat", **dict(parse_option(o) for o in args.index_option)}
+    AnnOptions.of(**opts)
+    return opts
 
 
 def _common(p: argparse.ArgumentParser, method: str | None = None) -> None:
     p.add_argument("--method", required=method is None, default=method,
                    help="dynamic-RAG method (see `fastrag methods`)" + (f"; default {method}" if method else ""))
-    p.add_argument("--dataset", required=True, choices=DATASETS)
+    p.add_argument("--dataset", required=True, help=f"{', '.join(d for d in DATASETS if d != GENERIC)}; any other name "
+                   "(e.g. FlashRAG's popqa, triviaqa, musique) runs as generic QA")
     p.add_argument("--data", help="dataset file (formats: see fastrag.data.datasets; may be .gz/.bz2/.xz); "
                    "default for hotpotqa: the 20 bundled dev questions")
     p.add_argument("--corpus", help="passage corpus: jsonl {id,title,text} / {id,contents} or DPR tsv, "
@@ -27,6 +47,7 @@ def _common(p: argparse.ArgumentParser, method: str | None = None) -> None:
     p.add_argument("--retriever", default="bm25", choices=["bm25", "dense", "elasticsearch"],
                    help="bm25 (bm25s, title/text best_fields), dense (faiss + all-MiniLM-L6-v2; fastrag[dense]) "
                    "or elasticsearch ($FASTRAG_ES_URL, index $FASTRAG_ES_INDEX)")
+    _dense_index_flags(p)
     p.add_argument("--model", default="smollm2", help="'smollm2' (embedded), an HF directory or a .gguf file")
     p.add_argument("--config", help="the method's config JSON (DRAGIN: the published format; see docs/methods.md, "
                    "docs/beamsearchqa.md); default: the papers' per-dataset values")
@@ -162,6 +183,13 @@ def _main(argv: list[str] | None, seen: dict) -> int:
     cp.add_argument("--trace", help="the published code's trace jsonl: replay every round's decisions from it")
     cp.add_argument("--results", help="compare this results.jsonl instead of running the questions")
     sub.add_parser("methods", help="list the available methods")
+    cv = sub.add_parser("convert", help="write a question file (any format fastrag reads) as FlashRAG jsonl "
+                        "{id, question, golden_answers, metadata}")
+    cv.add_argument("--dataset", required=True, help="as for run (it decides e.g. StrategyQA's yes/no answers)")
+    cv.add_argument("--data", required=True, help="the question file to read")
+    cv.add_argument("--output", required=True, help="the .jsonl file to write")
+    cv.add_argument("--limit", type=int, help="first N questions")
+    cv.add_argument("--answer-aliases", help="2WikiMultihopQA's id_aliases.json: aliases join the gold answers")
     ip = sub.add_parser("index", help="build and save the retrieval indexes of a corpus (reused by later runs)")
     ip.add_argument("--corpus", required=True,
                     help="jsonl {id,title,text} / {id,contents} or DPR tsv, plain or .gz/.bz2/.xz")
@@ -169,6 +197,7 @@ def _main(argv: list[str] | None, seen: dict) -> int:
                     help="indexes to build (elasticsearch: into $FASTRAG_ES_URL, index $FASTRAG_ES_INDEX)")
     ip.add_argument("--encoder", default="all-minilm-l6-v2", help="dense: sentence-transformers folder or the "
                     "embedded all-minilm-l6-v2")
+    _dense_index_flags(ip)
     ip.add_argument("--index-workers", type=_processes, default=None, metavar="N",
                     help="bm25: processes that analyse the passages (default: $FASTRAG_INDEX_WORKERS, else one per "
                     "usable CPU up to 8 for a corpus over 40,000 passages)")
@@ -200,6 +229,8 @@ def _main(argv: list[str] | None, seen: dict) -> int:
     seen["args"] = args
     if args.cmd == "index":
         return _index(args)
+    if args.cmd == "convert":
+        return _convert(args)
     if args.cmd == "serve":
         from fastrag.serving.server import serve
 
@@ -236,7 +267,8 @@ def _main(argv: list[str] | None, seen: dict) -> int:
                           overlap={"auto": None, "on": True, "off": False}[args.overlap],
                           text_workers=args.text_workers, search_concurrency=args.search_concurrency,
                           temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-                          top_k=args.top_k, answer_aliases=args.answer_aliases)
+                          top_k=args.top_k, answer_aliases=args.answer_aliases,
+                          retriever_options=_dense_options(args))
         if args.cmd == "parity" and args.temperature > 0:
             raise ValueError("--temperature: parity compares greedy decoding with the per-question oracle; "
                              "drop --temperature/--top-k/--top-p for `fastrag parity`")
@@ -303,6 +335,21 @@ def _processes(text: str) -> int:
     return n
 
 
+def _convert(args) -> int:
+    from fastrag.data.datasets import DataError, load_examples, write_flashrag
+
+    try:
+        if Path(args.output).resolve() == Path(args.data).resolve():
+            raise DataError(f"--output {args.output} is the --data file: write elsewhere")
+        n = write_flashrag(load_examples(args.dataset, args.data, limit=args.limit,
+                                         answer_aliases=args.answer_aliases), args.output)
+    except (DataError, OSError) as e:
+        print(f"fastrag: error: {e}", file=sys.stderr)
+        return 2
+    print(f"convert: {n} questions of {args.data} -> {args.output} (FlashRAG jsonl)")
+    return 0
+
+
 def _index(args) -> int:
     import time
 
@@ -312,12 +359,14 @@ def _index(args) -> int:
         for kind in args.kind:
             args.making = kind
             t = time.perf_counter()
-            kw = {"encoder": args.encoder} if kind == "dense" else {}
+            kw = {"encoder": args.encoder, **(_dense_options(args) or {})} if kind == "dense" else {}
             if kind == "bm25" and args.index_workers is not None:
                 kw["index_workers"] = args.index_workers
             r = make_retriever(kind, corpus_path=args.corpus, show_progress=not args.no_progress, **kw)
             what = "built" if r.built else "already up to date"
-            print(f"{kind}: {r.n_docs} passages, index {what} in {time.perf_counter() - t:.1f}s -> {r.index_dir}")
+            recall = getattr(r, "ann_recall", None)
+            print(f"{kind}: {r.n_docs} passages, index {what} in {time.perf_counter() - t:.1f}s -> {r.index_dir}"
+                  + (f" (recall@10 against exact search: {recall:.3f})" if recall is not None else ""))
     except (FileNotFoundError, PermissionError, ValueError, CorpusError, ImportError, OSError) as e:
         print(f"fastrag: error: {e}", file=sys.stderr)
         return 2

@@ -53,6 +53,7 @@ DRAGIN_DEFAULTS: dict[str, dict[str, Any]] = {
     "strategyqa": _defaults(100, 1.0, 25, 6),
     "nq": dict(_HOTPOT),
     "webq": dict(_HOTPOT),
+    "qa": dict(_HOTPOT),
 }
 
 
@@ -295,10 +296,12 @@ def warn_not_applied(path: Path, extra: dict, dataset: str) -> None:
         warnings.warn(f"{path}: not applied from the file: {'; '.join(notes)}", UserWarning, stacklevel=3)
 
 
-FIX_LENGTH_DEFAULTS = {"2wikimultihopqa": 16, "hotpotqa": 32, "iirc": 32, "strategyqa": 32, "nq": 32, "webq": 32}
+FIX_LENGTH_DEFAULTS = {"2wikimultihopqa": 16, "hotpotqa": 32, "iirc": 32, "strategyqa": 32, "nq": 32, "webq": 32,
+                       "qa": 32}
 TOKEN_RAG_THRESHOLDS = {"2wikimultihopqa": 0.08, "hotpotqa": 0.1, "iirc": 0.1, "strategyqa": 0.06, "nq": 0.1,
-                        "webq": 0.1}
-FLARE_THETA = {"2wikimultihopqa": 0.8, "hotpotqa": 0.8, "iirc": 0.8, "strategyqa": 0.4, "nq": 0.8, "webq": 0.8}
+                        "webq": 0.1, "qa": 0.1}
+FLARE_THETA = {"2wikimultihopqa": 0.8, "hotpotqa": 0.8, "iirc": 0.8, "strategyqa": 0.4, "nq": 0.8, "webq": 0.8,
+               "qa": 0.8}
 FLARE_BETA = 0.4
 SENTENCE_SOLVERS = ("avg", "max", "min")
 TOKEN_QUERIES = ("direct", "forward_all")  # the published TokenRAG's query formulations

@@ -157,7 +157,8 @@ def _run_ray(opts: RunOptions, num_workers: int, max_retries: int, ray_address: 
     computed = [r for r in new if r.qid not in earlier]  # (new to the main file, and computed by this run)
     metrics = summarize(opts.method, opts.dataset, results, wall, len(computed),
                         sum(r.prefill_tokens + r.decode_tokens for r in computed),
-                        sum(r.error is None for r in computed))
+                        sum(r.error is None for r in computed), examples={e.qid: e for e in examples},
+                        corpus=opts.corpus)
     # the shard folders of this run (a folder left by an earlier run with more workers is not one of them)
     metrics["ray"] = {"workers": min(num_workers, len(todo)) if todo else 0, "shard_retries": retries,
                       "shards": [Path(o.output).name for o in shard_opts]}

@@ -110,7 +110,8 @@ def _run_oracle(opts: RunOptions, out: Path, recipe: str) -> tuple[list[Question
     if todo:
         tok = load_tokenizer(opts.model)
         model = oracle_model(opts.model, recipe)
-        retriever = retriever_spec(opts.retriever, opts.corpus).build(show_progress=opts.progress)
+        retriever = retriever_spec(opts.retriever, opts.corpus, **(opts.retriever_options or {})).build(
+            show_progress=opts.progress)
         oracle = spec.make_oracle(model, tok, retriever, method_config(opts))
         warm_oracle(model, tok, retriever)
         w = ResultWriter(path)

@@ -158,9 +158,18 @@ class BM25(RetrieverSpec):
 
 
 class Dense(RetrieverSpec):
-    """Dense retrieval (faiss + sentence-transformers, `fastrag[dense]`; options: encoder, index_dir, ...)."""
+    """Dense retrieval (faiss + sentence-transformers, `fastrag[dense]`; options: encoder, index_dir, and the faiss
+    index: index="flat" (exact, the default) | "ivf" (nlist, nprobe) | "hnsw" (M, ef_construction, ef_search) |
+    "ivfpq" (nlist, m, nbits, nprobe); docs/retrieval.md). A bad index option fails here, naming it."""
 
     kind = "dense"
+
+    def __init__(self, corpus: str | Path | None = None, **options):
+        from fastrag.retrieval.ann import AnnOptions
+
+        ann = {k: v for k, v in options.items() if k not in ("encoder", "index_dir", "batch_size", "device")}
+        AnnOptions.of(**ann)  # (light: faiss is imported only when the index is built)
+        super().__init__(corpus, **options)
 
 
 class Elasticsearch(RetrieverSpec):
@@ -178,9 +187,11 @@ class Elasticsearch(RetrieverSpec):
 SPECS = {cls.kind: cls for cls in (BM25, Dense, Elasticsearch)}
 
 
-def retriever_spec(kind: str, corpus: str | Path | None = None) -> RetrieverSpec:
-    """The spec of a retriever named on the command line (--retriever KIND --corpus PATH)."""
+def retriever_spec(kind: str, corpus: str | Path | None = None, **options) -> RetrieverSpec:
+    """The spec of a retriever named on the command line (--retriever KIND --corpus PATH, and for dense the index
+    options of --dense-index / --index-option)."""
     try:
-        return SPECS[kind](corpus=corpus)
+        cls = SPECS[kind]
     except KeyError:
         raise ValueError(f"unknown retriever kind {kind!r}: expected one of {', '.join(SPECS)}") from None
+    return cls(corpus=corpus, **options)

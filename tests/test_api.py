@@ -94,7 +94,7 @@ def test_bad_inputs_say_what_is_wrong(rag):
     with pytest.raises(ValueError, match="wrap one question in a list"):
         rag.run({"question": "p"}, method="wo-rag")
     with pytest.raises(ValueError, match="unknown dataset"):
-        rag.run(["q"], method="wo-rag", dataset="nope")
+        rag.run(["q"], method="wo-rag", dataset="no such set")
     with pytest.raises(TypeError, match="unknown engine setting 'batchsize'"):
         RAG(batchsize=3)
     with pytest.raises(ValueError, match="batch_size must be an int >= 1"):

@@ -659,7 +659,7 @@ def test_bench_e2e_data_file_replaces_a_datasets_file(tmp_path):
 @pytest.mark.parametrize("script", ["bench_kernels", "bench_host", "bench_paged_attention", "bench_cpu_decode_step",
                                     "bench_prefill_attention", "bench_prefill", "bench_decode", "bench_text_modes",
                                     "bench_pass_padding", "bench_text_groups", "bench_bm25_scale",
-                                    "bench_corpus_read"])
+                                    "bench_corpus_read", "bench_ann"])
 def test_every_table_writing_benchmark_takes_a_results_folder(script):
     """Each script that writes tables has --results (they wrote into benchmarks/results/ whatever the caller
     wanted, so a trial run overwrote the committed tables)."""
@@ -903,3 +903,27 @@ def test_bench_corpus_read_times_every_reader_on_both_formats(tmp_path):
         assert abs(r["vs_lines"] - r["median_s"] / base) < 1e-9
     md = (tmp_path / "corpus_read_cpu.md").read_text()
     assert "| tsv | fastrag | " in md and "bench_corpus_read.py --passages 3000 --reps 2" in md
+
+
+def test_bench_ann_small_run_reports_every_index_against_flat(tmp_path):
+    """bench_ann at 3,000 passages: a row per index type after the flat baseline (1.00x, recall 1), recall in
+    [0, 1], the index sizes in the right order (ivfpq's codes far under flat's vectors, hnsw's graph over them);
+    --append keeps the run of another size."""
+    import subprocess
+
+    def bench(*args):
+        p = subprocess.run([sys.executable, str(BENCH / "bench_ann.py"), "--reps", "1", "--queries", "100",
+                            "--results", str(tmp_path), *args], capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, p.stderr[-2000:]
+
+    bench("--n", "3000", "--clusters", "50", "--nlist", "20", "--m", "16")
+    (run,) = json.loads((tmp_path / "ann_cpu.json").read_text())["runs"]
+    rows = {r["index"]: r for r in run["rows"]}
+    assert list(rows) == ["flat", "ivf", "hnsw", "ivfpq"] and rows["flat"]["recall_at_k"] == 1.0
+    assert all(0.0 <= r["recall_at_k"] <= 1.0 and r["queries_per_s"] > 0 for r in rows.values())
+    assert rows["ivfpq"]["index_bytes"] < rows["flat"]["index_bytes"] / 4 < rows["hnsw"]["index_bytes"]
+    assert rows["ivf"]["options"] == {"index": "ivf", "nlist": 20, "nprobe": 16}
+    md = (tmp_path / "ann_cpu.md").read_text()
+    assert "| flat | exact |" in md and "1.00x" in md and "3,000 passages" in md
+    bench("--n", "2000", "--types", "ivf", "--append")
+    assert [r["n"] for r in json.loads((tmp_path / "ann_cpu.json").read_text())["runs"]] == [3000, 2000]

@@ -36,7 +36,8 @@ PUBLISHED_HOTPOTQA = {
 def test_paper_table9_defaults():
     # Llama2-13b-chat row of Table 9: (L, theta, top n); exemplar counts from appendix F
     expect = {"2wikimultihopqa": (64, 0.6, 25, 6), "hotpotqa": (100, 1.2, 35, 8), "iirc": (128, 1.25, 25, 8),
-              "strategyqa": (100, 1.0, 25, 6), "nq": (100, 1.2, 35, 8), "webq": (100, 1.2, 35, 8)}
+              "strategyqa": (100, 1.0, 25, 6), "nq": (100, 1.2, 35, 8), "webq": (100, 1.2, 35, 8),
+              "qa": (100, 1.2, 35, 8)}  # (generic QA: NQ's)
     for ds, (length, theta, topn, shots) in expect.items():
         c = dragin_config(ds)
         assert (c.generate_max_length, c.hallucination_threshold, c.retrieve_keep_top_k, c.fewshot) == (
@@ -58,7 +59,7 @@ def test_overrides_and_aliases():
     ("retrieve_keep_top_k", -1), ("retrieve_topk", 0), ("fewshot", -1), ("max_query_tokens", 0),
     ("hallucination_threshold", "1.2"), ("hallucination_threshold", float("nan")),
     ("mode", "fast"), ("query_formulation", "current"), ("check_real_words", 1),
-    ("stop_case_insensitive", "no"), ("qfs_skip_first", None), ("dataset", "squad"), ("extra", []),
+    ("stop_case_insensitive", "no"), ("qfs_skip_first", None), ("dataset", "no such set"), ("extra", []),
 ])
 def test_validation_names_the_field(field, value):
     with pytest.raises(ConfigError, match=field):
@@ -121,7 +122,7 @@ def test_load_2wiki_config_and_missing_keys_fall_back(tmp_path):
     ({"attention_solver": "mean"}, r"c\.json: attention_solver 'mean': only 'max'"),
     ({"generate_max_length": "100"}, r"c\.json: generate_max_length"),
     ({"retrieve_keep_top_k": 0}, r"c\.json: retrieve_keep_top_k"),
-    ({"dataset": "squad"}, r"c\.json: field 'dataset'"),
+    ({"dataset": "no such set"}, r"c\.json: field 'dataset'"),
     ({"check_real_words": "true"}, r"c\.json: check_real_words"),
     ({"qfs_skip_first": 0}, r"c\.json: qfs_skip_first must be true or false, got 0"),
     ({"mode": "stream"}, r"c\.json: mode must be one of 'reference', 'streaming', got 'stream'"),

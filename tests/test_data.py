@@ -572,12 +572,13 @@ def test_file_level_errors(tmp_path):
         load_examples("strategyqa", wrong_type)
 
 
-def test_unknown_dataset_lists_valid_names(tmp_path):
+def test_a_name_that_is_no_name_lists_valid_names(tmp_path):
     p = _jsonl(tmp_path / "nq.jsonl", [{"question": "q", "answer": ["a"]}])
     with pytest.raises(DataError) as err:
-        load_examples("squad", p)
+        load_examples("no such set", p)
     for name in DATASETS:
         assert name in str(err.value)
+    assert load_examples("squad", p)[0].dataset == "qa"  # (another name: generic QA, tests/test_flashrag.py)
 
 
 # ---------------------------------------------------------------- exemplars

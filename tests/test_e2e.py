@@ -260,9 +260,10 @@ def test_malformed_data_line_is_named(tmp_path):
     assert p.returncode == 2 and f"{bad}:2" in p.stderr or "line 2" in p.stderr, p.stderr
 
 
-def test_unknown_dataset_is_rejected(tmp_path):
-    p = cli("run", "--method", "dragin", "--dataset", "squad", "--output", tmp_path / "o", check=False)
-    assert p.returncode == 2 and "squad" in p.stderr
+def test_a_dataset_name_that_is_no_name_is_rejected(tmp_path):
+    p = cli("run", "--method", "dragin", "--dataset", "no such set", "--data", DATA, "--output", tmp_path / "o",
+            check=False)
+    assert p.returncode == 2 and "no such set" in p.stderr
 
 
 def test_per_question_problems_are_recorded_and_the_run_goes_on(tmp_path, small_config, run_dir):

@@ -868,3 +868,18 @@ def test_dense_runs_fingerprint_their_encoder(tmp_path, monkeypatch):
     assert "encoder_fingerprint" not in run_identity(RunOptions(**kw), cfg)
     (enc / "model.safetensors").write_bytes(b"\1" + b"\0" * 63)
     assert run_identity(RunOptions(**kw, retriever="dense"), cfg)["encoder_fingerprint"] != one["encoder_fingerprint"]
+
+
+def test_dense_index_options_are_part_of_a_runs_identity(tmp_path):
+    """A run with an approximate dense index retrieves other passages than the exact one: its identity names the
+    options (and a run without them keeps the identity it had before they existed)."""
+    from fastrag.eval import run_identity
+
+    data = nq_file(tmp_path / "nq.jsonl", QUESTIONS)
+    kw = dict(method="wo-rag", dataset="nq", data=str(data), corpus=str(CORPUS), output=str(tmp_path / "o"),
+              retriever="dense")
+    cfg = object.__new__(type("Cfg", (), {}))
+    plain = run_identity(RunOptions(**kw), cfg)
+    hnsw = run_identity(RunOptions(**kw, retriever_options={"index": "hnsw", "M": 16}), cfg)
+    assert "retriever_options" not in plain and hnsw["retriever_options"] == {"index": "hnsw", "M": 16}
+    assert run_identity(RunOptions(**kw, retriever_options={"index": "hnsw", "M": 8}), cfg) != hnsw

@@ -197,7 +197,7 @@ def test_the_official_openai_client_reads_the_stream(server):
     ({"prompt": [1, 2, 3]}, "prompt: Value error, the question is text"),
     ({"prompt": [[1, 2], [3]]}, "prompt: Value error, the question is text"),
     ({"prompt": []}, "prompt: Value error, the question is text"),
-    ({"prompt": "q", "retrieval": {"dataset": "nope"}}, "nope"),
+    ({"prompt": "q", "retrieval": {"dataset": "no/pe"}}, "no/pe"),
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://x/y.png"}}]}]},
      "messages.0.content: Value error, content part 0 is of type 'image_url'"),

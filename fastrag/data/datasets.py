@@ -9,6 +9,13 @@ error for that question alone. Duplicate ids are made unique (`id`, `id#2`, ...;
 or ids show it is another dataset's than the one asked for (a HotpotQA file as 2WikiMultihopQA: the two share
 formats) gets a warning naming both; StrategyQA and IIRC files, which have formats of their own, are refused.
 
+Dataset names: the six with handling of their own (`DATASETS` less "qa": exemplars, prompts, scoring rules) and
+`"qa"`, generic open-domain QA, which any other name runs as: NQ's handling (HotpotQA's exemplars, the answer after
+"the answer is", else the whole text, scored against every gold answer). FlashRAG's benchmark names (`FLASHRAG_NAMES`:
+popqa, triviaqa, squad, musique, asqa, mmlu, ...) map there silently, or to their own dataset where fastrag has one
+(nq, hotpotqa, 2wikimultihopqa, strategyqa, web_questions); another name does too, with a warning naming the
+datasets that have handling of their own. Names are letters, digits and `_ . + -`.
+
 Any of these files may be gzip, bzip2 or xz compressed (DPR ships its question files as `.json.gz`): the first bytes
 tell, the file is read decompressed, and an error's line counts the decompressed text.
 """
@@ -24,10 +31,19 @@ from fastrag.data.formats import (DataError, check_dataset, detect_format, file_
                                   read_text_file, record_rows, str_list)
 from fastrag.data.metrics import normalize_answer
 
-__all__ = ["DATASETS", "DataError", "Example", "canonical_dataset", "load_answer_aliases", "load_examples",
-           "read_text_file", "with_answer_aliases"]
+__all__ = ["DATASETS", "DataError", "Example", "canonical_dataset", "flashrag_record", "load_answer_aliases",
+           "load_examples", "read_text_file", "with_answer_aliases", "write_flashrag"]
 
-DATASETS = ("2wikimultihopqa", "hotpotqa", "strategyqa", "iirc", "nq", "webq")
+DATASETS = ("2wikimultihopqa", "hotpotqa", "strategyqa", "iirc", "nq", "webq", "qa")
+GENERIC = "qa"  # the dataset of any other name (module docstring)
+# FlashRAG's benchmark folders (RUC-NLPIR/FlashRAG_datasets) without handling of their own here: generic QA, silently
+FLASHRAG_NAMES = frozenset({
+    "triviaqa", "popqa", "squad", "msmarco-qa", "narrativeqa", "wikiqa", "ambig_qa", "ambigqa", "siqa",
+    "commonsenseqa", "boolq", "piqa", "fermi", "musique", "bamboogle", "asqa", "eli5", "wikipassageqa", "wikiasp",
+    "mmlu", "truthful_qa", "truthfulqa", "hellaswag", "arc", "openbookqa", "quartz", "fever", "wow", "ay2", "aida",
+    "wned", "t-rex", "trex", "zero-shot_re", "zsre", "domainqa", "domainrag", "curatedtrec", "webqa"})
+_NAME = re.compile(r"[a-z0-9][a-z0-9_.+-]*")
+_WARNED: set[str] = set()  # names warned of (once a process: every module that reads the name asks again)
 
 # Names used by the published DRAGIN configs and by common file/dir names -> our dataset names.
 _ALIASES = {
@@ -38,6 +54,7 @@ _ALIASES = {
     "nq-open": "nq",
     "nqopen": "nq",
     "webquestions": "webq",
+    "web_questions": "webq",  # (FlashRAG's folder)
 }
 
 
@@ -51,12 +68,22 @@ class Example:
 
 
 def canonical_dataset(name: str) -> str:
-    """Map a dataset name (case-insensitive; DRAGIN config spellings like "StrategyQA", "2wikimultihop") to DATASETS."""
-    key = str(name).strip().lower()
+    """Map a dataset name (case-insensitive; DRAGIN config spellings like "StrategyQA", "2wikimultihop"; FlashRAG's
+    folder names) to DATASETS: any other well-formed name is generic QA ("qa"), with a warning unless FlashRAG
+    names it (module docstring). A name that is no name (blank, spaces, slashes) raises DataError."""
+    key = str(name).strip().lower() if isinstance(name, str) else ""
     key = _ALIASES.get(key, key)
-    if key not in DATASETS:
-        raise DataError(f"unknown dataset {name!r}: valid names are {', '.join(DATASETS)}")
-    return key
+    if key in DATASETS:
+        return key
+    if not _NAME.fullmatch(key):
+        raise DataError(f"unknown dataset {name!r}: a dataset name is letters, digits and _ . + - (those with handling "
+                        f"of their own: {', '.join(DATASETS)}; any other name runs as generic QA)")
+    if key not in FLASHRAG_NAMES and key not in _WARNED:
+        _WARNED.add(key)
+        warnings.warn(f"dataset {name!r} has no handling of its own: it runs as generic open-domain QA ('qa': "
+                      f"HotpotQA's exemplars, answers scored as text); the datasets with their own are "
+                      f"{', '.join(d for d in DATASETS if d != GENERIC)}", UserWarning, stacklevel=2)
+    return GENERIC
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -158,6 +185,8 @@ def load_examples(dataset: str, path: str | Path, limit: int | None = None,
                 if (bad := _SURROGATE.search(text)) is not None:
                     raise DataError(f"{rec.where}: {what} holds a lone surrogate (U+{ord(bad.group()):04X}, e.g. a "
                                     "'\\ud800' escape): not Unicode text a tokenizer can read")
+            if name == "strategyqa":  # (FlashRAG's and other exports may write the label as true/false)
+                answers = [{"true": "yes", "false": "no"}.get(a.strip().lower(), a) for a in answers]
             if name == "strategyqa" and any(a.strip().lower() not in ("yes", "no") for a in answers):
                 raise DataError(f"{rec.where}: --dataset strategyqa scores yes/no answers, but question {qid!r} "
                                 f"has gold {answers[:3]}: a file of another dataset?")
@@ -200,3 +229,35 @@ def load_examples(dataset: str, path: str | Path, limit: int | None = None,
         warnings.warn(f"{path}: {len(no_gold)} question(s) have no gold answer (first: {no_gold[0]}); they score 0",
                       UserWarning, stacklevel=2)
     return out
+
+
+def flashrag_record(e: Example) -> dict:
+    """One question as a FlashRAG record {id, question, golden_answers, metadata}: a file read from FlashRAG's
+    format gives back its own fields (metadata, and any other, e.g. `choices`, where they were); another format's
+    fields go to `metadata`, with `source_format` naming that format."""
+    meta = dict(e.meta)
+    fmt = meta.pop("format", None)
+    rec: dict = {"id": e.qid, "question": e.question, "golden_answers": list(e.answers)}
+    if fmt == "flashrag":
+        metadata = meta.pop("metadata", None)
+        rec.update(meta)
+        if metadata is not None:
+            rec["metadata"] = metadata
+    else:
+        rec["metadata"] = {**meta, "source_format": fmt}
+    return rec
+
+
+def write_flashrag(examples: list[Example], path: str | Path) -> int:
+    """Write `examples` as a FlashRAG jsonl file (`flashrag_record` a line, UTF-8), whole or not at all (a
+    temporary file renamed); returns the number written."""
+    import json
+    import os
+
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for e in examples:
+            f.write(json.dumps(flashrag_record(e), ensure_ascii=False) + "\n")
+    os.replace(tmp, path)
+    return len(examples)

@@ -34,7 +34,7 @@ EXEMPLAR_DIR = Path(__file__).resolve().parent / "exemplars"
 # the published code's own exemplars (benchmarks/extract_published_exemplars.py): `fidelity: "published"` prompts
 PUBLISHED_DIR = EXEMPLAR_DIR / "published"
 # datasets without exemplars of their own -> whose exemplars they use
-_SHARED = {"nq": "hotpotqa", "webq": "hotpotqa"}
+_SHARED = {"nq": "hotpotqa", "webq": "hotpotqa", "qa": "hotpotqa"}
 # published test-case instructions (DRAGIN src/data.py test_input_template), placed before "Question: "
 CASE_PREFIX = {
     "hotpotqa": "Answer the following question by reasoning step-by-step, following the example above.\n",

@@ -146,7 +146,18 @@ def _read_strategyqa(rec: Record) -> _Row:
 
 
 def _read_flashrag(rec: Record) -> _Row:
-    answers = str_list(rec, "golden_answers", need(rec, "golden_answers"))
+    """FlashRAG's {id, question, golden_answers, metadata} (its 36 benchmarks' jsonl): `metadata` (an object: e.g.
+    HotpotQA's supporting_facts and context, MuSiQue's paragraphs) and any other field (a multiple-choice set's
+    `choices`) go to meta as they are; a true/false gold (BoolQ, StrategyQA exports) reads as "yes"/"no"."""
+    gold = need(rec, "golden_answers")
+    if isinstance(gold, list) and any(isinstance(g, bool) for g in gold):
+        gold = [("yes" if g else "no") if isinstance(g, bool) else g for g in gold]
+    elif isinstance(gold, bool):
+        gold = "yes" if gold else "no"
+    answers = str_list(rec, "golden_answers", gold)
+    if rec.obj.get("metadata") is not None and not isinstance(rec.obj["metadata"], dict):
+        raise DataError(f"{rec.where}: field 'metadata' has type {type(rec.obj['metadata']).__name__}, expected an "
+                        "object (FlashRAG's metadata)")
     used = ("id", "question", "golden_answers")
     return _qid(rec, "id"), _question(rec, "question"), answers, _meta(rec, used, "flashrag")
 
@@ -297,6 +308,12 @@ def looks_like(fmt: str, obj: dict) -> tuple[str, str] | None:
             return "2wikimultihopqa", "its records carry 2WikiMultihopQA's 'evidences'"
         if "level" in obj and "supporting_facts" in obj:
             return "hotpotqa", "its records carry HotpotQA's 'level'"
+    meta = obj.get("metadata") if fmt == "flashrag" else None
+    if isinstance(meta, dict):  # FlashRAG's exports keep the original fields in metadata
+        if "evidences" in meta:
+            return "2wikimultihopqa", "its metadata carries 2WikiMultihopQA's 'evidences'"
+        if "level" in meta and "supporting_facts" in meta:
+            return "hotpotqa", "its metadata carries HotpotQA's 'level'"
     if fmt in ("2wiki", "ircot"):
         qid = obj.get("_id" if fmt == "2wiki" else "question_id")
         if isinstance(qid, str) and re.fullmatch(r"[0-9a-f]{24}", qid):

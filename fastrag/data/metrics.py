@@ -177,7 +177,7 @@ def score(example, prediction: str) -> dict:
     else:
         answer = extract_answer(prediction)
         if answer is None:  # see the module docstring, step 3
-            whole_text = example.dataset in ("2wikimultihopqa", "nq", "webq")
+            whole_text = example.dataset in ("2wikimultihopqa", "nq", "webq", "qa")
             answer = clean_prediction(prediction).strip() if whole_text else ""
     f1, prec, rec = f1_precision_recall(answer, example.answers)
     em = exact_match(answer, example.answers)

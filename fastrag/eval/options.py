@@ -42,6 +42,9 @@ class RunOptions:
     search_concurrency: int | None = None
     progress: bool = True
     retriever: str = "bm25"  # bm25 | dense | elasticsearch (fastrag.retrieval.RETRIEVERS)
+    # dense only: the faiss index and its options (fastrag.retrieval.ann.AnnOptions: {"index": "hnsw", "M": 32});
+    # None: the exact flat index
+    retriever_options: dict | None = None
     qids: tuple[str, ...] | None = None  # only these questions of the file (a shard of a distributed run)
     # decoding: greedy by default (parity and the committed tables); temperature > 0 samples inside the fused
     # signal kernel, from the top-p nucleus when top_p < 1 (the published DRAGIN runs sampled with T = 0.6,
@@ -68,6 +71,13 @@ class RunOptions:
         get_method(self.method)  # raises with the list of available methods
         if self.retriever not in RETRIEVERS:
             raise ValueError(f"--retriever {self.retriever!r}: expected one of {', '.join(RETRIEVERS)}")
+        if self.retriever_options:
+            if self.retriever != "dense":
+                raise ValueError(f"--dense-index / --index-option apply to --retriever dense, not {self.retriever}")
+            from fastrag.retrieval.ann import AnnOptions
+
+            AnnOptions.of(**self.retriever_options)  # (a bad option fails here, naming it)
+            self.retriever_options = dict(self.retriever_options)
         from fastrag.engine import as_int, check_seed
 
         # (any integer type, numpy's included, kept as a Python int; floats, bools and strings refused by name)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fastrag.data.datasets import Example
+from fastrag.data.evidence import retrieval_quality
 from fastrag.data.metrics import aggregate, score
 from fastrag.trace import QuestionResult
 
@@ -22,11 +23,21 @@ def score_result(ex: Example, r: QuestionResult) -> None:
 
 
 def summarize(opts_method: str, dataset: str, results: list[QuestionResult], wall_s: float, computed: int,
-              tokens: int, answered: int) -> dict:
+              tokens: int, answered: int, examples: dict | None = None, corpus=None) -> dict:
     """The metrics of `results`; `computed` of them were computed in this run's `wall_s`, `answered` of those
-    without an error: questions_per_s counts the answered ones (a question that fails at once is no throughput)."""
+    without an error: questions_per_s counts the answered ones (a question that fails at once is no throughput).
+    With `examples` (qid -> Example), `retrieval_quality`: recall and precision of the retrieved passages against
+    the gold supporting titles the dataset gives, read from `corpus` (fastrag.data.evidence)."""
     ok = [r for r in results if r.error is None]
     agg = aggregate([r.metrics for r in ok]) if ok else {}
+    quality = {}
+    if examples is not None:
+        from fastrag.retrieval.corpus import CorpusError
+
+        try:
+            quality = {"retrieval_quality": retrieval_quality(examples, results, corpus)}
+        except CorpusError as e:  # (the answers' figures stand without it)
+            quality = {"retrieval_quality": {"available": False, "why": f"the corpus cannot be read: {e}"}}
     return {
         "method": opts_method, "dataset": dataset, "n": len(results), "errors": len(results) - len(ok),
         "em": agg.get("em"), "f1": agg.get("f1"), "accuracy": agg.get("accuracy"),
@@ -44,6 +55,7 @@ def summarize(opts_method: str, dataset: str, results: list[QuestionResult], wal
            for k in ("reused_prompt_tokens", "reused_generations", "generate_calls", "searches", "retrieval_wait_s",
                      "short_retrievals")
            if any(k in r.counters for r in ok)},
+        **quality,
     }
 
 

@@ -106,7 +106,7 @@ def _run_many(runs: list[RunOptions], engine=None, retriever=None, given: list[l
     probe = Probe.from_settings()  # (and a bad diagnostic switch)
     first = runs[0]
     for o in runs[1:]:
-        for f in ("model", "corpus", "retriever", "batch_size", "signals", "kv_cache_gb", "prefix_caching",
+        for f in ("model", "corpus", "retriever", "retriever_options", "batch_size", "signals", "kv_cache_gb", "prefix_caching",
                   "temperature", "top_p", "top_k", "seed", "overlap", "text_workers", "search_concurrency"):
             if getattr(o, f) != getattr(first, f):
                 raise ValueError(f"run_many: runs must share --{f.replace('_', '-')}: {getattr(first, f)!r} "
@@ -141,7 +141,8 @@ def _run_many(runs: list[RunOptions], engine=None, retriever=None, given: list[l
     tok0 = 0
     if any(p[4] for p in plans):
         engine = engine or (make_engine or EngineConfig.of(first).build)()
-        retriever = retriever or (make_retriever or (lambda: retriever_spec(first.retriever, first.corpus).build(
+        retriever = retriever or (make_retriever or (lambda: retriever_spec(
+            first.retriever, first.corpus, **(first.retriever_options or {})).build(
             show_progress=first.progress)))()
         policies = [make_policy(o.method, cfg, engine.tok) for o, cfg, *_ in plans]
         _warn_control_tokens(plans, engine.tok)
@@ -216,7 +217,8 @@ def _run_many(runs: list[RunOptions], engine=None, retriever=None, given: list[l
         # tokens are counted by the engine for all runs together: each run gets its own records' share
         own_tokens = sum(r.prefill_tokens + r.decode_tokens for r in new)
         metrics = summarize(o.method, o.dataset, done + new, wall, len(new),
-                            tokens if len(runs) == 1 else own_tokens, sum(r.error is None for r in new))
+                            tokens if len(runs) == 1 else own_tokens, sum(r.error is None for r in new),
+                            examples=by_id, corpus=o.corpus)
         if len(runs) > 1:
             metrics["joint"] = {"runs": [f"{x.method}/{x.dataset}" for x in runs], "wall_s": wall,
                                 "computed_this_run": computed,

