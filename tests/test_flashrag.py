@@ -172,3 +172,12 @@ def test_another_format_converts_with_its_fields_in_metadata(tmp_path):
     assert flashrag_record(e)["metadata"]["source_format"] == "2wiki"
     assert main(["convert", "--dataset", "nq", "--data", str(src), "--output", str(src)]) == 2
     assert main(["convert", "--dataset", "nq", "--data", str(tmp_path / "none.jsonl"), "--output", str(out)]) == 2
+
+
+def test_a_near_miss_of_a_handled_dataset_is_a_typo_not_generic_qa():
+    from fastrag.data.datasets import DataError, canonical_dataset
+
+    for typo, meant in (("hotpotq", "hotpotqa"), ("strategy_qa", "strategyqa"), ("2wikimultihopq", "2wikimultihopqa")):
+        with pytest.raises(DataError, match=f"did you mean '{meant}'"):
+            canonical_dataset(typo)
+    assert canonical_dataset("triviaqa") == "qa"  # (a FlashRAG name is never taken for a typo)

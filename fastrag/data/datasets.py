@@ -78,6 +78,15 @@ def canonical_dataset(name: str) -> str:
     if not _NAME.fullmatch(key):
         raise DataError(f"unknown dataset {name!r}: a dataset name is letters, digits and _ . + - (those with handling "
                         f"of their own: {', '.join(DATASETS)}; any other name runs as generic QA)")
+    if key not in FLASHRAG_NAMES:
+        import difflib
+
+        # a near miss of a name with its own handling is a typo, not a new dataset: running it as generic QA would
+        # silently change the exemplars and the scoring
+        near = difflib.get_close_matches(key, [*DATASETS, *_ALIASES], n=1, cutoff=0.8)
+        if near and _ALIASES.get(near[0], near[0]) != GENERIC:
+            raise DataError(f"unknown dataset {name!r}: did you mean {_ALIASES.get(near[0], near[0])!r}? (any name "
+                            f"not close to one with handling of its own runs as generic QA)")
     if key not in FLASHRAG_NAMES and key not in _WARNED:
         _WARNED.add(key)
         warnings.warn(f"dataset {name!r} has no handling of its own: it runs as generic open-domain QA ('qa': "
