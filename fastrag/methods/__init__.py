@@ -6,3 +6,5 @@ from fastrag.methods import dragin_streaming as _dragin_streaming  # noqa: F401,
 from fastrag.methods import flare as _flare  # noqa: F401,E402
 from fastrag.methods import token_rag as _token_rag  # noqa: F401,E402
 from fastrag.methods import beamsearchqa as _beamsearchqa  # noqa: F401
+from fastrag.methods import etc as _etc  # noqa: F401,E402
+from fastrag.methods import self_ask as _self_ask  # noqa: F401,E402
