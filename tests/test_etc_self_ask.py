@@ -216,3 +216,37 @@ def test_self_ask_parity_on_hotpotqa(tmp_path):
 def test_etc_parity_on_hotpotqa(tmp_path):
     """ETC's engine policy and its oracle on two bundled HotpotQA questions (8 exemplars, the default threshold)."""
     _parity(tmp_path, "etc", {}, BUNDLED / "hotpotqa_dev20.jsonl", "hotpotqa", 2)
+
+
+def test_etc_policy_over_a_scripted_engine():
+    """Uniform attention (the scripted engine's pass) makes a_w = 1 for every word, so the trigger is M alone: content
+    words Paris 0.5, capital 1.0, city 1.0, France. 3.5 give d1 = 0.5, 0, 2.5 and d2 = -0.5 (city), 2.0 (France.,
+    against capital's d1); M(France.) = 0.95 * 2.0 + 0.05 * (-0.5) = 1.875 > 1.3. The text keeps the words before
+    it; the query is the real words of the question and of those words, in text order (equal attention)."""
+    from test_methods import Ex, Retriever, ScriptEngine, continuation
+
+    from fastrag.loop import QuestionLoop
+    from fastrag.methods.registry import get_method
+    from fastrag.model.loading import load_tokenizer
+
+    tk = load_tokenizer("smollm2")
+    pieces = [(" Paris", 0.9, 0.5), (" is a", 0.9, 0.1), (" capital", 0.9, 1.0), (" city", 0.9, 1.0), (" in", 0.9, 0.1),
+              (" France", 0.9, 3.5), (".", 0.9, 0.1), ("\n", 0.9, 0.1), ("Question: next", 0.9, 0.1), None]
+
+    def world(p):
+        return [(" France", 0.9, 0.1), None] if p.endswith(" So the answer is ") else continuation(p, pieces)
+
+    cfg = make_config("etc", "2wikimultihopqa", {"fewshot": 0})
+    eng, ret, out = ScriptEngine(tk, world), Retriever(), []
+    QuestionLoop(eng, ret, get_method("etc").make_policy(cfg, tk), max_inflight=2).run(
+        [Ex("1", "Where is Paris?", ["France"])], out.append)
+    r = out[0]
+    assert r.error is None, r.error
+    assert [x.trigger_sentence for x in r.rounds] == ["Paris is a capital city in France."]
+    assert r.rounds[0].hit_words == ["France."]
+    assert ret.queries == ["Paris? Paris capital city"]
+    assert r.text == "Paris is a capital city in France."
+    assert r.prediction == "Paris is a capital city in France. So the answer is France"
+    # the retrieval prompt continues the text kept before the trigger word
+    assert any(p.startswith("Context:\n[1] doc 0 about Paris? Paris capital city\n") and
+               p.endswith("Answer: Paris is a capital city in") for p, _ in eng.prompts)

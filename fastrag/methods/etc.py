@@ -35,7 +35,10 @@ from fastrag.text.realwords import matches_real_word
 from fastrag.text.words import assign_words_to_sentences, sentence_word_ranges, word_boundaries
 from fastrag.trace import Round
 
-PLAIN, RAG = 0, None  # plain prompts extend each other on branch 0; retrieval prompts run one-shot (methods/dragin.py)
+# plain prompts extend each other on branch 0; a retrieval prompt's line is decoded in chunks too, so it keeps a
+# sequence of its own (branch 1) while its chunks extend it
+PLAIN, RAG = 0, 1
+LINE_CHUNK = 16  # tokens decoded between two looks for the line's newline
 ETC_THRESHOLD = 1.3  # the published config's hallucination_threshold (its only released config, IIRC)
 ETC_TOP_K = 35  # the published config's retrieve_keep_top_k
 
@@ -153,6 +156,21 @@ def region_words(spans, offsets, lo: int, hi: int) -> list[int]:
     return [w for w, (l, _) in enumerate(spans) if lo <= offsets[l][1] - 1 < hi]
 
 
+def generate_line(res, tok, prompt: str, limit: int, branch: int):
+    """`ids, entropy, cut, eos = yield from generate_line(...)`: one line of at most `limit` tokens, decoded in chunks
+    of LINE_CHUNK tokens that resume the sequence (Generate.suffix_ids) until a token holds a newline (kept, the
+    rest of its chunk dropped), an EOS ends it (dropped) or `limit` tokens are out. Greedy decoding makes it the
+    line a generation stopped at the newline gives, without decoding L tokens past it."""
+    ids: list[int] = []
+    ent: list[float] = []
+    while True:
+        g = yield from generate(res, prompt, min(LINE_CHUNK, limit - len(ids)), branch, suffix_ids=tuple(ids))
+        ids, ent = ids + list(g.ids), ent + list(g.entropy)
+        ids, ent, cut = cut_line(tok, ids, ent)
+        if cut or g.ended_by_eos or len(ids) >= limit or not g.ids:
+            return ids, ent, cut, g.ended_by_eos and not cut
+
+
 class Etc(FewShotMethod):
     name = "etc"
     cfg: EtcConfig
@@ -168,9 +186,8 @@ class Etc(FewShotMethod):
         while True:
             old_len = len(text)
             prompt = self.demos + join(case, text)
-            g = yield from generate(res, prompt, cfg.generate_max_length, PLAIN)
-            ids, ent, cut = cut_line(tok, g.ids, g.entropy)
-            if len(ids) + (g.ended_by_eos and not cut) <= 1:  # the published "empty generation": done
+            ids, ent, cut, eos = yield from generate_line(res, tok, prompt, cfg.generate_max_length, PLAIN)
+            if len(ids) + eos <= 1:  # the published "empty generation" (an EOS counts as its token): done
                 break
             line = tok.decode(ids, skip_special_tokens=True)
             trig = yield from self.judge(ex.question, prompt, case, text, ids, ent, line, res)
@@ -182,13 +199,13 @@ class Etc(FewShotMethod):
             docs = yield from search(res, rnd.query, cfg.retrieve_topk)
             rnd.doc_ids = [str(d.id) for d in docs]
             res.rounds.append(rnd)
-            g2 = yield from generate(res, rag_prompt(self.demos, docs, case, cur), cfg.generate_max_length, RAG)
-            ids2, _, cut2 = cut_line(tok, g2.ids, [0.0] * len(g2.ids))
+            ids2, _, _, eos2 = yield from generate_line(res, tok, rag_prompt(self.demos, docs, case, cur),
+                                                           cfg.generate_max_length, RAG)
             new2 = tok.decode(ids2, skip_special_tokens=True)
             sents2 = (yield Sentences(new2)) if new2.strip() else []
             first = sents2[0].text if sents2 else ""
             text = join(cur, first)
-            if g2.ended_by_eos and not cut2 and len(first) >= len(new2.strip()):
+            if eos2 and len(first) >= len(new2.strip()):
                 break
             if len(tok.encode(text)) > cfg.generate_max_length or len(text) <= old_len:
                 break
