@@ -8,3 +8,5 @@ from fastrag.methods import token_rag as _token_rag  # noqa: F401,E402
 from fastrag.methods import beamsearchqa as _beamsearchqa  # noqa: F401
 from fastrag.methods import ircot as _ircot  # noqa: F401,E402
 from fastrag.methods import iter_retgen as _iter_retgen  # noqa: F401,E402
+from fastrag.methods import etc as _etc  # noqa: F401,E402
+from fastrag.methods import self_ask as _self_ask  # noqa: F401,E402
