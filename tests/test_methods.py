@@ -518,7 +518,9 @@ def test_config_file_errors(tmp_path):
     with pytest.raises(ConfigError, match="not valid JSON"):
         method_config("flare", "hotpotqa", bad)
     with pytest.raises(ConfigError, match="dataset"):
-        method_config("flare", "squad")
+        method_config("flare", "squad/v2")  # (no dataset name: "squad" itself runs as generic QA)
+    with pytest.raises(ConfigError, match="did you mean 'hotpotqa'"):
+        method_config("flare", "hotpotq")
 
 
 def test_paper_defaults_per_dataset():
