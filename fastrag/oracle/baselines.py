@@ -9,9 +9,6 @@ of its tokens form the query -- are written again here, plainly, as an independe
 
 from __future__ import annotations
 
-import time
-
-from fastrag.data.exemplars import case_text
 from fastrag.methods.common import join, rag_prompt
 from fastrag.oracle.greedy import GreedyOracle
 from fastrag.text.sentences import split_sentences
@@ -32,18 +29,9 @@ class BaselineOracle(GreedyOracle):
         self.method = method
 
     def run(self, qid: str, question: str, gold) -> QuestionResult:
-        t0 = time.perf_counter()
-        self._prefill = self._decode = self._calls = 0
-        if not question.strip():
-            raise ValueError("empty question")
-        case = case_text(question, self.config.dataset)
-        rounds: list[Round] = []
-        text = {"wo-rag": self._wo_rag, "sr-rag": self._sr_rag, "fl-rag": self._fl_rag, "fs-rag": self._fs_rag,
-                "token-rag": self._token_rag}[self.method](question, case, rounds)
-        prediction = self.answer(case, text)
-        return QuestionResult(qid=qid, question=question, gold=list(gold), text=text, prediction=prediction,
-                              rounds=rounds, prefill_tokens=self._prefill, decode_tokens=self._decode,
-                              llm_calls=self._calls, wall_s=time.perf_counter() - t0)
+        return self.solved(qid, question, gold, {"wo-rag": self._wo_rag, "sr-rag": self._sr_rag,
+                                                 "fl-rag": self._fl_rag, "fs-rag": self._fs_rag,
+                                                 "token-rag": self._token_rag}[self.method])
 
     def _search(self, query: str, rounds: list[Round], trigger: str | None = None) -> list:
         """The documents of `query`, the round recorded (the query as searched, after the cut)."""

@@ -8,12 +8,15 @@ generation are written here once for both oracles.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
-from fastrag.data.exemplars import demo_text
+from fastrag.data.exemplars import case_text, demo_text
 from fastrag.data.metrics import ANSWER_MAX_TOKENS, answer_prompt, complete_answer, needs_answer_generation
 from fastrag.methods.common import STOP_PHRASE
 from fastrag.oracle.context import check_context, eos_ids
+from fastrag.trace import QuestionResult, Round
 
 
 class GreedyOracle:
@@ -33,6 +36,21 @@ class GreedyOracle:
         self._calls = 0  # generate calls of the current question (the record's llm_calls, as the engine counts)
 
     @torch.no_grad()
+    def solved(self, qid: str, question: str, gold, solve) -> QuestionResult:
+        """The record of one question whose rule is `solve(question, case, rounds) -> text` (the rounds it appends are
+        the record's), the answer read from the text as the evaluator reads it; the model calls counted afresh."""
+        t0 = time.perf_counter()
+        self._prefill = self._decode = self._calls = 0
+        if not question.strip():
+            raise ValueError("empty question")
+        case = case_text(question, self.config.dataset)
+        rounds: list[Round] = []
+        text = solve(question, case, rounds)
+        prediction = self.answer(case, text)
+        return QuestionResult(qid=qid, question=question, gold=list(gold), text=text, prediction=prediction,
+                              rounds=rounds, prefill_tokens=self._prefill, decode_tokens=self._decode,
+                              llm_calls=self._calls, wall_s=time.perf_counter() - t0)
+
     def generate(self, prompt: str, n: int) -> tuple[list[int], list[float]]:
         """Greedy continuation of `prompt`: (token ids, their probabilities), a final EOS dropped (kept with
         `keep_end`)."""

@@ -8,9 +8,6 @@ accumulate, what a later Iter-RetGen round searches -- are written again here fr
 
 from __future__ import annotations
 
-import time
-
-from fastrag.data.exemplars import case_text
 from fastrag.data.metrics import clean_prediction
 from fastrag.methods.common import rag_prompt
 from fastrag.oracle.greedy import GreedyOracle
@@ -20,17 +17,7 @@ from fastrag.trace import QuestionResult, Round
 
 class _Oracle(GreedyOracle):
     def run(self, qid: str, question: str, gold) -> QuestionResult:
-        t0 = time.perf_counter()
-        self._prefill = self._decode = self._calls = 0
-        if not question.strip():
-            raise ValueError("empty question")
-        case = case_text(question, self.config.dataset)
-        rounds: list[Round] = []
-        text = self.solve(question, case, rounds)
-        prediction = self.answer(case, text)
-        return QuestionResult(qid=qid, question=question, gold=list(gold), text=text, prediction=prediction,
-                              rounds=rounds, prefill_tokens=self._prefill, decode_tokens=self._decode,
-                              llm_calls=self._calls, wall_s=time.perf_counter() - t0)
+        return self.solved(qid, question, gold, self.solve)
 
     def search(self, query: str, rounds: list[Round]) -> list:
         query, docs = self.retrieve(query)
