@@ -184,6 +184,10 @@ RANGES = {
     "max_steps": (1, None), "thought_max_tokens": (1, None), "max_docs": (1, None), "iterations": (1, None),
     # DRAGIN: a word hits when (a_i / sum a) * H_i * len(sentence) > theta, a product of non-negative factors
     "dragin.hallucination_threshold": (0.0, None),
+    # ETC: theta against the attention-weighted smoothed second difference of word entropy
+    "etc.hallucination_threshold": (0.0, None),
+    # Self-Ask: generations per question
+    "max_iter": (1, None),
     # TokenRAG: solver(1 - p) over a sentence, a probability
     "token-rag.hallucination_threshold": (0.0, 1.0),
     "theta": (0.0, 1.0), "beta": (0.0, 1.0),

@@ -43,10 +43,12 @@ ETC_THRESHOLD = 1.3  # the published config's hallucination_threshold (its only 
 ETC_TOP_K = 35  # the published config's retrieve_keep_top_k
 
 
-def check_number(cfg, name: str) -> None:
+def check_number(cfg, name: str, minimum: float | None = None) -> None:
     v = getattr(cfg, name)
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise ConfigError(f"{name} must be a finite number, got {v!r}")
+    least = "" if minimum is None else f" >= {minimum:g}"
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or \
+            (minimum is not None and v < minimum):
+        raise ConfigError(f"{name} must be a finite number{least}, got {v!r}")
     setattr(cfg, name, float(v))
 
 
@@ -73,7 +75,8 @@ class EtcConfig(RagConfig):
 
     def __post_init__(self) -> None:
         RagConfig.__post_init__(self)
-        check_number(self, "hallucination_threshold")
+        # (below 0 a word with a flat entropy trend, a_w * M_w = 0, would hit)
+        check_number(self, "hallucination_threshold", 0.0)
         check_int(self, "retrieve_keep_top_k", 1)
         check_bool(self, "thres_abs")
         check_bool(self, "check_real_words")
