@@ -381,6 +381,11 @@ def _print_table(title: str, d: dict) -> None:
     t = Table(title=title)
     t.add_column("metric")
     t.add_column("value", justify="right")
+    env = d.get("environment")
+    if isinstance(env, dict) and "resolved" in env:
+        # (every setting with its default is metrics.json's record, too long for a summary: the table keeps the
+        # settings that were set, environment.settings)
+        d = {**d, "environment": {k: v for k, v in env.items() if k != "resolved"}}
     for k, v in _flat_rows(d):
         t.add_row(k, v)
     Console().print(t)

@@ -58,3 +58,14 @@ def test_num_workers_without_ray_is_refused(tmp_path, capsys):
                  "--output", str(tmp_path / "o")]) == 2
     assert "--num-workers shards the questions over Ray workers: add --ray" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()  # refused before anything ran
+
+
+def test_the_table_leaves_out_the_resolved_settings_but_keeps_the_ones_set(capsys):
+    from fastrag.settings import snapshot
+
+    m = {"f1": 0.5, "environment": {"python": "3.11.7", "settings": {"FASTRAG_SDPA": "math"},
+                                    "resolved": snapshot({"FASTRAG_SDPA": "math"})}}
+    _print_table("fastrag run", m)
+    out = capsys.readouterr().out
+    assert "environment.settings.FASTRAG_SDPA" in out and "environment.resolved" not in out
+    assert "resolved" in m["environment"]  # (the caller's dict, metrics.json's record, is left whole)
