@@ -79,13 +79,13 @@ class DraginConfig:
             self.dataset = canonical_dataset(self.dataset)
         except DataError as e:
             raise ConfigError(f"dataset: {e}") from None
-        _int(self, "generate_max_length", 1)
-        _int(self, "retrieve_keep_top_k", 1)
-        _int(self, "retrieve_topk", 1)
+        check_int(self, "generate_max_length", 1)
+        check_int(self, "retrieve_keep_top_k", 1)
+        check_int(self, "retrieve_topk", 1)
         _fewshot(self)
-        _int(self, "max_query_tokens", 1)
-        _number(self, "hallucination_threshold", 0.0)
-        _bools(self, "check_real_words", "stop_case_insensitive", "qfs_skip_first")
+        check_int(self, "max_query_tokens", 1)
+        check_number(self, "hallucination_threshold", 0.0)
+        check_bools(self, "check_real_words", "stop_case_insensitive", "qfs_skip_first")
         _choice(self, "mode", MODES)
         _choice(self, "fidelity", FIDELITIES)
         if self.fidelity == "published" and self.mode != "reference":
@@ -96,7 +96,7 @@ class DraginConfig:
             raise ConfigError(f"extra must be a dict, got {type(self.extra).__name__}")
 
 
-def _int(cfg, name: str, minimum: int) -> None:
+def check_int(cfg, name: str, minimum: int) -> None:
     v = getattr(cfg, name)
     if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
         raise ConfigError(f"{name} must be an int >= {minimum}, got {v!r}")
@@ -107,7 +107,7 @@ def _finite(v) -> bool:
     return not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
 
 
-def _number(cfg, name: str, minimum: float) -> None:
+def check_number(cfg, name: str, minimum: float) -> None:
     """A finite number >= minimum, stored as a float."""
     v = getattr(cfg, name)
     if not (_finite(v) and v >= minimum):
@@ -123,7 +123,7 @@ def _unit(cfg, name: str) -> None:
     setattr(cfg, name, float(v))
 
 
-def _bools(cfg, *names: str) -> None:
+def check_bools(cfg, *names: str) -> None:
     for name in names:
         if not isinstance(getattr(cfg, name), bool):
             raise ConfigError(f"{name} must be true or false, got {getattr(cfg, name)!r}")
@@ -138,7 +138,7 @@ def _choice(cfg, name: str, choices: tuple[str, ...]) -> None:
 def _fewshot(cfg) -> None:
     """fewshot: an int >= 0 and at most the exemplars `cfg.dataset` has (checked with the config, before a run
     starts, so that the error names the config file)."""
-    _int(cfg, "fewshot", 0)
+    check_int(cfg, "fewshot", 0)
     if getattr(cfg, "fidelity", "reference") == "published":
         n, whose = published_exemplar_count(cfg.dataset), "the published code's"
     else:
@@ -325,11 +325,11 @@ class RagConfig:
             self.dataset = canonical_dataset(self.dataset)
         except DataError as e:
             raise ConfigError(f"dataset: {e}") from None
-        _int(self, "generate_max_length", 1)
+        check_int(self, "generate_max_length", 1)
         _fewshot(self)
-        _int(self, "retrieve_topk", 1)
-        _int(self, "max_query_tokens", 1)
-        _bools(self, "stop_case_insensitive")
+        check_int(self, "retrieve_topk", 1)
+        check_int(self, "max_query_tokens", 1)
+        check_bools(self, "stop_case_insensitive")
         if not isinstance(self.extra, dict):
             raise ConfigError(f"extra must be a dict, got {type(self.extra).__name__}")
 
@@ -346,8 +346,8 @@ class BaselineConfig(RagConfig):
 
     def __post_init__(self) -> None:
         RagConfig.__post_init__(self)
-        _int(self, "fix_length", 1)
-        _bools(self, "flrag_typo")
+        check_int(self, "fix_length", 1)
+        check_bools(self, "flrag_typo")
         _choice(self, "fidelity", FIDELITIES)
 
 
@@ -385,10 +385,10 @@ class FlareConfig(RagConfig):
         RagConfig.__post_init__(self)
         _unit(self, "theta")
         _unit(self, "beta")
-        _int(self, "look_ahead_tokens", 1)
-        _int(self, "question_max_tokens", 1)
-        _int(self, "max_searches", 0)
-        _bools(self, "retrieve_first")
+        check_int(self, "look_ahead_tokens", 1)
+        check_int(self, "question_max_tokens", 1)
+        check_int(self, "max_searches", 0)
+        check_bools(self, "retrieve_first")
         _choice(self, "query_formulation", FLARE_QUERIES)
 
 
@@ -404,7 +404,7 @@ class DraginStreamingConfig(DraginConfig):
 
     def __post_init__(self) -> None:
         DraginConfig.__post_init__(self)
-        _int(self, "stream_chunk_tokens", 1)
+        check_int(self, "stream_chunk_tokens", 1)
         _choice(self, "stream_attention", STREAM_ATTENTION)
         if self.mode != "streaming":
             raise ConfigError(f"mode must be 'streaming' for dragin-streaming, got {self.mode!r}")

@@ -27,7 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
-from fastrag.config import CONFIG_DEFAULTS, ConfigError, RagConfig, method_config, rag_defaults
+from fastrag.config import (CONFIG_DEFAULTS, RagConfig, check_bools, check_int, check_number, method_config,
+                            rag_defaults)
 from fastrag.loop.requests import AttnRows, Parallel, RealWords, Sentences
 from fastrag.methods.common import FewShotMethod, finish_answer, generate, join, rag_prompt, search, truncate_query
 from fastrag.methods.registry import MethodSpec, register
@@ -41,26 +42,6 @@ PLAIN, RAG = 0, 1
 LINE_CHUNK = 16  # tokens decoded between two looks for the line's newline
 ETC_THRESHOLD = 1.3  # the published config's hallucination_threshold (its only released config, IIRC)
 ETC_TOP_K = 35  # the published config's retrieve_keep_top_k
-
-
-def check_number(cfg, name: str, minimum: float | None = None) -> None:
-    v = getattr(cfg, name)
-    least = "" if minimum is None else f" >= {minimum:g}"
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or \
-            (minimum is not None and v < minimum):
-        raise ConfigError(f"{name} must be a finite number{least}, got {v!r}")
-    setattr(cfg, name, float(v))
-
-
-def check_int(cfg, name: str, minimum: int) -> None:
-    v = getattr(cfg, name)
-    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
-        raise ConfigError(f"{name} must be an int >= {minimum}, got {v!r}")
-
-
-def check_bool(cfg, name: str) -> None:
-    if not isinstance(getattr(cfg, name), bool):
-        raise ConfigError(f"{name} must be true or false, got {getattr(cfg, name)!r}")
 
 
 @dataclass(slots=True)
@@ -78,8 +59,7 @@ class EtcConfig(RagConfig):
         # (below 0 a word with a flat entropy trend, a_w * M_w = 0, would hit)
         check_number(self, "hallucination_threshold", 0.0)
         check_int(self, "retrieve_keep_top_k", 1)
-        check_bool(self, "thres_abs")
-        check_bool(self, "check_real_words")
+        check_bools(self, "thres_abs", "check_real_words")
 
 
 def etc_defaults(dataset: str):

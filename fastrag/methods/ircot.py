@@ -13,20 +13,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fastrag.config import CONFIG_DEFAULTS, ConfigError, RagConfig, method_config, rag_defaults
+from fastrag.config import CONFIG_DEFAULTS, RagConfig, check_int, method_config, rag_defaults
 from fastrag.methods.common import FewShotMethod, finish_answer, generate, join, rag_prompt, search, sentences, \
     truncate_query
 from fastrag.methods.registry import MethodSpec, register
 from fastrag.trace import QuestionResult, Round
 
 ANSWER_PHRASE = "answer is"  # the IRCoT paper's termination test (its exemplars end "So the answer is: X.")
-
-
-def check_count(cfg, name: str, minimum: int) -> None:
-    """ConfigError naming `name` unless the field is an int (not a bool, not 3.0) >= minimum."""
-    v = getattr(cfg, name)
-    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
-        raise ConfigError(f"{name} must be an int >= {minimum}, got {v!r}")
 
 
 @dataclass(slots=True)
@@ -44,9 +37,9 @@ class IrcotConfig(RagConfig):
 
     def __post_init__(self) -> None:
         RagConfig.__post_init__(self)
-        check_count(self, "max_steps", 1)
-        check_count(self, "thought_max_tokens", 1)
-        check_count(self, "max_docs", 1)
+        check_int(self, "max_steps", 1)
+        check_int(self, "thought_max_tokens", 1)
+        check_int(self, "max_docs", 1)
 
 
 def says_answer(sentence: str) -> bool:

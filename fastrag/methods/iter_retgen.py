@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fastrag.config import CONFIG_DEFAULTS, RagConfig, method_config, rag_defaults
+from fastrag.config import CONFIG_DEFAULTS, RagConfig, check_int, method_config, rag_defaults
 from fastrag.data.metrics import clean_prediction
 from fastrag.methods.common import FewShotMethod, finish_answer, generate, join, rag_prompt, search, truncate_query
-from fastrag.methods.ircot import check_count, decisions
+from fastrag.methods.ircot import decisions
 from fastrag.methods.registry import MethodSpec, register
 from fastrag.trace import Round
 
@@ -32,7 +32,7 @@ class IterRetGenConfig(RagConfig):
 
     def __post_init__(self) -> None:
         RagConfig.__post_init__(self)
-        check_count(self, "iterations", 1)
+        check_int(self, "iterations", 1)
 
 
 def next_query(question: str, answer: str) -> str:

@@ -21,9 +21,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fastrag.config import CONFIG_DEFAULTS, ConfigError, RagConfig, method_config, rag_defaults
+from fastrag.config import (CONFIG_DEFAULTS, ConfigError, RagConfig, check_bools, check_int, method_config,
+                            rag_defaults)
 from fastrag.methods.common import generate, open_result, search, truncate_query
-from fastrag.methods.etc import check_bool, check_int
 from fastrag.methods.registry import MethodSpec, register
 from fastrag.trace import Round
 
@@ -78,9 +78,7 @@ class SelfAskConfig(RagConfig):
             raise ConfigError(f"fewshot is {self.fewshot} but self-ask has only {len(EXEMPLARS)} exemplars")
         RagConfig.__post_init__(self)
         check_int(self, "max_iter", 1)
-        check_bool(self, "retrieve_first")
-        check_bool(self, "single_hop")
-        check_bool(self, "final_answer_generation")
+        check_bools(self, "retrieve_first", "single_hop", "final_answer_generation")
 
 
 def self_ask_defaults(dataset: str):
