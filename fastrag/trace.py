@@ -20,6 +20,10 @@ class Round:
     # sentence's words as it spells them (raw token strings) and the text kept before that sentence
     sentence_words: list[str] | None = None
     kept: str | None = None
+    # seakr only: the retrieved document the method kept (the one its step was least uncertain with), and the
+    # uncertainty of the step this round judged (its eigen score; None: fewer than two samples had text)
+    chosen_doc: str | None = None
+    uncertainty: float | None = None
 
 
 @dataclass(slots=True)

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from fastrag.config import DRAGIN_DEFAULTS, ConfigError, DraginConfig, dragin_config, load_dragin_config, method_config
+from fastrag.signals.checks import MIN_TEMPERATURE
 
 # the contents of oneal2000/DRAGIN config/Llama2-13b-chat/HotpotQA/DRAGIN.json
 PUBLISHED_HOTPOTQA = {
@@ -195,6 +196,13 @@ RANGES = {
     "max_questions": (1, None), "max_depth": (0, None), "num_docs": (1, None), "score_threshold": (0.0, 1.0),
     "beam_size": (1, None), "answer_max_tokens": (1, None), "ask_max_tokens": (1, None),
     "summary_max_tokens": (1, None), "score_max_tokens": (1, None), "max_doc_chars": (1, None),
+    # SeaKR: samples (two at least: one has no spread), their sampling, the hidden layer, the eigen score's ridge
+    # (> 0: the least accepted value stands for the open bound) and threshold (any finite number: a log-determinant),
+    # the query words' 1 - p bound, steps and documents (max_docs above)
+    "samples": (2, None), "sample_temperature": (MIN_TEMPERATURE, None), "sample_top_k": (0, None),
+    "sample_top_p": (1e-6, 1.0), "seed": (0, None), "step_max_tokens": (1, None), "hidden_layer": (0, None),
+    "eigen_alpha": (1e-12, None), "eigen_threshold": (None, None), "prob_threshold": (0.0, 1.0),
+    "max_reasoning_steps": (1, None),
 }
 
 
@@ -212,6 +220,7 @@ def _numeric_fields():
 
 
 def _range(method: str, name: str):
+    """(least, most) of a field; None where RANGES has none (None, None: any finite number)."""
     family = "dragin" if method.startswith("dragin") else method
     return RANGES.get(f"{family}.{name}", RANGES.get(name))
 
@@ -231,7 +240,7 @@ def test_a_value_out_of_a_numeric_field_s_range_is_an_error_naming_file_and_fiel
     lo, hi = _range(method, name)
     spec = get_method(method)
     is_float = kind in ("float", float)
-    bad = [lo - (0.5 if is_float else 1)] + ([hi + 0.5] if hi is not None else [])
+    bad = ([lo - (0.5 if is_float else 1)] if lo is not None else []) + ([hi + 0.5] if hi is not None else [])
     if is_float:
         bad += [float("nan"), float("inf")]
     for v in bad:
@@ -240,7 +249,7 @@ def test_a_value_out_of_a_numeric_field_s_range_is_an_error_naming_file_and_fiel
         with pytest.raises(ValueError, match=rf"c\.json: {name} must be .*got {v!r}") as e:
             spec.make_config("hotpotqa", str(path))
         assert "Traceback" not in str(e.value)
-    for v in ([lo] if hi is None else [lo, hi]):
+    for v in ([-1e6, 0.0, 1e6] if lo is None and hi is None else [lo] if hi is None else [lo, hi]):
         if name == "fewshot":
             continue  # (its most is the dataset's exemplar count: test_fewshot_zero_and_every_exemplar_...)
         path = tmp_path / "c.json"

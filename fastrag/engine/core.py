@@ -216,7 +216,8 @@ class Engine:
         self.registry.drop(p)
 
     def start(self, s: SeqState, prompt_ids: list[int], max_new_tokens: int, track_from: int | None = None,
-              sample_key: int | None = None) -> None:
+              sample_key: int | None = None, sampling: SamplingParams | None = None,
+              stop_ids: frozenset | None = None, hidden_layer: int | None = None) -> None:
         """Queue a generation of up to max_new_tokens after prompt_ids on sequence s (reusing its cache).
 
         sample_key (sampling only): the generation's key; token t is drawn with sampling_key(seed, sample_key, t),
@@ -230,6 +231,13 @@ class Engine:
         kernel reuses; the running maximum carries over when a later start continues the same span (same
         track_from) on the same sequence, e.g. a generation resumed in chunks. A new span start begins from zero:
         span tokens already in the sequence's cache keep it, and only queries fed from this start on count.
+
+        sampling: this generation's own sampling (None: the engine's): a step's rows of different settings are
+        drawn by one signals call per setting, so greedy and sampled generations share a batch.
+        stop_ids: token ids that end the generation when sampled (kept in its ids, unlike an EOS): a step's stop
+        without decoding past it.
+        hidden_layer: keep the residual stream after this layer (0-based) at the prompt's last token
+        (Generation.hidden); the prefill of such a generation runs eagerly on the unfused paths.
         """
         if not prompt_ids:
             raise ValueError("empty prompt")
@@ -242,6 +250,18 @@ class Engine:
             sample_key = check_seed(sample_key, "sample_key")
         if id(s) not in self.live:
             raise ValueError("the sequence was released (or not made by this engine's new_sequence)")
+        if sampling is not None and not isinstance(sampling, SamplingParams):
+            raise TypeError(f"sampling must be a SamplingParams or None, got {type(sampling).__name__}")
+        if hidden_layer is not None:
+            layer = as_int(hidden_layer)
+            if layer is None or not 0 <= layer < self.model.c.num_layers:
+                raise ValueError(f"hidden_layer must be a layer index in [0, {self.model.c.num_layers}), got "
+                                 f"{hidden_layer!r}")
+            hidden_layer = layer
+        if stop_ids is not None:
+            stop_ids = frozenset(stop_ids)
+            if stop_ids:
+                check_token_ids(sorted(stop_ids), self.model.c.vocab_size, "stop_ids")
         if any(x is s for x in self.waiting) or any(x is s for x in self.running):
             raise ValueError("the sequence has a generation queued or running; start it again once that one "
                              "finished (or release it)")
@@ -257,7 +277,8 @@ class Engine:
         # the prefix, the room check, the own cache kept and the content keys (PrefixRegistry.attach)
         self.registry.attach(s, prompt_ids, max_new_tokens, track_from, self._pinned_blocks(), self.prefix_caching)
         base = s.base
-        if self.sampling.temperature > 0:
+        s.sampling, s.stop_ids, s.hidden_layer = sampling, stop_ids or None, hidden_layer
+        if (sampling or self.sampling).temperature > 0:
             s.sample_key = sample_key if sample_key is not None else \
                 int(torch.randint(0, 2**62, (1,), generator=self.gen))
         s.out = Generation(ids=[], entropy=[], logprob=[], prompt_tokens=len(prompt_ids),

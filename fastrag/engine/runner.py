@@ -18,7 +18,7 @@ from fastrag.engine.sizing import (CUDA_GRAPHS_ENV, PASS_GRAPH_SEQS, PASS_GRAPH_
                                    PREFILL_GRAPH_SEQS, PREFILL_GRAPHS_ENV, prefill_graph_tokens, sampling_key)
 from fastrag.model.llama import AttnBatch, LlamaModel, PrefixGroup
 from fastrag.settings import setting
-from fastrag.transfer import to_device
+from fastrag.transfer import tensor_on, to_device
 
 
 class ModelRunner:
@@ -105,7 +105,9 @@ class ModelRunner:
         T = max(len(ids) for _, ids in items)
         for s, ids in items:
             s.table.reserve(len(ids))
-        logits = self.prefill_graphed(items) if self.prefill_graphs is not None and not decode else None
+        keep = [b for b, (s, _) in enumerate(items) if s.hidden_layer is not None and not decode]
+        graphed = self.prefill_graphs is not None and not decode and not keep
+        logits = self.prefill_graphed(items) if graphed else None
         if logits is not None:
             self.prefilled(items, decode)
             return logits if want_logits else logits[:0]
@@ -133,8 +135,16 @@ class ModelRunner:
         tracked = [b for b, (s, _) in enumerate(items) if s.amax is not None and s.computed >= s.track_from]
         if decode and tracked:
             batch.last_layer = {}  # the model leaves the last layer's queries and row log-sum-exp here
+        if keep:  # (one layer a forward: generations that ask for different layers are not batched together)
+            layers = {items[b][0].hidden_layer for b in keep}
+            if len(layers) > 1:
+                raise ValueError(f"one prefill asks for the hidden states of layers {sorted(layers)}")
+            batch.hidden_layer = layers.pop()
+            want_logits = True
         logits = self.model(self.h2d(ids_t), batch, self.pool.k, self.pool.v,
                             logits_index=self.h2d(last if want_logits else last[:0]))
+        for b in keep:
+            items[b][0].out.hidden = batch.hidden[b]
         if decode and tracked:
             self.track(items, tracked, batch)
         self.prefilled(items, decode)
@@ -334,7 +344,29 @@ class ModelRunner:
         # Greedy, temperature and top-p sampling all happen inside the fused decode-signals kernel (argmax, or a
         # Gumbel-max draw over the nucleus keyed per token); entropy and logprob are those of the distribution
         # the token is drawn from (docs/architecture.md, "Signals").
-        sp = self.sampling
+        own = [i for i, s in enumerate(seqs) if s.sampling is not None]
+        if not own:
+            dev = self.draw(seqs, logits, self.sampling)
+        else:  # rows of generations with their own sampling: one signals call per setting, rows put back in order
+            parts: dict[tuple, list[int]] = {}
+            for i, s in enumerate(seqs):
+                sp = s.sampling or self.sampling
+                parts.setdefault((sp.temperature, sp.top_p, sp.top_k, sp.seed), []).append(i)
+            dev = torch.empty(3, len(seqs), dtype=torch.float64, device=logits.device)
+            for rows in parts.values():
+                sp = seqs[rows[0]].sampling or self.sampling
+                idx = tensor_on(rows, logits.device)
+                dev.index_copy_(1, idx, self.draw([seqs[i] for i in rows], logits.index_select(0, idx), sp))
+        if dev.device.type != "cuda":
+            return dev, None
+        host = self.d2h(dev)
+        ev = torch.cuda.Event(enable_timing=True)  # (timing: it also ends the phase's DeviceClock interval)
+        ev.record()
+        return host, ev
+
+    def draw(self, seqs: list[SeqState], logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
+        """[3, B] float64 on the logits' device: the token drawn from each row with `sp`, its distribution's
+        entropy and its log-probability."""
         keys = None
         if sp.temperature > 0:  # per-row keys of the in-kernel sampler: (seed, generation key, token index)
             keys = torch.tensor([sampling_key(sp.seed, s.sample_key, len(s.out.ids)) & 0xFFFFFFFF for s in seqs],
@@ -342,13 +374,7 @@ class ModelRunner:
             keys = self.h2d(keys) if logits.device == self.device else keys.to(logits.device)
         sig = self.signals.decode_signals(logits, temperature=sp.temperature, rng_keys=keys, top_p=sp.top_p,
                                           top_k=sp.top_k)
-        dev = torch.stack([sig.chosen.double(), sig.entropy.double(), sig.logprob.double()])
-        if dev.device.type != "cuda":
-            return dev, None
-        host = self.d2h(dev)
-        ev = torch.cuda.Event(enable_timing=True)  # (timing: it also ends the phase's DeviceClock interval)
-        ev.record()
-        return host, ev
+        return torch.stack([sig.chosen.double(), sig.entropy.double(), sig.logprob.double()])
 
     def sample_finish(self, seqs: list[SeqState], sampled) -> list[bool]:
         host, ev = sampled
@@ -373,7 +399,7 @@ class ModelRunner:
             s.tokens.append(t)
             if s.on_token is not None:
                 s.on_token(t)
-            done.append(len(s.out.ids) >= s.max_new)
+            done.append(len(s.out.ids) >= s.max_new or (s.stop_ids is not None and t in s.stop_ids))
         return done
 
     def attn_out(self, seqs: list[SeqState]) -> None:

@@ -63,6 +63,9 @@ class Generation:
     # set when the generation could not go on: the model's next-token distribution was NaN (non-finite logits from
     # broken weights or a dtype overflow); ids hold the tokens before it, and the caller fails its question
     error: str | None = None
+    # with Engine.start(hidden_layer=L): the residual stream after layer L at the prompt's last token (the input of
+    # the first sampled token's logits), [hidden] on the engine's device (fastrag.methods.seakr's eigen score)
+    hidden: torch.Tensor | None = None
 
 
 @dataclass(eq=False)  # identity semantics: the scheduler looks sequences up in lists
@@ -80,6 +83,11 @@ class SeqState:
     track_from: int | None = None
     amax: torch.Tensor | None = None
     sample_key: int = 0  # sampling: the key of the current generation (token t draws with sampling_key(.., t))
+    # the current generation's own sampling (None: the engine's), its stop tokens (a sampled token of this set is
+    # kept and ends the generation) and the layer whose hidden state its prefill keeps (Generation.hidden)
+    sampling: SamplingParams | None = None
+    stop_ids: frozenset | None = None
+    hidden_layer: int | None = None
     # prefix cache: content keys of the full blocks of the prompt's own tokens (kv.chain_keys), and how many of
     # them a lookup may adopt (a generation prefills at least one token; tracked tokens are fed by decode steps)
     keys: list = field(default_factory=list)

@@ -146,14 +146,14 @@ class QuestionPlumbing:
             ids = self.engine.tok.encode(req.prompt)
             track_from = len(ids) if req.track_attn else None
             ids += list(req.suffix_ids)
-            sp = self.engine.sampling
+            sp = req.sampling or self.engine.sampling
             greedy = sp is None or sp.temperature <= 0
             key = None
-            if req.branch is None and greedy and not req.track_attn:
+            if req.branch is None and greedy and not req.track_attn and req.hidden_layer is None:
                 # greedy decoding is a function of the prompt: a one-shot generation identical to one this question
                 # already made (BeamSearchQA summarising the same documents for two sub-questions) is answered from
                 # it, nothing prefilled or decoded
-                key = (tuple(ids), req.max_new_tokens)
+                key = (tuple(ids), req.max_new_tokens, req.stop_ids)
                 known = lv.memo.get(key)
                 if known is not None:
                     lv.generations += 1
@@ -178,8 +178,13 @@ class QuestionPlumbing:
             kw = {} if track_from is None else {"track_from": track_from}
             if not greedy:
                 # the generation's sampling key names the question and its call number, so a seeded run draws
-                # the same tokens whatever shares the batch and whenever retrieval returns
-                kw["sample_key"] = sampling_key(stable_id(lv.example), lv.generations)
+                # the same tokens whatever shares the batch and whenever retrieval returns (a policy may name
+                # the key itself: req.sample_key)
+                kw["sample_key"] = req.sample_key if req.sample_key is not None else \
+                    sampling_key(stable_id(lv.example), lv.generations)
+            for name in ("sampling", "stop_ids", "hidden_layer"):  # (passed only when set: scripted engines)
+                if getattr(req, name) is not None:
+                    kw[name] = getattr(req, name)
             self.engine.start(seq, ids, req.max_new_tokens, **kw)
             seq.on_token = self._token_hook(lv, req.branch) if lv.on_event is not None else None
             self._emit(lv, "generate", {"prompt_tokens": len(ids), "branch": req.branch})

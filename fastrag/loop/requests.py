@@ -26,6 +26,14 @@ class Generate:
     # track the in-context attention each token receives from the suffix on (Generation.attn covers suffix_ids
     # and the new tokens): DRAGIN streaming's a_i from the decode pass itself
     track_attn: bool = False
+    # this generation's own sampling (fastrag.engine.SamplingParams; None: the engine's), and with it its sampling
+    # key (None: derived from the question and its call number)
+    sampling: object = None
+    sample_key: int | None = None
+    # token ids that end the generation when sampled (kept in its ids): a step's end without decoding past it
+    stop_ids: frozenset | None = None
+    # keep the residual stream after this layer at the prompt's last token (Generation.hidden)
+    hidden_layer: int | None = None
 
 
 @dataclass(slots=True)

@@ -10,3 +10,4 @@ from fastrag.methods import ircot as _ircot  # noqa: F401,E402
 from fastrag.methods import iter_retgen as _iter_retgen  # noqa: F401,E402
 from fastrag.methods import etc as _etc  # noqa: F401,E402
 from fastrag.methods import self_ask as _self_ask  # noqa: F401,E402
+from fastrag.methods import seakr as _seakr  # noqa: F401,E402

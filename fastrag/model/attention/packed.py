@@ -31,12 +31,13 @@ def forward_packed(model, ids, batch: AttnBatch, k_pool, v_pool, logits_index=No
     N = flat.numel()
     x = model.embed(ids.reshape(-1)[flat]).unsqueeze(0)  # [1, N, hidden]
     cos, sin = model.rope(batch.positions.reshape(-1)[flat].unsqueeze(0))
+    keep = batch.hidden_layer is not None  # (a layer's hidden state kept: the loop below, unfused)
     paged = paged_layout(model, batch, lens, ids.device) \
-        if model.uses_paged_prefill(ids.device, model.embed.weight.dtype) else None
+        if not keep and model.uses_paged_prefill(ids.device, model.embed.weight.dtype) else None
     if paged is None:
         buckets = attention_buckets(model, batch, lens)
         singles = all(idx[1] == 1 for idx, _, _ in buckets)
-    fd = model.backends.fused_decode if model.uses_fused_prefill(ids.device) else None
+    fd = model.backends.fused_decode if not keep and model.uses_fused_prefill(ids.device) else None
     if fd is not None and paged is not None:  # per layer one attention launch over the tokens' keys in place
         x = paged_fused_layers(model, x[0], cos[0], sin[0], batch.write_slots, k_pool, v_pool, paged)
         rows = torch.arange(N, device=x.device) if logits_index is None else torch.searchsorted(flat, logits_index)
@@ -79,6 +80,8 @@ def forward_packed(model, ids, batch: AttnBatch, k_pool, v_pool, logits_index=No
             continue
         x = x + layer.o(o.transpose(1, 2).reshape(1, N, -1))
         x = layer.mlp(x)
+        if li == batch.hidden_layer:
+            batch.hidden = x
     if fd is not None:
         x = x + delta
     x = x.reshape(N, -1)
@@ -86,6 +89,8 @@ def forward_packed(model, ids, batch: AttnBatch, k_pool, v_pool, logits_index=No
         rows = torch.arange(N, device=x.device)
     else:  # flat [B*T] indices -> packed rows
         rows = torch.searchsorted(flat, logits_index)
+    if keep:
+        batch.hidden = batch.hidden.reshape(N, -1)[rows]
     return model.lm_head(model.norm(x[rows])).float()
 
 
