@@ -102,7 +102,7 @@ def check_int(cfg, name: str, minimum: int) -> None:
         raise ConfigError(f"{name} must be an int >= {minimum}, got {v!r}")
 
 
-def _finite(v) -> bool:
+def is_finite_number(v) -> bool:
     """A finite JSON number: an int or a float, not true/false."""
     return not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
 
@@ -110,15 +110,15 @@ def _finite(v) -> bool:
 def check_number(cfg, name: str, minimum: float) -> None:
     """A finite number >= minimum, stored as a float."""
     v = getattr(cfg, name)
-    if not (_finite(v) and v >= minimum):
+    if not (is_finite_number(v) and v >= minimum):
         raise ConfigError(f"{name} must be a finite number >= {minimum:g}, got {v!r}")
     setattr(cfg, name, float(v))
 
 
-def _unit(cfg, name: str) -> None:
+def check_unit(cfg, name: str) -> None:
     """A number in [0, 1], stored as a float."""
     v = getattr(cfg, name)
-    if not (_finite(v) and 0.0 <= v <= 1.0):
+    if not (is_finite_number(v) and 0.0 <= v <= 1.0):
         raise ConfigError(f"{name} must be a number in [0, 1], got {v!r}")
     setattr(cfg, name, float(v))
 
@@ -361,7 +361,7 @@ class TokenRagConfig(RagConfig):
 
     def __post_init__(self) -> None:
         RagConfig.__post_init__(self)
-        _unit(self, "hallucination_threshold")
+        check_unit(self, "hallucination_threshold")
         _choice(self, "sentence_solver", SENTENCE_SOLVERS)
         _choice(self, "fidelity", FIDELITIES)
         q = self.extra.get("query_formulation", "direct")
@@ -383,8 +383,8 @@ class FlareConfig(RagConfig):
 
     def __post_init__(self) -> None:
         RagConfig.__post_init__(self)
-        _unit(self, "theta")
-        _unit(self, "beta")
+        check_unit(self, "theta")
+        check_unit(self, "beta")
         check_int(self, "look_ahead_tokens", 1)
         check_int(self, "question_max_tokens", 1)
         check_int(self, "max_searches", 0)

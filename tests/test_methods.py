@@ -71,10 +71,19 @@ class ScriptEngine(SyncEngineBase):
     def release(self, s):
         pass
 
-    def start(self, s, ids, n, track_from=None):
+    def start(self, s, ids, n, track_from=None, stop_ids=None, hidden_layer=None, **sampling):
         prompt = self.tok.decode(ids)
         self.prompts.append((prompt, n))
+        if hidden_layer is not None:  # a hidden-state feed (seakr): no text, a vector of the last tokens' ids
+            s.tokens = list(ids)
+            s.out = Generation(ids=[], entropy=[], logprob=[], prompt_tokens=len(ids), prefilled=1,
+                               hidden=torch.tensor([float(t) for t in ids[-4:]]))
+            self._q.append(s)
+            return
         gen, p, h, eos = scripted(self.tok, self.world(prompt), n)
+        if stop_ids:  # (a stop token is kept and ends the generation)
+            cut = next((i + 1 for i, t in enumerate(gen) if t in stop_ids), len(gen))
+            gen, p, h, eos = gen[:cut], p[:cut], h[:cut], eos and cut == len(gen)
         lcp = 0
         while lcp < min(len(s.tokens), len(ids) - 1) and s.tokens[lcp] == ids[lcp]:
             lcp += 1
@@ -886,7 +895,7 @@ def test_dragin_stops_past_l_tokens_not_at_l(tok):
 
 
 EVERY_METHOD = ("beamsearchqa", "dragin", "dragin-published", "dragin-streaming", "etc", "fl-rag", "flare", "flare-explicit",
-                "flare-instruct", "fs-rag", "ircot", "iter-retgen", "self-ask", "sr-rag", "token-rag", "wo-rag")
+                "flare-instruct", "fs-rag", "ircot", "iter-retgen", "seakr", "self-ask", "sr-rag", "token-rag", "wo-rag")
 OWN_PROMPTS = ("beamsearchqa", "self-ask")  # methods whose prompts are not the datasets' few-shot demos
 
 

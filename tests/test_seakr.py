@@ -4,10 +4,8 @@ policy against its per-question oracle with the real model."""
 
 from __future__ import annotations
 
-import json
 import math
 import random
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,6 +16,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent / "fuzz"))
 
 import engine_fuzz as F  # noqa: E402
+from test_etc_self_ask import _parity  # noqa: E402  (the real-model parity run of the new methods)
 
 from fastrag.config import ConfigError  # noqa: E402
 from fastrag.engine import Engine, SamplingParams  # noqa: E402
@@ -25,7 +24,6 @@ from fastrag.eval import BUNDLED  # noqa: E402
 from fastrag.methods.registry import make_config  # noqa: E402
 from fastrag.methods.seakr import answer_of, eigen_score  # noqa: E402
 
-CORPUS = BUNDLED / "wiki_passages.jsonl"
 OWN = Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "questions_outside_shared.jsonl"
 EOS = 95
 
@@ -187,25 +185,11 @@ def test_defaults_are_the_published_ones():
 # ---------------------------------------------------------------------------------------------- real model
 
 
-def _parity(tmp_path, config, data, dataset, limit):
-    cfg = tmp_path / "m.json"
-    cfg.write_text(json.dumps(config))
-    out = tmp_path / "p"
-    p = subprocess.run([sys.executable, "-m", "fastrag", "parity", "--method", "seakr", "--dataset", dataset,
-                        "--data", str(data), "--corpus", str(CORPUS), "--config", str(cfg), "--limit", str(limit),
-                        "--batch-size", str(limit), "--kv-cache-gb", "0.5", "--output", str(out), "--no-progress"],
-                       capture_output=True, text=True, timeout=1800)
-    assert p.returncode == 0, p.stderr[-3000:]
-    rep = json.loads((out / "parity.json").read_text())
-    assert rep["n_errored"] == 0 and rep["agreement"] == 1.0, rep
-    return [json.loads(x) for x in (out / "engine" / "results.jsonl").read_text().splitlines()]
-
-
 def test_seakr_parity_with_the_real_model(tmp_path):
     """One of the project's own questions with every step judged uncertain (threshold far below any score): the
     retrieval path runs, each new document is judged by its step's samples, and engine and oracle agree on the
     steps, queries, documents, the document kept and the answer."""
-    recs = _parity(tmp_path, {"samples": 2, "step_max_tokens": 12, "max_reasoning_steps": 1, "fewshot": 2,
+    recs = _parity(tmp_path, "seakr", {"samples": 2, "step_max_tokens": 12, "max_reasoning_steps": 1, "fewshot": 2,
                               "eigen_threshold": -1e6}, OWN, "hotpotqa", 1)
     rounds = [r for r in recs[0]["rounds"] if r["query"] is not None]
     assert rounds and all(r["chosen_doc"] in r["doc_ids"] for r in rounds)
@@ -214,4 +198,4 @@ def test_seakr_parity_with_the_real_model(tmp_path):
 
 @pytest.mark.slow
 def test_seakr_parity_on_hotpotqa(tmp_path):
-    _parity(tmp_path, {"samples": 4, "step_max_tokens": 32}, BUNDLED / "hotpotqa_dev20.jsonl", "hotpotqa", 2)
+    _parity(tmp_path, "seakr", {"samples": 4, "step_max_tokens": 32}, BUNDLED / "hotpotqa_dev20.jsonl", "hotpotqa", 2)

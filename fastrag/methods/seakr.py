@@ -37,8 +37,8 @@ from dataclasses import dataclass
 
 import torch
 
-from fastrag.config import (CONFIG_DEFAULTS, ConfigError, RagConfig, _finite, _unit, check_int, check_number,
-                            method_config, rag_defaults)
+from fastrag.config import (CONFIG_DEFAULTS, ConfigError, RagConfig, check_int, check_number, check_unit,
+                            is_finite_number, method_config, rag_defaults)
 from fastrag.engine import SamplingParams, sampling_key
 from fastrag.loop.questions import stable_id
 from fastrag.loop.requests import Generate, Parallel
@@ -85,7 +85,7 @@ class SeakrConfig(RagConfig):
         if self.sample_temperature < MIN_TEMPERATURE:  # (the samples' spread is the signal)
             raise ConfigError(f"sample_temperature must be >= {MIN_TEMPERATURE:g}, got {self.sample_temperature!r}")
         check_int(self, "sample_top_k", 0)
-        if not (_finite(self.sample_top_p) and 0 < self.sample_top_p <= 1):
+        if not (is_finite_number(self.sample_top_p) and 0 < self.sample_top_p <= 1):
             raise ConfigError(f"sample_top_p must be a number in (0, 1], got {self.sample_top_p!r}")
         check_int(self, "seed", 0)
         check_int(self, "step_max_tokens", 1)
@@ -93,10 +93,10 @@ class SeakrConfig(RagConfig):
         check_number(self, "eigen_alpha", 0.0)
         if self.eigen_alpha == 0:  # (Z J Z^T is singular when the samples repeat or outnumber the features)
             raise ConfigError("eigen_alpha must be > 0, got 0")
-        if not _finite(self.eigen_threshold):
+        if not is_finite_number(self.eigen_threshold):
             raise ConfigError(f"eigen_threshold must be a finite number, got {self.eigen_threshold!r}")
         self.eigen_threshold = float(self.eigen_threshold)
-        _unit(self, "prob_threshold")
+        check_unit(self, "prob_threshold")
         check_int(self, "max_reasoning_steps", 1)
         check_int(self, "max_docs", 1)
 
