@@ -199,3 +199,39 @@ def test_seakr_parity_with_the_real_model(tmp_path):
 @pytest.mark.slow
 def test_seakr_parity_on_hotpotqa(tmp_path):
     _parity(tmp_path, "seakr", {"samples": 4, "step_max_tokens": 32}, BUNDLED / "hotpotqa_dev20.jsonl", "hotpotqa", 2)
+
+
+def test_query_keeps_the_sure_content_words_of_the_dropped_step():
+    """Sure: in the question, in the previous step, or 1 - p <= prob_threshold over the word's tokens; then only
+    content words (the RealWords answer, sent here by hand) not in the published stop list; no sure word: the
+    question's content words."""
+    from fastrag.loop.requests import RealWords
+    from fastrag.methods.seakr import Seakr, Step
+    from fastrag.model.loading import load_tokenizer
+
+    tok = load_tokenizer("smollm2")
+    policy = Seakr(make_config("seakr", "hotpotqa"), tok)
+    ids = tok.encode(" Paris is the capital of France, so the answer is Lyon.", add_special_tokens=False)
+    words = [tok.decode(ids[: i + 1]) for i in range(len(ids))]
+    unsure = {i for i, w in enumerate(words) if w.endswith("capital") or w.endswith("Lyon")}
+    lp = [math.log(0.5) if i in unsure else math.log(0.97) for i in range(len(ids))]
+    step = Step("Paris is the capital of France, so the answer is Lyon.", ids, lp, 9.0)
+
+    def drive(gen, answers):
+        req = next(gen)
+        asked = []
+        try:
+            while True:
+                assert isinstance(req, RealWords)
+                asked.append(req.text)
+                req = gen.send(answers(req.text))
+        except StopIteration as e:
+            return e.value, asked
+
+    q, asked = drive(policy.query("Where was Lyon founded?", step, ""),
+                     lambda text: {"Paris", "capital", "France", "answer", "Lyon", "founded"})
+    # Lyon: unsure but in the question; capital: unsure; is/the/of/so: not content; answer: the stop list
+    assert asked == ["Paris is the of France so the answer is Lyon"] and q == "Paris France Lyon"
+    none_sure = Step(step.text, ids, [math.log(0.5)] * len(ids), 9.0)
+    q, asked = drive(policy.query("Who built it?", none_sure, ""), lambda text: {"built"} if "built" in text else set())
+    assert asked == ["Who built it?"] and q == "built"
