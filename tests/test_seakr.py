@@ -235,3 +235,33 @@ def test_query_keeps_the_sure_content_words_of_the_dropped_step():
     none_sure = Step(step.text, ids, [math.log(0.5)] * len(ids), 9.0)
     q, asked = drive(policy.query("Who built it?", none_sure, ""), lambda text: {"built"} if "built" in text else set())
     assert asked == ["Who built it?"] and q == "built"
+
+
+def test_one_prefill_keeps_the_layers_its_generations_ask_for():
+    """Generations of different hidden layers prefilled together (two methods in one run) each get their own."""
+    rng = random.Random(9)
+    prompts = [_prompt(rng, n) for n in (4, 7)]
+    outs = _run(_engine(), [(prompts[0], 1, {"hidden_layer": 0}), (prompts[1], 1, {"hidden_layer": 1})])
+    for p, o, layer in zip(prompts, outs, (0, 1)):
+        torch.testing.assert_close(o.hidden, _hf_hidden(p, layer), atol=1e-4, rtol=1e-4)
+
+
+def test_hidden_layer_through_the_packed_forward_of_sequences_of_two_prefixes(monkeypatch):
+    """Sequences behind different shared prefixes prefilled together take the packed forward; it keeps the layer
+    too."""
+    import fastrag.model.attention.packed as packed
+
+    calls = []
+    real = packed.forward_packed
+    monkeypatch.setattr(packed, "forward_packed", lambda *a, **k: calls.append(1) or real(*a, **k))
+    rng = random.Random(11)
+    e = _engine(mix_prefill=True)  # (sequences of different prefixes in one prefill)
+    heads = [_prompt(rng, 8), _prompt(rng, 8)]
+    prompts = []
+    for h in heads:
+        assert e.set_prefix(" ".join(map(str, h))) is not None
+        prompts.append(h + _prompt(rng, 3 + len(prompts) * 4))
+    outs = _run(e, [(p, 1, {"hidden_layer": 0}) for p in prompts])
+    assert calls, "the prefill did not take the packed forward"
+    for p, o in zip(prompts, outs):
+        torch.testing.assert_close(o.hidden, _hf_hidden(p, 0), atol=1e-4, rtol=1e-4)

@@ -135,16 +135,13 @@ class ModelRunner:
         tracked = [b for b, (s, _) in enumerate(items) if s.amax is not None and s.computed >= s.track_from]
         if decode and tracked:
             batch.last_layer = {}  # the model leaves the last layer's queries and row log-sum-exp here
-        if keep:  # (one layer a forward: generations that ask for different layers are not batched together)
-            layers = {items[b][0].hidden_layer for b in keep}
-            if len(layers) > 1:
-                raise ValueError(f"one prefill asks for the hidden states of layers {sorted(layers)}")
-            batch.hidden_layer = layers.pop()
+        if keep:
+            batch.hidden_layer = frozenset(items[b][0].hidden_layer for b in keep)
             want_logits = True
         logits = self.model(self.h2d(ids_t), batch, self.pool.k, self.pool.v,
                             logits_index=self.h2d(last if want_logits else last[:0]))
         for b in keep:
-            items[b][0].out.hidden = batch.hidden[b]
+            items[b][0].out.hidden = batch.hidden[items[b][0].hidden_layer][b]
         if decode and tracked:
             self.track(items, tracked, batch)
         self.prefilled(items, decode)

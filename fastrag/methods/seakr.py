@@ -163,6 +163,8 @@ def strip_word(w: str) -> str:
 
 @dataclass(slots=True)
 class Step:
+    """One evaluated step: the greedy step and the uncertainty of its prompt."""
+
     text: str  # the greedy step, stripped
     ids: list[int]
     logprob: list[float]
@@ -187,8 +189,6 @@ class Seakr(FewShotMethod):
         cfg = self.cfg
         res, case = self.open(ex)
         qkey = stable_id(ex)
-        evals = [0]  # evaluations so far: each names its samples' keys
-
         steps: list[str] = []
         docs: list = []
         searched: set[str] = set()

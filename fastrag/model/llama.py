@@ -299,7 +299,9 @@ class LlamaModel(nn.Module):
             with sdpa_scope():
                 return self.forward(ids, batch, k_pool, v_pool, logits_index)
         mixed = batch.prefix_groups is not None and not (T == 1 and self.mixes_prefixes)
-        keep = batch.hidden_layer is not None  # (a layer's hidden state kept: the unfused loops below)
+        keep = batch.hidden_layer is not None  # (layers' hidden states kept: the unfused loops below)
+        if keep:
+            batch.hidden = {}
         # a prefill with the fused small operations runs packed: its rows are the real tokens, each written to
         # its own slot by the fused rotary + KV-write kernel (a padded row has no slot)
         if mixed or (T > 1 and not keep and ((B > 1 and self._real_tokens(batch) < self.pack_below * B * T)
@@ -326,13 +328,13 @@ class LlamaModel(nn.Module):
                 o = attend(self, q, batch, k_pool[li], v_pool[li], mask_ctx)
             x = x + layer.o(o.transpose(1, 2).reshape(B, T, -1))
             x = layer.mlp(x)
-            if li == batch.hidden_layer:
-                batch.hidden = x
+            if keep and li in batch.hidden_layer:
+                batch.hidden[li] = x
         x = x.reshape(B * T, -1)
         if logits_index is None:
             logits_index = batch.valid.reshape(-1).nonzero().squeeze(-1)
         if keep:
-            batch.hidden = batch.hidden.reshape(B * T, -1)[logits_index]
+            batch.hidden = {li: h.reshape(B * T, -1)[logits_index] for li, h in batch.hidden.items()}
         return self.lm_head(self.norm(x[logits_index])).float()
 
     @staticmethod

@@ -38,10 +38,10 @@ class AttnBatch:
                             so that writing the KV needs no boolean indexing (a host synchronisation per layer)
     ctx_lens_host:          optional host list of ctx_lens (what the paged prefill kernel's layout reads without a
                             copy back from the device)
-    hidden_layer:           keep the residual stream after this layer (0-based) at the rows whose logits are wanted,
-                            in `hidden` [M, hidden] (a hidden-state uncertainty signal, fastrag.methods.seakr); such
-                            a forward takes the unfused paths (dense, or packed without the fused small operations),
-                            whose layer loop is written out. None: not wanted.
+    hidden_layer:           keep the residual stream after these layers (0-based) at the rows whose logits are
+                            wanted, in `hidden` {layer: [M, hidden]} (a hidden-state uncertainty signal,
+                            fastrag.methods.seakr); such a forward takes the unfused paths (dense, or packed without
+                            the fused small operations), whose layer loop is written out. None: not wanted.
     """
 
     write_slots: torch.Tensor
@@ -58,8 +58,8 @@ class AttnBatch:
     lens: list[int] | None = None
     valid_index: torch.Tensor | None = None
     ctx_lens_host: list[int] | None = None
-    hidden_layer: int | None = None
-    hidden: torch.Tensor | None = None
+    hidden_layer: frozenset | None = None
+    hidden: dict | None = None
     prefix_rows: torch.Tensor | None = None  # decode: [B] int32 each row's prefix group (-1: none), set by the
     # forward for the flash prefix kernel (attention/fused_decode.py flash_prefix_rows); None: that kernel is unused
 

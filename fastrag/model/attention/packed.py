@@ -31,7 +31,9 @@ def forward_packed(model, ids, batch: AttnBatch, k_pool, v_pool, logits_index=No
     N = flat.numel()
     x = model.embed(ids.reshape(-1)[flat]).unsqueeze(0)  # [1, N, hidden]
     cos, sin = model.rope(batch.positions.reshape(-1)[flat].unsqueeze(0))
-    keep = batch.hidden_layer is not None  # (a layer's hidden state kept: the loop below, unfused)
+    keep = batch.hidden_layer is not None  # (layers' hidden states kept: the loop below, unfused)
+    if keep:
+        batch.hidden = {}
     paged = paged_layout(model, batch, lens, ids.device) \
         if not keep and model.uses_paged_prefill(ids.device, model.embed.weight.dtype) else None
     if paged is None:
@@ -80,8 +82,8 @@ def forward_packed(model, ids, batch: AttnBatch, k_pool, v_pool, logits_index=No
             continue
         x = x + layer.o(o.transpose(1, 2).reshape(1, N, -1))
         x = layer.mlp(x)
-        if li == batch.hidden_layer:
-            batch.hidden = x
+        if keep and li in batch.hidden_layer:
+            batch.hidden[li] = x
     if fd is not None:
         x = x + delta
     x = x.reshape(N, -1)
@@ -90,7 +92,7 @@ def forward_packed(model, ids, batch: AttnBatch, k_pool, v_pool, logits_index=No
     else:  # flat [B*T] indices -> packed rows
         rows = torch.searchsorted(flat, logits_index)
     if keep:
-        batch.hidden = batch.hidden.reshape(N, -1)[rows]
+        batch.hidden = {li: h.reshape(N, -1)[rows] for li, h in batch.hidden.items()}
     return model.lm_head(model.norm(x[rows])).float()
 
 
