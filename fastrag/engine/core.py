@@ -261,7 +261,7 @@ class Engine:
         if stop_ids is not None:
             stop_ids = frozenset(stop_ids)
             if stop_ids:
-                check_token_ids(sorted(stop_ids), self.model.c.vocab_size, "stop_ids")
+                check_token_ids(stop_ids, self.model.c.vocab_size, "stop_ids")
         if any(x is s for x in self.waiting) or any(x is s for x in self.running):
             raise ValueError("the sequence has a generation queued or running; start it again once that one "
                              "finished (or release it)")
