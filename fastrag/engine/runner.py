@@ -105,7 +105,8 @@ class ModelRunner:
         T = max(len(ids) for _, ids in items)
         for s, ids in items:
             s.table.reserve(len(ids))
-        keep = [b for b, (s, _) in enumerate(items) if s.hidden_layer is not None and not decode]
+        # (a decode step never keeps a hidden state: not looked for on that path)
+        keep = [] if decode else [b for b, (s, _) in enumerate(items) if s.hidden_layer is not None]
         graphed = self.prefill_graphs is not None and not decode and not keep
         logits = self.prefill_graphed(items) if graphed else None
         if logits is not None:
@@ -341,8 +342,7 @@ class ModelRunner:
         # Greedy, temperature and top-p sampling all happen inside the fused decode-signals kernel (argmax, or a
         # Gumbel-max draw over the nucleus keyed per token); entropy and logprob are those of the distribution
         # the token is drawn from (docs/architecture.md, "Signals").
-        own = [i for i, s in enumerate(seqs) if s.sampling is not None]
-        if not own:
+        if not any(s.sampling is not None for s in seqs):
             dev = self.draw(seqs, logits, self.sampling)
         else:  # rows of generations with their own sampling: one signals call per setting, rows put back in order
             parts: dict[tuple, list[int]] = {}
