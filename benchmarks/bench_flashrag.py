@@ -54,6 +54,8 @@ PIPELINES = {
     "sr-rag": "SequentialPipeline",
     "flare": "FLAREPipeline",
     "ircot": "IRCOTPipeline",
+    "iter-retgen": "IterativePipeline",
+    "self-ask": "SelfAskPipeline",
 }
 
 
@@ -127,12 +129,97 @@ def flashrag_config(*, model_dir: str, index_dir: str, corpus_path: str, save_di
 
 
 def pipeline_kwargs(method: str, cfg) -> dict:
-    """FlashRAG pipeline arguments that carry fastrag's lengths for the method (cfg: its fastrag RagConfig)."""
+    """FlashRAG pipeline arguments that carry fastrag's bounds for the method (cfg: its fastrag RagConfig), so
+    both do the same amount of work at most; each pipeline's rule itself is FlashRAG's."""
     if method == "flare":
         # look-ahead tokens per sentence and the answer-length stop rule as fastrag's FLARE; FlashRAG's own
         # threshold (0.2) and round cap (5) are kept: that is FLARE as FlashRAG ships it
         return {"look_ahead_steps": cfg.look_ahead_tokens, "max_generation_length": cfg.generate_max_length}
+    if method == "ircot":
+        return {"max_iter": cfg.max_steps}  # (FlashRAG's default 2)
+    if method == "iter-retgen":
+        return {"iter_num": cfg.iterations}
+    if method == "self-ask":
+        return {"max_iter": cfg.max_iter, "single_hop": cfg.single_hop}  # (FlashRAG's default single_hop True)
     return {}
+
+
+def max_new_tokens(method: str, cfg) -> int:
+    """Tokens a FlashRAG generation may write: fastrag's per-generation cap for the method (an IRCoT step writes
+    thought_max_tokens; every other method's generations are capped at generate_max_length)."""
+    return cfg.thought_max_tokens if method == "ircot" else cfg.generate_max_length
+
+
+# ------------------------------------------------------------------------------------------------ decisions
+
+
+def _norm_q(q) -> str:
+    return " ".join(str(q or "").split())
+
+
+def replay(method: str, questions: list[str], fr_searches: list[list[dict]], fr_steps: list[list[str]]) -> dict:
+    """fastrag's rule applied to FlashRAG's own generations: for each step FlashRAG took, would fastrag have made
+    the same decision from the same text? (The model's text is then the same by construction, so what differs is
+    the rule alone.) Counts of steps judged and of agreements, per decision; {} for a method with no replay."""
+    if method == "ircot":
+        from fastrag.methods.ircot import says_answer, thought_text
+
+        # FlashRAG stops on "So the answer is:" in the thought and otherwise searches the whole thought
+        stops = searched_same = searched = 0
+        n = 0
+        for steps, searches in zip(fr_steps, fr_searches):
+            for k, t in enumerate(steps):
+                n += 1
+                fr_stop = "So the answer is:" in t
+                stops += fr_stop == says_answer(thought_text(t))
+                if not fr_stop and k + 1 < len(searches):
+                    searched += 1
+                    searched_same += _norm_q(searches[k + 1]["query"]) == _norm_q(thought_text(t))
+        return {"steps": n, "stop_agree": stops, "queries": searched, "query_same": searched_same}
+    if method == "iter-retgen":
+        from fastrag.methods.iter_retgen import next_query
+
+        n = same = 0
+        for q, steps, searches in zip(questions, fr_steps, fr_searches):
+            for k in range(1, len(searches)):
+                n += 1
+                same += _norm_q(searches[k]["query"]) == _norm_q(next_query(q, steps[k - 1]))
+        return {"queries": n, "query_same": same}
+    if method == "self-ask":
+        from fastrag.methods.self_ask import FOLLOW_UP, follow_up_question
+
+        # FlashRAG searches the first line holding "Follow up: " of each continuation that has one
+        n = found_agree = same = 0
+        for steps in fr_steps:
+            for t in steps:
+                n += 1
+                fr_q = [x for x in t.split("\n") if FOLLOW_UP in x]
+                fa_q = follow_up_question(t)
+                found_agree += bool(fr_q) == (fa_q is not None)
+                if fr_q and fa_q is not None:
+                    same += _norm_q(fr_q[0].split(FOLLOW_UP)[-1]) == _norm_q(fa_q)
+        return {"steps": n, "search_agree": found_agree, "query_same": same}
+    return {}
+
+
+def compare_decisions(method: str, questions: list[str], fr_searches: list[list[dict]], fr_steps: list[list[str]],
+                      fa_rounds: list[list[dict]]) -> dict:
+    """Retrieval decisions of the two systems on the same questions: searches a question, questions searched the
+    same number of times, first queries equal, the first search's shared passages (both BM25 over one corpus,
+    each tokenising its own way) and the replay of fastrag's rule on FlashRAG's text."""
+    n = len(questions)
+    fr_n = [len(x) for x in fr_searches]
+    fa_n = [len(x) for x in fa_rounds]
+    both = [(a[0], b[0]) for a, b in zip(fr_searches, fa_rounds) if a and b]
+    same_first = [(a, b) for a, b in both if _norm_q(a["query"]) == _norm_q(b["query"])]
+    overlap = [len(set(a["doc_ids"]) & set(b["doc_ids"])) / max(1, len(b["doc_ids"])) for a, b in same_first]
+    return {"questions": n,
+            "flashrag_searches_per_question": sum(fr_n) / n if n else None,
+            "fastrag_searches_per_question": sum(fa_n) / n if n else None,
+            "same_search_count": sum(a == b for a, b in zip(fr_n, fa_n)),
+            "first_query_same": len(same_first),
+            "first_search_overlap": sum(overlap) / len(overlap) if overlap else None,
+            "replay": replay(method, questions, fr_searches, fr_steps)}
 
 
 # ------------------------------------------------------------------------------------------------ methods
@@ -482,7 +569,7 @@ def main(argv=None) -> int:
 
     for method in methods:
         cfg = method_config(method, args.dataset)
-        row_extra = {"max_new_tokens": cfg.generate_max_length}
+        row_extra = {"max_new_tokens": max_new_tokens(method, cfg)}
         fr_times = fr_preds = None
         if py is not None:
             kwargs = pipeline_kwargs(method, cfg)
@@ -490,7 +577,7 @@ def main(argv=None) -> int:
                    "threads": args.threads, "repeats": args.repeats, "questions": questions,
                    "config": flashrag_config(model_dir=str(model_dir), index_dir=str(index),
                                              corpus_path=str(fr_corpus), save_dir=str(work / "save"),
-                                             max_new_tokens=cfg.generate_max_length, batch_size=args.batch_size,
+                                             max_new_tokens=max_new_tokens(method, cfg), batch_size=args.batch_size,
                                              topk=args.topk, dataset_name=args.dataset)}
             print(f"[bench_flashrag] FlashRAG {PIPELINES[method]} on {len(questions)} questions", flush=True)
             res = run_flashrag(py, job, work, args.flashrag_timeout)
@@ -503,7 +590,8 @@ def main(argv=None) -> int:
                 row_extra.update(flashrag_load_s=res["load_s"], flashrag_predictions=fr_preds,
                                  flashrag_raw_predictions=res["raw_predictions"],
                                  flashrag_retrievals=res["retrievals"], flashrag_prompt_example=res["prompt_example"],
-                                 flashrag_retrieval_rounds=res.get("retrieval_rounds"))
+                                 flashrag_retrieval_rounds=res.get("retrieval_rounds"),
+                                 flashrag_searches=res.get("searches"), flashrag_steps=res.get("steps"))
                 report["versions"].setdefault("flashrag_env", res["versions"])
         print(f"[bench_flashrag] fastrag {method} on {len(questions)} questions", flush=True)
         fa_times, results = [], None
@@ -513,16 +601,22 @@ def main(argv=None) -> int:
                                for q in questions], method=method, dataset=args.dataset, progress=False)
             fa_times.append(time.perf_counter() - t0)
         fa_preds = [r.prediction or "" for r in results]
+        fa_rounds = [[{"query": x.query, "doc_ids": list(x.doc_ids)} for x in r.rounds if x.query is not None]
+                     for r in results]
         fa_answers = fastrag_answers(examples, fa_preds)
         row = rate_row(method, len(questions), fr_times, fa_times)
         row.update(row_extra, fastrag_errors=len(results.errors), fastrag_predictions=fa_preds,
-                   fastrag_answers=fa_answers,
+                   fastrag_answers=fa_answers, fastrag_searches=fa_rounds,
                    fastrag_retrievals_per_question=results.metrics.get("retrievals_per_question"),
                    fastrag_decode_tokens_per_question=results.metrics.get("decode_tokens_per_question"),
                    fastrag_prefill_tokens_per_question=results.metrics.get("prefill_tokens_per_question"),
                    fastrag_metrics_em=results.metrics.get("em"), fastrag_metrics_f1=results.metrics.get("f1"))
         if fr_preds is not None:
             row.update(compare_answers(fr_preds, fa_answers, golds))
+            if row_extra.get("flashrag_searches") is not None:
+                row["decisions"] = compare_decisions(method, [q["question"] for q in questions],
+                                                     row_extra["flashrag_searches"], row_extra["flashrag_steps"],
+                                                     fa_rounds)
         else:
             row.update(compare_answers(fa_answers, fa_answers, golds), flashrag_em=None, flashrag_f1=None,
                        agree=None)

@@ -75,6 +75,60 @@ def _doc_ids(docs) -> list:
     return [_plain(d.get("id")) if isinstance(d, dict) else _plain(d) for d in list(docs)]
 
 
+def log_searches(pipe, n_items: int) -> tuple[list[list[dict]], dict]:
+    """Every retrieval the pipeline makes, per question: [{"query", "doc_ids"}] in call order.
+
+    The pipeline's retriever is wrapped on the instance (FlashRAG's code is not touched). `search` (one query) is
+    charged to the item whose run_item is running, so run_item is wrapped to say which; `batch_search` is called
+    with one query per item of the dataset in order (SequentialPipeline, IterativePipeline's rounds). Returns the
+    log and its state: the item run_item is on, and whether logging is on (the caller turns it off after a run)."""
+    log: list[list[dict]] = [[] for _ in range(n_items)]
+    state = {"item": -1, "on": True}
+    retriever = pipe.retriever
+    search, batch_search = retriever.search, retriever.batch_search
+
+    def _results(out):
+        return out[0] if isinstance(out, tuple) else out
+
+    def logged_search(query, *args, **kwargs):
+        out = search(query, *args, **kwargs)
+        if state["on"] and 0 <= state["item"] < n_items:
+            log[state["item"]].append({"query": str(query), "doc_ids": _doc_ids(_results(out))})
+        return out
+
+    def logged_batch_search(queries, *args, **kwargs):
+        out = batch_search(queries, *args, **kwargs)
+        qs = [queries] if isinstance(queries, str) else list(queries)
+        if state["on"] and len(qs) == n_items:
+            for i, (q, docs) in enumerate(zip(qs, _results(out))):
+                log[i].append({"query": str(q), "doc_ids": _doc_ids(docs)})
+        return out
+
+    retriever.search, retriever.batch_search = logged_search, logged_batch_search
+    if hasattr(pipe, "run_item"):
+        run_item = pipe.run_item
+
+        def counted_run_item(item):
+            state["item"] += 1
+            return run_item(item)
+
+        pipe.run_item = counted_run_item
+    return log, state
+
+
+def step_texts(item) -> list[str]:
+    """The text each generation step of a multi-step pipeline wrote for one item, in order: IRCoT's thoughts,
+    Self-Ask's continuations, Iter-RetGen's round answers (empty for one-step pipelines)."""
+    out = item.output
+    keys = sorted((k for k in out if k.startswith("intermediate_output_iter") or k.startswith("pred_iter_")),
+                  key=lambda k: int(k.rsplit("iter", 1)[1].lstrip("_")))
+    texts = []
+    for k in keys:
+        v = out[k]
+        texts.append(str(v.get("new_thought", "")) if isinstance(v, dict) else str(v))
+    return texts
+
+
 def build_index(corpus_path: str, save_dir: str) -> int:
     """The bm25s index FlashRAG's BM25Retriever loads (`bm25s.BM25.load(index_path, load_corpus=True)`), tokenised
     as that retriever tokenises its queries (bm25s.tokenize with an English PyStemmer).
@@ -116,17 +170,22 @@ def main(job_path: str) -> int:
         out["run_s"] = []
         for _ in range(job["repeats"]):
             dataset = make_dataset(config, job["questions"])  # fresh items: a pipeline writes its outputs into them
+            searches, state = log_searches(pipe, len(job["questions"])) if "searches" not in out else (None, None)
             t0 = time.perf_counter()
             # do_eval=False: scoring is done by the caller with one rule for both systems; IRCoT's answer parser
             # is its run() default and still applies
             dataset = pipe.run(dataset, do_eval=False)
             out["run_s"].append(time.perf_counter() - t0)
+            if searches is not None:  # (the first repeat's log; the wrappers stay on, silent)
+                out["searches"] = searches
+                state["on"] = False
         out["predictions"] = [str(item.pred) for item in dataset.data]
         out["raw_predictions"] = [str(item.output.get("raw_pred", item.pred)) for item in dataset.data]
         out["retrievals"] = [_doc_ids(item.output.get("retrieval_result")) for item in dataset.data]
         # FLARE: a round retrieves when its look-ahead sentence is judged unconfident (judge_result_iter* False)
         out["retrieval_rounds"] = [sum(1 for k, v in item.output.items() if k.startswith("judge_result_iter") and not v)
                                    if job["pipeline"] == "FLAREPipeline" else None for item in dataset.data]
+        out["steps"] = [step_texts(item) for item in dataset.data]
         out["prompt_example"] = _plain(dataset.data[0].output.get("prompt")) if dataset.data else None
     except Exception as e:  # the caller records the error in the results file
         out["error"] = f"{type(e).__name__}: {e}"
