@@ -1,8 +1,15 @@
-"""fastrag against FlashRAG (PyPI `flashrag-dev`), side by side: questions/s, EM/F1 and answer agreement for
-standard RAG (fastrag `sr-rag` vs FlashRAG SequentialPipeline), FLARE (`flare` vs FLAREPipeline) and IRCoT (`ircot`
-vs IRCOTPipeline), same questions, same SmolLM2 weights, same BM25 corpus, same machine, same run.
+"""fastrag against FlashRAG (PyPI `flashrag-dev`), side by side: questions/s, EM/F1, answer agreement and
+retrieval decisions for standard RAG (fastrag `sr-rag` vs FlashRAG SequentialPipeline), FLARE (`flare` vs
+FLAREPipeline), IRCoT (`ircot` vs IRCOTPipeline), Iter-RetGen (`iter-retgen` vs IterativePipeline) and Self-Ask
+(`self-ask` vs SelfAskPipeline), same questions, same SmolLM2 weights, same BM25 corpus, same machine, same run.
 
     nice -n 5 python benchmarks/bench_flashrag.py --limit 50 --methods sr-rag flare ircot
+    nice -n 5 python benchmarks/bench_flashrag.py --limit 20 --methods iter-retgen self-ask --name flashrag_decisions_cpu
+
+Decisions: every search each system makes is recorded per question (FlashRAG's by wrapping its retriever,
+flashrag_runner.log_searches; fastrag's from its rounds) and compared (compare_decisions); for IRCoT, Iter-RetGen
+and Self-Ask, fastrag's rule is also replayed on FlashRAG's own generations (replay), which separates what the rule
+decides from what the two prompts make the model write.
 
 FlashRAG is never a fastrag dependency: the script makes a scratch venv (`--venv`, default runs/flashrag-venv,
 `--system-site-packages` so torch/transformers are the main environment's), installs flashrag-dev there with
@@ -19,7 +26,7 @@ their own rows), median over --repeats, ratio = fastrag q/s / FlashRAG q/s. Both
 its answer: the answer fastrag's scorer extracts from its prediction, FlashRAG's `pred` (after its own IRCoT answer parser; standard RAG and
 FLARE preds are the generation as FlashRAG returns it). Prompts differ: each system runs as shipped.
 
-A method fastrag does not register (e.g. `ircot` before it lands) is skipped with a message; a method this script
+A method fastrag does not register is skipped with a message; a method this script
 does not know is refused. If FlashRAG cannot be installed or run, the error is written into the results.
 """
 
@@ -189,7 +196,7 @@ def replay(method: str, questions: list[str], fr_searches: list[list[dict]], fr_
         from fastrag.methods.self_ask import FOLLOW_UP, follow_up_question
 
         # FlashRAG searches the first line holding "Follow up: " of each continuation that has one
-        n = found_agree = same = 0
+        n = found_agree = found = same = 0
         for steps in fr_steps:
             for t in steps:
                 n += 1
@@ -197,8 +204,9 @@ def replay(method: str, questions: list[str], fr_searches: list[list[dict]], fr_
                 fa_q = follow_up_question(t)
                 found_agree += bool(fr_q) == (fa_q is not None)
                 if fr_q and fa_q is not None:
+                    found += 1
                     same += _norm_q(fr_q[0].split(FOLLOW_UP)[-1]) == _norm_q(fa_q)
-        return {"steps": n, "search_agree": found_agree, "query_same": same}
+        return {"steps": n, "search_agree": found_agree, "follow_ups": found, "query_same": same}
     return {}
 
 
@@ -343,6 +351,7 @@ def render_markdown(report: dict) -> str:
                      f"{_f(r.get('flashrag_load_s'), 1)} s), fastrag {r.get('fastrag_wall_s')} s; fastrag errors "
                      f"{r.get('fastrag_errors', '—')}; FlashRAG config: {r.get('flashrag_pipeline_kwargs')}, "
                      f"max_new_tokens {r.get('max_new_tokens')}" + _work_line(r))
+    lines += decisions_markdown(rows)
     s = report.get("setup", {})
     lines += [f"- fastrag engine + BM25 load: {_f(s.get('fastrag_load_s'), 1)} s; FlashRAG corpus conversion "
               f"{_f(s.get('corpus_convert_s'), 1)} s, bm25s index build "
@@ -356,12 +365,47 @@ def render_markdown(report: dict) -> str:
                 lines += ["", "```", e["detail"].strip()[-3000:], "```"]
         lines.append("")
     lines += ["## What differs between the two (systems as shipped)", ""] + [f"- {x}" for x in report["notes"]]
-    commands = [report["command"]] + [r["command"] for r in rows if r.get("command") not in (None, report["command"])]
+    commands = list(dict.fromkeys([report["command"]] + [r["command"] for r in rows if r.get("command")]))
     lines += ["", "## Commands", "", "```"] + commands + report.get("setup_commands", []) + ["```", "",
               "The scratch venv the script makes when it is missing (`--venv`):", "", "```"] + SETUP_COMMANDS + [
               "```", "",
               "## Versions", "", "```", json.dumps(report["versions"], indent=1), "```", ""]
     return "\n".join(lines)
+
+
+def decisions_markdown(rows: list[dict]) -> list[str]:
+    """The retrieval-decision table (rows that carry `decisions`) and the replay lines under it."""
+    rows = [r for r in rows if r.get("decisions")]
+    if not rows:
+        return []
+    out = ["", "Retrieval decisions on the same questions (searches: retriever calls a question, the question's "
+           "own search included; first search overlap: the share of fastrag's first passages FlashRAG's first "
+           "search also returned, where both searched the same first query):", "",
+           "| method | searches a question FlashRAG / fastrag | same number of searches | same first query | "
+           "first search overlap |", "|---|---|---|---|---|"]
+    for r in rows:
+        d = r["decisions"]
+        out.append(f"| {r['method']} | {_f(d['flashrag_searches_per_question'], 2)} / "
+                   f"{_f(d['fastrag_searches_per_question'], 2)} | {d['same_search_count']}/{d['questions']} | "
+                   f"{d['first_query_same']}/{d['questions']} | {_f(d['first_search_overlap'], 2)} |")
+    out += ["", "fastrag's rule replayed on FlashRAG's own generations (the same text, so only the rule differs):",
+            ""]
+    for r in rows:
+        rp = r["decisions"].get("replay") or {}
+        if r["method"] == "ircot" and rp:
+            out.append(f"- ircot: {rp['stop_agree']}/{rp['steps']} thoughts get the same stop-or-search decision "
+                       "(FlashRAG: \"So the answer is:\" in the thought; fastrag: \"answer is\" in any case, in the "
+                       f"thought's first line); {rp['query_same']}/{rp['queries']} searched thoughts give the same "
+                       "query (FlashRAG searches the whole thought, fastrag its first line's first sentence)")
+        elif r["method"] == "iter-retgen" and rp:
+            out.append(f"- iter-retgen: {rp['query_same']}/{rp['queries']} queries of rounds 2.. are the same "
+                       "(both `question + previous generation`; fastrag cuts the generation before an imagined "
+                       "next \"Question:\")")
+        elif r["method"] == "self-ask" and rp:
+            out.append(f"- self-ask: {rp['search_agree']}/{rp['steps']} continuations get the same search-or-not "
+                       f"decision (a \"Follow up: \" line); {rp['query_same']}/{rp['follow_ups']} follow-ups both "
+                       "find give the same question")
+    return out + [""]
 
 
 SETUP_COMMANDS = [
@@ -373,19 +417,24 @@ SETUP_COMMANDS = [
 ]
 
 NOTES = [
-    "Prompts: fastrag uses the DRAGIN-paper prompts (8 HotpotQA chain-of-thought exemplars, the answer extracted "
-    "after 'the answer is'); FlashRAG's SequentialPipeline and FLAREPipeline use its default template (system: "
-    "'Answer the question based on the given document. Only give me the answer...' with the documents, the chat "
-    "template of the instruct model, no exemplars), its IRCOTPipeline its one-exemplar IRCoT prompt. The "
+    "Prompts: fastrag uses the DRAGIN-paper prompts (the dataset's chain-of-thought exemplars, the answer extracted "
+    "after 'the answer is'; Self-Ask its own four exemplars in the paper's format); FlashRAG's SequentialPipeline, "
+    "FLAREPipeline and IterativePipeline use its default template (system: 'Answer the question based on the "
+    "given document. Only give me the answer...' with the documents, the chat template of the instruct model, no "
+    "exemplars), its IRCOTPipeline its one-exemplar IRCoT prompt, its SelfAskPipeline the paper's exemplars. The "
     "answers are therefore of different shapes (a short answer vs a reasoning chain) and EM/F1 compare systems, "
     "not the same prompt.",
-    "Decoding: both greedy, the same max new tokens (fastrag's generate_max_length for the method); FlashRAG's HF "
-    "generator pads a batch on the left and runs transformers' generate (no paged KV, no prefix sharing); "
-    "FlashRAG's FLARE and IRCoT pipelines answer one question at a time (their run() loops over items), its "
-    "SequentialPipeline batches generator_batch_size prompts.",
-    "FLARE: FlashRAG's threshold 0.2 (retrieve when a look-ahead token has p <= 0.2) and at most 5 rounds, with "
-    "the look-ahead (64) and total length (fastrag's L) set to fastrag's; fastrag's FLARE uses the paper's theta "
-    "0.8 / beta 0.4 on HotpotQA and retrieves with the question first.",
+    "Decoding: both greedy, the same max new tokens a generation (fastrag's cap for the method: "
+    "generate_max_length; an IRCoT step's thought_max_tokens); FlashRAG's HF generator pads a batch on the left and "
+    "runs transformers' generate (no paged KV, no prefix sharing); FlashRAG's FLARE, IRCoT and Self-Ask pipelines "
+    "answer one question at a time (their run() loops over items), its Sequential and Iterative pipelines batch "
+    "generator_batch_size prompts.",
+    "Bounds: each FlashRAG pipeline gets fastrag's bounds for the method, its rule is its own. FLARE: FlashRAG's "
+    "threshold 0.2 (retrieve when a look-ahead token has p <= 0.2) and at most 5 rounds, with the look-ahead (64) "
+    "and total length (fastrag's L) set to fastrag's; fastrag's FLARE uses the paper's theta 0.8 / beta 0.4 on "
+    "HotpotQA and retrieves with the question first. IRCoT: max_iter = fastrag's max_steps (5; FlashRAG's default "
+    "2). Iter-RetGen: iter_num = 3 (both defaults). Self-Ask: max_iter 5, single_hop false as fastrag's (FlashRAG's "
+    "default single_hop is true).",
     "Retrieval: both BM25 over the same 13,509 passages, top 3, each system's own tokenisation (FlashRAG: "
     "bm25s.tokenize with an English stemmer, as its BM25Retriever tokenises queries), so the passages can differ. "
     "FlashRAG's index is not built by its own `flashrag.retriever.index_builder`: in 0.1.2 that hands bm25s 0.3 "
@@ -396,11 +445,11 @@ NOTES = [
     "FlashRAG setup: flashrag-dev 0.1.2 installed --no-deps into a scratch venv with --system-site-packages, plus "
     f"{', '.join(FLASHRAG_EXTRA)} (its import path / bm25s backend); its wheel lacks "
     "flashrag/config/basic_config.yaml, so the runner builds Config from a complete dict "
-    "(bench_flashrag.flashrag_config).",
-    "Threads: both systems ran with the same torch thread count (--threads). On the shared 2-core VM (load "
-    "average 12-17 from other jobs) 2 threads each made FlashRAG's HF generate about 10x slower than 1 thread "
-    "(2 SR-RAG questions: 690 s against 65 s, same answers): OpenMP threads waiting on descheduled peers. The "
-    "absolute q/s are contention figures; the ratio is what the run measures.",
+    "(bench_flashrag.flashrag_config). Its searches are logged by wrapping its retriever on the instance "
+    "(flashrag_runner.log_searches); its code is not changed.",
+    "Threads: both systems ran with the same torch thread count (--threads), one system at a time. One thread "
+    "each on a 2-core machine: with other jobs on it, 2 OpenMP threads made FlashRAG's HF generate about 10x "
+    "slower than 1 (2 SR-RAG questions: 690 s against 65 s, same answers), threads waiting on descheduled peers.",
 ]
 
 
@@ -478,7 +527,8 @@ def parse_args(argv=None):
     p.add_argument("--flashrag-timeout", type=float, default=3600)
     p.add_argument("--results", default=str(ROOT / "benchmarks" / "results"))
     p.add_argument("--name", default="flashrag_side_by_side_cpu")
-    p.add_argument("--note", default=None, help="a line added to the notes (e.g. why fewer questions)")
+    p.add_argument("--note", action="append", default=[],
+                   help="a line added to the notes (e.g. why fewer questions); may be given more than once")
     p.add_argument("--report-only", action="store_true",
                    help="rewrite the .md from the results JSON (nothing runs)")
     p.add_argument("--merge", action="store_true",
@@ -498,7 +548,7 @@ def main(argv=None) -> int:
         measured = {r["method"] for r in report["rows"]}
         report["skipped"] = {m: f"fastrag does not register method {m!r} on this branch (fastrag.methods())"
                              for m in PIPELINES if m not in measured and m not in fastrag.methods()}
-        report["notes"] = NOTES + ([args.note] if args.note else [])
+        report["notes"] = NOTES + args.note
         rescore(report, load_examples(report["dataset"], report["data"], limit=max(r["n"] for r in report["rows"])))
         path.write_text(json.dumps(report, indent=1, default=str) + "\n")
         (path.with_suffix(".md")).write_text(render_markdown(report))
@@ -523,7 +573,7 @@ def main(argv=None) -> int:
               "topk": args.topk, "batch_size": args.batch_size, "threads": args.threads, "repeats": args.repeats,
               "command": "nice -n 5 python benchmarks/bench_flashrag.py " + " ".join(
                   shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)),
-              "rows": [], "skipped": skipped, "errors": [], "notes": NOTES + ([args.note] if args.note else []), "setup": {}, "setup_commands": []}
+              "rows": [], "skipped": skipped, "errors": [], "notes": NOTES + args.note, "setup": {}, "setup_commands": []}
     from importlib.metadata import version as _v
 
     report["versions"] = {"fastrag": _v("fastrag") if _has_dist("fastrag") else "?", "torch": torch.__version__,

@@ -91,9 +91,17 @@ def log_searches(pipe, n_items: int) -> tuple[list[list[dict]], dict]:
         return out[0] if isinstance(out, tuple) else out
 
     def logged_search(query, *args, **kwargs):
-        out = search(query, *args, **kwargs)
+        no_terms = _no_bm25s_terms(retriever, query)
+        if no_terms:
+            # bm25s raises on a query with no indexed term (an empty or stopword-only IRCoT thought, which FlashRAG
+            # 0.1.2 searches as it is) and the whole run dies; its pyserini backend answers such a query with no
+            # documents, and so does this
+            out = ([], []) if kwargs.get("return_score") or (len(args) > 1 and args[1]) else []
+        else:
+            out = search(query, *args, **kwargs)
         if state["on"] and 0 <= state["item"] < n_items:
-            log[state["item"]].append({"query": str(query), "doc_ids": _doc_ids(_results(out))})
+            log[state["item"]].append({"query": str(query), "doc_ids": _doc_ids(_results(out)),
+                                       **({"no_terms": True} if no_terms else {})})
         return out
 
     def logged_batch_search(queries, *args, **kwargs):
@@ -114,6 +122,16 @@ def log_searches(pipe, n_items: int) -> tuple[list[list[dict]], dict]:
 
         pipe.run_item = counted_run_item
     return log, state
+
+
+def _no_bm25s_terms(retriever, query) -> bool:
+    """Whether a bm25s-backed FlashRAG retriever would find no indexed term in `query` (bm25s.retrieve raises then)."""
+    if getattr(retriever, "backend", None) != "bm25s":
+        return False
+    import bm25s
+
+    tokens = bm25s.tokenize([str(query)], stemmer=getattr(retriever, "stemmer", None), show_progress=False)
+    return not tokens.vocab
 
 
 def step_texts(item) -> list[str]:

@@ -130,3 +130,146 @@ def test_fastrag_answers_use_fastrags_scoring_rule():
     assert answers[1] == ""  # HotpotQA: no 'the answer is', nothing to score (fastrag's rule)
     c = bf.compare_answers(["Paris", "Bohr"], answers, [e.answers for e in ex])
     assert (c["fastrag_em"], c["flashrag_em"], c["agree"]) == (0.5, 1.0, 1)
+
+
+def test_bounds_passed_to_each_pipeline():
+    from fastrag.config import method_config
+
+    ircot = method_config("ircot", "hotpotqa")
+    assert bf.pipeline_kwargs("ircot", ircot) == {"max_iter": ircot.max_steps}
+    assert bf.max_new_tokens("ircot", ircot) == ircot.thought_max_tokens
+    it = method_config("iter-retgen", "hotpotqa")
+    assert bf.pipeline_kwargs("iter-retgen", it) == {"iter_num": it.iterations}
+    assert bf.max_new_tokens("iter-retgen", it) == it.generate_max_length
+    sa = method_config("self-ask", "hotpotqa")
+    assert bf.pipeline_kwargs("self-ask", sa) == {"max_iter": sa.max_iter, "single_hop": sa.single_hop}
+
+
+def _s(q, *ids):
+    return {"query": q, "doc_ids": list(ids)}
+
+
+def test_compare_decisions_counts_and_overlap():
+    qs = ["Who?", "Where?", "When?"]
+    fr = [[_s("Who?", "a", "b", "c"), _s("x", "d")], [_s("Where?", "e", "f", "g")], []]
+    fa = [[_s("Who? ", "a", "z", "c")], [_s("Where?", "e", "f", "g")], [_s("When?", "h")]]
+    d = bf.compare_decisions("sr-rag", qs, fr, [[], [], []], fa)
+    assert d["questions"] == 3
+    assert d["flashrag_searches_per_question"] == pytest.approx(1.0)
+    assert d["fastrag_searches_per_question"] == pytest.approx(1.0)
+    assert d["same_search_count"] == 1  # only "Where?" (2 vs 1, 1 vs 1, 0 vs 1)
+    assert d["first_query_same"] == 2  # whitespace aside
+    assert d["first_search_overlap"] == pytest.approx((2 / 3 + 1) / 2)
+    assert d["replay"] == {}
+
+
+def test_ircot_replay_rule_differences():
+    # thought 1: no answer phrase, searched whole (FlashRAG) vs first line (fastrag): queries differ;
+    # thought 2: "the answer is x" has fastrag's phrase but not FlashRAG's ("So the answer is:"): stop disagrees
+    steps = [["Paris is in France.\nWikipedia Title: X", "So the answer is: Paris."],
+             ["Bohr was Danish.", "the answer is Bohr"]]
+    searches = [[_s("q1"), _s("Paris is in France.\nWikipedia Title: X")],
+                [_s("q2"), _s("Bohr was Danish."), _s("the answer is Bohr")]]
+    rp = bf.replay("ircot", ["q1", "q2"], searches, steps)
+    assert rp["steps"] == 4
+    assert rp["stop_agree"] == 3
+    # searched: thoughts 1 of both and thought 2 of q2; only q1's thought 1 has more than its first line
+    assert rp["queries"] == 3 and rp["query_same"] == 2
+
+
+def test_iter_retgen_and_self_ask_replays():
+    steps = [["Paris. So the answer is Paris.\n\nQuestion: next?", "Paris again"]]
+    searches = [[_s("Q"), _s("Q Paris. So the answer is Paris.\n\nQuestion: next?"), _s("Q Paris again")]]
+    rp = bf.replay("iter-retgen", ["Q"], searches, steps)
+    assert rp == {"queries": 2, "query_same": 1}  # the first carries an imagined next question fastrag cuts
+    sa = bf.replay("self-ask", ["Q"], [[]], [["Yes.\nFollow up: Who is X?\n", "Intermediate", ""]])
+    assert sa == {"steps": 3, "search_agree": 3, "follow_ups": 1, "query_same": 1}
+
+
+def test_decisions_table_rendered():
+    row = bf.rate_row("ircot", 2, [8.0], [2.0])
+    row.update(bf.compare_answers(["a", "b"], ["a", "c"], [["a"], ["b"]]))
+    row["decisions"] = {"questions": 2, "flashrag_searches_per_question": 3.0, "fastrag_searches_per_question": 1.5,
+                        "same_search_count": 1, "first_query_same": 2, "first_search_overlap": 0.5,
+                        "replay": {"steps": 4, "stop_agree": 3, "queries": 2, "query_same": 1}}
+    md = "\n".join(bf.decisions_markdown([row]))
+    assert "| ircot | 3.00 / 1.50 | 1/2 | 2/2 | 0.50 |" in md
+    assert "3/4 thoughts get the same stop-or-search decision" in md and "1/2 searched thoughts" in md
+    assert bf.decisions_markdown([bf.rate_row("sr-rag", 1, [1.0], [1.0])]) == []
+
+
+def test_runner_logs_each_items_searches_and_steps():
+    import flashrag_runner as fr
+
+    class Retriever:
+        def search(self, q, return_score=False):
+            docs = [{"id": f"{q}-1"}, {"id": f"{q}-2"}]
+            return (docs, [1.0, 0.5]) if return_score else docs
+
+        def batch_search(self, qs):
+            return [[{"id": f"{q}-b"}] for q in qs]
+
+    class Item:
+        def __init__(self):
+            self.output = {}
+
+    class Pipe:  # FLARE/IRCoT-like: run_item a question at a time; Iterative-like: batch_search over all
+        def __init__(self):
+            self.retriever = Retriever()
+
+        def run_item(self, item):
+            self.retriever.search(f"q{id(item) % 7}", return_score=True)
+            self.retriever.search("again")
+
+    pipe, items = Pipe(), [Item(), Item()]
+    log, state = fr.log_searches(pipe, 2)
+    for it in items:
+        pipe.run_item(it)
+    pipe.retriever.batch_search(["a", "b"])
+    pipe.retriever.batch_search(["only one"])  # not one query an item: charged to none
+    assert [len(x) for x in log] == [3, 3]
+    assert log[0][1] == {"query": "again", "doc_ids": ["again-1", "again-2"]}
+    assert log[1][2] == {"query": "b", "doc_ids": ["b-b"]}
+    state["on"] = False
+    pipe.run_item(items[0])
+    assert [len(x) for x in log] == [3, 3]
+
+    it = Item()
+    it.output = {"intermediate_output_iter2": {"new_thought": "second"}, "intermediate_output_iter1":
+                 {"new_thought": "first"}, "pred_iter_10": "ten", "pred_iter_9": "nine", "pred": "x"}
+    assert fr.step_texts(it) == ["first", "second", "nine", "ten"]
+
+
+def test_runner_answers_a_query_without_terms_with_no_documents():
+    # bm25s's numba scorer raises on a query with no indexed term; FlashRAG 0.1.2's IRCoT searches every thought
+    import flashrag_runner as fr
+
+    pytest.importorskip("bm25s")
+    Stemmer = pytest.importorskip("Stemmer")
+    calls = []
+
+    class Retriever:
+        backend = "bm25s"
+        stemmer = Stemmer.Stemmer("english")
+
+        def search(self, q, return_score=False):
+            calls.append(q)
+            return ([{"id": "p1"}], [1.0]) if return_score else [{"id": "p1"}]
+
+        def batch_search(self, qs):
+            raise AssertionError("not called here")
+
+    class Pipe:
+        retriever = Retriever()
+
+        def run_item(self, item):
+            return [self.retriever.search(q, return_score=True) for q in ("Paris", "the of", "")]
+
+    pipe = Pipe()
+    log, _ = fr.log_searches(pipe, 1)
+    out = pipe.run_item(object())
+    assert out == [([{"id": "p1"}], [1.0]), ([], []), ([], [])]
+    assert calls == ["Paris"]  # the two term-less queries never reach the scorer
+    assert log[0] == [{"query": "Paris", "doc_ids": ["p1"]}, {"query": "the of", "doc_ids": [], "no_terms": True},
+                      {"query": "", "doc_ids": [], "no_terms": True}]
+    assert pipe.retriever.search("the") == []  # without scores asked: the documents alone
