@@ -91,6 +91,37 @@ class _MiniDataset:
         return len(self.rows)
 
 
+class EagerCPU:
+    """Stands in for `AutoModelForCausalLM` in a published module: the fp32 model on the CPU with eager attention (the
+    published code asks for attention weights) and greedy generation, whatever device map the code asks for."""
+
+    @staticmethod
+    def from_pretrained(path, **kw):
+        import torch
+        # (the class itself, not the `transformers` attribute, which a caller may have replaced by this one)
+        from transformers.models.auto.modeling_auto import AutoModelForCausalLM
+
+        kw.pop("device_map", None)
+        kw["attn_implementation"] = "eager"
+        kw["dtype"] = torch.float32
+        m = AutoModelForCausalLM.from_pretrained(path, **kw)
+        m.eval()
+        gc = m.generation_config
+        gc.do_sample = False
+        gc.temperature = gc.top_p = gc.top_k = None
+        return m
+
+
+def stub_datasets() -> None:
+    """`datasets` (what the published data.py imports) as _MiniDataset when the package is absent."""
+    try:
+        import datasets  # noqa: F401
+    except ImportError:
+        dstub = types.ModuleType("datasets")
+        dstub.Dataset = _MiniDataset
+        sys.modules["datasets"] = dstub
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--published-src", required=True, help="the published src/ (generate.py, data.py)")
@@ -110,7 +141,6 @@ def main() -> None:
 
     import spacy
     import torch
-    import transformers
     from transformers import AutoTokenizer
 
     from fastrag.model.loading import resolve_model
@@ -175,12 +205,7 @@ def main() -> None:
     stub = types.ModuleType("retriever")
     stub.BM25, stub.SGPT = BM25, SGPT
     sys.modules["retriever"] = stub
-    try:
-        import datasets  # noqa: F401
-    except ImportError:
-        dstub = types.ModuleType("datasets")
-        dstub.Dataset = _MiniDataset
-        sys.modules["datasets"] = dstub
+    stub_datasets()
     sys.path.insert(0, str(src))
 
     # the published generate.py, with `== 13` -> `== _NEWLINE_ID` (the only source change)
@@ -195,20 +220,7 @@ def main() -> None:
     exec(compile(code, str(gen_path), "exec"), gen.__dict__)
     import data as pubdata  # the published src/data.py, unchanged
 
-    class _EagerCPU:
-        @staticmethod
-        def from_pretrained(path, **kw):
-            kw.pop("device_map", None)
-            kw["attn_implementation"] = "eager"
-            kw["dtype"] = torch.float32
-            m = transformers.AutoModelForCausalLM.from_pretrained(path, **kw)
-            m.eval()
-            gc = m.generation_config
-            gc.do_sample = False
-            gc.temperature = gc.top_p = gc.top_k = None
-            return m
-
-    gen.AutoModelForCausalLM = _EagerCPU
+    gen.AutoModelForCausalLM = EagerCPU
 
     cfg = json.loads(Path(args.config).read_text())
     for kv in args.set:

@@ -45,7 +45,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench_args import positive_int  # noqa: E402
-from record_published import _MiniDataset  # noqa: E402
+from record_published import EagerCPU, _MiniDataset, stub_datasets  # noqa: E402
 
 SHARED = ROOT.parent / "shared" / "data"
 DATA = {"hotpotqa": SHARED / "hotpotqa" / "dev_distractor_200.jsonl",
@@ -57,7 +57,6 @@ def load_published(src: Path, model_dir: str, corpus: str, log: dict):
     """(generate module, data module) of the published code, with the adaptations of the module docstring;
     `log["search"]` gets every search as {"query", "doc_ids"}."""
     import spacy
-    import torch
     import transformers
 
     from fastrag.retrieval import make_retriever
@@ -82,34 +81,16 @@ def load_published(src: Path, model_dir: str, corpus: str, log: dict):
     stub = types.ModuleType("retriever")
     stub.BM25 = BM25
     sys.modules["retriever"] = stub
-    try:
-        import datasets  # noqa: F401
-    except ImportError:
-        dstub = types.ModuleType("datasets")
-        dstub.Dataset = _MiniDataset
-        sys.modules["datasets"] = dstub
-
-    class _EagerCPU:
-        @staticmethod
-        def from_pretrained(path, **kw):
-            kw.pop("device_map", None)
-            kw["attn_implementation"] = "eager"
-            kw["dtype"] = torch.float32
-            m = transformers.AutoModelForCausalLM.from_pretrained(path, **kw)
-            m.eval()
-            gc = m.generation_config
-            gc.do_sample = False
-            gc.temperature = gc.top_p = gc.top_k = None
-            return m
-
-    transformers.AutoModelForCausalLM, real = _EagerCPU, transformers.AutoModelForCausalLM
+    stub_datasets()
+    # (generate.py binds AutoModelForCausalLM at import and calls it in its constructors)
+    transformers.AutoModelForCausalLM, real = EagerCPU, transformers.AutoModelForCausalLM
     sys.path.insert(0, str(src))
     try:
         import generate as gen  # the published generate.py
         import data as pubdata  # the published data.py
     finally:
         transformers.AutoModelForCausalLM = real
-    gen.AutoModelForCausalLM = _EagerCPU
+    gen.AutoModelForCausalLM = EagerCPU
     return gen, pubdata
 
 
