@@ -15,10 +15,12 @@ unless given). Queries per second: one search call of the whole query batch for 
 after one untimed, the median. Recall@k: |index top-k & exact top-k| / k, averaged over the queries, the exact top-k
 from the flat index. Index bytes: the size faiss writes the index to disk as (its vectors, codes, lists, graph).
 Writes benchmarks/results/ann_cpu.md (+ .json) after each index type, so a run stopped part-way keeps what it
-measured.
+measured. `--sweep ef_search=16,64,256` (or `nprobe=...`) measures several search settings on one build of each
+index type that takes the option: a row per value, the build's seconds and bytes repeated on each.
 
     nice -n 10 python benchmarks/bench_ann.py                       # 1,000,000 passages, every index type
     python benchmarks/bench_ann.py --n 20000 --types flat hnsw --results /tmp/r
+    python benchmarks/bench_ann.py --types hnsw ivf --sweep ef_search=32,64,128,256,512 nprobe=4,16,64 --append
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from bench_args import positive_int  # noqa: E402  (the script's folder is on sy
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fastrag.retrieval.ann import INDEX_TYPES, AnnOptions, build_index, resolved  # noqa: E402
+from fastrag.retrieval.ann import INDEX_TYPES, AnnOptions, build_index, resolved, set_search_params  # noqa: E402
 
 
 def normalised(x: np.ndarray) -> np.ndarray:
@@ -92,12 +94,41 @@ def recall(got: np.ndarray, want: np.ndarray) -> float:
     return float(np.mean([len(set(a.tolist()) & set(b.tolist())) / k for a, b in zip(got, want)]))
 
 
-def options(kind: str, args) -> AnnOptions:
+def options(kind: str, args, **override) -> AnnOptions:
     given = {"nlist": args.nlist, "nprobe": args.nprobe, "M": args.M, "ef_construction": args.ef_construction,
-             "ef_search": args.ef_search, "m": args.m, "nbits": args.nbits}
+             "ef_search": args.ef_search, "m": args.m, "nbits": args.nbits, **override}
     takes = {"flat": (), "ivf": ("nlist", "nprobe"), "hnsw": ("M", "ef_construction", "ef_search"),
              "ivfpq": ("nlist", "nprobe", "m", "nbits")}[kind]
     return AnnOptions.of(kind, **{k: v for k, v in given.items() if k in takes and v is not None})
+
+
+SEARCH_OPTIONS = {"flat": (), "ivf": ("nprobe",), "hnsw": ("ef_search",), "ivfpq": ("nprobe",)}
+
+
+def search_variants(kind: str, args) -> list[AnnOptions]:
+    """The options each search of one built index runs with: one per value of a `--sweep` of this kind's search
+    option (nprobe, ef_search), else the index's own options alone. Search options change what a search visits, not
+    the index, so a sweep costs one build."""
+    sweep = getattr(args, "sweep", None) or {}
+    for name in SEARCH_OPTIONS[kind]:
+        if name in sweep:
+            return [options(kind, args, **{name: v}) for v in sweep[name]]
+    return [options(kind, args)]
+
+
+def parse_sweep(text: str) -> tuple[str, list[int]]:
+    """`NAME=V1,V2,...` (NAME a search option) -> (NAME, [values]); a ValueError that names what is wrong."""
+    name, sep, values = text.partition("=")
+    name = name.strip().replace("-", "_")
+    if not sep or name not in ("nprobe", "ef_search"):
+        raise ValueError(f"--sweep {text!r}: expected nprobe=V1,V2,... or ef_search=V1,V2,...")
+    try:
+        vals = [int(v) for v in values.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"--sweep {text!r}: the values must be integers") from None
+    if not vals or min(vals) < 1:
+        raise ValueError(f"--sweep {text!r}: give one or more values, each >= 1")
+    return name, vals
 
 
 _WRITTEN: list = []  # the (size, index types) of this process's last write
@@ -162,7 +193,14 @@ def main() -> None:
     ap.add_argument("--append", action="store_true", help="keep the runs of other sizes or index types already in "
                     "the results")
     ap.add_argument("--note", default="", help="a line under the table (e.g. what could not be measured)")
+    ap.add_argument("--sweep", nargs="+", default=[], metavar="NAME=V1,V2",
+                    help="search options to measure on one build of each index type that takes them, e.g. "
+                    "ef_search=16,64,256 nprobe=4,16,64 (a row per value)")
     args = ap.parse_args()
+    try:
+        args.sweep = dict(parse_sweep(x) for x in args.sweep)
+    except ValueError as e:
+        ap.error(str(e))
     import faiss
 
     t = time.perf_counter()
@@ -187,15 +225,18 @@ def main() -> None:
         index = build_index(emb, opts, progress=False)
         build_s = time.perf_counter() - t
         size = disk_bytes(index)
-        secs, ids = time_search(index, q, args.k, args.reps)
-        if want is None:
-            want = ids
-        row = {"index": kind, "options": {**resolved(opts, *emb.shape), **opts.search_params()}, "build_s": build_s,
-               "index_bytes": size, "search_s": secs, "queries_per_s": len(q) / secs, "recall_at_k": recall(ids, want)}
+        for sopts in search_variants(kind, args):
+            set_search_params(index, sopts)
+            secs, ids = time_search(index, q, args.k, args.reps)
+            if want is None:
+                want = ids
+            row = {"index": kind, "options": {**resolved(sopts, *emb.shape), **sopts.search_params()},
+                   "build_s": build_s, "index_bytes": size, "search_s": secs, "queries_per_s": len(q) / secs,
+                   "recall_at_k": recall(ids, want)}
+            report["rows"].append(row)
+            print(json.dumps(row), flush=True)
+            write(args.results, report, args.append)
         del index
-        report["rows"].append(row)
-        print(json.dumps(row), flush=True)
-        write(args.results, report, args.append)
 
 
 if __name__ == "__main__":

@@ -905,6 +905,34 @@ def test_bench_corpus_read_times_every_reader_on_both_formats(tmp_path):
     assert "| tsv | fastrag | " in md and "bench_corpus_read.py --passages 3000 --reps 2" in md
 
 
+def test_bench_ann_sweep_measures_search_options_on_one_build(tmp_path):
+    """--sweep: a row per search-option value of each index type that takes it, all from one build (the same build
+    seconds and bytes), recall not falling as the search visits more; a bad sweep is refused by name."""
+    import subprocess
+
+    def bench(*args):
+        return subprocess.run([sys.executable, str(BENCH / "bench_ann.py"), "--reps", "1", "--queries", "100",
+                               "--results", str(tmp_path), *args], capture_output=True, text=True, timeout=600)
+
+    p = bench("--n", "3000", "--clusters", "50", "--nlist", "20", "--types", "ivf", "hnsw",
+              "--sweep", "nprobe=1,4,20", "ef-search=10,200")
+    assert p.returncode == 0, p.stderr[-2000:]
+    (run,) = json.loads((tmp_path / "ann_cpu.json").read_text())["runs"]
+    got = [(r["index"], r["options"].get("nprobe", r["options"].get("ef_search"))) for r in run["rows"]]
+    assert got == [("flat", None), ("ivf", 1), ("ivf", 4), ("ivf", 20), ("hnsw", 10), ("hnsw", 200)]
+    for kind in ("ivf", "hnsw"):
+        rows = [r for r in run["rows"] if r["index"] == kind]
+        assert len({(r["build_s"], r["index_bytes"]) for r in rows}) == 1
+        rec = [r["recall_at_k"] for r in rows]
+        assert rec == sorted(rec), rec
+    ivf = [r["recall_at_k"] for r in run["rows"] if r["index"] == "ivf"]
+    assert ivf[-1] == 1.0  # every list probed: the exact search
+    for bad, message in (("nlist=4,8", "expected nprobe="), ("nprobe=4,x", "must be integers"),
+                         ("ef_search=0", ">= 1")):
+        p = bench("--n", "500", "--sweep", bad)
+        assert p.returncode == 2 and message in p.stderr, p.stderr[-500:]
+
+
 def test_bench_ann_small_run_reports_every_index_against_flat(tmp_path):
     """bench_ann at 3,000 passages: a row per index type after the flat baseline (1.00x, recall 1), recall in
     [0, 1], the index sizes in the right order (ivfpq's codes far under flat's vectors, hnsw's graph over them);
