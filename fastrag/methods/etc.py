@@ -119,6 +119,19 @@ def sentence_hits(att: list[float], m: list[float], threshold: float, use_abs: b
     return [abs(x) > threshold if use_abs else x > threshold for x in v]
 
 
+def first_trigger(att: list[float], m: list[float], ranges, threshold: float, use_abs: bool):
+    """The first sentence (word ranges `ranges`) with a hit: (its index, the trigger word = its first hit word, the
+    hit flags of its words from the trigger word on); None when no sentence has one."""
+    for si, (lo, hi) in enumerate(ranges):
+        if hi <= lo:
+            continue
+        hits = sentence_hits(att[lo:hi], m[lo:hi], threshold, use_abs)
+        if any(hits):
+            st = lo + hits.index(True)
+            return si, st, hits[st - lo:]
+    return None
+
+
 def cut_line(tok, ids: list[int], entropy: list[float]) -> tuple[list[int], list[float], bool]:
     """The tokens up to and including the first one whose text holds a newline (the published stop string), their
     entropies, and whether such a token was found."""
@@ -216,20 +229,16 @@ class Etc(FewShotMethod):
         new_cols = torch.stack([wa[:, P + l: P + r].sum(-1) for l, r in spans], dim=-1)  # [W, W]
         att = (new_cols / (wa.sum(-1, keepdim=True) + 1e-10)).max(dim=-1).values.tolist()
         ranges = sentence_word_ranges(assign_words_to_sentences(line, words, sents), len(sents))
-        for si, (l, r) in enumerate(ranges):
-            if r <= l:
-                continue
-            hits = sentence_hits(att[l:r], m[l:r], cfg.hallucination_threshold, cfg.thres_abs)
-            if not any(hits):
-                continue
-            st = l + hits.index(True)
-            partial = tok.decode(ids[: spans[st][0]], skip_special_tokens=True)
-            cur = join(text, partial.strip())
-            hit_rows = [st + i for i, hh in enumerate(hits[st - l:]) if hh]
-            query = yield from self.query(question, prompt, case, text, pids, offsets, wa, spans, words, st,
-                                          hit_rows, line)
-            return cur, Round(trigger_sentence=sents[si].text, hit_words=[words[i] for i in hit_rows], query=query)
-        return None
+        found = first_trigger(att, m, ranges, cfg.hallucination_threshold, cfg.thres_abs)
+        if found is None:
+            return None
+        si, st, hits = found
+        partial = tok.decode(ids[: spans[st][0]], skip_special_tokens=True)
+        cur = join(text, partial.strip())
+        hit_rows = [st + i for i, hh in enumerate(hits) if hh]
+        query = yield from self.query(question, prompt, case, text, pids, offsets, wa, spans, words, st,
+                                      hit_rows, line)
+        return cur, Round(trigger_sentence=sents[si].text, hit_words=[words[i] for i in hit_rows], query=query)
 
     def query(self, question, prompt, case, text, pids, offsets, wa, spans, words, st, hit_rows, line):
         """The real words of the question and of the text before the trigger word (prompt text and the line's words
